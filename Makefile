@@ -1,0 +1,43 @@
+# Two entry points for a fresh machine: `make demo` and `make test`. Both create .venv with
+# Python 3.12 when it is missing and reuse it afterwards.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+# Re-install when the package metadata changes (not on every run).
+STAMP := $(VENV)/.installed-$(shell cat setup.py megatron_paging/version.py | cksum | cut -d' ' -f1)
+PYTEST_ARGS ?=
+
+.PHONY: venv demo test lint build-ext gpu-check clean
+
+venv: $(STAMP)
+
+$(STAMP): setup.py megatron_paging/version.py
+	@set -e; \
+	if [ ! -x $(PY) ] || ! $(PY) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))'; then \
+	  py312=$$(scripts/find_python312.sh) || exit 1; \
+	  echo "creating $(VENV) with $$py312"; \
+	  rm -rf $(VENV); $$py312 -m venv $(VENV); \
+	fi; \
+	$(PY) -m pip install -q --upgrade pip; \
+	$(PY) -m pip install -q -e '.[test]'; \
+	rm -f $(VENV)/.installed-*; touch $@
+
+demo: venv
+	$(VENV)/bin/megatron-paging demo
+
+test: venv
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: venv
+	$(VENV)/bin/ruff check .
+
+# Compile the CUDA extension with nvcc for sm_90 (no GPU needed).
+build-ext: venv
+	$(PY) -m megatron_paging.kernels.build --arch 9.0 --verbose
+
+gpu-check:
+	bash scripts/gpu_check.sh
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

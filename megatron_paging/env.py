@@ -1,0 +1,76 @@
+"""What this process runs on: versions, optional extras, CUDA, the extension cache."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import os
+import platform
+from pathlib import Path
+
+from megatron_paging.version import SUPPORTED_MEGATRON_CORE, __version__
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def importable(module: str) -> bool:
+    """Whether ``module`` imports (used to detect optional Transformer Engine / apex)."""
+    try:
+        importlib.import_module(module)
+    except Exception:  # noqa: BLE001 - any failure means "not usable here"
+        return False
+    return True
+
+
+def extension_cache_dir() -> Path:
+    """Where the JIT-built CUDA extension is cached (``MEGATRON_PAGING_EXT_DIR`` overrides)."""
+    override = os.environ.get("MEGATRON_PAGING_EXT_DIR")
+    if override:
+        return Path(override)
+    import torch
+
+    tag = f"torch{torch.__version__.split('+')[0]}-cu{(torch.version.cuda or 'none').replace('.', '')}"
+    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return base / "megatron_paging" / "ext" / tag
+
+
+def check_megatron_core_version() -> str:
+    """Return the installed megatron-core version, or raise if it is not the supported one."""
+    found = _dist_version("megatron-core")
+    if found is None:
+        raise RuntimeError(
+            f"megatron-core is not installed; megatron-paging needs megatron-core=="
+            f"{SUPPORTED_MEGATRON_CORE}"
+        )
+    if found != SUPPORTED_MEGATRON_CORE:
+        raise RuntimeError(
+            f"megatron-core {found} is installed but megatron-paging supports only "
+            f"{SUPPORTED_MEGATRON_CORE} (its hook points and patches are version-specific)"
+        )
+    return found
+
+
+def info() -> dict[str, object]:
+    import torch
+
+    cuda = torch.cuda.is_available()
+    return {
+        "megatron-paging": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "megatron-core": _dist_version("megatron-core") or "not installed",
+        "megatron-core supported": SUPPORTED_MEGATRON_CORE,
+        "triton": _dist_version("triton") or "not installed",
+        "cuda available": cuda,
+        "cuda device": torch.cuda.get_device_name() if cuda else "-",
+        "torch cuda build": torch.version.cuda or "cpu-only",
+        "transformer engine importable": importable("transformer_engine"),
+        "apex importable": importable("apex"),
+        "extension cache": str(extension_cache_dir()),
+        "MEGATRON_PAGING_MAX_CTAS": os.environ.get("MEGATRON_PAGING_MAX_CTAS", "2048 (default)"),
+    }

@@ -1,0 +1,259 @@
+"""PagePool: one shared pool of fixed-size pages per row byte count.
+
+A pool holds pages of ``page_size`` consecutive rows of ``row_bytes`` bytes, in two tiers:
+
+* the *device tier* (CUDA memory, or plain CPU memory when the pool lives on the CPU), and
+* an optional *host tier* of pinned host memory that a stash spills to, as a whole record, only
+  when the device tier cannot hold it.
+
+Each tier has a ring freelist of page ids. ``free_list_head[t]`` / ``free_list_tail[t]`` are
+monotonically increasing int64 counters held on the pool's device (index 0 = device tier, 1 =
+host tier): a stash pops pages at ``head``, a reload pushes them back at ``tail``; the free pages
+of tier ``t`` are the ring positions ``[head, tail)`` modulo its capacity. The layout and the
+counters are Megatron-Core 0.19.2's ``PagedStashBuffer``, so the two can be compared verbatim.
+
+Pools are keyed by row *bytes*, not (dtype, hidden): every dtype is paged as bytes, so a bf16
+hidden-4096 record and an fp8 hidden-8192 record share one pool.
+
+Each tier tensor and each freelist carries one extra *scratch* slot past its end. The pure-torch
+reference kernels route masked-off writes there so that they stay free of data-dependent shapes
+(and thus of host synchronization); the CUDA kernels never touch it. The public views
+(``cuda_pages``, ``host_pages``, ``free_list_cuda``, ``free_list_host``) exclude the scratch slot.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DEVICE_TIER = 0
+HOST_TIER = 1
+
+
+def _check_positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def _check_non_negative_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class PagingFlags:
+    """Sticky flags shared by every pool of one paging context, held on the device.
+
+    * ``overflow``: a stash found no tier with room for its whole record (or saw an invalid live
+      count). Sticky: once set, later stashes and reloads copy nothing and leave every freelist
+      unchanged, so the step's results are garbage and must be discarded (see ``overflow.py``).
+    * ``host_spill``: at least one record was stashed to the pinned host tier.
+    * ``invalid_live``: a live count was negative or above its segment's capacity. It also sets
+      ``overflow``; ``raise_if_invalid`` turns it into a clear error once the host reads flags.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.values = torch.zeros(3, dtype=torch.int64, device=self.device)
+        self.overflow = self.values[0:1]
+        self.host_spill = self.values[1:2]
+        self.invalid_live = self.values[2:3]
+
+    def reset(self) -> None:
+        """Clear every flag in place (no allocation; safe inside CUDA-graph capture)."""
+        self.values.zero_()
+
+    def read(self) -> dict[str, bool]:
+        """Read the flags on the host. This synchronizes: call it after the step, not inside."""
+        overflow, host_spill, invalid = (bool(v) for v in self.values.tolist())
+        return {"overflow": overflow, "host_spill": host_spill, "invalid_live": invalid}
+
+    def raise_if_invalid(self) -> None:
+        """Raise if any stash saw a live count outside ``[0, segment capacity]`` (host sync)."""
+        if self.read()["invalid_live"]:
+            raise ValueError(
+                "paging: a record's live_rows was negative or above its segment capacity; "
+                "the stash copied nothing and set the overflow flag (check the dispatcher's "
+                "tokens_per_expert against the static capacity)"
+            )
+
+    def __repr__(self) -> str:
+        return f"PagingFlags(device={self.device})"
+
+
+class PagePool:
+    """Pages of ``page_size`` rows x ``row_bytes`` bytes in a device tier and a host tier.
+
+    Args:
+        row_bytes: bytes per row (for example ``hidden * element_size``).
+        page_size: rows per page.
+        num_cuda_pages: pages in the device tier (CUDA memory, or CPU memory for a CPU pool).
+        num_host_pages: pages in the pinned host tier (0 = no host tier).
+        device: where the device tier and all metadata live.
+        flags: shared :class:`PagingFlags`; a private one is made when omitted.
+    """
+
+    def __init__(
+        self,
+        row_bytes: int,
+        page_size: int,
+        num_cuda_pages: int,
+        num_host_pages: int = 0,
+        device: torch.device | str = "cpu",
+        flags: PagingFlags | None = None,
+    ):
+        self.row_bytes = _check_positive_int("row_bytes", row_bytes)
+        self.page_size = _check_positive_int("page_size", page_size)
+        self.num_cuda_pages = _check_non_negative_int("num_cuda_pages", num_cuda_pages)
+        self.num_host_pages = _check_non_negative_int("num_host_pages", num_host_pages)
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if flags is None:
+            flags = PagingFlags(self.device)
+        elif flags.device != self.device:
+            raise ValueError(f"flags live on {flags.device} but the pool on {self.device}")
+        self.flags = flags
+
+        cuda_rows = self.num_cuda_pages * page_size
+        host_rows = self.num_host_pages * page_size
+        # +1 row: the reference kernels' scratch row (see module docstring).
+        self._cuda_storage = torch.empty(
+            (cuda_rows + 1, row_bytes), dtype=torch.uint8, device=self.device
+        )
+        pin = self.device.type == "cuda"
+        self._host_storage = torch.empty(
+            (host_rows + 1, row_bytes), dtype=torch.uint8, device="cpu", pin_memory=pin
+        )
+        self.cuda_pages = self._cuda_storage[:cuda_rows]
+        self.host_pages = self._host_storage[:host_rows]
+
+        caps = [self.num_cuda_pages, self.num_host_pages]
+        self._free_list_cuda_storage = torch.zeros(
+            self.num_cuda_pages + 1, dtype=torch.int64, device=self.device
+        )
+        self._free_list_host_storage = torch.zeros(
+            self.num_host_pages + 1, dtype=torch.int64, device=self.device
+        )
+        self.free_list_cuda = self._free_list_cuda_storage[: self.num_cuda_pages]
+        self.free_list_host = self._free_list_host_storage[: self.num_host_pages]
+        self.free_list_head = torch.zeros(2, dtype=torch.int64, device=self.device)
+        self.free_list_tail = torch.tensor(caps, dtype=torch.int64, device=self.device)
+        self.free_list_capacity = torch.tensor(caps, dtype=torch.int64, device=self.device)
+        # Preallocated reset sources: reset() must not allocate (CUDA-graph safe).
+        self._reset_tail = self.free_list_tail.clone()
+        self._reset_free_list_cuda = torch.arange(
+            self.num_cuda_pages, dtype=torch.int64, device=self.device
+        )
+        self._reset_free_list_host = torch.arange(
+            self.num_host_pages, dtype=torch.int64, device=self.device
+        )
+        self.reset()
+
+    @classmethod
+    def for_rows(
+        cls,
+        row_bytes: int,
+        page_size: int,
+        cuda_rows: int,
+        host_rows: int = 0,
+        device: torch.device | str = "cpu",
+        flags: PagingFlags | None = None,
+    ) -> PagePool:
+        """A pool with room for at least ``cuda_rows`` / ``host_rows`` rows (rounded up to pages)."""
+        _check_positive_int("page_size", page_size)
+        return cls(
+            row_bytes,
+            page_size,
+            ceil_div(_check_non_negative_int("cuda_rows", cuda_rows), page_size),
+            ceil_div(_check_non_negative_int("host_rows", host_rows), page_size),
+            device,
+            flags,
+        )
+
+    @property
+    def has_host_tier(self) -> bool:
+        return self.num_host_pages > 0
+
+    @property
+    def page_bytes(self) -> int:
+        return self.page_size * self.row_bytes
+
+    @property
+    def total_bytes(self) -> tuple[int, int]:
+        """(device tier bytes, host tier bytes) this pool holds."""
+        return self.cuda_pages.numel(), self.host_pages.numel()
+
+    def reset(self) -> None:
+        """Return every page to its ring in id order. Allocates nothing; flags are left alone."""
+        self.free_list_cuda.copy_(self._reset_free_list_cuda)
+        self.free_list_host.copy_(self._reset_free_list_host)
+        self.free_list_head.zero_()
+        self.free_list_tail.copy_(self._reset_tail)
+
+    def free_pages(self) -> tuple[int, int]:
+        """(device tier, host tier) free page counts. Reads device state: host sync."""
+        free = (self.free_list_tail - self.free_list_head).tolist()
+        return int(free[0]), int(free[1])
+
+    def __repr__(self) -> str:
+        return (
+            f"PagePool(row_bytes={self.row_bytes}, page_size={self.page_size}, "
+            f"cuda_pages={self.num_cuda_pages}, host_pages={self.num_host_pages}, "
+            f"device={self.device})"
+        )
+
+
+class PagePools:
+    """The pools of one paging context, keyed by row bytes, sharing one :class:`PagingFlags`."""
+
+    def __init__(self, page_size: int, device: torch.device | str = "cpu"):
+        self.page_size = _check_positive_int("page_size", page_size)
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.flags = PagingFlags(self.device)
+        self._pools: dict[int, PagePool] = {}
+
+    def add(self, row_bytes: int, cuda_rows: int, host_rows: int = 0) -> PagePool:
+        """Create the pool for ``row_bytes`` sized for ``cuda_rows`` / ``host_rows`` rows."""
+        if row_bytes in self._pools:
+            raise ValueError(f"a pool for row_bytes={row_bytes} exists already")
+        pool = PagePool.for_rows(
+            row_bytes, self.page_size, cuda_rows, host_rows, self.device, self.flags
+        )
+        self._pools[row_bytes] = pool
+        return pool
+
+    def __getitem__(self, row_bytes: int) -> PagePool:
+        try:
+            return self._pools[row_bytes]
+        except KeyError:
+            raise KeyError(
+                f"no page pool for row_bytes={row_bytes} (pools: {sorted(self._pools)}); "
+                "calibration did not see a record of this row size"
+            ) from None
+
+    def __contains__(self, row_bytes: int) -> bool:
+        return row_bytes in self._pools
+
+    def __iter__(self):
+        return iter(self._pools.values())
+
+    def __len__(self) -> int:
+        return len(self._pools)
+
+    def reset(self) -> None:
+        """Reset every ring and clear the flags. Allocates nothing."""
+        for pool in self._pools.values():
+            pool.reset()
+        self.flags.reset()
+
+    def total_bytes(self) -> tuple[int, int]:
+        cuda = sum(p.total_bytes[0] for p in self._pools.values())
+        host = sum(p.total_bytes[1] for p in self._pools.values())
+        return cuda, host

@@ -1,0 +1,128 @@
+"""PageRecord: what one stash moved, and where it put it.
+
+A record describes one capacity-sized source buffer of ``capacity_rows`` rows of ``row_bytes``
+bytes, made of one or more *segments* (static row ranges ``[start, start + rows)``, for example
+one per expert in a padded layout). Segment ``s`` holds a live prefix of ``live_rows[s]`` rows,
+a device tensor: only those rows are paged; every other byte of the source is ignored on stash
+and left untouched on reload.
+
+Page slots: segment ``s`` owns the static slots ``[slot_offsets[s], slot_offsets[s] +
+ceil(rows_s / page_size))`` of ``page_record``; slot ``j`` of segment ``s`` holds the page with
+its rows ``[j * page_size, (j + 1) * page_size)``. The pages a stash takes come off the ring in
+*record order*: all live pages of segment 0, then segment 1, and so on — the ring position of
+slot ``j`` of segment ``s`` is ``head + sum(live pages of segments < s) + j``. Reload pushes the
+pages back in the same order. For one segment this is Megatron-Core 0.19.2's layout exactly.
+
+``spilled_to_host`` is Megatron-Core's: 0 = pages in the device tier, 1 = in the host tier (or
+the stash overflowed). Unused slots of ``page_record`` hold 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_paging.pool import _check_positive_int, ceil_div
+
+
+@dataclass(eq=False)
+class PageRecord:
+    """Metadata of one paged source buffer. Create with :meth:`PageRecord.new`."""
+
+    capacity_rows: int
+    row_bytes: int
+    page_size: int
+    segment_starts: tuple[int, ...]
+    segment_rows: tuple[int, ...]
+    slot_offsets: tuple[int, ...]
+    live_rows: torch.Tensor  # int64 [num_segments], on the record's device
+    page_record: torch.Tensor  # int64 [max_pages]
+    spilled_to_host: torch.Tensor  # int64 [1]
+    # Optional scheduler annotations; the kernels ignore them.
+    annotations: dict = field(default_factory=dict)
+
+    @classmethod
+    def new(
+        cls,
+        capacity_rows: int,
+        row_bytes: int,
+        page_size: int,
+        live_rows: torch.Tensor,
+        segments: Sequence[tuple[int, int]] | None = None,
+    ) -> PageRecord:
+        """A record for a ``[capacity_rows, row_bytes]`` source.
+
+        Args:
+            live_rows: int tensor with one live count per segment (a 0-d tensor for one
+                segment). The record keeps a reference, not a copy: pass a tensor nobody
+                overwrites before the reload (the scheduler clones the dispatcher's).
+            segments: ``(start_row, rows)`` per segment, sorted and disjoint; default one segment
+                spanning the whole buffer.
+        """
+        _check_positive_int("capacity_rows", capacity_rows)
+        _check_positive_int("row_bytes", row_bytes)
+        _check_positive_int("page_size", page_size)
+        if segments is None:
+            segments = [(0, capacity_rows)]
+        segments = [(int(s), int(n)) for s, n in segments]
+        if not segments:
+            raise ValueError("segments must name at least one (start_row, rows) range")
+        end = 0
+        for start, rows in segments:
+            if start < end or rows < 0 or start + rows > capacity_rows:
+                raise ValueError(
+                    f"segments must be sorted, disjoint (start_row, rows) ranges inside "
+                    f"[0, {capacity_rows}); got {segments}"
+                )
+            end = start + rows
+        if not isinstance(live_rows, torch.Tensor):
+            raise TypeError(f"live_rows must be a device tensor, got {type(live_rows).__name__}")
+        if live_rows.dtype.is_floating_point or live_rows.dtype.is_complex:
+            raise TypeError(f"live_rows must be an integer tensor, got {live_rows.dtype}")
+        live_rows = live_rows.reshape(-1)
+        if live_rows.numel() != len(segments):
+            raise ValueError(
+                f"live_rows has {live_rows.numel()} entries for {len(segments)} segment(s)"
+            )
+        live_rows = live_rows.to(torch.int64)
+        slot_offsets, max_pages = [], 0
+        for _, rows in segments:
+            slot_offsets.append(max_pages)
+            max_pages += ceil_div(rows, page_size)
+        device = live_rows.device
+        return cls(
+            capacity_rows=capacity_rows,
+            row_bytes=row_bytes,
+            page_size=page_size,
+            segment_starts=tuple(s for s, _ in segments),
+            segment_rows=tuple(n for _, n in segments),
+            slot_offsets=tuple(slot_offsets),
+            live_rows=live_rows,
+            page_record=torch.zeros(max(max_pages, 1), dtype=torch.int64, device=device),
+            spilled_to_host=torch.zeros(1, dtype=torch.int64, device=device),
+        )
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.segment_rows)
+
+    @property
+    def max_pages(self) -> int:
+        return sum(ceil_div(n, self.page_size) for n in self.segment_rows)
+
+    @property
+    def device(self) -> torch.device:
+        return self.live_rows.device
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.capacity_rows * self.row_bytes
+
+    def __repr__(self) -> str:
+        return (
+            f"PageRecord(capacity_rows={self.capacity_rows}, row_bytes={self.row_bytes}, "
+            f"page_size={self.page_size}, segments={len(self.segment_rows)}, "
+            f"annotations={self.annotations})"
+        )
