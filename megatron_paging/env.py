@@ -34,7 +34,8 @@ def extension_cache_dir() -> Path:
         return Path(override)
     import torch
 
-    tag = f"torch{torch.__version__.split('+')[0]}-cu{(torch.version.cuda or 'none').replace('.', '')}"
+    cuda = (torch.version.cuda or "none").replace(".", "")
+    tag = f"torch{torch.__version__.split('+')[0]}-cu{cuda}"
     base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
     return base / "megatron_paging" / "ext" / tag
 

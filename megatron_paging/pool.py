@@ -164,7 +164,7 @@ class PagePool:
         device: torch.device | str = "cpu",
         flags: PagingFlags | None = None,
     ) -> PagePool:
-        """A pool with room for at least ``cuda_rows`` / ``host_rows`` rows (rounded up to pages)."""
+        """A pool with room for ``cuda_rows`` / ``host_rows`` rows, rounded up to whole pages."""
         _check_positive_int("page_size", page_size)
         return cls(
             row_bytes,

@@ -90,15 +90,23 @@ def _slot_index(record: PageRecord):
     )
 
 
-def _row_index(record: PageRecord):
-    """Capacity rows that belong to a segment: (row, segment, index inside segment)."""
+def _paged_rows(record: PageRecord, live: torch.Tensor):
+    """Every segment row of the source: (its row, whether it is live, its row in the tier).
+
+    The tier row reads ``page_record``, so call it after the stash has filled the record.
+    """
     rows, seg, idx = [], [], []
     for s, (start, n) in enumerate(zip(record.segment_starts, record.segment_rows, strict=True)):
         rows.append(torch.arange(start, start + n, dtype=torch.int64))
         seg.append(torch.full((n,), s, dtype=torch.int64))
         idx.append(torch.arange(n, dtype=torch.int64))
     dev = record.device
-    return (torch.cat(rows).to(dev), torch.cat(seg).to(dev), torch.cat(idx).to(dev))
+    rows, seg_of_row, idx_in_seg = (torch.cat(t).to(dev) for t in (rows, seg, idx))
+    row_live = idx_in_seg < live[seg_of_row].clamp_min(0)
+    slot_of_row = torch.tensor(record.slot_offsets, dtype=torch.int64, device=dev)[seg_of_row]
+    slot_of_row = slot_of_row + idx_in_seg // record.page_size
+    tier_row = record.page_record[slot_of_row] * record.page_size + idx_in_seg % record.page_size
+    return rows, row_live, tier_row
 
 
 def _ring_position(start, prefix, seg_of_slot, slot_in_seg, capacity):
@@ -141,11 +149,7 @@ def stash(src: torch.Tensor, record: PageRecord, pool: PagePool) -> None:
             slot_live & (use_cuda | use_host), page_ids, 0
         )
 
-        rows, seg_of_row, idx_in_seg = _row_index(record)
-        row_live = idx_in_seg < live[seg_of_row].clamp_min(0)
-        slot_of_row = torch.tensor(record.slot_offsets, device=record.device)[seg_of_row]
-        slot_of_row = slot_of_row + idx_in_seg // record.page_size
-        dst_row = record.page_record[slot_of_row] * record.page_size + idx_in_seg % record.page_size
+        rows, row_live, dst_row = _paged_rows(record, live)
         scratch_cuda = pool.cuda_pages.shape[0]
         scratch_host = pool.host_pages.shape[0]
         dst_cuda = torch.where(row_live & use_cuda, dst_row, scratch_cuda)
@@ -176,12 +180,9 @@ def reload(dst: torch.Tensor, record: PageRecord, pool: PagePool) -> None:
 
     seg_of_slot, slot_in_seg = _slot_index(record)
     if seg_of_slot.numel():
-        rows, seg_of_row, idx_in_seg = _row_index(record)
-        row_live = idx_in_seg < live[seg_of_row].clamp_min(0)
-        slot_of_row = torch.tensor(record.slot_offsets, device=record.device)[seg_of_row]
-        slot_of_row = slot_of_row + idx_in_seg // record.page_size
-        src_row = record.page_record[slot_of_row] * record.page_size + idx_in_seg % record.page_size
-        data = pool._cuda_storage[torch.where(row_live & from_cuda, src_row, pool.cuda_pages.shape[0])]
+        rows, row_live, src_row = _paged_rows(record, live)
+        cuda_idx = torch.where(row_live & from_cuda, src_row, pool.cuda_pages.shape[0])
+        data = pool._cuda_storage[cuda_idx]
         if pool.has_host_tier:
             host_idx = torch.where(row_live & from_host, src_row, pool.host_pages.shape[0])
             host_data = pool._host_storage[_host_index(host_idx, pool)].to(pool.device)
@@ -200,5 +201,6 @@ def reload(dst: torch.Tensor, record: PageRecord, pool: PagePool) -> None:
             scratch = storage.shape[0] - 1
             storage.index_copy_(0, torch.where(slot_live & use, pos, scratch), ids)
 
-    advance = torch.stack([torch.where(from_cuda, required, 0), torch.where(from_host, required, 0)])
-    pool.free_list_tail.add_(advance)
+    pool.free_list_tail.add_(
+        torch.stack([torch.where(from_cuda, required, 0), torch.where(from_host, required, 0)])
+    )

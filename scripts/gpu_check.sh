@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# One call on the lent GPU machine: build the extension, run the GPU tests, the benchmarks and the
+# Megatron runs, write JSON/PNG/logs under $OUT, and print a short table last.
+#
+# Usage (device tool, repo root; .whl carries megatron-core's wheel):
+#   bash scripts/gpu_check.sh [steps...]     steps: info build tests sanitizer bench-kernels
+#                                            bench-scheduler mcore (default: all)
+# Each step has its own time limit so one hang cannot eat the whole call.
+set -u
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+LOG="$OUT/gpu_check.log"
+: > "$LOG"
+export PYTHONUNBUFFERED=1
+export MEGATRON_PAGING_EXT_DIR=${MEGATRON_PAGING_EXT_DIR:-/tmp/megatron_paging_ext}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl >>"$LOG" 2>&1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(info build tests sanitizer bench-kernels bench-scheduler mcore)
+declare -A status seconds
+
+run_step() {  # name, limit seconds, command...
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  echo "=== $name (limit ${limit}s): $*" | tee -a "$LOG"
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$LOG" | tail -n 40
+  local rc=${PIPESTATUS[0]}
+  seconds[$name]=$((SECONDS - t0))
+  if [ "$rc" -eq 0 ]; then status[$name]=ok; else status[$name]="FAIL($rc)"; fi
+}
+
+for step in "${steps[@]}"; do
+  case $step in
+    info) run_step info 60 python3 -m megatron_paging.cli info ;;
+    build) run_step build 300 python3 -m megatron_paging.kernels.build --verbose ;;
+    tests) run_step tests 420 python3 -m pytest -q -m "gpu or multigpu or build" -p no:cacheprovider \
+             --junitxml "$OUT/gpu_tests.xml" tests ;;
+    sanitizer)
+      if command -v compute-sanitizer >/dev/null && [ -f scripts/sanitizer_run.py ]; then
+        run_step memcheck 240 compute-sanitizer --tool memcheck --error-exitcode 7 \
+          python3 scripts/sanitizer_run.py
+        run_step racecheck 240 compute-sanitizer --tool racecheck --error-exitcode 7 \
+          python3 scripts/sanitizer_run.py
+      else
+        echo "sanitizer: skipped (compute-sanitizer or scripts/sanitizer_run.py missing)" | tee -a "$LOG"
+      fi ;;
+    bench-kernels) run_step bench-kernels 300 python3 benchmarks/bench_kernels.py \
+                     --out "$OUT/kernels.json" ;;
+    bench-scheduler) run_step bench-scheduler 240 python3 benchmarks/bench_scheduler.py \
+                       --out "$OUT/scheduler.json" ;;
+    mcore)
+      if [ -f scripts/mcore_gpu_run.sh ]; then
+        run_step mcore 480 bash scripts/mcore_gpu_run.sh "$OUT"
+      else
+        echo "mcore: skipped (scripts/mcore_gpu_run.sh missing)" | tee -a "$LOG"
+      fi ;;
+    *) echo "unknown step $step" | tee -a "$LOG" ;;
+  esac
+done
+
+echo
+echo "==================== gpu_check summary ===================="
+printf '%-18s %-10s %s\n' step status seconds
+for step in info build tests memcheck racecheck bench-kernels bench-scheduler mcore; do
+  [ -n "${status[$step]:-}" ] && printf '%-18s %-10s %s\n' "$step" "${status[$step]}" "${seconds[$step]}"
+done
+if [ -f "$OUT/gpu_tests.xml" ]; then
+  python3 - "$OUT/gpu_tests.xml" <<'EOF'
+import sys, xml.etree.ElementTree as ET
+root = ET.parse(sys.argv[1]).getroot()
+suite = root if root.tag == "testsuite" else root.find("testsuite")
+print("gpu tests: {tests} run, {failures} failed, {errors} errors, {skipped} skipped".format(**suite.attrib))
+EOF
+fi
+ls -1 "$OUT"
