@@ -152,6 +152,9 @@ class PagePool:
         self._reset_free_list_host = torch.arange(
             self.num_host_pages, dtype=torch.int64, device=self.device
         )
+        # The CUDA kernels' last CTA commits ring counters and flags; this counts finished CTAs
+        # and is back at 0 after every launch. Allocated here so capture never allocates it.
+        self.kernel_done_counter = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.reset()
 
     @classmethod

@@ -1,0 +1,200 @@
+"""Pretrain a Megatron-Core GPT-MoE with paged expert activations (mock data).
+
+Megatron's own ``pretrain()`` drives everything; this script only adds:
+
+* ``install()`` first thing: Megatron-Core's paged-stash hook points, its step runner and the
+  ``static`` flex dispatch backend now go through megatron-paging;
+* our flags (``extra_args_provider=add_paging_args``) and their start-up validation;
+* a model provider that builds ``GPTModel`` from the local (TE-free) layer spec with
+  :class:`~megatron_paging.mcore.experts.PagedGroupedMLP` experts.
+
+Launch: ``examples/run_pretrain_1gpu.sh`` (one GPU; its comment shows the EP/PP line).
+Paged vs unpaged control: the same command with and without ``--moe-paged-stash`` (both keep
+``--moe-flex-dispatcher-backend static --moe-expert-rank-capacity-factor F``, so the capacity
+and the arithmetic are identical).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from functools import partial
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
+from megatron.core.enums import ModelType
+from megatron.core.models.gpt import GPTModel
+from megatron.core.utils import get_attr_wrapped_model
+from megatron.training import get_args, get_tokenizer, pretrain, print_rank_0
+from megatron.training.argument_utils import (
+    core_transformer_config_from_args,
+    pretrain_cfg_container_from_args,
+)
+from megatron.training.arguments import parse_and_validate_args
+from megatron.training.utils import is_first_or_last_pipeline_stage
+
+from megatron_paging.mcore.flags import (
+    add_paging_args,
+    apply_to_config,
+    install_options,
+    validate_paging_args,
+)
+from megatron_paging.mcore.install import install
+from megatron_paging.mcore.specs import get_gpt_moe_paged_layer_spec
+
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+# Verification runs: append every microbatch loss, exactly (float.hex), to this file (+ rank).
+LOSS_LOG_ENV = "MEGATRON_PAGING_LOSS_LOG"
+
+
+def model_provider(
+    pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None
+):
+    """GPT-MoE on the local spec with paged grouped experts."""
+    args = get_args()
+    if args.num_experts is None:
+        raise ValueError("this example trains an MoE model: pass --num-experts")
+    config = core_transformer_config_from_args(args)
+    apply_to_config(config, args)
+    spec = get_gpt_moe_paged_layer_spec(
+        args.num_experts,
+        normalization=args.normalization,
+        qk_layernorm=args.qk_layernorm,
+        gemm_backend=args.paging_gemm_backend,
+    )
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        pg_collection=pg_collection,
+        vp_stage=vp_stage,
+    )
+
+
+def get_batch(data_iterator, vp_stage=None):
+    """The microbatch on the stages that read data (first and last pipeline stage)."""
+    if not is_first_or_last_pipeline_stage(vp_stage):
+        return (None,) * len(BATCH_KEYS)
+    batch = next(data_iterator)
+    device = torch.cuda.current_device()
+    return tuple(
+        batch[k].cuda(device, non_blocking=True) if batch.get(k) is not None else None
+        for k in BATCH_KEYS
+    )
+
+
+def loss_func(loss_mask, output_tensor):
+    losses = output_tensor.view(-1).float()
+    loss_mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * loss_mask)
+    num_tokens = loss_mask.sum().clone().detach().to(torch.int)
+    report = {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+    loss_log = os.environ.get(LOSS_LOG_ENV)
+    if loss_log:  # host sync per microbatch: verification runs only
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        with open(f"{loss_log}.rank{rank}", "a") as f:
+            f.write(f"{loss.item().hex()} {int(num_tokens)}\n")
+    return loss, num_tokens, report
+
+
+def forward_step(data_iterator, model):
+    vp_stage = get_attr_wrapped_model(model, "vp_stage")
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, vp_stage)
+    output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
+    return output, partial(loss_func, loss_mask)
+
+
+def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
+    """Megatron-Core's mock GPT dataset (random tokens)."""
+    args = get_args()
+    config = GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=None,
+        blend_per_split=None,
+        split="1,1,1",
+        tokenizer=get_tokenizer(),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=args.create_attention_mask_in_dataloader,
+    )
+
+    def built_on_rank():
+        return (
+            is_first_or_last_pipeline_stage(vp_stage)
+            and parallel_state.get_tensor_model_parallel_rank() == 0
+        )
+
+    print_rank_0("> building mock GPT datasets")
+    return BlendedMegatronDatasetBuilder(
+        MockGPTDataset, train_val_test_num_samples, built_on_rank, config
+    ).build()
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    train_valid_test_datasets_provider.is_distributed = True
+    args = parse_and_validate_args(
+        extra_args_provider=add_paging_args, args_defaults={"tokenizer_type": "NullTokenizer"}
+    )
+    validate_paging_args(args)
+    if args.tensor_model_parallel_size != 1:
+        raise ValueError("this example reads batches without TP broadcast: use TP=1 (EP/PP ok)")
+    # Before any model or config is built: the hook points are imported by name.
+    api = install(**install_options(args))
+    cfg = pretrain_cfg_container_from_args(args)
+    cfg.model = None  # build through model_provider (our layer spec)
+    pretrain(
+        cfg,
+        train_valid_test_datasets_provider,
+        ModelType.encoder_or_decoder,
+        forward_step,
+        model_provider=model_provider,
+    )
+    report_memory(api, args.paging_implementation)
+
+
+def report_memory(api, implementation: str) -> None:
+    """One line per rank: peak memory and the page pools (what the GPU check compares)."""
+    if implementation == "mcore":  # Megatron-Core's own manager holds the pages
+        from megatron.core.transformer.moe.paged_stash import PagedStashManager
+
+        buffers = PagedStashManager.get_instance().stash_buffers or {}
+        cuda_bytes = sum(
+            b.cuda_buffer.numel() * b.cuda_buffer.element_size()
+            for per_dtype in buffers.values()
+            for b in per_dtype.values()
+        )
+        host_bytes = sum(
+            b.host_buffer.numel() * b.host_buffer.element_size()
+            for per_dtype in buffers.values()
+            for b in per_dtype.values()
+            if b.host_buffer is not None
+        )
+    else:
+        pools = api.engine.pools
+        cuda_bytes, host_bytes = pools.total_bytes() if pools is not None else (0, 0)
+    mib = 2**20
+    print(
+        f"paging-example rank {os.environ.get('RANK', '0')}: "
+        f"peak_allocated_mib={torch.cuda.max_memory_allocated() / mib:.1f} "
+        f"peak_reserved_mib={torch.cuda.max_memory_reserved() / mib:.1f} "
+        f"pool_cuda_mib={cuda_bytes / mib:.1f} pool_host_mib={host_bytes / mib:.1f} "
+        f"paging_mode={api.engine.mode} paged_steps={api.engine.steps}",
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# GPT-MoE with paged expert activations on one GPU: 8 layers, hidden 1024, 16 experts top-2,
+# sequence 2048, 8 microbatches per step, bf16, local (TE-free) spec, static sync-free dispatch.
+#
+#   bash examples/run_pretrain_1gpu.sh                      # paged
+#   PAGED=0 bash examples/run_pretrain_1gpu.sh              # unpaged control, same capacity
+#   bash examples/run_pretrain_1gpu.sh --train-iters 50     # extra flags are appended
+#
+# Multi-GPU: the same script and flags plus EP/PP (and NPROC GPUs), e.g.
+#   NPROC=8 bash examples/run_pretrain_1gpu.sh --expert-model-parallel-size 4 \
+#       --pipeline-model-parallel-size 2 --global-batch-size 16
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+NPROC=${NPROC:-1}
+PAGED=${PAGED:-1}
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
+
+MODEL=(
+  --num-layers 8 --hidden-size 1024 --num-attention-heads 16 --ffn-hidden-size 4096
+  --seq-length 2048 --max-position-embeddings 2048
+  --transformer-impl local --normalization RMSNorm --swiglu --disable-bias-linear
+  --position-embedding-type rope --untie-embeddings-and-output-weights
+  --no-persist-layer-norm --no-gradient-accumulation-fusion --no-masked-softmax-fusion
+  --no-bias-swiglu-fusion --no-bias-dropout-fusion --no-rope-fusion
+)
+MOE=(
+  --num-experts 16 --moe-router-topk 2 --moe-ffn-hidden-size 1024
+  --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2 --moe-router-dtype fp32
+  --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend static
+  --moe-expert-rank-capacity-factor 1.5
+)
+TRAIN=(
+  --micro-batch-size 1 --global-batch-size 8 --train-iters 20
+  --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --lr-warmup-iters 2
+  --weight-decay 0.1 --clip-grad 1.0 --bf16 --seed 1234
+  --mock-data --tokenizer-type NullTokenizer --vocab-size 32000
+  --log-interval 1 --eval-iters 0 --eval-interval 100000
+)
+PAGING=()
+if [ "$PAGED" = 1 ]; then
+  PAGING=(--moe-paged-stash --moe-paged-stash-page-size 64
+          --moe-paged-stash-buffer-size-factor-cuda 1.10 --paging-overflow-policy rerun)
+fi
+
+if [ "${DRY_RUN:-0}" = 1 ]; then  # print the example's arguments, one per line
+  printf '%s\n' "${MODEL[@]}" "${MOE[@]}" "${TRAIN[@]}" "${PAGING[@]}" "$@"
+  exit 0
+fi
+exec "$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC" \
+  examples/pretrain_gpt_moe_paged.py "${MODEL[@]}" "${MOE[@]}" "${TRAIN[@]}" "${PAGING[@]}" "$@"

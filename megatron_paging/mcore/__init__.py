@@ -1,0 +1,1 @@
+"""Everything that knows Megatron-Core (the only package here that imports megatron)."""

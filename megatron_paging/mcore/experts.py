@@ -1,0 +1,209 @@
+"""TE-free paged grouped experts: a Megatron-Core experts module for any MoE layer spec.
+
+:class:`PagedGroupedMLP` computes all local experts over the dispatcher's capacity buffer
+(``[capacity_rows, hidden]``, rows grouped by expert, live rows first, counts on the device):
+
+    fc1 = x @ W1[e]^T            (grouped GEMM over the expert row ranges)
+    act = glu_or_act(fc1) * prob (Megatron-Core's weighted activation)
+    out = act @ W2[e]^T
+
+GEMM backends: ``grouped`` uses ``torch._grouped_mm`` (bf16 on sm90+; sync-free: the row ranges
+stay on the device), ``loop`` runs one matmul per expert with host offsets (one host read; the
+CPU default), ``auto`` picks ``grouped`` for bf16 CUDA tensors on sm90+ and ``loop`` elsewhere.
+
+Paging: the module calls Megatron-Core's paged-stash hooks at the same points as its TE
+op-fuser grouped MLP (``paged_stash_group_start`` -> ``get_paged_stash_context`` around the
+computation -> ``paged_stash_group_commit``), looked up in
+``megatron.core.transformer.moe.paged_stash`` at call time: after ``install()`` they are ours,
+without it they are Megatron-Core's own manager. The two capacity-sized tensors backward needs,
+the input ``x`` and ``fc1``, carry Megatron-Core's mark (``grouped_tensor_scale_inv = False``), so
+either manager pages exactly those; the activation is recomputed from ``fc1`` in backward.
+Rows past the live prefix are never read in a way that reaches a live result, so a reloaded
+buffer whose tail is left untouched gives bit-identical results.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.tensor_parallel.random import (
+    get_cuda_rng_tracker,
+    get_expert_parallel_rng_tracker_name,
+)
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe import paged_stash as mcore_paged_stash
+
+GEMM_BACKENDS = ("auto", "grouped", "loop")
+
+
+def resolve_gemm_backend(backend: str, x: torch.Tensor) -> str:
+    if backend not in GEMM_BACKENDS:
+        raise ValueError(f"gemm_backend must be one of {GEMM_BACKENDS}, got {backend!r}")
+    if backend != "auto":
+        return backend
+    grouped_ok = (
+        x.is_cuda
+        and x.dtype == torch.bfloat16
+        and hasattr(torch, "_grouped_mm")
+        and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    )
+    return "grouped" if grouped_ok else "loop"
+
+
+def _gmm(a, b, offs, counts):
+    """Grouped ``a @ b`` over row groups (``b`` 3-D: one matrix per group) or, with 2-D ``a``
+    transposed and ``b`` 2-D, the per-group ``a_g @ b_g`` over the shared K groups."""
+    if counts is None:
+        return torch._grouped_mm(a, b, offs=offs)
+    if b.dim() == 3:  # [C, K] x [E, K, N] -> [C, N]; rows past the groups are zero
+        out = a.new_zeros(a.shape[0], b.shape[-1])
+        start = 0
+        for e, n in enumerate(counts):
+            out[start : start + n] = a[start : start + n] @ b[e]
+            start += n
+        return out
+    pieces, start = [], 0  # [M, C] x [C, N] -> [E, M, N] (weight gradients)
+    for n in counts:
+        pieces.append(a[:, start : start + n] @ b[start : start + n])
+        start += n
+    return torch.stack(pieces)
+
+
+class _GroupedMLP(torch.autograd.Function):
+    """fc1 -> weighted activation -> fc2; saves ``x`` and ``fc1`` (marked for paging)."""
+
+    @staticmethod
+    def forward(ctx, x, probs, w1, w2, offs, counts, act):
+        fc1 = _gmm(x, w1.transpose(1, 2), offs, counts)
+        with torch.no_grad():
+            inter = act(fc1, probs)
+        out = _gmm(inter, w2.transpose(1, 2), offs, counts)
+        fc1.grouped_tensor_scale_inv = False
+        ctx.save_for_backward(x, fc1, probs, w1, w2, offs)
+        ctx.counts, ctx.act = counts, act
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, fc1, probs, w1, w2, offs = ctx.saved_tensors
+        counts, act = ctx.counts, ctx.act
+        dout = dout.contiguous()
+        with torch.enable_grad():
+            fc1_ = fc1.detach().requires_grad_()
+            probs_ = probs.detach().requires_grad_()
+            inter = act(fc1_, probs_)
+        dw2 = _gmm(dout.t(), inter.detach(), offs, counts)
+        dinter = _gmm(dout, w2, offs, counts)
+        dfc1, dprobs = torch.autograd.grad(inter, (fc1_, probs_), dinter)
+        dfc1 = dfc1.contiguous()
+        dw1 = _gmm(dfc1.t(), x, offs, counts)
+        dx = _gmm(dfc1, w1, offs, counts)
+        return dx, dprobs, dw1, dw2, None, None, None
+
+
+class PagedGroupedMLP(MegatronModule):
+    """Grouped experts without Transformer Engine whose saved activations are paged.
+
+    Builder signature of Megatron-Core's experts (``ExpertsBuilder``):
+    ``PagedGroupedMLP(num_local_experts, config, pg_collection=..., name=...)``; extra keyword
+    ``gemm_backend`` ('auto', 'grouped', 'loop').
+    """
+
+    def __init__(
+        self, num_local_experts, config, pg_collection=None, name=None, gemm_backend: str = "auto"
+    ):
+        super().__init__(config=config)
+        if gemm_backend not in GEMM_BACKENDS:
+            raise ValueError(f"gemm_backend must be one of {GEMM_BACKENDS}, got {gemm_backend!r}")
+        for flag in ("add_bias_linear", "fp8", "fp4", "moe_apply_probs_on_input"):
+            if getattr(config, flag, None):
+                raise ValueError(
+                    f"PagedGroupedMLP does not support {flag}={getattr(config, flag)!r}"
+                )
+        if config.moe_latent_size:
+            raise ValueError("PagedGroupedMLP does not support moe_latent_size")
+        self.num_local_experts = num_local_experts
+        self.gemm_backend = gemm_backend
+        self.name = name
+        ffn = config.moe_ffn_hidden_size
+        fc1_out = 2 * ffn if config.gated_linear_unit else ffn
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        shape1, shape2 = (
+            (num_local_experts, fc1_out, config.hidden_size),
+            (num_local_experts, config.hidden_size, ffn),
+        )
+        self.weight1 = torch.nn.Parameter(
+            torch.empty(shape1, dtype=config.params_dtype, device=device)
+        )
+        self.weight2 = torch.nn.Parameter(
+            torch.empty(shape2, dtype=config.params_dtype, device=device)
+        )
+        for weight, init, dim in (
+            (self.weight1, config.init_method, 1),
+            (self.weight2, config.output_layer_init_method, 2),
+        ):
+            if config.perform_initialization:
+                self._init(weight, init)
+            # Expert weights reduce over the expert-data-parallel group (Megatron's mark).
+            weight.allreduce = False
+            set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=1)
+
+    @staticmethod
+    def _init(weight, init_method):
+        if weight.is_cuda:
+            with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
+                for e in range(weight.shape[0]):
+                    init_method(weight.data[e])
+        else:
+            for e in range(weight.shape[0]):
+                init_method(weight.data[e])
+
+    def _activation(self, fc1, probs):
+        config = self.config
+        if config.gated_linear_unit:
+            x_glu, x_linear = torch.chunk(fc1, 2, dim=-1)
+            if (clamp := config.activation_func_clamp_value) is not None:
+                x_glu = x_glu.clamp(min=None, max=clamp)
+                x_linear = x_linear.clamp(min=-clamp, max=clamp)
+            act = config.activation_func(x_glu) * (x_linear + config.glu_linear_offset)
+        else:
+            act = config.activation_func(fc1)
+        return (act * probs.unsqueeze(-1)).to(act.dtype)
+
+    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs, **_):
+        x = permuted_local_hidden_states
+        backend = resolve_gemm_backend(self.gemm_backend, x)
+        tokens_per_expert = tokens_per_expert.to(x.device)
+        if backend == "grouped":
+            offs, counts = torch.cumsum(tokens_per_expert, 0).to(torch.int32), None
+        else:
+            offs, counts = None, [int(n) for n in tokens_per_expert.tolist()]
+        paging = self.config.moe_paged_stash
+        if paging:
+            x = mcore_paged_stash.paged_stash_group_start(x)
+            factor = self.config.moe_expert_rank_capacity_factor
+            stash_context = mcore_paged_stash.get_paged_stash_context(
+                name="grouped_mlp",
+                max_num_tokens=x.shape[0],
+                num_tokens_tensor=tokens_per_expert.sum(),
+                avg_num_tokens=int(x.shape[0] // factor) if factor else None,
+            )
+        else:
+            stash_context = nullcontext()
+        x.grouped_tensor_scale_inv = False  # Megatron-Core's "page me" mark
+        probs = permuted_probs.reshape(-1)
+        with stash_context:
+            output = _GroupedMLP.apply(
+                x, probs, self.weight1, self.weight2, offs, counts, self._activation
+            )
+        if paging:
+            output = mcore_paged_stash.paged_stash_group_commit(output, name="grouped_mlp")
+        return output, None
+
+    def backward_dw(self):
+        """Weight gradients are computed in backward (no delayed wgrad)."""
+
+
+__all__ = ["GEMM_BACKENDS", "PagedGroupedMLP", "resolve_gemm_backend"]

@@ -1,0 +1,237 @@
+"""The one install point: make Megatron-Core 0.19.2 page through megatron-paging.
+
+Megatron-Core imports its paged-stash API *by name* (``from ...paged_stash import
+paged_stash_reset``), so replacing the function in ``paged_stash.py`` alone changes nothing for
+the importers. :meth:`PagingInstaller.install` therefore
+
+1. checks the megatron-core version (only 0.19.2's hook points are known);
+2. imports the known importers (``experts``, ``gpt_model``, ``hybrid_model``, ``schedules``,
+   ``training``) so that they exist before the scan;
+3. scans ``sys.modules`` for every attribute that *is* one of Megatron-Core's original objects
+   (by identity, so aliases are found too) and rebinds it to ours, remembering each rebinding:
+   the seven API functions go to the bound methods of one :class:`MCorePagingAPI`,
+   ``PagedStashRunner`` to ours when :mod:`megatron_paging.mcore.runner` provides one, and
+   ``MoEFlexTokenDispatcher`` in ``moe_layer`` to a subclass that adds the ``static`` backend;
+4. installs the config-validation shim (the one place that teaches ``TransformerConfig`` about
+   the ``static`` dispatch backend, see :func:`_validate_static_backend`);
+5. logs one line saying what it replaced.
+
+:meth:`PagingInstaller.uninstall` puts every original object back (identity restored).
+``install()`` is idempotent. Modules imported *after* install keep Megatron-Core's names: call
+``install()`` before building the model (the example script does it first thing).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import logging
+import sys
+from dataclasses import dataclass
+
+from megatron_paging.env import check_megatron_core_version
+from megatron_paging.mcore.api import MCorePagingAPI
+from megatron_paging.mcore.dispatcher import STATIC_BACKEND, PagingFlexTokenDispatcher
+
+logger = logging.getLogger(__name__)
+
+PAGED_STASH_MODULE = "megatron.core.transformer.moe.paged_stash"
+MOE_LAYER_MODULE = "megatron.core.transformer.moe.moe_layer"
+TOKEN_DISPATCHER_MODULE = "megatron.core.transformer.moe.token_dispatcher"
+CONFIG_MODULE = "megatron.core.transformer.transformer_config"
+KNOWN_IMPORTERS = (
+    PAGED_STASH_MODULE,
+    "megatron.core.transformer.moe.experts",
+    "megatron.core.models.gpt.gpt_model",
+    "megatron.core.models.hybrid.hybrid_model",
+    "megatron.core.pipeline_parallel.schedules",
+    MOE_LAYER_MODULE,
+    "megatron.training.training",
+)
+RUNNER_NAME = "PagedStashRunner"
+
+
+@dataclass(frozen=True)
+class Rebinding:
+    """One module attribute we replaced, and what it held before."""
+
+    module: object  # the module object (it may have left sys.modules by uninstall time)
+    attr: str
+    original: object
+    replacement: object
+
+    @property
+    def module_name(self) -> str:
+        return getattr(self.module, "__name__", repr(self.module))
+
+
+def _validate_static_backend(original_post_init):
+    """Wrap ``TransformerConfig.__post_init__`` so it accepts ``moe_flex_dispatcher_backend =
+    'static'``.
+
+    Megatron-Core 0.19.2 accepts ``moe_expert_rank_capacity_factor`` (required by
+    ``moe_paged_stash``) only with the ``hybridep`` backend plus the TE op fuser, or ``ncclep``.
+    Our ``static`` backend honours the same contract as those (a static permuted-token budget,
+    device-side counts, an over-budget flag) in plain PyTorch, so it is validated under
+    ``ncclep``'s rules (the ones without a TE requirement) and the name is restored after.
+    """
+
+    @functools.wraps(original_post_init)
+    def __post_init__(self):
+        if getattr(self, "moe_flex_dispatcher_backend", None) != STATIC_BACKEND:
+            return original_post_init(self)
+        if self.moe_token_dispatcher_type != "flex":
+            raise ValueError(
+                f"moe_flex_dispatcher_backend='{STATIC_BACKEND}' requires "
+                f"moe_token_dispatcher_type='flex', got {self.moe_token_dispatcher_type!r}"
+            )
+        self.moe_flex_dispatcher_backend = "ncclep"
+        try:
+            return original_post_init(self)
+        finally:
+            self.moe_flex_dispatcher_backend = STATIC_BACKEND
+
+    __post_init__.megatron_paging_shim = True
+    return __post_init__
+
+
+def _our_runner(api: MCorePagingAPI):
+    """Our ``PagedStashRunner`` bound to ``api`` (None when mcore/runner.py has none)."""
+    try:
+        runner_module = importlib.import_module("megatron_paging.mcore.runner")
+    except ImportError:
+        return None
+    runner_cls = getattr(runner_module, RUNNER_NAME, None)
+    if runner_cls is None:
+        return None
+    params = inspect.signature(runner_cls).parameters
+    for keyword in ("paging", "api"):
+        if keyword in params:
+            return functools.partial(runner_cls, **{keyword: api})
+    return runner_cls
+
+
+class PagingInstaller:
+    """Installs one :class:`MCorePagingAPI` into Megatron-Core and can take it out again."""
+
+    def __init__(self):
+        self.api: MCorePagingAPI | None = None
+        self.rebindings: list[Rebinding] = []
+        self.replaced = False  # whether the paged-stash API itself is ours
+
+    @property
+    def installed(self) -> bool:
+        return self.api is not None
+
+    def install(
+        self,
+        api: MCorePagingAPI | None = None,
+        replace_paged_stash: bool = True,
+        **engine_options,
+    ) -> MCorePagingAPI:
+        """Rebind Megatron-Core's paged-stash hook points to ``api`` (made from
+        ``engine_options`` for :class:`~megatron_paging.mcore.engine.EagerPaging` when None).
+
+        ``replace_paged_stash=False`` installs only the ``static`` dispatch backend and its config
+        shim and leaves Megatron-Core's own paged-stash manager, kernels and runner in place (the
+        baseline that benchmarks compare against); the returned ``api`` is then unused.
+        Idempotent: installing again returns the installed API (or swaps in a new ``api``)."""
+        if self.installed:
+            if (api is None or api is self.api) and replace_paged_stash == self.replaced:
+                return self.api
+            self.uninstall()
+        version = check_megatron_core_version()
+        for name in KNOWN_IMPORTERS:
+            importlib.import_module(name)
+        if api is None:
+            from megatron_paging.mcore.engine import EagerPaging
+
+            api = MCorePagingAPI(EagerPaging(**engine_options))
+
+        paged_stash = sys.modules[PAGED_STASH_MODULE]
+        replacements = {}
+        if replace_paged_stash:
+            replacements = {id(getattr(paged_stash, n)): (n, f) for n, f in api.functions().items()}
+            runner = _our_runner(api)
+            if runner is not None:
+                replacements[id(getattr(paged_stash, RUNNER_NAME))] = (RUNNER_NAME, runner)
+        originals = {
+            id(getattr(paged_stash, n)): getattr(paged_stash, n) for n, _ in replacements.values()
+        }
+        self.rebindings = self._rebind_everywhere(replacements, originals)
+        self.replaced = replace_paged_stash
+
+        # The dispatcher is constructed in one place only: MoELayer.__init__.
+        moe_layer = sys.modules[MOE_LAYER_MODULE]
+        self._rebind(moe_layer, "MoEFlexTokenDispatcher", PagingFlexTokenDispatcher)
+
+        config_cls = sys.modules[CONFIG_MODULE].TransformerConfig
+        original_post_init = config_cls.__dict__["__post_init__"]
+        config_cls.__post_init__ = _validate_static_backend(original_post_init)
+        self.rebindings.append(
+            Rebinding(
+                config_cls,
+                "__post_init__",
+                original_post_init,
+                config_cls.__post_init__,
+            )
+        )
+        self.api = api
+
+        where: dict[str, list[str]] = {}
+        for r in self.rebindings:
+            where.setdefault(r.attr, []).append(r.module_name.rsplit(".", 1)[-1])
+        logger.info(
+            "megatron-paging installed into megatron-core %s, %d rebindings: %s",
+            version,
+            len(self.rebindings),
+            "; ".join(
+                f"{attr} in {','.join(sorted(mods))}" for attr, mods in sorted(where.items())
+            ),
+        )
+        return api
+
+    def uninstall(self) -> None:
+        """Put every original object back. A no-op when nothing is installed."""
+        for r in reversed(self.rebindings):
+            setattr(r.module, r.attr, r.original)
+        if self.rebindings:
+            logger.info("megatron-paging uninstalled: %d rebindings restored", len(self.rebindings))
+        self.rebindings = []
+        self.api = None
+        self.replaced = False
+
+    def _rebind_everywhere(self, replacements: dict, originals: dict) -> list[Rebinding]:
+        done = []
+        for module_name, module in list(sys.modules.items()):
+            if module is None or module_name.startswith("megatron_paging"):
+                continue
+            for attr, value in list(vars(module).items()):
+                if id(value) in replacements and value is originals[id(value)]:
+                    _, replacement = replacements[id(value)]
+                    setattr(module, attr, replacement)
+                    done.append(Rebinding(module, attr, value, replacement))
+        return done
+
+    def _rebind(self, module, attr: str, replacement) -> None:
+        self.rebindings.append(Rebinding(module, attr, getattr(module, attr), replacement))
+        setattr(module, attr, replacement)
+
+
+INSTALLER = PagingInstaller()
+
+
+def install(
+    api: MCorePagingAPI | None = None, replace_paged_stash: bool = True, **engine_options
+) -> MCorePagingAPI:
+    """Install megatron-paging into Megatron-Core (see :meth:`PagingInstaller.install`)."""
+    return INSTALLER.install(api, replace_paged_stash, **engine_options)
+
+
+def uninstall() -> None:
+    """Restore Megatron-Core's own paged-stash objects."""
+    INSTALLER.uninstall()
+
+
+__all__ = ["INSTALLER", "KNOWN_IMPORTERS", "PagingInstaller", "Rebinding", "install", "uninstall"]

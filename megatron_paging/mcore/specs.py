@@ -1,0 +1,52 @@
+"""Layer-spec helpers: a GPT-MoE built from Megatron-Core's local (TE-free) spec whose experts
+are :class:`~megatron_paging.mcore.experts.PagedGroupedMLP`.
+
+Only the experts change: attention, norms, router and shared experts are exactly what
+``get_gpt_layer_local_submodules`` gives, so the model trains without Transformer Engine or
+apex, and paging (``--moe-paged-stash``) covers its expert activations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from megatron_paging.mcore.experts import PagedGroupedMLP
+
+
+def paged_moe_mlp_builder(num_experts: int, gemm_backend: str = "auto", **local_kwargs):
+    """The ``mlp`` builder of an MoE layer: Megatron's local MoE with paged grouped experts."""
+    if not isinstance(num_experts, int) or num_experts <= 0:
+        raise ValueError(f"num_experts must be a positive integer, got {num_experts!r}")
+    local = get_gpt_layer_local_submodules(num_experts=num_experts, **local_kwargs)
+    moe_builder = local.mlp  # partial(MoELayer, submodules=MoESubmodules(...))
+    experts = partial(PagedGroupedMLP, gemm_backend=gemm_backend)
+    moe_submodules = dataclasses.replace(moe_builder.keywords["submodules"], experts=experts)
+    return partial(moe_builder.func, submodules=moe_submodules)
+
+
+def get_gpt_moe_paged_layer_spec(
+    num_experts: int,
+    normalization: str | None = None,
+    qk_layernorm: bool = False,
+    gemm_backend: str = "auto",
+) -> ModuleSpec:
+    """A transformer-layer spec for GPT-MoE: local (TE-free) modules + paged grouped experts.
+
+    Args:
+        num_experts: routed experts per MoE layer (``--num-experts``).
+        normalization: ``"RMSNorm"`` or None/``"LayerNorm"`` (``--normalization``).
+        qk_layernorm: layernorm on queries and keys (``--qk-layernorm``).
+        gemm_backend: PagedGroupedMLP GEMMs (``auto``, ``grouped``, ``loop``).
+    """
+    local_kwargs = dict(normalization=normalization, qk_layernorm=qk_layernorm)
+    submodules = get_gpt_layer_local_submodules(num_experts=num_experts, **local_kwargs)
+    mlp = paged_moe_mlp_builder(num_experts, gemm_backend, **local_kwargs)
+    return ModuleSpec(module=TransformerLayer, submodules=dataclasses.replace(submodules, mlp=mlp))
+
+
+__all__ = ["get_gpt_moe_paged_layer_spec", "paged_moe_mlp_builder"]

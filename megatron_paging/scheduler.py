@@ -1,0 +1,392 @@
+"""PagingScheduler: when each record is stashed and reloaded, and on which stream.
+
+Lifecycle of one record (see docs/scheduler.md for the timeline):
+
+1. ``open_slot(chunk, layer, microbatch)`` — a layer's forward begins; its records are
+   annotated with this slot and microbatch.
+2. ``save(tensor, live_rows, segments)`` — a capacity buffer the model marked; the live count is
+   cloned now, so a dispatcher that overwrites its own tensor for the next microbatch cannot
+   change it. The record is *pending*: nothing is copied yet.
+3. ``commit()`` — the layer's forward is done (its final consumer ran). The compute stream
+   records an event, the paging stream waits on it and stashes the slot's pending records in
+   issue order. The group joins the slot's FIFO. The source stays referenced until the stash is
+   known complete (see *source lifetimes* below).
+4. ``backward_slot_start(chunk, layer, microbatch)`` — that layer's backward begins: its group
+   is reloaded if no prefetch did it yet, and the groups of the next ``prefetch_distance`` paged
+   slots below it (same chunk and microbatch) are reloaded ahead. A reload allocates its
+   destination on the compute stream, records an event there, and the paging stream waits on it
+   before filling the destination.
+5. ``unpack(handle)`` — autograd needs the tensor: only now does the compute stream wait on the
+   record's reload event (late wait), once per record.
+
+Every stash and reload runs on the backend's one paging stream, so the pools' freelists mutate
+in issue order. Per slot ``(chunk, layer)`` groups form a FIFO; a reload takes the group of the
+microbatch whose backward runs, which in a pipeline schedule is the oldest one (the log records
+whether it was). Nothing waits for "all stashes" before a reload: each wait names the exact event
+it needs.
+
+Source lifetimes: eagerly, a stash keeps its source referenced until the paging stream's
+stash-done event reports complete; completed events are polled (``done()``) at every later
+scheduler call and at ``finish()``. Under CUDA-graph capture events cannot be queried, so at the
+next commit the compute stream waits on the earlier stash-done events (they had a whole layer of
+forward to finish) and then drops the sources; the wait becomes a graph edge that orders the
+stash before any reuse of its memory.
+
+Delayed weight gradients: a record marked ``wgrad_only`` is read only by its layer's weight
+gradient. When the backward that reaches its slot defers the weight gradient
+(``defer_wgrad=True``, e.g. DualPipeV's input-only backward or ``--delay-wgrad-compute``), such
+records are not reloaded with their group: their pages stay resident in a per-slot wgrad FIFO
+until ``wgrad_slot_start`` (the deferred wgrad of that slot runs). Everything else recycles its
+pages at reload.
+
+``overlap=False`` is the no-overlap control: stash and reload run synchronously on the compute
+stream at commit / slot start, with no prefetch.
+
+Parker (calibration hook): with ``pools=None`` the scheduler needs a ``parker``, an object with
+``park(tensor, record) -> parked`` and ``unpark(parked, record) -> tensor``. ``park`` runs at
+commit and ``unpark`` at reload, both on the compute stream; the scheduler keeps ``parked`` and
+nothing else.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from megatron_paging import kernels
+from megatron_paging.pool import PagePools
+from megatron_paging.record import PageRecord
+
+BACKWARD = "backward"
+WGRAD = "wgrad"
+
+
+class Parker(Protocol):
+    def park(self, tensor: torch.Tensor, record: PageRecord) -> Any: ...
+
+    def unpark(self, parked: Any, record: PageRecord) -> torch.Tensor: ...
+
+
+@dataclass(eq=False)
+class PagedHandle:
+    """What autograd holds instead of a paged tensor; ``scheduler.unpack`` turns it back."""
+
+    id: int
+    record: PageRecord
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    wgrad_only: bool
+    source: torch.Tensor | None  # held until its stash is known complete
+    parked: Any = None
+    tensor: torch.Tensor | None = None  # the reloaded tensor
+    reload_event: Any = None
+    waited: bool = False
+
+    @property
+    def slot(self) -> tuple[int, int]:
+        return self.record.annotations["chunk"], self.record.annotations["layer"]
+
+    @property
+    def microbatch(self) -> int:
+        return self.record.annotations["microbatch"]
+
+
+@dataclass
+class _Group:
+    """The records one commit stashed for one slot and microbatch."""
+
+    microbatch: int
+    handles: list[PagedHandle] = field(default_factory=list)
+
+
+class PagingScheduler:
+    """FIFO paging-stream scheduler for one device.
+
+    Args:
+        backend: a stream backend (:mod:`megatron_paging.streams`).
+        pools: page pools keyed by row bytes; ``None`` during calibration (then ``parker``).
+        parker: used instead of pools when ``pools`` is ``None`` (see module docstring).
+        prefetch_distance: how many paged slots below the one starting backward to reload ahead.
+        overlap: ``False`` runs stash/reload synchronously on the compute stream (control).
+        kernel_backend: passed to :func:`megatron_paging.kernels.stash` / ``reload``.
+        page_size: rows per page when ``pools`` is ``None`` (else the pools' page size).
+    """
+
+    def __init__(
+        self,
+        backend,
+        pools: PagePools | None = None,
+        parker: Parker | None = None,
+        prefetch_distance: int = 1,
+        overlap: bool = True,
+        kernel_backend: str = "auto",
+        page_size: int = 64,
+    ):
+        if pools is None and parker is None:
+            raise ValueError("PagingScheduler needs pools, or a parker when pools is None")
+        if isinstance(prefetch_distance, bool) or not isinstance(prefetch_distance, int):
+            raise ValueError(f"prefetch_distance must be an int >= 0, got {prefetch_distance!r}")
+        if prefetch_distance < 0:
+            raise ValueError(f"prefetch_distance must be an int >= 0, got {prefetch_distance}")
+        if kernel_backend not in kernels.BACKENDS:
+            raise ValueError(
+                f"kernel_backend must be one of {kernels.BACKENDS}, got {kernel_backend!r}"
+            )
+        self.backend = backend
+        self.pools = pools
+        self.parker = parker
+        self.prefetch_distance = prefetch_distance
+        self.overlap = overlap
+        self.kernel_backend = kernel_backend
+        self.page_size = pools.page_size if pools is not None else page_size
+        self._ids = itertools.count()
+        self._open: tuple[int, int, int] | None = None  # (chunk, layer, microbatch)
+        self._pending: list[PagedHandle] = []
+        # branch -> (chunk, layer) -> FIFO of stashed groups
+        self._fifo: dict[str, dict[tuple[int, int], deque[_Group]]] = {
+            BACKWARD: defaultdict(deque),
+            WGRAD: defaultdict(deque),
+        }
+        # branch -> (chunk, microbatch) -> layers whose backward (or wgrad) has not started
+        self._layers: dict[str, dict[tuple[int, int], set[int]]] = {
+            BACKWARD: defaultdict(set),
+            WGRAD: defaultdict(set),
+        }
+        self._sources: deque[tuple[Any, list[PagedHandle]]] = deque()  # (stash-done, handles)
+
+    # ---------------------------------------------------------------- forward
+    def open_slot(self, chunk: int, layer: int, microbatch: int) -> None:
+        """A layer's forward begins; later saves belong to this slot until ``commit``."""
+        if self._open is not None:
+            raise RuntimeError(
+                f"open_slot{(chunk, layer, microbatch)}: slot {self._open} is still open "
+                "(every group start needs a group commit)"
+            )
+        self._open = (int(chunk), int(layer), int(microbatch))
+
+    def save(
+        self,
+        tensor: torch.Tensor,
+        live_rows: torch.Tensor,
+        segments: Sequence[tuple[int, int]] | None = None,
+        wgrad_only: bool = False,
+    ) -> PagedHandle:
+        """Make a pending record for a capacity buffer ``[capacity_rows, ...]`` of the open slot."""
+        if self._open is None:
+            raise RuntimeError("save() needs an open slot (call open_slot / group_start first)")
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0 or tensor.shape[0] == 0:
+            raise ValueError("save(): tensor must be a tensor with at least one row")
+        if not tensor.is_contiguous():
+            raise ValueError(f"save(): tensor must be contiguous, got strides {tensor.stride()}")
+        chunk, layer, microbatch = self._open
+        capacity_rows = tensor.shape[0]
+        row_bytes = tensor.numel() // capacity_rows * tensor.element_size()
+        live = live_rows.detach().reshape(-1).clone()  # never re-read the caller's tensor
+        record = PageRecord.new(capacity_rows, row_bytes, self.page_size, live, segments)
+        handle = PagedHandle(
+            id=next(self._ids),
+            record=record,
+            shape=tensor.shape,
+            dtype=tensor.dtype,
+            device=tensor.device,
+            wgrad_only=bool(wgrad_only),
+            source=tensor,
+        )
+        record.annotations.update(
+            chunk=chunk, layer=layer, microbatch=microbatch, wgrad_only=bool(wgrad_only)
+        )
+        self._pending.append(handle)
+        return handle
+
+    def commit(self) -> None:
+        """End of the open slot's forward: stash its pending records on the paging stream."""
+        if self._open is None:
+            raise RuntimeError("commit() without an open slot")
+        chunk, layer, microbatch = self._open
+        handles, self._pending, self._open = self._pending, [], None
+        self._release_sources()
+        self.backend.note(
+            "commit", chunk=chunk, layer=layer, microbatch=microbatch,
+            records=[h.id for h in handles],
+        )
+        if not handles:
+            return
+        compute = self.backend.compute_stream()
+        if self.pools is None:
+            for h in handles:
+                h.parked, h.source = self.parker.park(h.source, h.record), None
+        elif not self.overlap:
+            for h in handles:
+                self._launch(compute, "stash", h)
+                h.source = None  # same stream as every later use: safe to drop
+        else:
+            if self.backend.capturing():
+                self._release_sources(capturing=True)
+            commit_event = self.backend.record(compute, f"commit{(chunk, layer, microbatch)}")
+            self.backend.wait(self.backend.paging_stream, commit_event, "commit")
+            for h in handles:
+                self._launch(self.backend.paging_stream, "stash", h)
+            done = self.backend.record(self.backend.paging_stream, "stash-done")
+            self._sources.append((done, handles))
+        self._fifo[BACKWARD][(chunk, layer)].append(_Group(microbatch, handles))
+        self._layers[BACKWARD][(chunk, microbatch)].add(layer)
+
+    # --------------------------------------------------------------- backward
+    def backward_slot_start(
+        self, chunk: int, layer: int, microbatch: int, defer_wgrad: bool = False
+    ) -> None:
+        """Backward of slot ``(chunk, layer)`` for ``microbatch`` begins: reload it, prefetch."""
+        self._slot_start(BACKWARD, chunk, layer, microbatch, defer_wgrad)
+
+    def wgrad_slot_start(self, chunk: int, layer: int, microbatch: int) -> None:
+        """The deferred weight gradient of the slot begins: reload its wgrad-only records."""
+        self._slot_start(WGRAD, chunk, layer, microbatch, False)
+
+    def prefetch(
+        self, chunk: int, microbatch: int, defer_wgrad: bool = False, branch: str = BACKWARD
+    ) -> None:
+        """Reload the top ``prefetch_distance`` paged slots of an upcoming backward (or wgrad)."""
+        if branch not in (BACKWARD, WGRAD):
+            raise ValueError(f"branch must be {BACKWARD!r} or {WGRAD!r}, got {branch!r}")
+        if not self.overlap:
+            return
+        self._release_sources()
+        layers = sorted(self._layers[branch].get((chunk, microbatch), ()), reverse=True)
+        for below in layers[: self.prefetch_distance]:
+            self._reload_slot(branch, chunk, below, microbatch, defer_wgrad, "prefetch")
+
+    def unpack(self, handle: PagedHandle) -> torch.Tensor:
+        """The tensor behind ``handle``; the compute stream waits for its reload only now."""
+        if handle.tensor is None:
+            self._reload([handle], "demand")  # nobody reloaded it ahead: do it now
+        if handle.reload_event is not None and not handle.waited:
+            self.backend.note("unpack", record=handle.id)
+            self.backend.wait(self.backend.compute_stream(), handle.reload_event, "unpack")
+            handle.waited = True
+        return handle.tensor
+
+    def finish(self) -> int:
+        """End of a step: join the paging stream, drop sources; return unreloaded record count."""
+        if self._open is not None:
+            raise RuntimeError(f"finish(): slot {self._open} was never committed")
+        if self.overlap and self.pools is not None:
+            done = self.backend.record(self.backend.paging_stream, "finish")
+            self.backend.wait(self.backend.compute_stream(), done, "finish")
+        for _, handles in self._sources:
+            for h in handles:
+                h.source = None
+        self._sources.clear()
+        left = 0
+        for branch in (BACKWARD, WGRAD):
+            for groups in self._fifo[branch].values():
+                left += sum(1 for g in groups for h in g.handles if h.tensor is None)
+            self._fifo[branch].clear()
+            self._layers[branch].clear()
+        return left
+
+    # -------------------------------------------------------------- internals
+    def _slot_start(self, branch, chunk, layer, microbatch, defer_wgrad) -> None:
+        self._release_sources()
+        self.backend.note(
+            f"{branch}-slot-start", chunk=chunk, layer=layer, microbatch=microbatch
+        )
+        layers = self._layers[branch].get((chunk, microbatch))
+        if layers is None:
+            return
+        layers.discard(layer)
+        ahead = sorted((lower for lower in layers if lower < layer), reverse=True)
+        if not layers:
+            del self._layers[branch][(chunk, microbatch)]
+        self._reload_slot(branch, chunk, layer, microbatch, defer_wgrad, "slot")
+        if not self.overlap:
+            return
+        for lower in ahead[: self.prefetch_distance]:
+            self._reload_slot(branch, chunk, lower, microbatch, defer_wgrad, "prefetch")
+
+    def _reload_slot(self, branch, chunk, layer, microbatch, defer_wgrad, reason) -> None:
+        fifo = self._fifo[branch].get((chunk, layer))
+        if not fifo:
+            return
+        position = next((i for i, g in enumerate(fifo) if g.microbatch == microbatch), None)
+        if position is None:
+            return  # already reloaded (prefetched) or nothing paged for this microbatch
+        group = fifo[position]
+        del fifo[position]
+        handles = group.handles
+        if branch == BACKWARD and defer_wgrad:
+            resident = [h for h in handles if h.wgrad_only and h.tensor is None]
+            handles = [h for h in handles if not h.wgrad_only]
+            if resident:
+                self._fifo[WGRAD][(chunk, layer)].append(_Group(microbatch, resident))
+                self._layers[WGRAD][(chunk, microbatch)].add(layer)
+        self._reload(
+            [h for h in handles if h.tensor is None], reason, oldest=position == 0, branch=branch
+        )
+
+    def _reload(self, handles, reason, oldest=True, branch=BACKWARD) -> None:
+        if not handles:
+            return
+        compute = self.backend.compute_stream()
+        if self.pools is None:
+            for h in handles:
+                h.tensor, h.parked = self.parker.unpark(h.parked, h.record), None
+            return
+        # Destinations come from the compute stream's allocator before the paging stream writes.
+        for h in handles:
+            h.tensor = torch.empty(h.shape, dtype=h.dtype, device=h.device)
+        if not self.overlap:
+            for h in handles:
+                self._launch(compute, "reload", h, reason=reason, oldest=oldest, branch=branch)
+            return
+        alloc = self.backend.record(compute, "reload-dst")
+        self.backend.wait(self.backend.paging_stream, alloc, "reload-dst")
+        for h in handles:
+            self._launch(
+                self.backend.paging_stream, "reload", h, reason=reason, oldest=oldest,
+                branch=branch,
+            )
+        done = self.backend.record(self.backend.paging_stream, "reload-done")
+        for h in handles:
+            h.reload_event = done
+
+    def _launch(self, stream, kind: str, handle: PagedHandle, **info) -> None:
+        record = handle.record
+        pool = self.pools[record.row_bytes]
+        if kind == "stash":
+            source = handle.source
+            fn = lambda: kernels.stash(source, record, pool, self.kernel_backend)
+        else:
+            dst = handle.tensor
+            fn = lambda: kernels.reload(dst, record, pool, self.kernel_backend)
+        chunk, layer = handle.slot
+        self.backend.launch(
+            stream, kind, fn, record=handle.id, chunk=chunk, layer=layer,
+            microbatch=handle.microbatch, wgrad_only=handle.wgrad_only, pool=pool,
+            pool_key=record.row_bytes, **info,
+        )
+
+    def _release_sources(self, capturing: bool = False) -> None:
+        """Drop sources whose stash finished (eager: poll; capture: compute waits first)."""
+        if capturing:
+            compute = self.backend.compute_stream()
+            while self._sources:
+                done, handles = self._sources.popleft()
+                self.backend.wait(compute, done, "source-release")
+                for h in handles:
+                    h.source = None
+            return
+        if self.backend.capturing():
+            return  # no event queries inside a capture; the next commit releases
+        while self._sources and self.backend.done(self._sources[0][0]):
+            _, handles = self._sources.popleft()
+            for h in handles:
+                h.source = None
+
+
+__all__ = ["BACKWARD", "WGRAD", "PagedHandle", "PagingScheduler", "Parker"]

@@ -1,0 +1,159 @@
+"""Stream backends for the paging scheduler: where paging work runs and how streams wait.
+
+The scheduler never calls ``torch.cuda`` directly; it talks to a backend with five verbs:
+
+* ``compute_stream()`` — the stream the model computes on right now (the current stream);
+* ``paging_stream`` — the one high-priority stream that carries every stash and reload;
+* ``record(stream, what)`` — record an event on a stream (``what`` names it in logs);
+* ``wait(stream, event, reason)`` — make ``stream`` wait for ``event``;
+* ``launch(stream, kind, fn, **info)`` — run ``fn`` with ``stream`` current (enqueue its kernels).
+
+plus ``done(event)`` (has the event completed? never asked during graph capture) and
+``capturing()`` (is the compute stream being captured into a CUDA graph?).
+
+:class:`CudaStreamBackend` maps these onto real ``torch.cuda`` streams and events, with one
+high-priority paging stream per device. :class:`CpuStreamBackend` runs everything at once, in
+issue order, and keeps an :class:`LogEntry` list (which record, which stream, which waits) that
+tests inspect.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+COMPUTE = "compute"
+PAGING = "paging"
+
+
+@dataclass
+class LogEntry:
+    """One step the CPU backend saw, in issue (= execution) order."""
+
+    seq: int
+    op: str  # "record" | "wait" | "launch" | "note"
+    stream: str | None = None
+    event: int | None = None  # event id (record / wait)
+    kind: str | None = None  # launch kind ("stash", "reload", ...) or note kind
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class CpuEvent:
+    """An event of the CPU backend: an id and the stream it was recorded on."""
+
+    id: int
+    stream: str
+    what: str
+
+
+class CpuStreamBackend:
+    """Executes every launch immediately, in issue order; logs records, waits and launches.
+
+    There are two logical streams, ``"compute"`` and ``"paging"``. Events complete when they
+    are recorded (the work before them already ran), so ``done()`` is always true. A launch given
+    a ``pool=`` snapshots that pool's freelist head/tail before and after, so tests can check
+    that freelist mutations happened in issue order.
+    """
+
+    def __init__(self):
+        self.paging_stream = PAGING
+        self.log: list[LogEntry] = []
+        self._seq = itertools.count()
+        self._event_ids = itertools.count()
+        self._current = COMPUTE
+
+    def compute_stream(self) -> str:
+        return COMPUTE
+
+    def capturing(self) -> bool:
+        return False
+
+    def record(self, stream: str, what: str = "") -> CpuEvent:
+        event = CpuEvent(next(self._event_ids), stream, what)
+        self.log.append(LogEntry(next(self._seq), "record", stream, event.id, what))
+        return event
+
+    def wait(self, stream: str, event: CpuEvent, reason: str = "") -> None:
+        self.log.append(
+            LogEntry(next(self._seq), "wait", stream, event.id, reason, {"on": event.what})
+        )
+
+    def done(self, event: CpuEvent) -> bool:
+        return True
+
+    def launch(self, stream: str, kind: str, fn: Callable[[], None], **info) -> None:
+        pool = info.pop("pool", None)
+        if pool is not None:
+            info["before"] = (pool.free_list_head.tolist(), pool.free_list_tail.tolist())
+        previous, self._current = self._current, stream
+        try:
+            fn()
+        finally:
+            self._current = previous
+        if pool is not None:
+            info["after"] = (pool.free_list_head.tolist(), pool.free_list_tail.tolist())
+        self.log.append(LogEntry(next(self._seq), "launch", stream, None, kind, info))
+
+    def note(self, kind: str, **info) -> None:
+        """A scheduler milestone (commit, unpack, slot start) for the log; no work."""
+        self.log.append(LogEntry(next(self._seq), "note", None, None, kind, info))
+
+    def entries(self, op: str | None = None, kind: str | None = None) -> list[LogEntry]:
+        return [
+            e
+            for e in self.log
+            if (op is None or e.op == op) and (kind is None or e.kind == kind)
+        ]
+
+
+class CudaStreamBackend:
+    """Real CUDA streams and events; one high-priority paging stream per device.
+
+    Args:
+        device: the CUDA device; the current device when omitted.
+        priority: paging stream priority (lower is higher; clamped by CUDA to its range, so the
+            default asks for the highest priority the device offers).
+    """
+
+    def __init__(self, device: torch.device | int | str | None = None, priority: int = -100):
+        if not torch.cuda.is_available():
+            raise RuntimeError("CudaStreamBackend needs CUDA; use CpuStreamBackend on the CPU")
+        device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
+        self.device = torch.device(device)
+        if self.device.type != "cuda":
+            raise ValueError(f"device must be a CUDA device, got {self.device}")
+        self.paging_stream = torch.cuda.Stream(self.device, priority=priority)
+
+    def compute_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self.device)
+
+    def capturing(self) -> bool:
+        return torch.cuda.is_current_stream_capturing()
+
+    def record(self, stream: torch.cuda.Stream, what: str = "") -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def wait(self, stream: torch.cuda.Stream, event: torch.cuda.Event, reason: str = "") -> None:
+        stream.wait_event(event)
+
+    def done(self, event: torch.cuda.Event) -> bool:
+        return event.query()
+
+    def launch(self, stream, kind: str, fn: Callable[[], None], **info) -> None:
+        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        with ctx:
+            fn()
+
+    def note(self, kind: str, **info) -> None:
+        pass
+
+
+__all__ = ["COMPUTE", "PAGING", "CpuEvent", "CpuStreamBackend", "CudaStreamBackend", "LogEntry"]

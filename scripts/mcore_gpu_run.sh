@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# Train the example GPT-MoE (examples/run_pretrain_1gpu.sh: 8 layers, hidden 1024, 16 experts
+# top-2, seq 2048, 8 microbatches, bf16) for STEPS steps three ways, same seeds and capacity:
+#   unpaged  - no paging (control)
+#   paged    - --moe-paged-stash through megatron-paging
+#   mcore    - --moe-paged-stash through Megatron-Core 0.19.2's own manager + Triton kernels
+# then print per-step losses / grad norms, bitwise parity of every microbatch loss against the
+# control, peak memory and step time, and write $OUT/mcore_run.json.
+#
+# Usage: bash scripts/mcore_gpu_run.sh [OUT] ; env: STEPS (20), MODES ("unpaged paged mcore"),
+#        DETERMINISTIC (1: --deterministic-mode, needed for bitwise parity), EXTRA (more flags).
+set -u
+OUT=${1:-${OUT:-$PWD/out}}
+mkdir -p "$OUT"
+STEPS=${STEPS:-20}
+MODES=${MODES:-unpaged paged mcore}
+DETERMINISTIC=${DETERMINISTIC:-1}
+PYTHON=${PYTHON:-python3}
+cd "$(dirname "$0")/.."
+
+det=()
+[ "$DETERMINISTIC" = 1 ] && det=(--deterministic-mode)
+status=0
+for mode in $MODES; do
+  log="$OUT/mcore_$mode.log"
+  rm -f "$OUT/mcore_${mode}_loss".rank*
+  case $mode in
+    unpaged) paged=0; impl=() ;;
+    paged) paged=1; impl=() ;;
+    mcore) paged=1; impl=(--paging-implementation mcore) ;;
+    *) echo "unknown mode $mode"; exit 2 ;;
+  esac
+  echo "=== mcore run: $mode ($STEPS steps) -> $log"
+  t0=$SECONDS
+  # shellcheck disable=SC2086
+  MEGATRON_PAGING_LOSS_LOG="$OUT/mcore_${mode}_loss" PAGED=$paged PYTHON=$PYTHON \
+    bash examples/run_pretrain_1gpu.sh --train-iters "$STEPS" "${det[@]}" "${impl[@]}" \
+    ${EXTRA:-} >"$log" 2>&1
+  rc=$?
+  echo "    exit $rc after $((SECONDS - t0)) s"
+  if [ $rc -ne 0 ]; then
+    status=1
+    tail -n 30 "$log"
+  fi
+done
+
+"$PYTHON" - "$OUT" "$STEPS" $MODES <<'EOF'
+import json, re, subprocess, sys, time
+from pathlib import Path
+
+out, steps, modes = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
+ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+)")
+LOSS = re.compile(r"lm loss: ([-+.\dEe]+)")
+GNORM = re.compile(r"grad norm: ([-+.\dEe]+|nan|inf)")
+MEM = re.compile(r"paging-example rank 0: (.*)")
+
+
+def parse(mode):
+    text = (out / f"mcore_{mode}.log").read_text(errors="replace") if (out / f"mcore_{mode}.log").exists() else ""
+    rows = []
+    for line in text.splitlines():
+        m = ITER.search(line)
+        if m:
+            loss, gnorm = LOSS.search(line), GNORM.search(line)
+            rows.append(dict(iteration=int(m.group(1)), ms=float(m.group(2)),
+                             lm_loss=loss.group(1) if loss else None,
+                             grad_norm=gnorm.group(1) if gnorm else None))
+    mem = {}
+    for m in MEM.finditer(text):
+        mem = dict(kv.split("=") for kv in m.group(1).split())
+    loss_file = out / f"mcore_{mode}_loss.rank0"
+    exact = loss_file.read_text().split("\n") if loss_file.exists() else []
+    return dict(iterations=rows, memory=mem, microbatch_losses=[l for l in exact if l],
+                reruns=text.count("rerunning") + text.count("rerun "),
+                installed=[l for l in text.splitlines() if "megatron-paging installed" in l][:1])
+
+
+runs = {mode: parse(mode) for mode in modes}
+try:
+    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                         capture_output=True, text=True).stdout.strip()
+except OSError:
+    gpu = "unknown"
+try:
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+except OSError:
+    commit = "unknown"
+control = runs.get("unpaged", {}).get("microbatch_losses")
+summary = {}
+for mode, run in runs.items():
+    its = run["iterations"]
+    timed = [r["ms"] for r in its[2:]] or [r["ms"] for r in its]
+    summary[mode] = dict(
+        steps_logged=len(its),
+        median_step_ms=sorted(timed)[len(timed) // 2] if timed else None,
+        bitwise_equal_to_unpaged=(run["microbatch_losses"] == control and bool(control))
+        if mode != "unpaged" else None,
+        **run["memory"],
+    )
+print()
+print(f"{'iter':>4} " + " ".join(f"{m + ' loss':>14} {m + ' gnorm':>12}" for m in modes))
+for i in range(max((len(r["iterations"]) for r in runs.values()), default=0)):
+    cells = []
+    for m in modes:
+        its = runs[m]["iterations"]
+        r = its[i] if i < len(its) else {}
+        cells.append(f"{r.get('lm_loss') or '-':>14} {r.get('grad_norm') or '-':>12}")
+    print(f"{i + 1:>4} " + " ".join(cells))
+print()
+for mode, s in summary.items():
+    print(f"{mode:>8}: " + ", ".join(f"{k}={v}" for k, v in s.items()))
+json.dump(dict(gpu=gpu, date=time.strftime("%Y-%m-%d %H:%M:%S"), commit=commit, steps=steps,
+               summary=summary, runs=runs), open(out / "mcore_run.json", "w"), indent=1)
+print(f"wrote {out / 'mcore_run.json'}")
+EOF
+exit $status

@@ -1,0 +1,133 @@
+"""Flags through Megatron's real argument parser, and every start-up error of
+validate_paging_args."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+pytest.importorskip("megatron.training")
+
+from megatron_paging.mcore import flags  # noqa: E402
+
+BASE = [
+    "--moe-paged-stash",
+    "--moe-expert-rank-capacity-factor",
+    "1.25",
+    "--moe-token-dispatcher-type",
+    "flex",
+    "--moe-flex-dispatcher-backend",
+    "static",
+]
+
+
+@pytest.fixture(scope="module")
+def parser():
+    from megatron.training.arguments import add_megatron_arguments
+
+    megatron = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    before = {a.dest: a for a in megatron._actions}
+    parser = flags.add_paging_args(megatron)
+    # Megatron-Core's own paged-stash flags are kept, not redefined.
+    for flag in flags.MCORE_FLAGS:
+        assert parser._option_string_actions[flag] is before[flag.lstrip("-").replace("-", "_")]
+    return parser
+
+
+def _validate(parser, argv, environ=None, cuda=False):
+    args = parser.parse_args(argv)
+    flags.validate_paging_args(args, environ=environ or {}, cuda_available=cuda)
+    return args
+
+
+def test_defaults_and_megatron_names(parser):
+    args = _validate(parser, BASE)
+    assert args.moe_paged_stash is True
+    assert args.moe_paged_stash_page_size == 64
+    assert args.moe_paged_stash_buffer_size_factor_cuda == pytest.approx(1.10)
+    assert args.moe_paged_stash_buffer_size_factor_cpu == 0.0
+    assert args.moe_flex_dispatcher_backend == "static"
+    assert flags.engine_options(args) == dict(
+        kernel_backend="auto", prefetch_distance=1, max_ctas=None
+    )
+    assert (args.paging_overflow_policy, args.paging_gemm_backend) == ("rerun", "auto")
+    assert flags.install_options(args)["replace_paged_stash"] is True
+
+
+def test_our_flags_parse(parser):
+    argv = BASE + [
+        "--paging-max-ctas", "512",
+        "--paging-prefetch-distance", "2",
+        "--paging-overflow-policy", "grow",
+        "--paging-kernel-backend", "reference",
+        "--paging-gemm-backend", "loop",
+        "--paging-implementation", "mcore",
+        "--moe-paged-stash-buffer-size-factor-cpu", "0.5",
+    ]  # fmt: skip
+    args = _validate(parser, argv, environ={"MEGATRON_PAGING_MAX_CTAS": "512"})
+    assert flags.install_options(args) == dict(
+        replace_paged_stash=False, kernel_backend="reference", prefetch_distance=2, max_ctas=512
+    )
+
+    class Config:
+        pass
+
+    config = Config()
+    flags.apply_to_config(config, args)
+    assert config.moe_paging_overflow_policy == "grow"
+
+
+@pytest.mark.parametrize(
+    "argv, environ, cuda, message",
+    [
+        (["--paging-overflow-policy", "skip"], {}, False,
+         "--paging-overflow-policy only apply with --moe-paged-stash"),
+        (["--paging-max-ctas", "8", "--paging-kernel-backend", "reference"], {}, False,
+         "--paging-max-ctas, --paging-kernel-backend only apply with --moe-paged-stash"),
+        (["--moe-flex-dispatcher-backend", "static"], {}, False,
+         "--moe-flex-dispatcher-backend static needs --moe-token-dispatcher-type flex"),
+        (BASE + ["--moe-paged-stash-page-size", "0"], {}, False,
+         "--moe-paged-stash-page-size must be a positive integer"),
+        (BASE + ["--moe-paged-stash-buffer-size-factor-cuda", "0"], {}, False,
+         "--moe-paged-stash-buffer-size-factor-cuda must be non-zero"),
+        (BASE + ["--moe-paged-stash-buffer-size-factor-cpu", "nan"], {}, False,
+         "--moe-paged-stash-buffer-size-factor-cpu must be a finite number"),
+        (["--moe-paged-stash"], {}, False,
+         "--moe-paged-stash needs --moe-expert-rank-capacity-factor"),
+        (BASE[:1] + ["--moe-expert-rank-capacity-factor", "-1"], {}, False,
+         "--moe-expert-rank-capacity-factor must be > 0"),
+        (BASE + ["--paging-max-ctas", "0"], {}, False,
+         "--paging-max-ctas must be a positive integer"),
+        (BASE + ["--paging-max-ctas", "256"], {"MEGATRON_PAGING_MAX_CTAS": "1024"}, False,
+         "--paging-max-ctas 256 conflicts with MEGATRON_PAGING_MAX_CTAS=1024"),
+        (BASE + ["--paging-prefetch-distance", "-1"], {}, False,
+         "--paging-prefetch-distance must be >= 0"),
+        (BASE + ["--paging-kernel-backend", "cuda"], {}, False,
+         "--paging-kernel-backend cuda needs a CUDA device"),
+    ],
+)  # fmt: skip
+def test_startup_errors(parser, argv, environ, cuda, message):
+    with pytest.raises(ValueError) as error:
+        _validate(parser, argv, environ=environ, cuda=cuda)
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_cuda_backend_accepted_with_cuda(parser):
+    args = _validate(parser, BASE + ["--paging-kernel-backend", "cuda"], cuda=True)
+    assert args.paging_kernel_backend == "cuda"
+
+
+def test_bad_choices_are_rejected_by_the_parser(parser, capsys):
+    for argv in (["--paging-overflow-policy", "retry"], ["--moe-flex-dispatcher-backend", "x"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(argv)
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_bare_parser_gets_megatron_flags_too():
+    parser = flags.add_paging_args(argparse.ArgumentParser())
+    args = _validate(parser, BASE[:3] + ["--paging-prefetch-distance", "0"])
+    assert args.paging_prefetch_distance == 0
+    assert args.moe_paged_stash and args.moe_expert_rank_capacity_factor == 1.25

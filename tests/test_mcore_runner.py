@@ -1,0 +1,290 @@
+"""The Megatron runner on CPU: policies, device skip, one collective, dispatcher budget.
+
+Megatron-Core's model and schedule are replaced by the smallest stand-ins that expose what the
+runner touches (``decoder.layers[i].mlp.token_dispatcher``, ``zero_grad_buffer``, the
+forward-backward keyword interface, ``paged_stash_reset`` from the schedule); the pages go
+through real pools with the stash/reload kernels.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("megatron.core")
+
+from megatron_paging.kernels import reload, stash  # noqa: E402
+from megatron_paging.mcore.runner import PagedStashRunner  # noqa: E402
+from megatron_paging.pool import PagePools  # noqa: E402
+from megatron_paging.record import PageRecord  # noqa: E402
+
+HIDDEN, CAPACITY, PAGE, MICROBATCHES = 8, 16, 4, 4
+ROW_BYTES = HIDDEN * 4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world():
+    """A one-rank gloo world, so the runner's all_reduce is a real collective."""
+    if dist.is_initialized():
+        yield
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        init = f"file://{os.path.join(tmp, 'init')}"
+        dist.init_process_group("gloo", init_method=init, rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+class Dispatcher:
+    def __init__(self, config):
+        self.config = config
+        self._comm_manager = SimpleNamespace(
+            moe_expert_rank_capacity_factor=config.moe_expert_rank_capacity_factor,
+            over_budget=torch.zeros(1, dtype=torch.bool),
+        )
+
+    def check_over_budget(self):
+        return self._comm_manager.over_budget
+
+    def reset_over_budget(self):
+        self._comm_manager.over_budget.fill_(0)
+
+
+class Chunk(torch.nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        torch.manual_seed(0)
+        self.weight = torch.nn.Parameter(torch.randn(HIDDEN, 3) * 0.3)
+        mlp = SimpleNamespace(token_dispatcher=Dispatcher(config))
+        self.decoder = SimpleNamespace(layers=[SimpleNamespace(mlp=mlp)])
+        self.mtp_process = False
+
+    def zero_grad_buffer(self):
+        self.weight.grad = None
+
+
+class Paging:
+    """The part of MCorePagingAPI the runner uses, over real pools."""
+
+    def __init__(self, cuda_rows):
+        self.engine = SimpleNamespace(pools=PagePools(PAGE))
+        self.engine.pools.add(ROW_BYTES, cuda_rows)
+        self.enabled = False
+
+    def paged_stash_reset(self, enabled=True, config=None):
+        self.enabled = bool(enabled)
+        self.engine.pools.reset()
+
+    def check_paged_stash_overflow(self):
+        return self.engine.pools.flags.overflow.ne(0)
+
+    def check_paged_stash_host_spill(self):
+        return self.engine.pools.flags.host_spill.ne(0)
+
+
+def make_forward_backward(paging, calls):
+    """Megatron's schedule in miniature: reset paging, all forwards, then all backwards."""
+
+    def forward_backward(*, model, data_iterator, num_microbatches, forward_only, **_):
+        calls.append(model[0].config.moe_paged_stash)
+        config = model[0].config
+        if config.moe_paged_stash:
+            paging.paged_stash_reset(enabled=not forward_only, config=config)
+        pools = paging.engine.pools if config.moe_paged_stash and paging.enabled else None
+        dispatcher = model[0].decoder.layers[0].mlp.token_dispatcher
+        losses = []
+        for _ in range(num_microbatches):
+            tokens, live, over_budget = next(data_iterator[0])
+            if over_budget and dispatcher._comm_manager.moe_expert_rank_capacity_factor:
+                dispatcher._comm_manager.over_budget.fill_(1)  # a static budget dropped tokens
+            record = PageRecord.new(CAPACITY, ROW_BYTES, PAGE, torch.tensor(live))
+
+            def pack(t, tokens=tokens, record=record, pools=pools):
+                if t is not tokens or pools is None:
+                    return t
+                stash(t, record, pools[ROW_BYTES])
+                return record
+
+            def unpack(saved, pools=pools):
+                if isinstance(saved, torch.Tensor):
+                    return saved
+                dst = torch.zeros(CAPACITY, HIDDEN)
+                reload(dst, saved, pools[ROW_BYTES])
+                return dst
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                out = tokens @ model[0].weight
+            losses.append((out[:live].tanh() ** 2).sum())
+        if not forward_only:
+            for loss in losses:
+                loss.backward()
+        return [float(loss.detach()) for loss in losses]
+
+    return forward_backward
+
+
+def batches(step, over_budget_step=None):
+    gen = torch.Generator().manual_seed(step)
+    out = []
+    for _ in range(MICROBATCHES):
+        live = int(torch.randint(CAPACITY // 2, CAPACITY + 1, (1,), generator=gen))
+        tokens = torch.randn(CAPACITY, HIDDEN, generator=gen)
+        tokens[live:] = 9.0
+        out.append((tokens, live, step == over_budget_step))
+    return out
+
+
+class Run:
+    def __init__(self, policy, cuda_rows, paged=True, optimizer="adamw"):
+        self.config = SimpleNamespace(
+            moe_paged_stash=paged,
+            moe_expert_rank_capacity_factor=1.0,
+            moe_paging_overflow_policy=policy,
+        )
+        self.chunk = Chunk(self.config)
+        params = [self.chunk.weight]
+        self.optimizer = (
+            torch.optim.AdamW(params, lr=0.05)
+            if optimizer == "adamw"
+            else torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        )
+        self.paging = Paging(cuda_rows)
+        self.calls = []
+        self.runner = PagedStashRunner(
+            self.config,
+            False,
+            [self.chunk],
+            self.optimizer,
+            make_forward_backward(self.paging, self.calls),
+            paging=self.paging,
+        )
+
+    def train_step(self, step, over_budget_step=None):
+        """What megatron.training.train_step does around the runner."""
+        self.chunk.zero_grad_buffer()
+        losses = self.runner(
+            model=[self.chunk],
+            data_iterator=[iter(batches(step, over_budget_step))],
+            num_microbatches=MICROBATCHES,
+            seq_length=CAPACITY,
+            forward_only=False,
+        )
+        self.optimizer.step()
+        return losses
+
+    def state(self):
+        st = self.optimizer.state[self.chunk.weight]
+        return [self.chunk.weight.detach().clone()] + [
+            v.clone() for _, v in sorted(st.items()) if isinstance(v, torch.Tensor)
+        ]
+
+
+ROOMY = CAPACITY * MICROBATCHES
+TINY = CAPACITY * 2  # overflows in the middle of the microbatches
+
+
+def assert_equal_states(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y)
+
+
+def test_rerun_policy_is_bitwise_equal_to_unpaged():
+    control = Run("rerun", ROOMY, paged=False)
+    paged = Run("rerun", TINY)
+    for step in range(3):
+        assert control.train_step(step) == paged.train_step(step)
+    assert paged.runner.monitor.rerun_steps == 3
+    assert paged.calls == [True, False] * 3  # each step reran once without paging
+    assert paged.config.moe_paged_stash  # restored after the rerun
+    assert_equal_states(paged.state(), control.state())
+
+
+def test_paged_without_overflow_matches_control_and_recycles_pages():
+    control = Run("skip", ROOMY, paged=False)
+    paged = Run("skip", ROOMY)
+    for step in range(3):
+        assert control.train_step(step) == paged.train_step(step)
+        pool = paged.paging.engine.pools[ROW_BYTES]
+        assert pool.free_pages() == (pool.num_cuda_pages, 0)  # every page back in the ring
+    paged.runner.finish()
+    assert paged.runner.skipped_steps == 0 and paged.calls == [True] * 3
+    assert_equal_states(paged.state(), control.state())
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_skip_policy_drops_the_step_on_device_and_counts_it_later(optimizer):
+    run = Run("skip", ROOMY, optimizer=optimizer)
+    run.train_step(0)
+    before = run.state()
+    run.paging.engine.pools = Run("skip", TINY).paging.engine.pools
+    run.train_step(1)
+    assert_equal_states(run.state(), before)  # optimizer.step() was a device no-op
+    assert run.runner.skipped_steps == 0  # not read yet: deferred
+    assert sum(ds.host_reads for ds in run.runner.device_skips) == 1  # only the first step's
+    run.runner.finish()
+    assert run.runner.skipped_steps == 1 and run.calls == [True, True]
+
+
+def test_grow_policy_enlarges_pools_for_the_next_step():
+    run = Run("grow", TINY)
+    run.train_step(0)
+    old_pages = run.paging.engine.pools[ROW_BYTES].num_cuda_pages
+    before = run.state()
+    assert not before[1:]  # first step skipped: no optimizer state was kept
+    run.train_step(0)  # starts by reading step 0's flags: skip + grow, then runs again
+    assert run.runner.monitor.grown_steps >= 1
+    while run.paging.engine.pools[ROW_BYTES].num_cuda_pages * PAGE < ROOMY:
+        run.train_step(0)
+    run.train_step(0)
+    grown_steps = run.runner.monitor.grown_steps
+    run.runner.finish()
+    assert run.runner.monitor.grown_steps == grown_steps  # the last step did not overflow
+    assert run.paging.engine.pools[ROW_BYTES].num_cuda_pages > old_pages
+    assert not torch.equal(run.state()[0], before[0])
+
+
+def test_over_budget_dispatcher_reruns_without_static_budget():
+    control = Run("rerun", ROOMY, paged=False)
+    paged = Run("rerun", ROOMY)
+    for step in range(2):
+        control.train_step(step, over_budget_step=-1)
+        paged.train_step(step, over_budget_step=1)
+    dispatcher = paged.chunk.decoder.layers[0].mlp.token_dispatcher
+    assert paged.calls == [True, True, False]
+    assert dispatcher._comm_manager.moe_expert_rank_capacity_factor == 1.0  # restored
+    assert not dispatcher.check_over_budget().any()
+    assert_equal_states(paged.state(), control.state())
+
+
+def test_one_all_reduce_per_step(monkeypatch):
+    calls = []
+    original = dist.all_reduce
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].clone())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(dist, "all_reduce", counting)
+    run = Run("skip", ROOMY)
+    for step in range(3):
+        run.train_step(step)
+    assert len(calls) == 3 and all(c.numel() == 4 for c in calls)
+
+
+def test_runner_rejects_bad_calls():
+    run = Run("skip", ROOMY)
+    with pytest.raises(TypeError, match="keyword"):
+        run.runner(1)
+    with pytest.raises(TypeError, match="num_microbatches"):
+        run.runner(model=[run.chunk], data_iterator=None, seq_length=1, forward_only=False)
+    with pytest.raises(ValueError, match="overflow policy"):
+        PagedStashRunner(run.config, False, [run.chunk], None, None, policy="retry")
