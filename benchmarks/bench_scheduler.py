@@ -7,7 +7,11 @@ capacity, weights and inputs; the paged arms must reproduce the unpaged gradient
     python benchmarks/bench_scheduler.py [--out benchmarks/results/scheduler_<gpu>.json]
 
 Writes JSON (GPU name, date, git commit, settings, per-arm step times and peak memory, paging
-overhead in percent) and a PNG next to it.
+overhead in percent) and a PNG next to it. Per arm it also reports the host's issue time of a step
+(``host_ms``: when it is close to the step time, the step is host-bound and measures Python) and,
+from one profiled step, the GPU-busy time (union of all kernel intervals) and the paging kernels'
+own time. The default layer sizes make the step GPU-bound so that the arms compare paging cost.
+Extra ``paged_ctas_<n>`` arms bound the paging kernels' grid (``--paging-ctas``).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import json
 import os
 import statistics
 import subprocess
+import time
 import warnings
 from pathlib import Path
 
@@ -67,18 +72,62 @@ def cuda_kernels() -> str:
         return "reference"
 
 
+def gpu_busy(step) -> dict:
+    """GPU-busy time (union of kernel intervals) and paging-kernel time of one profiled step."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
+        kernels = [
+            (e.time_range.start, e.time_range.end, e.name)
+            for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > 0
+        ]
+    except Exception as error:  # noqa: BLE001 - profiling is a diagnostic, never fatal
+        return {"gpu_busy_error": repr(error)}
+    if not kernels:
+        return {"gpu_busy_error": "the profiler saw no CUDA kernels"}
+    busy, end = 0.0, float("-inf")
+    for start, stop, _ in sorted(kernels):
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    paging = sum(stop - start for start, stop, name in kernels if "paging_kernel" in name)
+    return {"gpu_busy_ms": busy / 1e3, "paging_kernel_ms": paging / 1e3,
+            "kernels_per_step": len(kernels)}
+
+
+def host_profile(step, top: int = 25) -> list[str]:
+    """cProfile of one step's host work: where the Python time per record goes (by tottime)."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    step()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    return [line for line in text.getvalue().splitlines() if line.strip()]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--ffn", type=int, default=4096)
+    parser.add_argument("--ffn", type=int, default=8192)
     parser.add_argument("--segments", type=int, default=8)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--vpp", type=int, default=2)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--paging-ctas", type=int, nargs="*", default=[32, 132],
+                        help="extra paged arms with the paging kernels' grid bounded to n CTAs")
+    parser.add_argument("--no-profile", action="store_true", help="skip the GPU-busy profile")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_scheduler needs a CUDA device")
@@ -110,20 +159,20 @@ def main() -> None:
         pools.add(row_bytes, cuda_rows=rows)
     backend = CudaStreamBackend(device)
 
-    arms = {
-        "unpaged": lambda: PagingContext(None),
-        "paged": lambda: PagingContext(PagingScheduler(backend, pools,
-                                                       kernel_backend=kernel_backend)),
-        "paged_no_overlap": lambda: PagingContext(
-            PagingScheduler(backend, pools, overlap=False, kernel_backend=kernel_backend)
-        ),
-    }
+    def paged(**options):
+        return lambda: PagingContext(
+            PagingScheduler(backend, pools, kernel_backend=kernel_backend, **options)
+        )
+
+    arms = {"unpaged": lambda: PagingContext(None), "paged": paged()}
+    for ctas in args.paging_ctas:
+        arms[f"paged_ctas_{ctas}"] = paged(max_ctas=ctas)
+    arms["paged_no_overlap"] = paged(overlap=False)
     results, grads = {}, {}
     for name, make_context in arms.items():
         chunks = make_chunks()
-        times = []
-        torch.cuda.reset_peak_memory_stats()
-        for step in range(args.steps + 2):
+
+        def step(chunks=chunks, make_context=make_context):
             for layers in chunks:
                 for layer in layers:
                     for p in layer.parameters():
@@ -133,27 +182,44 @@ def main() -> None:
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             start.record()
+            host_start = time.perf_counter()
             left = run_schedule(chunks, ops, make_context(), shape, device=device, dtype=dtype,
                                 make_input=lambda c, m, s: inputs[(c, m, s)])
             end.record()
+            host_ms = 1e3 * (time.perf_counter() - host_start)
             torch.cuda.synchronize()
             assert left == 0
-            if step >= 2:
-                times.append(start.elapsed_time(end))
+            return start.elapsed_time(end), host_ms
+
+        times, host = [], []
+        torch.cuda.reset_peak_memory_stats()
+        for i in range(args.steps + 2):
+            step_ms, host_ms = step()
+            if i >= 2:  # two warm-up steps: extension, allocator, cuBLAS
+                times.append(step_ms)
+                host.append(host_ms)
         results[name] = {
             "step_ms_median": statistics.median(times),
             "step_ms_all": times,
+            "host_ms_median": statistics.median(host),
             "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
         }
+        if not args.no_profile:
+            results[name] |= gpu_busy(step)
+            if name == "paged":
+                results[name]["host_profile_top"] = host_profile(step)
         grads[name] = parameter_grads(chunks)
-        print(f"{name:18s} {results[name]['step_ms_median']:9.3f} ms  "
-              f"peak {results[name]['peak_allocated_gib']:.2f} GiB")
+        r = results[name]
+        print(f"{name:18s} step {r['step_ms_median']:9.3f} ms  host {r['host_ms_median']:9.3f} ms"
+              f"  busy {r.get('gpu_busy_ms', float('nan')):9.3f} ms"
+              f"  paging kernels {r.get('paging_kernel_ms', float('nan')):8.3f} ms"
+              f"  peak {r['peak_allocated_gib']:.2f} GiB", flush=True)
     flags = pools.flags.read()
     base = results["unpaged"]["step_ms_median"]
     overhead = {k: 100.0 * (v["step_ms_median"] / base - 1) for k, v in results.items()}
     bitwise = {
         k: all(torch.equal(grads["unpaged"][n], grads[k][n]) for n in grads["unpaged"])
-        for k in ("paged", "paged_no_overlap")
+        for k in results if k != "unpaged"
     }
     gpu = torch.cuda.get_device_name()
     report = {
@@ -165,6 +231,8 @@ def main() -> None:
         "kernel_backend": kernel_backend,
         "schedule": schedule_name,
         "settings": vars(args) | {"out": str(args.out), "dtype": "bfloat16", "page_size": 64},
+        "pool_gib": sum(pools.total_bytes()) / 2**30,
+        "sms": torch.cuda.get_device_properties(device).multi_processor_count,
         "arms": results,
         "overhead_percent_vs_unpaged": overhead,
         "grads_bitwise_equal_to_unpaged": bitwise,
@@ -188,10 +256,16 @@ def main() -> None:
         return
     fig, ax = plt.subplots(figsize=(6, 3.5))
     names = list(results)
-    ax.bar(names, [results[n]["step_ms_median"] for n in names], color=["grey", "C0", "C3"])
+    colors = ["grey"] + ["C0"] * (len(names) - 2) + ["C3"]
+    ax.bar(names, [results[n]["step_ms_median"] for n in names], color=colors)
+    if all("gpu_busy_ms" in results[n] for n in names):
+        ax.scatter(names, [results[n]["gpu_busy_ms"] for n in names], color="k", marker="_",
+                   s=400, zorder=3, label="GPU busy (profiled step)")
+        ax.legend(loc="lower right", fontsize=8)
     for i, n in enumerate(names):
         ax.text(i, results[n]["step_ms_median"], f"{overhead[n]:+.1f}%", ha="center",
                 va="bottom")
+    ax.tick_params(axis="x", labelsize=7, rotation=20)
     ax.set_ylabel("step time (ms, median)")
     ax.set_title(f"paging scheduler, {gpu}\n{schedule_name}", fontsize=9)
     fig.tight_layout()

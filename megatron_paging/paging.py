@@ -236,8 +236,9 @@ class PagingContext:
             if mark is None or mark.tensor is not s.tensor:
                 continue
             if mark.handle is None:  # one record per tensor even if saved twice
-                mark.handle = self.scheduler.save(
-                    s.tensor, mark.live_rows, mark.segments, mark.wgrad_only
+                mark.handle = self.scheduler.save(  # mark() already copied live_rows
+                    s.tensor, mark.live_rows, mark.segments, mark.wgrad_only,
+                    live_rows_private=True,
                 )
             s.handle, s.tensor = mark.handle, None
         self.scheduler.commit()

@@ -97,6 +97,49 @@ class PagedHandle:
         return self.record.annotations["microbatch"]
 
 
+class _Layout:
+    """The static part of a record (segments, page slots), validated once by ``PageRecord.new``.
+
+    ``new_record`` packs the live-count copy, ``page_record`` and ``spilled_to_host`` into one
+    uninitialized int64 buffer: one allocation and one copy kernel per record. Both stash
+    kernels zero ``page_record`` and ``spilled_to_host`` before use, so no fill is needed.
+    """
+
+    __slots__ = ("template", "num_segments", "page_slots")
+
+    def __init__(self, template: PageRecord):
+        self.template = template
+        self.num_segments = template.num_segments
+        self.page_slots = template.page_record.numel()
+
+    def new_record(self, live_rows: torch.Tensor, snapshot: bool = True) -> PageRecord:
+        """A record over ``live_rows``: copied when ``snapshot``, else kept (already private)."""
+        t, segments = self.template, self.num_segments
+        if live_rows.dtype.is_floating_point or live_rows.dtype.is_complex:
+            raise TypeError(f"live_rows must be an integer tensor, got {live_rows.dtype}")
+        if live_rows.numel() != segments:
+            raise ValueError(f"live_rows has {live_rows.numel()} entries for {segments} segment(s)")
+        own = segments if snapshot or live_rows.dtype != torch.int64 else 0
+        packed = torch.empty(own + self.page_slots + 1, dtype=torch.int64,
+                             device=live_rows.device)
+        if own:
+            live = packed[:own]
+            live.copy_(live_rows.reshape(-1))  # the snapshot: the caller may overwrite its tensor
+        else:
+            live = live_rows.reshape(-1)
+        return PageRecord(
+            capacity_rows=t.capacity_rows,
+            row_bytes=t.row_bytes,
+            page_size=t.page_size,
+            segment_starts=t.segment_starts,
+            segment_rows=t.segment_rows,
+            slot_offsets=t.slot_offsets,
+            live_rows=live,
+            page_record=packed[own:-1],
+            spilled_to_host=packed[-1:],
+        )
+
+
 @dataclass
 class _Group:
     """The records one commit stashed for one slot and microbatch."""
@@ -116,6 +159,8 @@ class PagingScheduler:
         overlap: ``False`` runs stash/reload synchronously on the compute stream (control).
         kernel_backend: passed to :func:`megatron_paging.kernels.stash` / ``reload``.
         page_size: rows per page when ``pools`` is ``None`` (else the pools' page size).
+        max_ctas: grid bound of each paging kernel (``None``: the kernels' default). A smaller
+            grid leaves SMs to the compute stream while a copy overlaps it.
     """
 
     def __init__(
@@ -127,6 +172,7 @@ class PagingScheduler:
         overlap: bool = True,
         kernel_backend: str = "auto",
         page_size: int = 64,
+        max_ctas: int | None = None,
     ):
         if pools is None and parker is None:
             raise ValueError("PagingScheduler needs pools, or a parker when pools is None")
@@ -138,8 +184,13 @@ class PagingScheduler:
             raise ValueError(
                 f"kernel_backend must be one of {kernels.BACKENDS}, got {kernel_backend!r}"
             )
+        if max_ctas is not None and (
+            isinstance(max_ctas, bool) or not isinstance(max_ctas, int) or max_ctas <= 0
+        ):
+            raise ValueError(f"max_ctas must be a positive int or None, got {max_ctas!r}")
         self.backend = backend
         self.pools = pools
+        self.max_ctas = max_ctas
         self.parker = parker
         self.prefetch_distance = prefetch_distance
         self.overlap = overlap
@@ -159,6 +210,9 @@ class PagingScheduler:
             WGRAD: defaultdict(set),
         }
         self._sources: deque[tuple[Any, list[PagedHandle]]] = deque()  # (stash-done, handles)
+        # Host-static record layout per (capacity_rows, row_bytes, segments): validated once,
+        # so a save costs one allocation and one copy kernel.
+        self._layouts: dict[tuple, _Layout] = {}
 
     # ---------------------------------------------------------------- forward
     def open_slot(self, chunk: int, layer: int, microbatch: int) -> None:
@@ -176,30 +230,40 @@ class PagingScheduler:
         live_rows: torch.Tensor,
         segments: Sequence[tuple[int, int]] | None = None,
         wgrad_only: bool = False,
+        *,
+        live_rows_private: bool = False,
     ) -> PagedHandle:
-        """Make a pending record for a capacity buffer ``[capacity_rows, ...]`` of the open slot."""
+        """Make a pending record for a capacity buffer ``[capacity_rows, ...]`` of the open slot.
+
+        ``live_rows`` is copied now (never re-read), so the caller may overwrite it afterwards;
+        ``live_rows_private=True`` says nobody else writes it (a copy the caller made) and skips
+        the copy.
+        """
         if self._open is None:
             raise RuntimeError("save() needs an open slot (call open_slot / group_start first)")
         if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0 or tensor.shape[0] == 0:
             raise ValueError("save(): tensor must be a tensor with at least one row")
         if not tensor.is_contiguous():
             raise ValueError(f"save(): tensor must be contiguous, got strides {tensor.stride()}")
+        if not isinstance(live_rows, torch.Tensor):
+            raise TypeError(f"live_rows must be a device tensor, got {type(live_rows).__name__}")
         chunk, layer, microbatch = self._open
         capacity_rows = tensor.shape[0]
         row_bytes = tensor.numel() // capacity_rows * tensor.element_size()
-        live = live_rows.detach().reshape(-1).clone()  # never re-read the caller's tensor
-        record = PageRecord.new(capacity_rows, row_bytes, self.page_size, live, segments)
+        layout = self._layout(capacity_rows, row_bytes, segments, live_rows)
+        record = layout.new_record(live_rows.detach(), snapshot=not live_rows_private)
+        wgrad_only = bool(wgrad_only)
+        record.annotations.update(
+            chunk=chunk, layer=layer, microbatch=microbatch, wgrad_only=wgrad_only
+        )
         handle = PagedHandle(
             id=next(self._ids),
             record=record,
             shape=tensor.shape,
             dtype=tensor.dtype,
             device=tensor.device,
-            wgrad_only=bool(wgrad_only),
+            wgrad_only=wgrad_only,
             source=tensor,
-        )
-        record.annotations.update(
-            chunk=chunk, layer=layer, microbatch=microbatch, wgrad_only=bool(wgrad_only)
         )
         self._pending.append(handle)
         return handle
@@ -291,6 +355,15 @@ class PagingScheduler:
         return left
 
     # -------------------------------------------------------------- internals
+    def _layout(self, capacity_rows, row_bytes, segments, live_rows) -> _Layout:
+        static = None if segments is None else tuple((int(a), int(n)) for a, n in segments)
+        key = (capacity_rows, row_bytes, static, live_rows.device)
+        layout = self._layouts.get(key)
+        if layout is None:  # first record of this shape: full validation by PageRecord.new
+            template = PageRecord.new(capacity_rows, row_bytes, self.page_size, live_rows, static)
+            layout = self._layouts[key] = _Layout(template)
+        return layout
+
     def _slot_start(self, branch, chunk, layer, microbatch, defer_wgrad) -> None:
         self._release_sources()
         self.backend.note(
@@ -358,12 +431,13 @@ class PagingScheduler:
     def _launch(self, stream, kind: str, handle: PagedHandle, **info) -> None:
         record = handle.record
         pool = self.pools[record.row_bytes]
+        backend, max_ctas = self.kernel_backend, self.max_ctas
         if kind == "stash":
             source = handle.source
-            fn = lambda: kernels.stash(source, record, pool, self.kernel_backend)
+            fn = lambda: kernels.stash(source, record, pool, backend, max_ctas)
         else:
             dst = handle.tensor
-            fn = lambda: kernels.reload(dst, record, pool, self.kernel_backend)
+            fn = lambda: kernels.reload(dst, record, pool, backend, max_ctas)
         chunk, layer = handle.slot
         self.backend.launch(
             stream, kind, fn, record=handle.id, chunk=chunk, layer=layer,

@@ -1,4 +1,5 @@
-"""The demo: TinyMoE routing and autograd functions, the saved-tensor paging hooks, the CLI."""
+"""The demo: one pipeline rank of TinyMoE through the paging scheduler, calibration, overflow
+policies, the CLI contract; and TinyMoE's routing and capacity-buffer autograd functions."""
 
 from __future__ import annotations
 
@@ -7,10 +8,9 @@ import math
 import pytest
 import torch
 
-from megatron_paging import kernels
+from megatron_paging import kernels, overflow
 from megatron_paging.cli import build_parser
 from megatron_paging.demo import cli as demo_cli
-from megatron_paging.demo.hooks import HeldTensor, PagedTensor, SavedTensorPaging
 from megatron_paging.demo.model import (
     Combine,
     Dispatch,
@@ -22,40 +22,42 @@ from megatron_paging.demo.model import (
     route,
     synthetic_batches,
 )
-from megatron_paging.pool import PagePools
+from megatron_paging.demo.pipeline import stage_indices
 
 SMALL = [
-    "--device",
-    "cpu",
-    "--steps",
-    "2",
-    "--layers",
-    "2",
-    "--hidden",
-    "32",
-    "--experts",
-    "4",
-    "--seq",
-    "32",
-    "--batch",
-    "2",
-    "--page-size",
-    "8",
+    "--device", "cpu", "--steps", "3", "--layers", "1", "--hidden", "32", "--experts", "4",
+    "--seq", "32", "--batch", "2", "--page-size", "8", "--microbatches", "4",
 ]
+
+
+@pytest.fixture(autouse=True)
+def one_cpu_thread():
+    # These models are tiny: on a busy 2-core machine, intra-op threads only contend.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def demo_args(tmp_path, *extra):
     return build_parser().parse_args(["demo", *SMALL, "--plot", str(tmp_path / "p.png"), *extra])
 
 
-def table_rows(stdout: str) -> list[list[str]]:
+def run_cli(tmp_path, capsys, *extra) -> tuple[int, str]:
+    args = demo_args(tmp_path, *extra)
+    code = args.func(args)
+    return code, capsys.readouterr().out
+
+
+def table_rows(stdout: str) -> list[dict[str, str]]:
     lines = stdout.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("step |"))
+    header = [cell.strip() for cell in lines[start].split("|")]
     rows = []
     for line in lines[start + 2 :]:
         if "|" not in line:
             break
-        rows.append([cell.strip() for cell in line.split("|")])
+        rows.append(dict(zip(header, (cell.strip() for cell in line.split("|")), strict=True)))
     return rows
 
 
@@ -64,31 +66,62 @@ def kib(cell: str) -> float:
     return float(cell[:-4])
 
 
-# -- the demo end to end ---------------------------------------------------------------------
+# -- every schedule: bitwise parity ------------------------------------------------------------
+
+SCHEDULE_CASES = [
+    (["--schedule", "none"], [0], 1),
+    (["--schedule", "1f1b", "--pp", "2", "--rank", "1"], [1], 2),
+    (["--schedule", "interleaved"], [0, 2], 4),  # the default: pp 2, vpp 2, rank 0
+    (["--schedule", "interleaved", "--vpp", "3", "--rank", "1"], [1, 3, 5], 6),
+    (["--schedule", "dualpipev", "--pp", "2"], [0, 3], 4),
+]
 
 
-def test_demo_bitwise_parity_plot_and_memory(tmp_path, capsys):
-    args = demo_args(tmp_path)
-    assert args.func(args) == 0
-    out = capsys.readouterr().out
+@pytest.mark.parametrize(("extra", "stages", "num_stages"), SCHEDULE_CASES,
+                         ids=[" ".join(case[0]) for case in SCHEDULE_CASES])
+def test_schedule_bitwise_parity_plot_and_memory(tmp_path, capsys, extra, stages, num_stages):
+    code, out = run_cli(tmp_path, capsys, *extra)
+    assert code == 0, out
     assert out.splitlines()[-1] == "parity: bitwise"
+    shown = ", ".join(map(str, stages))
+    assert f"holds stage(s) {shown} of {num_stages};" in out
+    order = next(line for line in out.splitlines() if line.startswith("order: ")).split()[1:]
+    assert sum(op.startswith("F") for op in order) == 4 * len(stages)  # every chunk x microbatch
     png = tmp_path / "p.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert f"plot: {png.resolve()}" in out
     rows = table_rows(out)
-    assert [r[0] for r in rows] == ["1", "2"]
+    assert [r["action"] for r in rows] == ["calibrate", "ok", "ok"]
+    has_loss = num_stages - 1 in stages
     for row in rows:
-        assert row[1] == row[2] and row[3] == row[4]  # printed losses / grad norms agree
-        assert kib(row[6]) < kib(row[5])  # paged holds fewer bytes than control
-        assert int(row[7]) > 0 and row[8] == "0" and row[9] == "0"
+        assert row["overflow"] == "no" and row["host spills"] == "0"
+        assert row["loss control"] == row["loss paged"]
+        assert (row["loss paged"] != "-") == has_loss
+        assert row["grad norm control"] == row["grad norm paged"]
+        assert kib(row["peak held paged"]) < kib(row["peak held control"])
+    assert all(int(r["pages used (peak)"]) > 0 for r in rows[1:])
 
 
-def test_reload_destinations_poisoned_with_nan_keep_parity(tmp_path, capsys):
+def test_stage_indices():
+    assert stage_indices("interleaved", 4, 1, 3) == [1, 5, 9]
+    assert stage_indices("dualpipev", 4, 1, 2) == [1, 6]
+    assert stage_indices("1f1b", 4, 3, 1) == [3]
+
+
+def test_reload_destinations_poisoned_with_nan_keep_parity(tmp_path, monkeypatch):
     # Non-live rows of a reloaded buffer are NaN: the model must never let them reach a result.
-    result = demo_cli.run_demo(demo_args(tmp_path), reload_fill=math.nan)
-    assert result.bitwise, result.mismatches
-    for step in result.paged:
-        assert step.stats.pages_in_use_after == 0  # every page came back
+    real_reload = kernels.reload
+    calls = []
+
+    def poisoned(dst, record, pool, backend="auto", max_ctas=None):
+        dst.fill_(math.nan)
+        calls.append(record)
+        real_reload(dst, record, pool, backend, max_ctas)
+
+    monkeypatch.setattr(kernels, "reload", poisoned)
+    result = demo_cli.run_demo(demo_args(tmp_path))
+    assert calls and result.verdict().line == "parity: bitwise"
+    for step in result.paged.steps:
+        assert step.pages_left == 0  # every page came back
         assert all(torch.isfinite(g).all() for g in step.grads.values())
 
 
@@ -102,27 +135,99 @@ def test_corrupted_reload_is_reported_as_mismatch(tmp_path, capsys, monkeypatch)
         dst.view(-1).view(torch.uint8)[offset] ^= 0x40
 
     monkeypatch.setattr(kernels, "reload", flip_one_byte)
-    args = demo_args(tmp_path)
-    assert args.func(args) == 1
-    last = capsys.readouterr().out.splitlines()[-1]
-    assert last.startswith("parity: MISMATCH ") and "gradient(s) differ" in last
+    code, out = run_cli(tmp_path, capsys, "--steps", "2")
+    assert code == 1
+    last = out.splitlines()[-1]
+    assert last.startswith("parity: MISMATCH step 2: ") and "gradient(s) differ" in last
 
 
-def test_pool_overflow_is_reported(tmp_path, capsys):
-    args = demo_args(tmp_path, "--pool-factor", "0.3")
-    assert args.func(args) == 1
-    out = capsys.readouterr().out
-    assert "overflow" in out.splitlines()[-1]
-    assert [r[9] for r in table_rows(out)] == ["1", "1"]
+# -- calibration, host tier and the overflow policies ------------------------------------------
 
 
-def test_host_tier_absorbs_what_the_device_tier_cannot(tmp_path):
-    result = demo_cli.run_demo(
-        demo_args(tmp_path, "--pool-factor", "0.3", "--host-pool-factor", "1.0")
+def test_calibrated_pools_follow_the_pool_factors(tmp_path):
+    small = demo_cli.run_demo(demo_args(tmp_path, "--steps", "1", "--pool-factor", "0.5"))
+    big = demo_cli.run_demo(
+        demo_args(tmp_path, "--steps", "1", "--pool-factor", "1.0", "--host-pool-factor", "0.5")
     )
-    assert result.bitwise, result.mismatches
-    assert all(step.stats.host_spills > 0 for step in result.paged)
-    assert all(not step.stats.overflow for step in result.paged)
+    small_pools, big_pools = small.paged.calibrated_pools, big.paged.calibrated_pools
+    assert [p.row_bytes for p in small_pools] == [p.row_bytes for p in big_pools] == [128, 256]
+    for s, b in zip(small_pools, big_pools, strict=True):
+        # Same calibration step, so the same peak: pages scale with the factor (whole pages).
+        assert b.num_cuda_pages - 1 <= 2 * s.num_cuda_pages <= b.num_cuda_pages + 1
+        assert s.num_host_pages == 0
+        assert b.num_cuda_pages // 2 - 1 <= b.num_host_pages <= b.num_cuda_pages // 2 + 1
+
+
+def test_host_tier_absorbs_what_the_device_tier_cannot(tmp_path, capsys):
+    code, out = run_cli(tmp_path, capsys, "--pool-factor", "0.3", "--host-pool-factor", "1.0")
+    assert code == 0 and out.splitlines()[-1] == "parity: bitwise"
+    rows = table_rows(out)
+    assert all(r["overflow"] == "no" for r in rows)
+    assert all(int(r["host spills"]) > 0 for r in rows[1:])
+
+
+def test_rerun_policy_keeps_parity_through_overflow(tmp_path, capsys):
+    code, out = run_cli(tmp_path, capsys, "--pool-factor", "0.3")
+    assert code == 0, out
+    assert out.splitlines()[-1] == "parity: bitwise"
+    rows = table_rows(out)
+    assert [r["action"] for r in rows] == ["calibrate", "rerun", "rerun"]
+    assert [r["overflow"] for r in rows] == ["no", "yes", "yes"]
+    assert all(r["grad norm paged"] == r["grad norm control"] for r in rows)
+
+
+def test_skip_policy_leaves_parameters_unchanged(tmp_path, capsys):
+    skip = ("--pool-factor", "0.3", "--overflow-policy", "skip")
+    code, out = run_cli(tmp_path, capsys, *skip)
+    assert code == 0, out
+    last = out.splitlines()[-1]
+    assert last.startswith("parity: n/a (policy skip skipped 2 step(s); steps before step 2")
+    rows = table_rows(out)
+    assert [r["action"] for r in rows] == ["calibrate", "skipped", "skipped"]
+    assert [r["grad norm paged"] for r in rows[1:]] == ["discarded"] * 2
+
+    # Independently of the demo's own check: after two skipped steps the parameters are the
+    # ones the (calibration) step 1 produced, which the control produced too.
+    skipped = demo_cli.run_demo(demo_args(tmp_path, *skip))
+    one_step = demo_cli.run_demo(demo_args(tmp_path, "--steps", "1"))
+    assert skipped.paged.monitor.skipped_steps == 2
+    after_one = one_step.control.parameters
+    assert skipped.paged.parameters.keys() == after_one.keys()
+    for name, value in after_one.items():
+        assert torch.equal(skipped.paged.parameters[name], value), name
+    assert any(not torch.equal(skipped.control.parameters[n], v) for n, v in after_one.items())
+
+
+def test_skip_that_updates_parameters_is_reported(tmp_path, capsys, monkeypatch):
+    # An optimizer skip that does not skip: the demo must notice and fail.
+    def step_anyway(optimizer, skip, closure=None, step_fn=None):
+        step_fn(closure)
+        return False
+
+    monkeypatch.setattr(overflow, "step_unless", step_anyway)
+    code, out = run_cli(tmp_path, capsys, "--pool-factor", "0.3", "--overflow-policy", "skip")
+    assert code == 1
+    assert "the skipped step changed parameters or state" in out.splitlines()[-1]
+
+
+def test_grow_policy_next_step_does_not_overflow(tmp_path, capsys):
+    code, out = run_cli(tmp_path, capsys, "--pool-factor", "0.3", "--overflow-policy", "grow",
+                        "--growth-factor", "4")
+    assert code == 0, out
+    assert out.splitlines()[-1].startswith("parity: n/a (policy grow skipped 1 step(s);")
+    rows = table_rows(out)
+    assert [r["action"] for r in rows] == ["calibrate", "grown", "ok"]
+    assert [r["overflow"] for r in rows] == ["no", "yes", "no"]
+    assert "pools (after grow): " in out
+
+    result = demo_cli.run_demo(demo_args(tmp_path, "--pool-factor", "0.3", "--overflow-policy",
+                                         "grow", "--growth-factor", "4"))
+    for before, after in zip(result.paged.calibrated_pools, result.paged.pools, strict=True):
+        assert after.num_cuda_pages == math.ceil(before.num_cuda_pages * 4)
+    assert result.paged.steps[2].pages_left == 0
+
+
+# -- flags ------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -132,6 +237,10 @@ def test_host_tier_absorbs_what_the_device_tier_cannot(tmp_path):
         (["--pool-factor", "0"], "--pool-factor"),
         (["--host-pool-factor", "-1"], "--host-pool-factor"),
         (["--kernel-backend", "triton"], "--kernel-backend"),
+        (["--overflow-policy", "drop"], "--overflow-policy"),
+        (["--growth-factor", "1"], "--growth-factor"),
+        (["--schedule", "gpipe"], "--schedule"),
+        (["--rank", "-1"], "--rank"),
     ],
 )
 def test_bad_flags_name_the_flag(argv, flag, capsys):
@@ -144,6 +253,13 @@ def test_bad_flags_name_the_flag(argv, flag, capsys):
 @pytest.mark.parametrize(
     ("extra", "flag"),
     [
+        (["--schedule", "1f1b", "--vpp", "2"], "--vpp"),
+        (["--rank", "2"], "--rank"),
+        (["--schedule", "1f1b", "--pp", "3", "--rank", "3"], "--rank"),
+        (["--schedule", "interleaved", "--pp", "1"], "--pp"),
+        (["--schedule", "interleaved", "--microbatches", "3"], "--microbatches"),
+        (["--schedule", "dualpipev", "--microbatches", "3"], "--microbatches"),
+        (["--schedule", "none", "--pp", "2"], "--pp"),
         (["--topk", "5"], "--topk"),
         (["--kernel-backend", "cuda"], "--kernel-backend"),
     ],
@@ -151,12 +267,14 @@ def test_bad_flags_name_the_flag(argv, flag, capsys):
 def test_bad_combinations_give_one_line_errors(tmp_path, capsys, extra, flag):
     args = demo_args(tmp_path, *extra)
     assert args.func(args) == 2
-    err = capsys.readouterr().err.strip()
+    captured = capsys.readouterr()
+    err = captured.err.strip()
     assert err.startswith("error: ") and flag in err and "\n" not in err
+    assert captured.out == ""
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
-def test_cuda_requested_without_cuda(tmp_path, capsys):
+def test_cuda_requested_without_cuda(capsys):
     args = build_parser().parse_args(["demo", "--device", "cuda"])
     assert args.func(args) == 2
     assert "--device cuda" in capsys.readouterr().err
@@ -241,54 +359,6 @@ def test_grouped_mm_paths_agree():
     torch.testing.assert_close(grouped_mm(x, w, segments, "loop")[16:32], x[16:32] @ w[1])
 
 
-# -- the hooks ------------------------------------------------------------------------------
-
-
-def test_only_marked_tensors_are_paged():
-    pools = PagePools(page_size=4)
-    pools.add(row_bytes=16, cuda_rows=16)
-    paging = SavedTensorPaging(pools)
-    live = torch.tensor([5, 2])
-    marked = torch.arange(40, dtype=torch.float32).view(10, 4)
-    twin = marked.clone()  # same shape and dtype, not marked
-    paging.mark(marked, live, [(0, 6), (6, 4)])
-    handle = paging.pack(marked)
-    assert isinstance(handle, PagedTensor)
-    assert pools[16].free_pages() == (1, 0)  # 2 pages for 5 live rows + 1 page for 2
-    head, shifted = marked[:5], marked[1:]  # same address or same storage, other shapes
-    for other in (twin, head, shifted):
-        assert paging.pack(other) is other
-    reloaded = paging.unpack(handle)
-    assert reloaded.shape == marked.shape and reloaded is paging.unpack(handle)
-    assert torch.equal(reloaded[:5], marked[:5]) and torch.equal(reloaded[6:8], marked[6:8])
-    assert pools[16].free_pages() == (4, 0)
-
-
-def test_dead_mark_does_not_match_a_new_tensor_at_its_address():
-    paging = SavedTensorPaging(page_size=4, track_bytes=True)
-    doomed = torch.zeros(8, 4)
-    paging.mark(doomed, torch.tensor(3))
-    del doomed
-    newcomer = torch.ones(8, 4)  # may well reuse the freed address
-    handle = paging.pack(newcomer)
-    assert isinstance(handle, HeldTensor) and handle.marked is None
-
-
-def test_control_mode_measures_page_rounded_live_rows():
-    paging = SavedTensorPaging(page_size=4, track_bytes=True)
-    x = torch.randn(16, 3, requires_grad=True)
-    live = torch.tensor([5, 0, 4])
-    with paging:
-        y = x * 2
-        paging.mark(y, live, [(0, 8), (8, 4), (12, 4)])
-        loss = (y * y).sum()  # saves y (twice: as both operands)
-    assert paging.peak_rows == {12: 2 * (8 + 0 + 4)}
-    loss.backward()
-    del loss
-    assert paging._rows_in_flight == {12: 0}
-    assert paging.timeline.capacity_bytes[-1] == 0
-
-
 def test_model_is_deterministic_and_seeded():
     cfg = TinyMoEConfig(hidden=16, ffn=32, layers=1, experts=4)
     tokens, targets = synthetic_batches(cfg.vocab, 2, 16, 1, seed=1)[0]
@@ -299,7 +369,7 @@ def test_model_is_deterministic_and_seeded():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_forward_is_sync_free_and_demo_bitwise(tmp_path, capsys):
+def test_cuda_forward_is_sync_free(tmp_path):
     cfg = TinyMoEConfig(hidden=64, ffn=128, layers=2, experts=8)
     model = TinyMoE(cfg).cuda().bfloat16()
     tokens, targets = (t.cuda() for t in synthetic_batches(cfg.vocab, 2, 64, 1, seed=0)[0])
@@ -309,8 +379,26 @@ def test_cuda_forward_is_sync_free_and_demo_bitwise(tmp_path, capsys):
         model(tokens, targets)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(
+    ("extra", "last"),
+    [
+        ([], "parity: bitwise"),
+        (["--schedule", "dualpipev"], "parity: bitwise"),
+        (["--pool-factor", "0.3"], "parity: bitwise"),
+        (["--pool-factor", "0.3", "--overflow-policy", "skip"], "parity: n/a (policy skip"),
+        (["--pool-factor", "0.3", "--overflow-policy", "grow", "--growth-factor", "4"],
+         "parity: n/a (policy grow"),
+    ],
+)
+def test_cuda_demo(tmp_path, capsys, extra, last):
     args = build_parser().parse_args(
-        ["demo", "--device", "cuda", "--steps", "3", "--plot", str(tmp_path / "p.png")]
+        ["demo", "--device", "cuda", "--steps", "3", "--plot", str(tmp_path / "p.png"), *extra]
     )
     assert args.func(args) == 0
-    assert capsys.readouterr().out.splitlines()[-1] == "parity: bitwise"
+    out = capsys.readouterr().out
+    assert "kernel backend: cuda" in out
+    assert out.splitlines()[-1].startswith(last)

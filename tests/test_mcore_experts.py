@@ -139,6 +139,14 @@ def test_moe_layer_paged_matches_unpaged_bitwise(installed, model_parallel):  # 
 
     unpaged = _train_steps(api, layer, config, paged=False)
     paged = _train_steps(api, layer, config, paged=True)
+    # The last step ran through the scheduler's CPU backend: stashes in forward order (both
+    # records of microbatch 1, then of 2), reloads in backward order (2 before 1), and every
+    # launch carries its slot annotation.
+    log = api.engine.scheduler.backend
+    stashes = [(e.info["layer"], e.info["microbatch"]) for e in log.entries("launch", "stash")]
+    reloads = [(e.info["layer"], e.info["microbatch"]) for e in log.entries("launch", "reload")]
+    assert stashes[-4:] == [(0, 1), (0, 1), (0, 2), (0, 2)]
+    assert reloads[-4:] == [(0, 2), (0, 2), (0, 1), (0, 1)]
     assert api.engine.mode == "paged" and len(api.engine.pools) == 2  # x and fc1 row sizes
     for pool in api.engine.pools:  # every page came back after backward
         assert pool.free_pages() == (pool.num_cuda_pages, pool.num_host_pages)
@@ -164,4 +172,61 @@ def test_undersized_pool_sets_overflow(installed, model_parallel):  # noqa: F811
     _train_steps(api, layer, config, paged=True, steps=2)  # calibrate, then a too-small pool
     assert bool(api.check_paged_stash_overflow())
     api.engine.release_pools()
+    api.paged_stash_reset(enabled=False, config=config)
+
+
+@pytest.fixture
+def nan_filled_empty():
+    """Deterministic mode fills torch.empty with NaN: rows past a live prefix become poison."""
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_rows_past_live_never_reach_results(installed, model_parallel, nan_filled_empty):  # noqa: F811
+    api = installed
+    assert torch.empty(4).isnan().all()
+    torch.manual_seed(1)
+    config = moe_config(moe_paged_stash=True, moe_expert_rank_capacity_factor=2.0)
+    layer = _moe_layer(config)
+    api.engine.release_pools()
+    unpaged = _train_steps(api, layer, config, paged=False)
+    paged = _train_steps(api, layer, config, paged=True)
+    for (l_u, g_u, h_u), (l_p, g_p, h_p) in zip(unpaged, paged, strict=True):
+        for a, b in zip(l_u + g_u + h_u, l_p + g_p + h_p, strict=True):
+            assert torch.isfinite(b).all() and torch.equal(a, b)
+    api.paged_stash_reset(enabled=False, config=config)
+
+
+def test_reloaded_tensors_are_freed_when_their_backward_ran(installed, model_parallel, monkeypatch):  # noqa: F811
+    import weakref
+
+    from megatron_paging.mcore.engine import SavedHandle
+
+    api = installed
+    torch.manual_seed(2)
+    config = moe_config(moe_paged_stash=True, moe_expert_rank_capacity_factor=2.0)
+    layer = _moe_layer(config)
+    api.engine.release_pools()
+    _train_steps(api, layer, config, paged=True, steps=1)  # calibrate
+    reloaded = []
+    unpack = api.engine.unpack
+
+    def tracking_unpack(saved):
+        tensor = unpack(saved)
+        if isinstance(saved, SavedHandle):  # a paged tensor, not a weight or the probs
+            reloaded.append(weakref.ref(tensor))
+        return tensor
+
+    monkeypatch.setattr(api.engine, "unpack", tracking_unpack)
+    api.paged_stash_reset(enabled=True, config=config)
+    api.paged_stash_init_chunk_handler(None, None)
+    hidden = torch.randn(8, 2, config.hidden_size).requires_grad_()
+    out, _ = layer(hidden)
+    out.float().square().mean().backward()
+    assert api.engine.mode == "paged" and len(reloaded) == 2  # x and fc1
+    assert out.grad_fn is not None  # the graph is still alive ...
+    assert all(ref() is None for ref in reloaded)  # ... but the reloaded buffers are gone
     api.paged_stash_reset(enabled=False, config=config)

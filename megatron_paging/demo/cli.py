@@ -1,10 +1,24 @@
-"""``megatron-paging demo``: train TinyMoE unpaged and paged from identical weights; check parity.
+"""``megatron-paging demo``: one pipeline rank of TinyMoE, unpaged control vs paged.
 
-The control run keeps every saved tensor and measures, per row byte count, the peak live rows
-(rounded to whole pages) held for backward. The paged run's pools are sized from that peak
-(``--pool-factor`` for the device tier, ``--host-pool-factor`` for the pinned-host tier) and
-every expert capacity buffer the model marks is stashed in the pack hook and reloaded in the
-unpack hook. Losses and every parameter gradient must be bitwise equal at every step.
+The rank's order comes from the real schedule generators (Megatron-Core's 1F1B / interleaved
+1F1B, PyTorch's DualPipeV); neighbour stages are synthetic. Both runs start from the same
+weights and see the same data. The control pages nothing (``PagingContext(None)``). The paged
+run goes through the FIFO paging-stream scheduler: its first step calibrates (the Calibrator
+parks live rows, no pool exists yet), then the pools are sized from the calibrated peak and
+every later step stashes and reloads through them. An overflowing step is handled by
+``--overflow-policy``.
+
+Result contract (the last line and the exit code):
+
+* ``parity: bitwise`` (exit 0): every step's loss (ranks holding the last stage), every input
+  gradient sent upstream and every parameter gradient equal the control's bit for bit; every
+  page is back in its ring after each non-overflowing step. Policy ``rerun`` always ends here
+  when paging is correct: an overflowing step is rerun unpaged before the optimizer step.
+* ``parity: n/a (policy P skipped N step(s); ...)`` (exit 0): ``skip``/``grow`` dropped N
+  steps, after which the runs legitimately differ; every step before the first skipped one is
+  bitwise equal to the control, every skipped step left all parameters and optimizer state
+  bit for bit unchanged, and the page rings are whole after every non-overflowing step.
+* ``parity: MISMATCH ...`` (exit 1): any of the above failed. Bad flags: exit 2, one line.
 """
 
 from __future__ import annotations
@@ -12,33 +26,39 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib.util
+import logging
 import math
 import sys
-from dataclasses import dataclass
+import warnings
 from pathlib import Path
 
 import torch
 
 from megatron_paging import kernels
-from megatron_paging.demo.hooks import HeldBytesTimeline, SavedTensorPaging, StepStats
-from megatron_paging.demo.model import TinyMoE, TinyMoEConfig, synthetic_batches
-from megatron_paging.pool import PagePools
+from megatron_paging.demo.model import TinyMoEConfig, synthetic_batches
+from megatron_paging.demo.pipeline import StageChunk, make_step_inputs, stage_indices
+from megatron_paging.demo.training import DemoResult, Layout, train_control, train_paged
+from megatron_paging.overflow import POLICIES
+from megatron_paging.pipeline_sim import Op
 
 DEFAULT_PLOT = "megatron_paging_demo.png"
-LEARNING_RATE = 1e-2
+SCHEDULES = ("none", "1f1b", "interleaved", "dualpipev")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
+def _int_at_least(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _float_at_least(minimum: float, strict: bool):
+def _float_above(minimum: float, strict: bool):
     def parse(text: str) -> float:
         try:
             value = float(text)
@@ -54,48 +74,41 @@ def _float_at_least(minimum: float, strict: bool):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = __doc__.split("\n\n", 1)[1]
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    positive = _int_at_least(1)
     add = parser.add_argument
+    add("--schedule", choices=SCHEDULES, default="interleaved",
+        help="pipeline order of the simulated rank (none: whole model, one stage)")
+    add("--pp", type=positive, default=None,
+        help="pipeline-parallel size (default 2; 1 with --schedule none)")
+    add("--vpp", type=positive, default=None,
+        help="model chunks per rank, --schedule interleaved only (default 2)")
+    add("--microbatches", type=positive, default=4)
+    add("--rank", type=_int_at_least(0), default=0, help="the simulated pipeline rank")
     add("--device", choices=("cpu", "cuda"), default=None,
         help="default: cuda if available, else cpu")
-    add("--steps", type=_positive_int, default=5)
-    add("--layers", type=_positive_int, default=4)
-    add("--hidden", type=_positive_int, default=64, help="model width (expert ffn = 2 x hidden)")
-    add("--experts", type=_positive_int, default=8)
-    add("--topk", type=_positive_int, default=2)
-    add("--capacity-factor", type=_float_at_least(0.0, strict=True), default=1.5)
-    add("--seq", type=_positive_int, default=128)
-    add("--batch", type=_positive_int, default=4)
+    add("--steps", type=positive, default=4, help="step 1 calibrates the pools")
+    add("--layers", type=positive, default=2, help="TinyMoE layers per model chunk")
+    add("--hidden", type=positive, default=64, help="model width (expert ffn = 2 x hidden)")
+    add("--experts", type=positive, default=8)
+    add("--topk", type=positive, default=2)
+    add("--capacity-factor", type=_float_above(0.0, strict=True), default=1.5)
+    add("--seq", type=positive, default=128)
+    add("--batch", type=positive, default=2, help="sequences per microbatch")
     add("--seed", type=int, default=0)
-    add("--page-size", type=_positive_int, default=16, help="rows per page")
-    add("--pool-factor", type=_float_at_least(0.0, strict=True), default=1.1,
-        help="device pages = factor x peak live rows per row size measured in the control run")
-    add("--host-pool-factor", type=_float_at_least(0.0, strict=False), default=0.0,
-        help="pinned-host pages, same unit as --pool-factor (0 = no host tier)")
+    add("--page-size", type=positive, default=16, help="rows per page")
+    add("--pool-factor", type=_float_above(0.0, strict=True), default=1.1,
+        help="device-tier rows = factor x the calibrated peak live rows in flight")
+    add("--host-pool-factor", type=_float_above(0.0, strict=False), default=0.0,
+        help="pinned-host-tier rows, same unit (0 = no host tier)")
+    add("--overflow-policy", choices=POLICIES, default="rerun",
+        help="rerun: redo an overflowing step unpaged (parity holds); skip: drop its optimizer "
+             "step on device; grow: skip, then enlarge the device tier by --growth-factor")
+    add("--growth-factor", type=_float_above(1.0, strict=True), default=1.5,
+        help="device-tier multiplier of --overflow-policy grow")
     add("--plot", default=DEFAULT_PLOT, help="PNG of bytes held for backward over time")
     add("--kernel-backend", choices=kernels.BACKENDS, default="auto")
-
-
-@dataclass
-class StepOutcome:
-    loss: torch.Tensor
-    grad_norm: float
-    grads: dict[str, torch.Tensor]
-    stats: StepStats
-
-
-@dataclass
-class DemoResult:
-    control: list[StepOutcome]
-    paged: list[StepOutcome]
-    control_timeline: HeldBytesTimeline
-    paged_timeline: HeldBytesTimeline
-    pools: PagePools
-    mismatches: list[str]
-    backend: str
-
-    @property
-    def bitwise(self) -> bool:
-        return not self.mismatches
 
 
 def _resolve_device(requested: str | None) -> torch.device:
@@ -110,106 +123,114 @@ def _resolve_backend(requested: str, device: torch.device) -> str:
     if requested == "cuda" and device.type != "cuda":
         raise ValueError("--kernel-backend cuda needs --device cuda")
     if requested == "auto" and device.type == "cuda":
-        # The CUDA extension may not exist in this checkout yet: fall back to the reference.
         if importlib.util.find_spec("megatron_paging.kernels.cuda_ops") is None:
             return "reference"
         return "cuda"
     return kernels.resolve_backend(requested, device)
 
 
-def _train(model: TinyMoE, batches, paging: SavedTensorPaging) -> list[StepOutcome]:
-    optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)
-    outcomes = []
-    for tokens, targets in batches:
-        paging.begin_step()
-        with paging:
-            loss = model(tokens, targets, paging)
-        loss.backward()
-        loss = loss.detach()  # drop the graph (and anything it still holds) before the stats
-        grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
-        norms = torch.stack([torch.linalg.vector_norm(g.float()) for g in grads.values()])
-        grad_norm = float(torch.linalg.vector_norm(norms))
-        outcomes.append(StepOutcome(loss, grad_norm, grads, paging.end_step()))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return outcomes
+def _real_schedule(schedule: str, pp: int, microbatches: int, rank: int, vpp: int):
+    # The demo's one megatron import (Megatron-Core's generators), quietened and kept lazy.
+    cpp_logger = logging.getLogger("torch.utils.cpp_extension")
+    level = cpp_logger.level
+    cpp_logger.setLevel(logging.ERROR)  # "No CUDA runtime is found" on CPU-only machines
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from megatron_paging.mcore.schedules import schedule_ops
+    finally:
+        cpp_logger.setLevel(level)
+    return schedule_ops(schedule, pp, microbatches, rank, vpp)
 
 
-def size_pools(
-    peak_rows: dict[int, int], page_size: int, device, pool_factor: float, host_factor: float
-) -> PagePools:
-    """One pool per row byte count: ``factor x`` the peak page-rounded live rows in flight."""
-    pools = PagePools(page_size, device)
-    for row_bytes, rows in sorted(peak_rows.items()):
-        pools.add(row_bytes, math.ceil(rows * pool_factor), math.ceil(rows * host_factor))
-    return pools
+def resolve_layout(args: argparse.Namespace) -> Layout:
+    """The rank's op order and stages; raises ValueError naming the flag for a bad combination."""
+    schedule, microbatches, rank = args.schedule, args.microbatches, args.rank
+    if args.vpp is not None and schedule != "interleaved":
+        raise ValueError(f"--vpp applies only to --schedule interleaved, not {schedule}")
+    if schedule == "none" and args.pp not in (None, 1):
+        raise ValueError(f"--pp must be 1 with --schedule none (one stage), got {args.pp}")
+    pp = (1 if schedule == "none" else 2) if args.pp is None else args.pp
+    if rank >= pp:
+        raise ValueError(f"--rank must be < --pp ({pp}), got {rank}")
+    vpp = None
+    if schedule == "interleaved":
+        vpp = 2 if args.vpp is None else args.vpp
+        if pp < 2:
+            raise ValueError(f"--pp must be >= 2 with --schedule interleaved, got {pp}")
+        if vpp < 2:
+            raise ValueError(f"--vpp must be >= 2 with --schedule interleaved, got {vpp}")
+        if microbatches % pp:
+            raise ValueError(
+                f"--microbatches must be a multiple of --pp ({pp}) with --schedule "
+                f"interleaved, got {microbatches}"
+            )
+    if schedule == "dualpipev" and microbatches < 2 * pp:
+        raise ValueError(
+            f"--microbatches must be >= 2 x --pp ({2 * pp}) with --schedule dualpipev, "
+            f"got {microbatches}"
+        )
+    if schedule == "none":
+        ops, chunks = [Op(kind, 0, m) for m in range(microbatches) for kind in "FB"], 1
+    else:
+        ops, chunks = _real_schedule(schedule, pp, microbatches, rank, vpp or 2)
+    num_stages = {"interleaved": pp * chunks, "dualpipev": 2 * pp}.get(schedule, pp)
+    stages = stage_indices(schedule, pp, rank, chunks)
+    return Layout(schedule, pp, vpp, rank, microbatches, ops, stages, num_stages)
 
 
-def compare(control: list[StepOutcome], paged: list[StepOutcome]) -> list[str]:
-    """Every difference between the runs, one short phrase each (empty = bitwise parity)."""
-    problems = []
-    for step, (c, p) in enumerate(zip(control, paged, strict=True), start=1):
-        if p.stats.overflow:
-            problems.append(f"step {step}: pool overflow (raise --pool-factor/--host-pool-factor)")
-        if not torch.equal(c.loss, p.loss):
-            problems.append(f"step {step}: loss {c.loss.item():.6g} vs {p.loss.item():.6g}")
-        differ = [name for name in c.grads if not torch.equal(c.grads[name], p.grads[name])]
-        if differ:
-            shown = ", ".join(differ[:3]) + (", ..." if len(differ) > 3 else "")
-            problems.append(f"step {step}: {len(differ)} gradient(s) differ ({shown})")
-    return problems
-
-
-def run_demo(args: argparse.Namespace, reload_fill: float | None = None) -> DemoResult:
-    """Both runs and the comparison; raises ValueError naming the flag for a bad combination."""
+def run_demo(args: argparse.Namespace) -> DemoResult:
+    """Both runs and the verdict; raises ValueError naming the flag for a bad combination."""
     device = _resolve_device(args.device)
     backend = _resolve_backend(args.kernel_backend, device)
     if args.topk > args.experts:
         raise ValueError(f"--topk ({args.topk}) must not exceed --experts ({args.experts})")
+    layout = resolve_layout(args)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cfg = TinyMoEConfig(
         hidden=args.hidden, ffn=2 * args.hidden, layers=args.layers, experts=args.experts,
         topk=args.topk, capacity_factor=args.capacity_factor,
     )
-    batches = [
-        (tokens.to(device), targets.to(device))
-        for tokens, targets in synthetic_batches(cfg.vocab, args.batch, args.seq, args.steps,
-                                                 args.seed)
+    control_chunks = [
+        StageChunk(cfg, stage, layout.num_stages, args.seed).to(device=device, dtype=dtype)
+        for stage in layout.stages
     ]
-    control_model = TinyMoE(cfg, seed=args.seed).to(device=device, dtype=dtype)
-    paged_model = copy.deepcopy(control_model)
-
-    control_paging = SavedTensorPaging(
-        page_size=args.page_size, track_bytes=True, ignore=control_model.parameters()
-    )
-    control = _train(control_model, batches, control_paging)
-
-    pools = size_pools(control_paging.peak_rows, args.page_size, device, args.pool_factor,
-                       args.host_pool_factor)
-    paged_paging = SavedTensorPaging(
-        pools, backend=backend, track_bytes=True, ignore=paged_model.parameters(),
-        reload_fill=reload_fill,
-    )
-    paged = _train(paged_model, batches, paged_paging)
-    return DemoResult(control, paged, control_paging.timeline, paged_paging.timeline, pools,
-                      compare(control, paged), backend)
+    paged_chunks = copy.deepcopy(control_chunks)
+    M = layout.microbatches
+    batches = synthetic_batches(cfg.vocab, args.batch, args.seq, args.steps * M, args.seed)
+    step_inputs = [
+        make_step_inputs(control_chunks, batches[s * M : (s + 1) * M], s, args.seed,
+                         args.hidden, device, dtype)
+        for s in range(args.steps)
+    ]
+    control = train_control(control_chunks, layout.ops, step_inputs, device)
+    paged = train_paged(paged_chunks, layout.ops, step_inputs, device, args, backend)
+    return DemoResult(layout, device, backend, args.overflow_policy, control, paged)
 
 
 def _kib(nbytes: int) -> str:
     return f"{nbytes / 1024:.1f} KiB"
 
 
+def _loss(loss: torch.Tensor | None) -> str:
+    return "-" if loss is None else f"{loss.item():.6f}"
+
+
 def format_table(result: DemoResult) -> str:
     header = (
-        "step", "loss control", "loss paged", "grad norm control", "grad norm paged",
-        "peak held control", "peak held paged", "pages used (peak)", "host spills", "overflows",
+        "step", "action", "overflow", "loss control", "loss paged", "grad norm control",
+        "grad norm paged", "peak held control", "peak held paged", "pages used (peak)",
+        "host spills",
     )
     rows = [header]
-    for step, (c, p) in enumerate(zip(result.control, result.paged, strict=True), start=1):
+    for step, (c, p) in enumerate(zip(result.control.steps, result.paged.steps, strict=True), 1):
+        # A skipped step's gradients came from an overflowed run: never applied, not shown.
+        discarded = p.action in ("skipped", "grown")
+        paged_norm = "discarded" if discarded else f"{p.grad_norm:.6f}"
         rows.append((
-            str(step), f"{c.loss.item():.6f}", f"{p.loss.item():.6f}", f"{c.grad_norm:.6f}",
-            f"{p.grad_norm:.6f}", _kib(c.stats.peak_bytes), _kib(p.stats.peak_bytes),
-            str(p.stats.peak_pages_used), str(p.stats.host_spills), str(int(p.stats.overflow)),
+            str(step), p.action, "yes" if p.overflow else "no", _loss(c.loss), _loss(p.loss),
+            f"{c.grad_norm:.6f}", paged_norm, _kib(c.peak_bytes), _kib(p.peak_bytes),
+            "-" if p.peak_pages is None else str(p.peak_pages), str(p.host_spills),
         ))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = [" | ".join(cell.rjust(w) for cell, w in zip(r, widths, strict=True)) for r in rows]
@@ -218,7 +239,7 @@ def format_table(result: DemoResult) -> str:
 
 
 def write_plot(result: DemoResult, path: Path) -> None:
-    """Bytes held for backward at every pack/unpack/release event, control vs paged."""
+    """Capacity-buffer bytes held for backward after every layer forward/backward."""
     # The object API with an explicit Agg canvas: no pyplot, no global backend switch.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -227,43 +248,52 @@ def write_plot(result: DemoResult, path: Path) -> None:
     FigureCanvasAgg(figure)
     axes = figure.add_subplot()
     peak = 0.0
-    for label, timeline in (("control (unpaged)", result.control_timeline),
-                            ("paged", result.paged_timeline)):
-        mib = [b / 2**20 for b in timeline.total_bytes]
-        peak = max([peak, *mib])
-        axes.plot(range(len(mib)), mib, label=label, linewidth=1.2)
+    for label, run in (("control (unpaged)", result.control), ("paged", result.paged)):
+        kib = [b / 1024 for b in run.timeline]
+        peak = max([peak, *kib])
+        axes.plot(range(len(kib)), kib, label=label, linewidth=1.2)
     axes.set_ylim(0, peak * 1.25 or 1.0)  # headroom for the legend
-    for start in result.control_timeline.step_starts[1:]:
+    for start in result.control.step_starts[1:]:
         axes.axvline(start, color="grey", linestyle=":", linewidth=0.8)
-    axes.set_xlabel("saved-tensor event (pack / unpack / release); dotted lines: new step")
-    axes.set_ylabel("MiB held for backward")
-    axes.set_title("TinyMoE activations held for backward: control vs paged")
+    axes.set_xlabel("layer forward / backward of the rank's schedule; dotted lines: new step")
+    axes.set_ylabel("KiB of expert buffers held for backward")
+    layout = result.layout
+    axes.set_title(f"TinyMoE, {layout.schedule} rank {layout.rank}: control vs paged "
+                   "(step 1 calibrates)")
     axes.legend(loc="upper center", ncols=2)
     figure.tight_layout()
     figure.savefig(path)
 
 
-def run(args: argparse.Namespace, reload_fill: float | None = None) -> int:
-    """Run the demo, print the table, the plot path and the parity line; 0 iff bitwise."""
+def _pool_line(pools) -> str:
+    return ", ".join(
+        f"{p.row_bytes} B rows: {p.num_cuda_pages} pages + {p.num_host_pages} host" for p in pools
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the demo, print the table, plot path and parity line; exit code per the contract."""
     try:
-        result = run_demo(args, reload_fill=reload_fill)
+        result = run_demo(args)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    pool_lines = ", ".join(
-        f"{p.row_bytes} B rows: {p.num_cuda_pages} pages + {p.num_host_pages} host"
-        for p in result.pools
+    layout = result.layout
+    vpp = f", vpp {layout.vpp}" if layout.vpp else ""
+    print(
+        f"TinyMoE demo: schedule {layout.schedule} (pp {layout.pp}{vpp}, "
+        f"microbatches {layout.microbatches}), rank {layout.rank} holds stage(s) "
+        f"{', '.join(map(str, layout.stages))} of {layout.num_stages}; {len(layout.ops)} ops "
+        f"on {result.device} (kernel backend: {result.backend})"
     )
-    device = result.pools.device
-    print(f"TinyMoE demo on {device} (kernel backend: {result.backend}); pools: {pool_lines}")
+    print(f"order: {' '.join(map(repr, layout.ops))}")
+    print(f"pools (calibrated in step 1): {_pool_line(result.paged.calibrated_pools)}")
+    if result.paged.pools is not result.paged.calibrated_pools:
+        print(f"pools (after grow): {_pool_line(result.paged.pools)}")
     print(format_table(result))
     plot = Path(args.plot).resolve()
     write_plot(result, plot)
     print(f"plot: {plot}")
-    if result.bitwise:
-        print("parity: bitwise")
-        return 0
-    shown = "; ".join(result.mismatches[:3])
-    more = f" (+{len(result.mismatches) - 3} more)" if len(result.mismatches) > 3 else ""
-    print(f"parity: MISMATCH {shown}{more}")
-    return 1
+    verdict = result.verdict()
+    print(verdict.line)
+    return verdict.exit_code

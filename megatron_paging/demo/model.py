@@ -294,6 +294,23 @@ class TinyMoELayer(nn.Module):
         return x + moe_out.view(batch, seq, hidden)
 
 
+@torch.no_grad()
+def init_parameters(module: nn.Module, seed: int) -> None:
+    """Initialize from ``seed`` alone (CPU generator), so equal seeds give equal weights.
+
+    Norm weights are 1, the embedding N(0, 1), every other weight N(0, 1 / fan_in).
+    """
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in module.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+            continue
+        fan_in = param.shape[-2] if param.dim() == 3 else param.shape[-1]
+        std = 1.0 if name == "embed.weight" else fan_in**-0.5
+        values = torch.randn(param.shape, generator=generator) * std
+        param.copy_(values.to(param.dtype))
+
+
 class TinyMoE(nn.Module):
     """Embedding, ``layers`` x [mixer, MoE], final norm, LM head; ``forward`` returns the CE loss.
 
@@ -310,18 +327,8 @@ class TinyMoE(nn.Module):
         self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
         self.reset_parameters(seed)
 
-    @torch.no_grad()
     def reset_parameters(self, seed: int) -> None:
-        """Initialize from ``seed`` alone (CPU generator), so equal seeds give equal weights."""
-        generator = torch.Generator().manual_seed(seed)
-        for name, param in self.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-                continue
-            fan_in = param.shape[-2] if param.dim() == 3 else param.shape[-1]
-            std = 1.0 if name == "embed.weight" else fan_in**-0.5
-            values = torch.randn(param.shape, generator=generator) * std
-            param.copy_(values.to(param.dtype))
+        init_parameters(self, seed)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor, paging=None) -> torch.Tensor:
         x = self.embed(tokens)

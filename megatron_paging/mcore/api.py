@@ -29,7 +29,7 @@ from contextlib import nullcontext
 
 import torch
 
-from megatron_paging.mcore.engine import EagerPaging, PagedGroup
+from megatron_paging.mcore.engine import PagedGroup, PagingEngine
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,7 @@ class _GroupCommit(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         ctx.engine.reload(ctx.group)
+        ctx.group = None  # the graph may outlive this backward; the group is done
         return grad, None, None
 
 
@@ -53,13 +54,13 @@ class MCorePagingAPI:
     """The paged-stash API of Megatron-Core, backed by a paging engine.
 
     Args:
-        engine: the engine that stashes and reloads (default: :class:`EagerPaging`).
+        engine: the engine that stashes and reloads (default: :class:`PagingEngine`).
         device: where the "nothing to report" flags live before any pool exists (default: the
             current CUDA device, else CPU).
     """
 
-    def __init__(self, engine: EagerPaging | None = None, device: torch.device | None = None):
-        self.engine = engine if engine is not None else EagerPaging()
+    def __init__(self, engine: PagingEngine | None = None, device: torch.device | None = None):
+        self.engine = engine if engine is not None else PagingEngine()
         if device is None:
             device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
         self.device = torch.device(device)

@@ -202,7 +202,7 @@ def install_options(args) -> dict:
 
 
 def engine_options(args) -> dict:
-    """Keyword arguments of :class:`~megatron_paging.mcore.engine.EagerPaging` from ``args``."""
+    """Keyword arguments of :class:`~megatron_paging.mcore.engine.PagingEngine` from ``args``."""
     return dict(
         kernel_backend=args.paging_kernel_backend,
         prefetch_distance=args.paging_prefetch_distance,

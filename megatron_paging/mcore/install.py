@@ -131,7 +131,7 @@ class PagingInstaller:
         **engine_options,
     ) -> MCorePagingAPI:
         """Rebind Megatron-Core's paged-stash hook points to ``api`` (made from
-        ``engine_options`` for :class:`~megatron_paging.mcore.engine.EagerPaging` when None).
+        ``engine_options`` for :class:`~megatron_paging.mcore.engine.PagingEngine` when None).
 
         ``replace_paged_stash=False`` installs only the ``static`` dispatch backend and its config
         shim and leaves Megatron-Core's own paged-stash manager, kernels and runner in place (the
@@ -145,9 +145,9 @@ class PagingInstaller:
         for name in KNOWN_IMPORTERS:
             importlib.import_module(name)
         if api is None:
-            from megatron_paging.mcore.engine import EagerPaging
+            from megatron_paging.mcore.engine import PagingEngine
 
-            api = MCorePagingAPI(EagerPaging(**engine_options))
+            api = MCorePagingAPI(PagingEngine(**engine_options))
 
         paged_stash = sys.modules[PAGED_STASH_MODULE]
         replacements = {}
@@ -207,7 +207,10 @@ class PagingInstaller:
         for module_name, module in list(sys.modules.items()):
             if module is None or module_name.startswith("megatron_paging"):
                 continue
-            for attr, value in list(vars(module).items()):
+            namespace = getattr(module, "__dict__", None)
+            if not isinstance(namespace, dict):
+                continue  # lazy or proxy objects registered in sys.modules
+            for attr, value in list(namespace.items()):
                 if id(value) in replacements and value is originals[id(value)]:
                     _, replacement = replacements[id(value)]
                     setattr(module, attr, replacement)

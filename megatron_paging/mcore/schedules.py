@@ -80,9 +80,7 @@ def _megatron_order(
     return ops
 
 
-def one_f_one_b(
-    pp: int, rank: int, microbatches: int, delay_wgrad: bool = False
-) -> list[Op]:
+def one_f_one_b(pp: int, rank: int, microbatches: int, delay_wgrad: bool = False) -> list[Op]:
     """Megatron-Core's non-interleaved 1F1B order for pipeline rank ``rank`` of ``pp``."""
     _check("pp", pp, 1)
     _check("microbatches", microbatches, 1)
