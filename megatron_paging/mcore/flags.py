@@ -72,21 +72,27 @@ def _option(parser: argparse.ArgumentParser, flag: str):
     return parser._option_string_actions.get(flag)
 
 
-def add_paging_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Megatron ``extra_args_provider``: add megatron-paging's flags; returns the parser."""
-    group = parser.add_argument_group(title="megatron-paging")
-    for flag, kwargs in MCORE_FLAGS.items():
-        if _option(parser, flag) is None:
-            group.add_argument(flag, **kwargs)
+def allow_static_backend(parser: argparse.ArgumentParser, group=None) -> argparse.ArgumentParser:
+    """Make ``--moe-flex-dispatcher-backend`` accept ``static`` (adding the flag if absent)."""
     backend = _option(parser, "--moe-flex-dispatcher-backend")
     if backend is None:
-        group.add_argument(
+        (group or parser).add_argument(
             "--moe-flex-dispatcher-backend",
             choices=("deepep", "hybridep", "ncclep", STATIC_BACKEND),
             default="deepep",
         )
     elif backend.choices is not None and STATIC_BACKEND not in backend.choices:
         backend.choices = (*backend.choices, STATIC_BACKEND)
+    return parser
+
+
+def add_paging_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron ``extra_args_provider``: add megatron-paging's flags; returns the parser."""
+    group = parser.add_argument_group(title="megatron-paging")
+    for flag, kwargs in MCORE_FLAGS.items():
+        if _option(parser, flag) is None:
+            group.add_argument(flag, **kwargs)
+    allow_static_backend(parser, group)
     group.add_argument(
         "--paging-max-ctas",
         type=int,

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from megatron_paging.env import check_megatron_core_version
 from megatron_paging.mcore.api import MCorePagingAPI
 from megatron_paging.mcore.dispatcher import STATIC_BACKEND, PagingFlexTokenDispatcher
+from megatron_paging.mcore.flags import allow_static_backend
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,16 @@ def _validate_static_backend(original_post_init):
 
     __post_init__.megatron_paging_shim = True
     return __post_init__
+
+
+def _with_static_backend(add_megatron_arguments):
+    """Wrap Megatron's parser builder so every parser it builds accepts the static backend."""
+
+    @functools.wraps(add_megatron_arguments)
+    def wrapped(parser):
+        return allow_static_backend(add_megatron_arguments(parser))
+
+    return wrapped
 
 
 def _our_runner(api: MCorePagingAPI):
@@ -165,6 +176,15 @@ class PagingInstaller:
         # The dispatcher is constructed in one place only: MoELayer.__init__.
         moe_layer = sys.modules[MOE_LAYER_MODULE]
         self._rebind(moe_layer, "MoEFlexTokenDispatcher", PagingFlexTokenDispatcher)
+
+        # Megatron's training loop re-parses the command line without our extra_args_provider
+        # (in-process restart, fault tolerance): its own parser must accept `static` too.
+        arguments = importlib.import_module("megatron.training.arguments")
+        self._rebind(
+            arguments,
+            "add_megatron_arguments",
+            _with_static_backend(arguments.add_megatron_arguments),
+        )
 
         config_cls = sys.modules[CONFIG_MODULE].TransformerConfig
         original_post_init = config_cls.__dict__["__post_init__"]

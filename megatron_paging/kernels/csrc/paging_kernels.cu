@@ -7,10 +7,12 @@
 // the ring (reload).
 //
 // One launch does everything: every CTA computes the same plan from read-only state (flags,
-// freelist head/tail, live counts), copies its tiles (grid-stride), then the last CTA to finish
-// (counted on a per-pool int32 in device memory, which it resets to 0) commits head/tail and
-// flags. Nothing a CTA reads is written before every CTA has arrived, so no CTA sees a half-
-// committed state, and no host read is needed: the launch is CUDA-graph capturable.
+// freelist head/tail, live counts), then arrives on a per-pool int32 counter in device memory.
+// The last CTA to arrive commits head/tail and flags (and resets the counter to 0) while the
+// copies still run: every value a launch overwrites has been read by every CTA before it
+// arrives, so no CTA sees a half-committed state. Each CTA then copies its tiles (grid-stride),
+// requesting the next tile's page id before copying the current one. No host read is needed:
+// the launch is CUDA-graph capturable.
 //
 // This file includes no ATen headers so that it compiles quickly; paging_ops.cpp checks the
 // tensors and calls the two launchers at the bottom.
@@ -19,15 +21,16 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 
 namespace megatron_paging {
 namespace {
 
 constexpr int kThreads = 256;
-// 4 x 256 threads per SM; each thread keeps kUnroll 16-byte loads in flight before its stores.
-constexpr int kMinCtasPerSm = 4;
+constexpr int kUnroll = 4;  // independent 16-byte loads in flight per thread before the stores
+constexpr int64_t kTileBytes = int64_t{kThreads} * 16 * kUnroll;  // 16 KiB
+// 3 x 256 threads per SM (80 registers): at 4 per SM (64 registers) the tile loop spills to
+// local memory and loses half the bandwidth (measured on an H200, docs/kernels.md).
+constexpr int kMinCtasPerSm = 3;
 // Segment tables travel by value as kernel parameters (no host->device copy, graph safe). Two
 // sizes keep the common few-segment launch small; 1024 x 24 bytes stays under the 32 KiB limit.
 constexpr int kFewSegments = 8;
@@ -139,39 +142,19 @@ __device__ __forceinline__ int last_at_or_below(const int64_t* keys, int n, int6
   return lo;
 }
 
-// Streaming cache hints: every byte is read once and written once per launch.
-template <bool kStream, typename Word>
-__device__ __forceinline__ Word load_word(const Word* p) {
-  if constexpr (kStream) {
-    return __ldcs(p);
-  } else {
-    return *p;
-  }
-}
-
-template <bool kStream, typename Word>
-__device__ __forceinline__ void store_word(Word* p, Word v) {
-  if constexpr (kStream) {
-    __stcs(p, v);
-  } else {
-    *p = v;
-  }
-}
-
-// Indices are 32-bit: a tile is at most kThreads * 16 * kUnroll bytes (the 64-bit part is the
-// tile's base).
-template <int kUnroll, bool kStream, typename Word>
+// Indices are 32-bit: a tile is at most kTileBytes long (the 64-bit part is the tile's base).
+template <typename Word>
 __device__ __forceinline__ void copy_words(Word* __restrict__ dst, const Word* __restrict__ src,
                                            int n) {
   for (int base = threadIdx.x; base < n; base += kUnroll * kThreads) {
     Word v[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      if (base + u * kThreads < n) v[u] = load_word<kStream>(src + base + u * kThreads);
+      if (base + u * kThreads < n) v[u] = src[base + u * kThreads];
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      if (base + u * kThreads < n) store_word<kStream>(dst + base + u * kThreads, v[u]);
+      if (base + u * kThreads < n) dst[base + u * kThreads] = v[u];
     }
   }
 }
@@ -181,7 +164,6 @@ __device__ __forceinline__ void copy_words(Word* __restrict__ dst, const Word* _
 // alignment and the trailing remainder go byte by byte, so any row byte count and any base
 // offset work, and nothing outside [dst, dst + n) is written. Out of line: only odd row sizes
 // and misaligned views come here, and inlining it would cost the 16-byte path registers.
-template <int kUnroll, bool kStream>
 __device__ __noinline__ void copy_range_general(uint8_t* dst, const uint8_t* src, int n) {
   const uintptr_t d = reinterpret_cast<uintptr_t>(dst);
   const unsigned rel = static_cast<unsigned>((reinterpret_cast<uintptr_t>(src) - d) & 15u);
@@ -193,23 +175,23 @@ __device__ __noinline__ void copy_range_general(uint8_t* dst, const uint8_t* src
   const uint8_t* src_body = src + lead;
   switch (w) {
     case 16:
-      copy_words<kUnroll, kStream>(reinterpret_cast<uint4*>(dst_body),
+      copy_words(reinterpret_cast<uint4*>(dst_body),
                                    reinterpret_cast<const uint4*>(src_body), words);
       break;
     case 8:
-      copy_words<kUnroll, kStream>(reinterpret_cast<uint2*>(dst_body),
+      copy_words(reinterpret_cast<uint2*>(dst_body),
                                    reinterpret_cast<const uint2*>(src_body), words);
       break;
     case 4:
-      copy_words<kUnroll, kStream>(reinterpret_cast<uint32_t*>(dst_body),
+      copy_words(reinterpret_cast<uint32_t*>(dst_body),
                                    reinterpret_cast<const uint32_t*>(src_body), words);
       break;
     case 2:
-      copy_words<kUnroll, kStream>(reinterpret_cast<uint16_t*>(dst_body),
+      copy_words(reinterpret_cast<uint16_t*>(dst_body),
                                    reinterpret_cast<const uint16_t*>(src_body), words);
       break;
     default:
-      copy_words<kUnroll, kStream>(dst_body, src_body, words);
+      copy_words(dst_body, src_body, words);
       break;
   }
   const int done = lead + words * w;
@@ -217,15 +199,14 @@ __device__ __noinline__ void copy_range_general(uint8_t* dst, const uint8_t* src
 }
 
 // The common case (both ends 16-byte aligned, length a multiple of 16) inline, the rest general.
-template <int kUnroll, bool kStream>
 __device__ __forceinline__ void copy_range(uint8_t* dst, const uint8_t* src, int n) {
   const auto bits = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
                     static_cast<uintptr_t>(n);
   if ((bits & 15u) == 0) {
-    copy_words<kUnroll, kStream>(reinterpret_cast<uint4*>(dst), reinterpret_cast<const uint4*>(src),
+    copy_words(reinterpret_cast<uint4*>(dst), reinterpret_cast<const uint4*>(src),
                                  n / 16);
   } else {
-    copy_range_general<kUnroll, kStream>(dst, src, n);
+    copy_range_general(dst, src, n);
   }
 }
 
@@ -238,10 +219,9 @@ struct TileRef {
   int s;
 };
 
-template <bool kReload, int N, int kUnroll, bool kStream, int kMinCtas>
-__global__ void __launch_bounds__(kThreads, kMinCtas)
+template <bool kReload, int N>
+__global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
     paging_kernel(const __grid_constant__ PagingArgs a, const __grid_constant__ Segments<N> seg) {
-  constexpr int64_t kTileBytes = int64_t{kThreads} * 16 * kUnroll;
   __shared__ Plan<N> plan;
   // Thread 0 reads the shared metadata; its latency overlaps the live-count loads of the plan.
   int64_t overflow = 0, head0 = 0, head1 = 0, tail0 = 0, tail1 = 0, spilled = 0;
@@ -372,9 +352,9 @@ __global__ void __launch_bounds__(kThreads, kMinCtas)
         uint8_t* paged = pages + cur_id * ps * rb + lo;
         const int n = static_cast<int>(hi - lo);
         if constexpr (kReload) {
-          copy_range<kUnroll, kStream>(user, paged, n);
+          copy_range(user, paged, n);
         } else {
-          copy_range<kUnroll, kStream>(paged, user, n);
+          copy_range(paged, user, n);
         }
       }
     }
@@ -398,56 +378,6 @@ __global__ void __launch_bounds__(kThreads, kMinCtas)
   }
 }
 
-// Launch configuration of one kernel instance.
-struct Variant {
-  int unroll;
-  bool stream_hints;
-  int min_ctas;
-  bool cap_at_resident;
-};
-
-Variant default_variant() { return Variant{4, false, 4, true}; }
-
-// EXPERIMENT ONLY (removed before commit): MEGATRON_PAGING_EXPERIMENT="unroll,hints,min,cap".
-Variant pick_variant() {
-  Variant v = default_variant();
-  const char* env = std::getenv("MEGATRON_PAGING_EXPERIMENT");
-  if (env != nullptr) {
-    int u = 4, h = 0, m = 4, c = 1;
-    if (std::sscanf(env, "%d,%d,%d,%d", &u, &h, &m, &c) == 4) v = Variant{u, h != 0, m, c != 0};
-  }
-  return v;
-}
-
-template <bool kReload, int N, int kUnroll, bool kStream, int kMinCtas>
-cudaError_t launch_kernel(PagingArgs args, const Segments<N>& seg, int max_ctas, bool cap,
-                          cudaStream_t stream) {
-  constexpr int64_t kTileBytes = int64_t{kThreads} * 16 * kUnroll;
-  auto kernel = paging_kernel<kReload, N, kUnroll, kStream, kMinCtas>;
-  const int64_t page_bytes = args.page_size * args.row_bytes;
-  args.tiles_per_page = (page_bytes + kTileBytes - 1) / kTileBytes;
-  const int64_t zero_blocks = kReload ? 0 : (args.record_slots + kThreads - 1) / kThreads;
-  const int64_t work = std::max(args.max_slots * args.tiles_per_page, zero_blocks);
-  int64_t grid = std::max<int64_t>(1, std::min<int64_t>(max_ctas, work));
-  if (cap) {
-    // More CTAs than fit at once would only queue behind the resident ones.
-    int device = 0;
-    int sms = 0;
-    int per_sm = 0;
-    cudaError_t err = cudaGetDevice(&device);
-    if (err == cudaSuccess) {
-      err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    }
-    if (err == cudaSuccess) {
-      err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0);
-    }
-    if (err != cudaSuccess) return err;
-    grid = std::min(grid, std::max<int64_t>(int64_t{sms} * per_sm, 1));
-  }
-  kernel<<<static_cast<unsigned int>(grid), kThreads, 0, stream>>>(args, seg);
-  return cudaGetLastError();
-}
-
 template <int N>
 cudaError_t launch_with(bool reload, const PagingArgs& args, const int64_t* segment_starts,
                         const int64_t* segment_rows, const int64_t* slot_offsets, int max_ctas,
@@ -458,23 +388,28 @@ cudaError_t launch_with(bool reload, const PagingArgs& args, const int64_t* segm
     seg.rows[s] = segment_rows[s];
     seg.slot_offset[s] = slot_offsets[s];
   }
-  const Variant v = N == kFewSegments ? pick_variant() : default_variant();
-  const bool c = v.cap_at_resident;
-#define MP_LAUNCH(U, H, M)                                                                 \
-  if (v.unroll == U && v.stream_hints == H && v.min_ctas == M) {                           \
-    return reload ? launch_kernel<true, N, U, H, M>(args, seg, max_ctas, c, stream)       \
-                  : launch_kernel<false, N, U, H, M>(args, seg, max_ctas, c, stream);     \
+  auto kernel = reload ? paging_kernel<true, N> : paging_kernel<false, N>;
+  // The grid never exceeds max_ctas, the tiles a full record could need, or what fits on the
+  // device at once (a persistent grid: extra CTAs would queue behind the resident ones, and on
+  // an H200 letting max_ctas alone bound it lost ~30% on 224-byte rows and 1,000 live rows).
+  int device = 0;
+  int sms = 0;
+  int per_sm = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) {
+    err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   }
-  if constexpr (N == kFewSegments) {
-    MP_LAUNCH(4, false, 3)
-    MP_LAUNCH(4, true, 3)
-    MP_LAUNCH(4, true, 4)
-    MP_LAUNCH(8, false, 2)
-    MP_LAUNCH(8, true, 2)
+  if (err == cudaSuccess) {
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0);
   }
-  return reload ? launch_kernel<true, N, 4, false, 4>(args, seg, max_ctas, c, stream)
-                : launch_kernel<false, N, 4, false, 4>(args, seg, max_ctas, c, stream);
-#undef MP_LAUNCH
+  if (err != cudaSuccess) return err;
+  const int64_t zero_blocks = reload ? 0 : (args.record_slots + kThreads - 1) / kThreads;
+  const int64_t work = std::max(args.max_slots * args.tiles_per_page, zero_blocks);
+  const int64_t resident = std::max<int64_t>(int64_t{sms} * per_sm, 1);
+  const int64_t grid =
+      std::max<int64_t>(1, std::min({int64_t{max_ctas}, work, resident}));
+  kernel<<<static_cast<unsigned int>(grid), kThreads, 0, stream>>>(args, seg);
+  return cudaGetLastError();
 }
 
 cudaError_t launch(bool reload, PagingArgs args, const int64_t* segment_starts,
@@ -483,6 +418,8 @@ cudaError_t launch(bool reload, PagingArgs args, const int64_t* segment_starts,
   if (args.num_segments < 1 || args.num_segments > kMaxSegments || max_ctas < 1) {
     return cudaErrorInvalidValue;
   }
+  const int64_t page_bytes = args.page_size * args.row_bytes;
+  args.tiles_per_page = (page_bytes + kTileBytes - 1) / kTileBytes;
   args.max_slots = 0;
   for (int s = 0; s < args.num_segments; ++s) {
     args.max_slots += (segment_rows[s] + args.page_size - 1) / args.page_size;
