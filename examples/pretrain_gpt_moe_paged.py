@@ -142,6 +142,24 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
     ).build()
 
 
+def use_prebuilt_dataset_helpers() -> None:
+    """Skip Megatron's ``make`` of the dataset helpers when the prebuilt module imports.
+
+    The megatron-core wheel ships ``helpers_cpp`` compiled but not its Makefile, and Megatron's
+    initialization runs ``make`` on rank 0 anyway, which then fails and exits. A source checkout
+    (with the Makefile) is left alone.
+    """
+    from megatron.core.datasets import utils as dataset_utils
+
+    try:
+        import megatron.core.datasets.helpers_cpp  # noqa: F401
+    except ImportError:
+        return
+    makefile = os.path.join(os.path.dirname(dataset_utils.__file__), "Makefile")
+    if not os.path.exists(makefile):
+        dataset_utils.compile_helpers = lambda: None
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     train_valid_test_datasets_provider.is_distributed = True
@@ -153,6 +171,7 @@ def main() -> None:
         raise ValueError("this example reads batches without TP broadcast: use TP=1 (EP/PP ok)")
     # Before any model or config is built: the hook points are imported by name.
     api = install(**install_options(args))
+    use_prebuilt_dataset_helpers()
     cfg = pretrain_cfg_container_from_args(args)
     cfg.model = None  # build through model_provider (our layer spec)
     pretrain(

@@ -7,12 +7,10 @@
 // the ring (reload).
 //
 // One launch does everything: every CTA computes the same plan from read-only state (flags,
-// freelist head/tail, live counts), then arrives on a per-pool int32 counter in device memory.
-// The last CTA to arrive commits head/tail and flags (and resets the counter to 0) while the
-// copies still run: every value a launch overwrites has been read by every CTA before it
-// arrives, so no CTA sees a half-committed state. Each CTA then copies its tiles (grid-stride),
-// requesting the next tile's page id before copying the current one. No host read is needed:
-// the launch is CUDA-graph capturable.
+// freelist head/tail, live counts), copies its tiles (grid-stride), then the last CTA to finish
+// (counted on a per-pool int32 in device memory, which it resets to 0) commits head/tail and
+// flags. Nothing a CTA reads is written before every CTA has arrived, so no CTA sees a half-
+// committed state, and no host read is needed: the launch is CUDA-graph capturable.
 //
 // This file includes no ATen headers so that it compiles quickly; paging_ops.cpp checks the
 // tensors and calls the two launchers at the bottom.
@@ -28,9 +26,8 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kUnroll = 4;  // independent 16-byte loads in flight per thread before the stores
 constexpr int64_t kTileBytes = int64_t{kThreads} * 16 * kUnroll;  // 16 KiB
-// 3 x 256 threads per SM (80 registers): at 4 per SM (64 registers) the tile loop spills to
-// local memory and loses half the bandwidth (measured on an H200, docs/kernels.md).
-constexpr int kMinCtasPerSm = 3;
+// 4 x 256 threads per SM keep 64 KiB of loads in flight per SM, more than HBM3e needs.
+constexpr int kMinCtasPerSm = 4;
 // Segment tables travel by value as kernel parameters (no host->device copy, graph safe). Two
 // sizes keep the common few-segment launch small; 1024 x 24 bytes stays under the 32 KiB limit.
 constexpr int kFewSegments = 8;
@@ -72,10 +69,6 @@ struct Plan {
   int64_t copy_rows[N];
   int64_t page_prefix[N];  // exclusive prefix of ceil(copy_rows / page_size) in record order
   int64_t total_pages;
-  int64_t ring_start;      // ring position of the record's first page
-  int64_t ring_pages;      // pages popped (stash) or pushed (reload)
-  int tier;
-  int active;              // copy (and pop/push) at all
   int invalid;
 };
 
@@ -162,9 +155,8 @@ __device__ __forceinline__ void copy_words(Word* __restrict__ dst, const Word* _
 // CTA-cooperative copy of n bytes. The word width is the widest power of two (<= 16) that
 // divides the distance between the two pointers; leading bytes up to the destination's word
 // alignment and the trailing remainder go byte by byte, so any row byte count and any base
-// offset work, and nothing outside [dst, dst + n) is written. Out of line: only odd row sizes
-// and misaligned views come here, and inlining it would cost the 16-byte path registers.
-__device__ __noinline__ void copy_range_general(uint8_t* dst, const uint8_t* src, int n) {
+// offset work, and nothing outside [dst, dst + n) is written.
+__device__ __forceinline__ void copy_range(uint8_t* dst, const uint8_t* src, int n) {
   const uintptr_t d = reinterpret_cast<uintptr_t>(dst);
   const unsigned rel = static_cast<unsigned>((reinterpret_cast<uintptr_t>(src) - d) & 15u);
   const int w = rel == 0 ? 16 : (rel & 7u) == 0 ? 8 : (rel & 3u) == 0 ? 4 : (rel & 1u) == 0 ? 2 : 1;
@@ -175,20 +167,20 @@ __device__ __noinline__ void copy_range_general(uint8_t* dst, const uint8_t* src
   const uint8_t* src_body = src + lead;
   switch (w) {
     case 16:
-      copy_words(reinterpret_cast<uint4*>(dst_body),
-                                   reinterpret_cast<const uint4*>(src_body), words);
+      copy_words(reinterpret_cast<uint4*>(dst_body), reinterpret_cast<const uint4*>(src_body),
+                 words);
       break;
     case 8:
-      copy_words(reinterpret_cast<uint2*>(dst_body),
-                                   reinterpret_cast<const uint2*>(src_body), words);
+      copy_words(reinterpret_cast<uint2*>(dst_body), reinterpret_cast<const uint2*>(src_body),
+                 words);
       break;
     case 4:
       copy_words(reinterpret_cast<uint32_t*>(dst_body),
-                                   reinterpret_cast<const uint32_t*>(src_body), words);
+                 reinterpret_cast<const uint32_t*>(src_body), words);
       break;
     case 2:
       copy_words(reinterpret_cast<uint16_t*>(dst_body),
-                                   reinterpret_cast<const uint16_t*>(src_body), words);
+                 reinterpret_cast<const uint16_t*>(src_body), words);
       break;
     default:
       copy_words(dst_body, src_body, words);
@@ -198,169 +190,80 @@ __device__ __noinline__ void copy_range_general(uint8_t* dst, const uint8_t* src
   if (static_cast<int>(threadIdx.x) < n - done) dst[done + threadIdx.x] = src[done + threadIdx.x];
 }
 
-// The common case (both ends 16-byte aligned, length a multiple of 16) inline, the rest general.
-__device__ __forceinline__ void copy_range(uint8_t* dst, const uint8_t* src, int n) {
-  const auto bits = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
-                    static_cast<uintptr_t>(n);
-  if ((bits & 15u) == 0) {
-    copy_words(reinterpret_cast<uint4*>(dst), reinterpret_cast<const uint4*>(src),
-                                 n / 16);
-  } else {
-    copy_range_general(dst, src, n);
-  }
-}
-
-// A tile in record order: page index g, byte range k inside the page, segment s, page slot j
-// inside the segment.
-struct TileRef {
-  int64_t g;
-  int k;
-  int j;
-  int s;
-};
-
 template <bool kReload, int N>
 __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
     paging_kernel(const __grid_constant__ PagingArgs a, const __grid_constant__ Segments<N> seg) {
-  __shared__ Plan<N> plan;
-  // Thread 0 reads the shared metadata; its latency overlaps the live-count loads of the plan.
-  int64_t overflow = 0, head0 = 0, head1 = 0, tail0 = 0, tail1 = 0, spilled = 0;
-  if (threadIdx.x == 0) {
-    overflow = a.flags[0];
-    head0 = a.head[0];
-    head1 = a.head[1];
-    tail0 = a.tail[0];
-    tail1 = a.tail[1];
-    if constexpr (kReload) spilled = a.spilled_to_host[0];
-  }
-  make_plan(a, seg, plan);
+  // Metadata loads go first so that their latency overlaps the live-count loads of the plan.
+  const int64_t overflow = a.flags[0];
+  const int64_t head0 = a.head[0];
+  const int64_t head1 = a.head[1];
+  const int64_t tail0 = a.tail[0];
+  const int64_t tail1 = a.tail[1];
+  const int64_t spilled = kReload ? a.spilled_to_host[0] : 0;
 
+  __shared__ Plan<N> plan;
+  make_plan(a, seg, plan);
+  const bool invalid = plan.invalid != 0;
+  // Pages popped (stash) or pushed (reload): none when a live count is invalid.
+  const int64_t ring_pages = invalid ? 0 : plan.total_pages;
+  const bool has_host = a.num_pages[1] > 0;
+
+  int tier = 0;
+  bool active = false;
   bool use_host = false;
   bool new_overflow = false;
-  if (threadIdx.x == 0) {
-    const bool invalid = plan.invalid != 0;
-    const bool has_host = a.num_pages[1] > 0;
-    // Pages popped (stash) or pushed (reload): none when a live count is invalid.
-    const int64_t ring_pages = invalid ? 0 : plan.total_pages;
-    bool active;
-    int tier;
-    int64_t ring_start;
-    if constexpr (!kReload) {
-      const bool ok = overflow == 0 && !invalid;
-      const bool use_cuda = ok && tail0 - head0 >= ring_pages;
-      use_host = ok && !use_cuda && has_host && tail1 - head1 >= ring_pages;
-      new_overflow = (overflow == 0 && !use_cuda && !use_host) || invalid;
-      active = use_cuda || use_host;
-      tier = use_host ? 1 : 0;
-      ring_start = use_host ? head1 : head0;
-    } else {
-      const bool from_host = spilled == 1;
-      active = overflow == 0 && (!from_host || has_host);
-      tier = from_host ? 1 : 0;
-      ring_start = from_host ? tail1 : tail0;
-    }
-    plan.active = active;
-    plan.tier = tier;
-    plan.ring_start = ring_start;
-    plan.ring_pages = ring_pages;
+  int64_t ring_start = 0;
+  if constexpr (!kReload) {
+    const bool ok = overflow == 0 && !invalid;
+    const bool use_cuda = ok && tail0 - head0 >= ring_pages;
+    use_host = ok && !use_cuda && has_host && tail1 - head1 >= ring_pages;
+    new_overflow = (overflow == 0 && !use_cuda && !use_host) || invalid;
+    active = use_cuda || use_host;
+    tier = use_host ? 1 : 0;
+    ring_start = use_host ? head1 : head0;
+  } else {
+    const bool from_host = spilled == 1;
+    active = overflow == 0 && (!from_host || has_host);
+    tier = from_host ? 1 : 0;
+    ring_start = from_host ? tail1 : tail0;
   }
-  __syncthreads();
 
-  // Commit early: every value this launch reads and later overwrites (flags, head/tail,
-  // spilled_to_host) has been read by this CTA above, so the last CTA to arrive here publishes
-  // the new counters and flags while the copies still run, off the critical path.
-  if (threadIdx.x == 0) {
-    __threadfence();
-    const unsigned int arrived = atomicAdd(a.done_counter, 1u);
-    if (arrived == gridDim.x - 1) {
-      const bool active = plan.active != 0;
-      const int tier = plan.tier;
-      const int64_t new_counter = plan.ring_start + plan.ring_pages;
+  if (active) {
+    const int64_t ps = a.page_size;
+    const int64_t rb = a.row_bytes;
+    const int64_t cap = max(a.capacity[tier], int64_t{1});
+    const int64_t tiles = plan.total_pages * a.tiles_per_page;
+    uint8_t* const pages = a.pages[tier];
+    int64_t* const ring = a.ring[tier];
+    for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+      const int64_t g = t / a.tiles_per_page;  // page index in record order
+      const int64_t k = t - g * a.tiles_per_page;
+      const int s = last_at_or_below(plan.page_prefix, a.num_segments, g);
+      const int64_t j = g - plan.page_prefix[s];
+      const int64_t slot = seg.slot_offset[s] + j;
+      int64_t page_id;
       if constexpr (!kReload) {
-        if (active) a.head[tier] = new_counter;
-        a.spilled_to_host[0] = (use_host || new_overflow) ? 1 : 0;
-        // Atomic: the flags are shared by every pool of a paging context.
-        auto* flags = reinterpret_cast<unsigned long long*>(a.flags);
-        if (new_overflow) atomicOr(flags + 0, 1ull);
-        if (use_host) atomicOr(flags + 1, 1ull);
-        if (plan.invalid) atomicOr(flags + 2, 1ull);
+        page_id = ring[(ring_start + g) % cap];
+        if (k == 0 && threadIdx.x == 0) a.page_record[slot] = page_id;
       } else {
-        if (active) a.tail[tier] = new_counter;
+        page_id = a.page_record[slot];
+        if (k == 0 && threadIdx.x == 0 && !invalid) ring[(ring_start + g) % cap] = page_id;
       }
-      *a.done_counter = 0u;
-    }
-  }
-
-  const bool active = plan.active != 0;
-  const bool invalid = plan.invalid != 0;
-  const int tier = plan.tier;
-  const int64_t ring_start = plan.ring_start;
-  const int64_t ps = a.page_size;
-  const int64_t rb = a.row_bytes;
-  const int64_t cap = max(a.capacity[tier], int64_t{1});
-  uint8_t* const pages = a.pages[tier];
-  int64_t* const ring = a.ring[tier];
-  const int64_t tiles = active ? plan.total_pages * a.tiles_per_page : 0;
-
-  auto locate = [&](int64_t t) {
-    TileRef r;
-    r.g = t / a.tiles_per_page;
-    r.k = static_cast<int>(t - r.g * a.tiles_per_page);
-    r.s = last_at_or_below(plan.page_prefix, a.num_segments, r.g);
-    r.j = static_cast<int>(r.g - plan.page_prefix[r.s]);
-    return r;
-  };
-  auto page_id_of = [&](const TileRef& r) -> int64_t {
-    if constexpr (!kReload) {
-      return ring[(ring_start + r.g) % cap];
-    } else {
-      return a.page_record[seg.slot_offset[r.s] + r.j];
-    }
-  };
-
-  int64_t t = blockIdx.x;
-  TileRef cur{};
-  int64_t cur_id = 0;
-  if (t < tiles) {
-    cur = locate(t);
-    cur_id = page_id_of(cur);
-  }
-  while (t < tiles) {
-    // The next tile's page id is requested before this tile's copy, so no CTA waits on a
-    // metadata load between two copies.
-    const int64_t t_next = t + gridDim.x;
-    TileRef next{};
-    int64_t next_id = 0;
-    if (t_next < tiles) {
-      next = locate(t_next);
-      next_id = page_id_of(next);
-    }
-    if (cur.k == 0 && threadIdx.x == 0) {
-      if constexpr (!kReload) {
-        a.page_record[seg.slot_offset[cur.s] + cur.j] = cur_id;
-      } else {
-        if (!invalid) ring[(ring_start + cur.g) % cap] = cur_id;
-      }
-    }
-    // A corrupt ring or record must not turn into a wild write.
-    if (cur_id >= 0 && cur_id < a.num_pages[tier]) {
-      const int64_t rows_here = min(ps, plan.copy_rows[cur.s] - int64_t{cur.j} * ps);
-      const int64_t lo = int64_t{cur.k} * kTileBytes;
+      // A corrupt ring or record must not turn into a wild write.
+      if (page_id < 0 || page_id >= a.num_pages[tier]) continue;
+      const int64_t rows_here = min(ps, plan.copy_rows[s] - j * ps);
+      const int64_t lo = k * kTileBytes;
       const int64_t hi = min(lo + kTileBytes, rows_here * rb);
-      if (lo < hi) {
-        uint8_t* user = a.user + (seg.start[cur.s] + int64_t{cur.j} * ps) * rb + lo;
-        uint8_t* paged = pages + cur_id * ps * rb + lo;
-        const int n = static_cast<int>(hi - lo);
-        if constexpr (kReload) {
-          copy_range(user, paged, n);
-        } else {
-          copy_range(paged, user, n);
-        }
+      if (lo >= hi) continue;
+      uint8_t* user = a.user + (seg.start[s] + j * ps) * rb + lo;
+      uint8_t* paged = pages + page_id * ps * rb + lo;
+      const int n = static_cast<int>(hi - lo);
+      if constexpr (kReload) {
+        copy_range(user, paged, n);
+      } else {
+        copy_range(paged, user, n);
       }
     }
-    t = t_next;
-    cur = next;
-    cur_id = next_id;
   }
 
   if constexpr (!kReload) {
@@ -371,9 +274,30 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
       bool filled = false;
       if (active && q < a.max_slots) {
         const int s = last_at_or_below(seg.slot_offset, a.num_segments, q);
-        filled = q - seg.slot_offset[s] < (plan.copy_rows[s] + ps - 1) / ps;
+        filled = q - seg.slot_offset[s] < (plan.copy_rows[s] + a.page_size - 1) / a.page_size;
       }
       if (!filled) a.page_record[q] = 0;
+    }
+  }
+
+  // Commit: the last CTA to arrive publishes the new ring counter and flags.
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const unsigned int arrived = atomicAdd(a.done_counter, 1u);
+    if (arrived == gridDim.x - 1) {
+      if constexpr (!kReload) {
+        if (active) a.head[tier] = ring_start + ring_pages;
+        a.spilled_to_host[0] = (use_host || new_overflow) ? 1 : 0;
+        // Atomic: the flags are shared by every pool of a paging context.
+        auto* flags = reinterpret_cast<unsigned long long*>(a.flags);
+        if (new_overflow) atomicOr(flags + 0, 1ull);
+        if (use_host) atomicOr(flags + 1, 1ull);
+        if (invalid) atomicOr(flags + 2, 1ull);
+      } else {
+        if (active) a.tail[tier] = ring_start + ring_pages;
+      }
+      *a.done_counter = 0u;
     }
   }
 }
@@ -390,8 +314,7 @@ cudaError_t launch_with(bool reload, const PagingArgs& args, const int64_t* segm
   }
   auto kernel = reload ? paging_kernel<true, N> : paging_kernel<false, N>;
   // The grid never exceeds max_ctas, the tiles a full record could need, or what fits on the
-  // device at once (a persistent grid: extra CTAs would queue behind the resident ones, and on
-  // an H200 letting max_ctas alone bound it lost ~30% on 224-byte rows and 1,000 live rows).
+  // device at once (a persistent grid: more CTAs would only queue behind the resident ones).
   int device = 0;
   int sms = 0;
   int per_sm = 0;
