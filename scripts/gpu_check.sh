@@ -39,8 +39,8 @@ for step in "${steps[@]}"; do
   case $step in
     info) run_step info 60 python3 -m megatron_paging.cli info ;;
     build) run_step build 300 python3 -m megatron_paging.kernels.build --verbose ;;
-    tests) run_step tests 330 python3 -m pytest -q -m "gpu or multigpu or build" -p no:cacheprovider \
-             --junitxml "$OUT/gpu_tests.xml" tests ;;
+    tests) run_step tests 200 python3 -m pytest -q -m "gpu or multigpu or build" -p no:cacheprovider \
+             --junitxml "$OUT/gpu_tests.xml" ${PYTEST_EXTRA:-} tests ;;
     sanitizer)
       if command -v compute-sanitizer >/dev/null && [ -f scripts/sanitizer_run.py ]; then
         run_step memcheck 150 compute-sanitizer --tool memcheck --error-exitcode 7 \
@@ -50,13 +50,13 @@ for step in "${steps[@]}"; do
       else
         echo "sanitizer: skipped (compute-sanitizer or scripts/sanitizer_run.py missing)" | tee -a "$LOG"
       fi ;;
-    bench-kernels) run_step bench-kernels 200 python3 benchmarks/bench_kernels.py \
+    bench-kernels) run_step bench-kernels 120 python3 benchmarks/bench_kernels.py \
                      --out "$OUT/kernels.json" ;;
     bench-scheduler) run_step bench-scheduler 150 python3 benchmarks/bench_scheduler.py \
                        --out "$OUT/scheduler.json" ;;
     mcore)
       if [ -f scripts/mcore_gpu_run.sh ]; then
-        run_step mcore 480 bash scripts/mcore_gpu_run.sh "$OUT"
+        run_step mcore 260 bash scripts/mcore_gpu_run.sh "$OUT"
       else
         echo "mcore: skipped (scripts/mcore_gpu_run.sh missing)" | tee -a "$LOG"
       fi ;;
