@@ -16,13 +16,13 @@ import argparse
 import datetime
 import json
 import statistics
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from megatron_paging import kernels
+from megatron_paging.env import git_commit
 from megatron_paging.pool import PagePool
 from megatron_paging.record import PageRecord
 
@@ -308,20 +308,6 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-
-
-def git_commit() -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).resolve().parent,
-            timeout=10,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
 
 
 def load_mcore():

@@ -19,15 +19,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import statistics
-import subprocess
 import time
 import warnings
 from pathlib import Path
 
 import torch
 
+from megatron_paging.env import git_commit
 from megatron_paging.paging import PagingContext
 from megatron_paging.pipeline_sim import Op, parameter_grads, run_schedule, synthetic_chunks
 from megatron_paging.pool import PagePools
@@ -49,17 +48,6 @@ def schedule(pp: int, vpp: int, microbatches: int) -> tuple[list[Op], int, str]:
             ops += [Op("F", 0, m + warmup), Op("B", 0, m)]
         ops += [Op("B", 0, m) for m in range(microbatches - warmup, microbatches)]
         return ops, 1, f"1F1B pp={pp} rank=0 (megatron-core not importable)"
-
-
-def git_commit() -> str:
-    if os.environ.get("GIT_COMMIT"):
-        return os.environ["GIT_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                             check=True, cwd=Path(__file__).resolve().parent)
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def cuda_kernels() -> str:

@@ -75,3 +75,23 @@ def info() -> dict[str, object]:
         "extension cache": str(extension_cache_dir()),
         "MEGATRON_PAGING_MAX_CTAS": os.environ.get("MEGATRON_PAGING_MAX_CTAS", "2048 (default)"),
     }
+
+
+def git_commit() -> str:
+    """The commit a benchmark measured: ``$GIT_COMMIT`` (set where the tree travels without
+    .git, as on the lent GPU machine), else ``git rev-parse HEAD``, else ``"unknown"``."""
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).resolve().parent,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() or "unknown"

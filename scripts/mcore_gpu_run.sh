@@ -81,10 +81,8 @@ try:
                          capture_output=True, text=True).stdout.strip()
 except OSError:
     gpu = "unknown"
-try:
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-except OSError:
-    commit = "unknown"
+from megatron_paging.env import git_commit
+commit = git_commit()
 control = runs.get("unpaged", {}).get("microbatch_losses")
 summary = {}
 for mode, run in runs.items():
