@@ -50,6 +50,7 @@ nothing else.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import defaultdict, deque
 from collections.abc import Sequence
@@ -126,7 +127,7 @@ class _Layout:
             live = packed[:own]
             live.copy_(live_rows.reshape(-1))  # the snapshot: the caller may overwrite its tensor
         else:
-            live = live_rows.reshape(-1)
+            live = live_rows if live_rows.dim() == 1 else live_rows.reshape(-1)
         return PageRecord(
             capacity_rows=t.capacity_rows,
             row_bytes=t.row_bytes,
@@ -161,6 +162,9 @@ class PagingScheduler:
         page_size: rows per page when ``pools`` is ``None`` (else the pools' page size).
         max_ctas: grid bound of each paging kernel (``None``: the kernels' default). A smaller
             grid leaves SMs to the compute stream while a copy overlaps it.
+        layout_cache: a dict to keep validated record layouts in; pass the same one to the
+            schedulers of later steps (same page size) so a layout is validated once per run,
+            not once per step. Default: a private one.
     """
 
     def __init__(
@@ -173,6 +177,7 @@ class PagingScheduler:
         kernel_backend: str = "auto",
         page_size: int = 64,
         max_ctas: int | None = None,
+        layout_cache: dict | None = None,
     ):
         if pools is None and parker is None:
             raise ValueError("PagingScheduler needs pools, or a parker when pools is None")
@@ -210,9 +215,9 @@ class PagingScheduler:
             WGRAD: defaultdict(set),
         }
         self._sources: deque[tuple[Any, list[PagedHandle]]] = deque()  # (stash-done, handles)
-        # Host-static record layout per (capacity_rows, row_bytes, segments): validated once,
-        # so a save costs one allocation and one copy kernel.
-        self._layouts: dict[tuple, _Layout] = {}
+        # Host-static record layout per (capacity_rows, row_bytes, segments, device, page size):
+        # validated once, so a save costs one allocation and at most one copy kernel.
+        self._layouts: dict[tuple, _Layout] = {} if layout_cache is None else layout_cache
 
     # ---------------------------------------------------------------- forward
     def open_slot(self, chunk: int, layer: int, microbatch: int) -> None:
@@ -251,7 +256,8 @@ class PagingScheduler:
         capacity_rows = tensor.shape[0]
         row_bytes = tensor.numel() // capacity_rows * tensor.element_size()
         layout = self._layout(capacity_rows, row_bytes, segments, live_rows)
-        record = layout.new_record(live_rows.detach(), snapshot=not live_rows_private)
+        # An integer tensor never requires grad: no detach (one tensor object less per save).
+        record = layout.new_record(live_rows, snapshot=not live_rows_private)
         wgrad_only = bool(wgrad_only)
         record.annotations.update(
             chunk=chunk, layer=layer, microbatch=microbatch, wgrad_only=wgrad_only
@@ -281,22 +287,21 @@ class PagingScheduler:
         )
         if not handles:
             return
-        compute = self.backend.compute_stream()
         if self.pools is None:
             for h in handles:
                 h.parked, h.source = self.parker.park(h.source, h.record), None
         elif not self.overlap:
+            self._launch_group(self.backend.compute_stream(), "stash", handles)
             for h in handles:
-                self._launch(compute, "stash", h)
                 h.source = None  # same stream as every later use: safe to drop
         else:
+            compute, paging = self.backend.compute_stream(), self.backend.paging_stream
             if self.backend.capturing():
-                self._release_sources(capturing=True)
+                self._release_sources(capturing=True, compute=compute)
             commit_event = self.backend.record(compute, f"commit{(chunk, layer, microbatch)}")
-            self.backend.wait(self.backend.paging_stream, commit_event, "commit")
-            for h in handles:
-                self._launch(self.backend.paging_stream, "stash", h)
-            done = self.backend.record(self.backend.paging_stream, "stash-done")
+            self.backend.wait(paging, commit_event, "commit")
+            self._launch_group(paging, "stash", handles)
+            done = self.backend.record(paging, "stash-done")
             self._sources.append((done, handles))
         self._fifo[BACKWARD][(chunk, layer)].append(_Group(microbatch, handles))
         self._layers[BACKWARD][(chunk, microbatch)].add(layer)
@@ -322,16 +327,22 @@ class PagingScheduler:
             return
         self._release_sources()
         layers = sorted(self._layers[branch].get((chunk, microbatch), ()), reverse=True)
+        compute = None  # resolved by the first reload that needs it, then reused
         for below in layers[: self.prefetch_distance]:
-            self._reload_slot(branch, chunk, below, microbatch, defer_wgrad, "prefetch")
+            compute = self._reload_slot(
+                branch, chunk, below, microbatch, defer_wgrad, "prefetch", compute
+            )
 
     def unpack(self, handle: PagedHandle) -> torch.Tensor:
         """The tensor behind ``handle``; the compute stream waits for its reload only now."""
-        if handle.tensor is None:
-            self._reload([handle], "demand")  # nobody reloaded it ahead: do it now
+        compute = None
+        if handle.tensor is None:  # nobody reloaded it ahead: do it now
+            compute = self._reload([handle], "demand")
         if handle.reload_event is not None and not handle.waited:
             self.backend.note("unpack", record=handle.id)
-            self.backend.wait(self.backend.compute_stream(), handle.reload_event, "unpack")
+            if compute is None:
+                compute = self.backend.compute_stream()
+            self.backend.wait(compute, handle.reload_event, "unpack")
             handle.waited = True
         return handle.tensor
 
@@ -357,7 +368,7 @@ class PagingScheduler:
     # -------------------------------------------------------------- internals
     def _layout(self, capacity_rows, row_bytes, segments, live_rows) -> _Layout:
         static = None if segments is None else tuple((int(a), int(n)) for a, n in segments)
-        key = (capacity_rows, row_bytes, static, live_rows.device)
+        key = (capacity_rows, row_bytes, static, live_rows.device, self.page_size)
         layout = self._layouts.get(key)
         if layout is None:  # first record of this shape: full validation by PageRecord.new
             template = PageRecord.new(capacity_rows, row_bytes, self.page_size, live_rows, static)
@@ -376,19 +387,24 @@ class PagingScheduler:
         ahead = sorted((lower for lower in layers if lower < layer), reverse=True)
         if not layers:
             del self._layers[branch][(chunk, microbatch)]
-        self._reload_slot(branch, chunk, layer, microbatch, defer_wgrad, "slot")
+        compute = self._reload_slot(branch, chunk, layer, microbatch, defer_wgrad, "slot")
         if not self.overlap:
             return
         for lower in ahead[: self.prefetch_distance]:
-            self._reload_slot(branch, chunk, lower, microbatch, defer_wgrad, "prefetch")
+            compute = self._reload_slot(
+                branch, chunk, lower, microbatch, defer_wgrad, "prefetch", compute
+            )
 
-    def _reload_slot(self, branch, chunk, layer, microbatch, defer_wgrad, reason) -> None:
+    def _reload_slot(
+        self, branch, chunk, layer, microbatch, defer_wgrad, reason, compute=None
+    ):
+        """Reload one slot's group; returns the compute stream (resolved at most once)."""
         fifo = self._fifo[branch].get((chunk, layer))
         if not fifo:
-            return
+            return compute
         position = next((i for i, g in enumerate(fifo) if g.microbatch == microbatch), None)
         if position is None:
-            return  # already reloaded (prefetched) or nothing paged for this microbatch
+            return compute  # already reloaded (prefetched) or nothing paged for this microbatch
         group = fifo[position]
         del fifo[position]
         handles = group.handles
@@ -398,57 +414,60 @@ class PagingScheduler:
             if resident:
                 self._fifo[WGRAD][(chunk, layer)].append(_Group(microbatch, resident))
                 self._layers[WGRAD][(chunk, microbatch)].add(layer)
-        self._reload(
-            [h for h in handles if h.tensor is None], reason, oldest=position == 0, branch=branch
+        return self._reload(
+            [h for h in handles if h.tensor is None], reason, oldest=position == 0, branch=branch,
+            compute=compute,
         )
 
-    def _reload(self, handles, reason, oldest=True, branch=BACKWARD) -> None:
+    def _reload(self, handles, reason, oldest=True, branch=BACKWARD, compute=None):
+        """Reload ``handles`` as one group; returns the compute stream if it was resolved."""
         if not handles:
-            return
-        compute = self.backend.compute_stream()
+            return compute
         if self.pools is None:
             for h in handles:
                 h.tensor, h.parked = self.parker.unpark(h.parked, h.record), None
-            return
+            return compute
+        if compute is None:
+            compute = self.backend.compute_stream()
         # Destinations come from the compute stream's allocator before the paging stream writes.
         for h in handles:
             h.tensor = torch.empty(h.shape, dtype=h.dtype, device=h.device)
         if not self.overlap:
-            for h in handles:
-                self._launch(compute, "reload", h, reason=reason, oldest=oldest, branch=branch)
-            return
-        alloc = self.backend.record(compute, "reload-dst")
-        self.backend.wait(self.backend.paging_stream, alloc, "reload-dst")
-        for h in handles:
-            self._launch(
-                self.backend.paging_stream, "reload", h, reason=reason, oldest=oldest,
-                branch=branch,
+            self._launch_group(
+                compute, "reload", handles, reason=reason, oldest=oldest, branch=branch
             )
-        done = self.backend.record(self.backend.paging_stream, "reload-done")
+            return compute
+        paging = self.backend.paging_stream
+        alloc = self.backend.record(compute, "reload-dst")
+        self.backend.wait(paging, alloc, "reload-dst")
+        self._launch_group(paging, "reload", handles, reason=reason, oldest=oldest, branch=branch)
+        done = self.backend.record(paging, "reload-done")
         for h in handles:
             h.reload_event = done
+        return compute
 
-    def _launch(self, stream, kind: str, handle: PagedHandle, **info) -> None:
-        record = handle.record
-        pool = self.pools[record.row_bytes]
-        backend, max_ctas = self.kernel_backend, self.max_ctas
-        if kind == "stash":
-            source = handle.source
-            fn = lambda: kernels.stash(source, record, pool, backend, max_ctas)
-        else:
-            dst = handle.tensor
-            fn = lambda: kernels.reload(dst, record, pool, backend, max_ctas)
-        chunk, layer = handle.slot
-        self.backend.launch(
-            stream, kind, fn, record=handle.id, chunk=chunk, layer=layer,
-            microbatch=handle.microbatch, wgrad_only=handle.wgrad_only, pool=pool,
-            pool_key=record.row_bytes, **info,
-        )
+    def _launch_group(self, stream, kind: str, handles: list[PagedHandle], **info) -> None:
+        """Launch one kernel per record with ``stream`` made current once for the group."""
+        backend = self.backend
+        op = kernels.stash if kind == "stash" else kernels.reload
+        pools, kernel_backend, max_ctas = self.pools, self.kernel_backend, self.max_ctas
+        with backend.scope(stream):
+            for h in handles:
+                record = h.record
+                pool = pools[record.row_bytes]
+                tensor = h.source if kind == "stash" else h.tensor
+                notes = record.annotations
+                backend.launch(
+                    stream, kind,
+                    functools.partial(op, tensor, record, pool, kernel_backend, max_ctas),
+                    record=h.id, chunk=notes["chunk"], layer=notes["layer"],
+                    microbatch=notes["microbatch"], wgrad_only=h.wgrad_only, pool=pool,
+                    pool_key=record.row_bytes, **info,
+                )
 
-    def _release_sources(self, capturing: bool = False) -> None:
+    def _release_sources(self, capturing: bool = False, compute=None) -> None:
         """Drop sources whose stash finished (eager: poll; capture: compute waits first)."""
         if capturing:
-            compute = self.backend.compute_stream()
             while self._sources:
                 done, handles = self._sources.popleft()
                 self.backend.wait(compute, done, "source-release")

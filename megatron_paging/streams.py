@@ -6,7 +6,10 @@ The scheduler never calls ``torch.cuda`` directly; it talks to a backend with fi
 * ``paging_stream`` — the one high-priority stream that carries every stash and reload;
 * ``record(stream, what)`` — record an event on a stream (``what`` names it in logs);
 * ``wait(stream, event, reason)`` — make ``stream`` wait for ``event``;
-* ``launch(stream, kind, fn, **info)`` — run ``fn`` with ``stream`` current (enqueue its kernels).
+* ``launch(stream, kind, fn, **info)`` — run ``fn`` with ``stream`` current (enqueue its kernels);
+* ``scope(stream)`` — a context in which launches on ``stream`` need not switch streams: the
+  scheduler opens it once around each commit group / reload group, so a group of records costs
+  one stream switch, not one per record.
 
 plus ``done(event)`` (has the event completed? never asked during graph capture) and
 ``capturing()`` (is the compute stream being captured into a CUDA graph?).
@@ -100,6 +103,15 @@ class CpuStreamBackend:
             info["after"] = (pool.free_list_head.tolist(), pool.free_list_tail.tolist())
         self.log.append(LogEntry(next(self._seq), "launch", stream, None, kind, info))
 
+    @contextlib.contextmanager
+    def scope(self, stream: str):
+        """Launches inside run on ``stream`` (the CPU backend switches per launch anyway)."""
+        previous, self._current = self._current, stream
+        try:
+            yield
+        finally:
+            self._current = previous
+
     def note(self, kind: str, **info) -> None:
         """A scheduler milestone (commit, unpack, slot start) for the log; no work."""
         self.log.append(LogEntry(next(self._seq), "note", None, None, kind, info))
@@ -115,6 +127,11 @@ class CpuStreamBackend:
 class CudaStreamBackend:
     """Real CUDA streams and events; one high-priority paging stream per device.
 
+    Host cost matters here (every call is on the training step's critical host path): the
+    device index is resolved once, ``compute_stream()`` asks CUDA for the current stream by
+    index (the scheduler calls it at most once per public call), and ``scope`` makes the paging
+    stream current once per group so that ``launch`` inside it only calls ``fn``.
+
     Args:
         device: the CUDA device; the current device when omitted.
         priority: paging stream priority (lower is higher; clamped by CUDA to its range, so the
@@ -128,10 +145,14 @@ class CudaStreamBackend:
         self.device = torch.device(device)
         if self.device.type != "cuda":
             raise ValueError(f"device must be a CUDA device, got {self.device}")
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device_index = self.device.index
         self.paging_stream = torch.cuda.Stream(self.device, priority=priority)
+        self._scoped = None  # the stream a ``scope`` made current, if any
 
     def compute_stream(self) -> torch.cuda.Stream:
-        return torch.cuda.current_stream(self.device)
+        return torch.cuda.current_stream(self.device_index)
 
     def capturing(self) -> bool:
         return torch.cuda.is_current_stream_capturing()
@@ -147,9 +168,24 @@ class CudaStreamBackend:
     def done(self, event: torch.cuda.Event) -> bool:
         return event.query()
 
+    @contextlib.contextmanager
+    def scope(self, stream):
+        """Make ``stream`` current once for a group of launches (``None``: stay as is)."""
+        if stream is None or stream is self._scoped:
+            yield
+            return
+        previous, self._scoped = self._scoped, stream
+        try:
+            with torch.cuda.stream(stream):
+                yield
+        finally:
+            self._scoped = previous
+
     def launch(self, stream, kind: str, fn: Callable[[], None], **info) -> None:
-        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-        with ctx:
+        if stream is None or stream is self._scoped:
+            fn()
+            return
+        with torch.cuda.stream(stream):
             fn()
 
     def note(self, kind: str, **info) -> None:

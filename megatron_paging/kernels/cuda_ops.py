@@ -6,9 +6,16 @@ CUDA tensors and a positive ``max_ctas``. The extension is built and loaded on f
 Each pool carries a one-int32 completion counter (``pool.kernel_done_counter``) that the
 kernels' last CTA uses to commit freelist counters and flags; it is 0 between launches. All
 stashes and reloads of one pool must be ordered on one stream (the freelists need that anyway).
+
+Hot path: the operator overloads are resolved once; the record's segment tuples go to the
+operator as they are (an ``int[]`` argument takes a tuple), and the pool's tensors are the
+pool's own cached views. Per call the wrapper makes at most the byte view of ``src``/``dst``
+(none when it already is ``[capacity_rows, row_bytes]`` uint8).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -17,14 +24,18 @@ from megatron_paging.pool import PagePool
 from megatron_paging.record import PageRecord
 
 
+@functools.cache
 def _ops():
+    """The ``(stash, reload)`` operator overloads, built and loaded on first use."""
     try:
-        return torch.ops.megatron_paging.stash, torch.ops.megatron_paging.reload
+        ops = torch.ops.megatron_paging
+        return ops.stash.default, ops.reload.default
     except (AttributeError, RuntimeError):
         from megatron_paging.kernels import build
 
         build.load()
-        return torch.ops.megatron_paging.stash, torch.ops.megatron_paging.reload
+        ops = torch.ops.megatron_paging
+        return ops.stash.default, ops.reload.default
 
 
 def _check(t: torch.Tensor, record: PageRecord, pool: PagePool, max_ctas: int, what: str):
@@ -36,9 +47,10 @@ def _check(t: torch.Tensor, record: PageRecord, pool: PagePool, max_ctas: int, w
 
 
 def _call(op, rows: torch.Tensor, record: PageRecord, pool: PagePool, max_ctas: int) -> None:
-    # Detached: the copy is bytes moving under autograd's feet, never part of a graph.
+    # ``rows`` is a dtype view (never requires grad): the copy is bytes moving under autograd's
+    # feet, never part of a graph.
     op(
-        rows.detach(),
+        rows,
         pool.cuda_pages,
         pool.host_pages,
         record.live_rows,
@@ -51,9 +63,9 @@ def _call(op, rows: torch.Tensor, record: PageRecord, pool: PagePool, max_ctas: 
         record.spilled_to_host,
         pool.flags.values,
         pool.kernel_done_counter,
-        list(record.segment_starts),
-        list(record.segment_rows),
-        list(record.slot_offsets),
+        record.segment_starts,
+        record.segment_rows,
+        record.slot_offsets,
         record.page_size,
         record.row_bytes,
         max_ctas,

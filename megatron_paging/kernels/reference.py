@@ -35,26 +35,38 @@ from megatron_paging.record import PageRecord
 
 
 def as_rows(t: torch.Tensor, rows: int, row_bytes: int, what: str) -> torch.Tensor:
-    """View a contiguous tensor of any dtype as ``[rows, row_bytes]`` bytes."""
+    """View a contiguous tensor of any dtype as ``[rows, row_bytes]`` bytes.
+
+    Hot path: attribute reads only for the checks, and at most two views (none for a tensor
+    that already is ``[rows, row_bytes]`` uint8). A dtype view never requires grad.
+    """
     if not t.is_contiguous():
         raise ValueError(f"{what} must be contiguous (got strides {tuple(t.stride())})")
-    nbytes = t.numel() * t.element_size()
-    if nbytes != rows * row_bytes:
+    if t.nbytes != rows * row_bytes:
         raise ValueError(
-            f"{what} holds {nbytes} bytes ({tuple(t.shape)} {t.dtype}) but the record needs "
+            f"{what} holds {t.nbytes} bytes ({tuple(t.shape)} {t.dtype}) but the record needs "
             f"{rows} rows x {row_bytes} bytes = {rows * row_bytes}"
         )
-    return t.reshape(-1).view(torch.uint8).view(rows, row_bytes)
+    shape = t.shape
+    if t.dtype is not torch.uint8:
+        if not shape:
+            t = t.reshape(1)  # a 0-d tensor cannot change dtype
+        t = t.view(torch.uint8)
+        shape = t.shape
+    if len(shape) == 2 and shape[0] == rows:
+        return t
+    return t.view(rows, row_bytes)
 
 
 def check_args(t: torch.Tensor, record: PageRecord, pool: PagePool, what: str) -> torch.Tensor:
     """Host-side (static) argument checks shared by every backend; returns the byte view."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{what} must be a tensor, got {type(t).__name__}")
-    if t.device != pool.device:
-        raise ValueError(f"{what} is on {t.device} but the pool is on {pool.device}")
-    if record.device != pool.device:
-        raise ValueError(f"record.live_rows is on {record.device} but the pool is on {pool.device}")
+    device = pool.device
+    if t.device != device:
+        raise ValueError(f"{what} is on {t.device} but the pool is on {device}")
+    if record.live_rows.device != device:
+        raise ValueError(f"record.live_rows is on {record.device} but the pool is on {device}")
     if record.row_bytes != pool.row_bytes:
         raise ValueError(
             f"record row_bytes={record.row_bytes} does not match the pool's {pool.row_bytes}"

@@ -24,7 +24,6 @@ runner's ``grow`` policy does).
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch
@@ -44,9 +43,10 @@ class PagedGroup:
     """One layer's paging context: its slot and the live count its records share."""
 
     capacity_rows: int
-    live_rows: torch.Tensor  # int64 [1], this group's own copy
+    live_rows: torch.Tensor  # int64 [1], this group's own copy, shared by its records
     annotations: dict
     slot: tuple[int, int, int] | None = None  # (chunk, layer, microbatch) once opened
+    scale_live_rows: torch.Tensor | None = None  # live_rows // 32, made by the first scale record
 
 
 @dataclass(eq=False)
@@ -82,13 +82,10 @@ class PagingEngine:
             raise ValueError(f"prefetch_distance must be an int >= 0, got {prefetch_distance!r}")
         if prefetch_distance < 0:
             raise ValueError(f"prefetch_distance must be an int >= 0, got {prefetch_distance!r}")
-        scheduler_args = inspect.signature(PagingScheduler).parameters
-        if max_ctas not in (None, kernels.MAX_CTAS) and "max_ctas" not in scheduler_args:
-            raise ValueError(
-                f"max_ctas={max_ctas}: the paging scheduler launches kernels with "
-                f"MEGATRON_PAGING_MAX_CTAS={kernels.MAX_CTAS}; set that environment variable "
-                "before start-up instead"
-            )
+        if max_ctas is not None and (
+            isinstance(max_ctas, bool) or not isinstance(max_ctas, int) or max_ctas <= 0
+        ):
+            raise ValueError(f"max_ctas must be a positive integer or None, got {max_ctas!r}")
         self.kernel_backend = kernel_backend
         self.prefetch_distance = prefetch_distance
         self.max_ctas = max_ctas
@@ -99,6 +96,7 @@ class PagingEngine:
         self.pools: PagePools | None = None
         self.scheduler: PagingScheduler | None = None
         self._backends: dict[torch.device, object] = {}
+        self._layouts: dict = {}  # record layouts, validated once per run (scheduler's cache)
         self._calibration_device: torch.device | None = None
         self.steps = 0
         self.unreloaded_records = 0  # records a finished step never reloaded (should stay 0)
@@ -160,7 +158,8 @@ class PagingEngine:
     def open_group(
         self, capacity_rows: int, live_rows: torch.Tensor, annotations: dict
     ) -> PagedGroup:
-        live = live_rows.detach().reshape(1).to(torch.int64).clone()
+        # One allocation + copy per group; every record of the group shares it (read-only).
+        live = live_rows.reshape(1).to(torch.int64, copy=True)
         group = PagedGroup(capacity_rows, live, dict(annotations))
         if self.enabled:
             group.slot = (
@@ -177,14 +176,20 @@ class PagingEngine:
             return tensor
         rows, live = group.capacity_rows, group.live_rows
         if columnwise_scale:
-            rows, live = rows // SCALE_INV_BLOCK_SIZE, live // SCALE_INV_BLOCK_SIZE
+            rows = rows // SCALE_INV_BLOCK_SIZE
+            if group.scale_live_rows is None:
+                group.scale_live_rows = live // SCALE_INV_BLOCK_SIZE
+            live = group.scale_live_rows
         if rows <= 0 or tensor.numel() % rows:
             raise ValueError(
                 f"paging: saved tensor {tuple(tensor.shape)} {tensor.dtype} is not "
                 f"{rows} capacity rows (max_num_tokens={group.capacity_rows})"
             )
-        as_rows = tensor.contiguous().view(rows, -1)
-        handle = self.scheduler.save(as_rows, live)
+        tensor_rows = tensor.contiguous()
+        if tensor_rows.dim() < 2 or tensor_rows.shape[0] != rows:
+            tensor_rows = tensor_rows.view(rows, -1)
+        # The group's live count is a private copy nobody writes: no per-record snapshot.
+        handle = self.scheduler.save(tensor_rows, live, live_rows_private=True)
         handle.record.annotations.update(group.annotations)
         # Only autograd holds the handle: it (and a reloaded tensor) is freed as soon as the
         # node that saved it has run its backward.
@@ -204,7 +209,8 @@ class PagingEngine:
         """Saved-tensor unpack hook body: the capacity-shaped tensor, waited for late."""
         if not isinstance(saved, SavedHandle):
             return saved
-        return self.scheduler.unpack(saved.handle).view(saved.shape)
+        tensor = self.scheduler.unpack(saved.handle)
+        return tensor if tensor.shape == saved.shape else tensor.view(saved.shape)
 
     # -- internals -------------------------------------------------------------------------
     def _scheduler_for(self, device: torch.device) -> PagingScheduler:
@@ -217,11 +223,9 @@ class PagingEngine:
                 overlap=self.overlap,
                 kernel_backend=self.kernel_backend,
                 page_size=self.page_size,
+                layout_cache=self._layouts,
             )
-            if (
-                self.max_ctas is not None
-                and "max_ctas" in inspect.signature(PagingScheduler).parameters
-            ):
+            if self.max_ctas is not None:
                 options["max_ctas"] = self.max_ctas
             if self.pools is None:
                 self._calibration_device = self._calibration_device or device
