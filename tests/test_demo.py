@@ -71,7 +71,8 @@ def kib(cell: str) -> float:
 SCHEDULE_CASES = [
     (["--schedule", "none"], [0], 1),
     (["--schedule", "1f1b", "--pp", "2", "--rank", "1"], [1], 2),
-    (["--schedule", "interleaved"], [0, 2], 4),  # the default: pp 2, vpp 2, rank 0
+    (["--schedule", "interleaved"], [1, 3], 4),  # the default: pp 2, vpp 2, last-stage rank 1
+    (["--schedule", "interleaved", "--rank", "0"], [0, 2], 4),
     (["--schedule", "interleaved", "--vpp", "3", "--rank", "1"], [1, 3, 5], 6),
     (["--schedule", "dualpipev", "--pp", "2"], [0, 3], 4),
 ]

@@ -85,7 +85,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--vpp", type=positive, default=None,
         help="model chunks per rank, --schedule interleaved only (default 2)")
     add("--microbatches", type=positive, default=4)
-    add("--rank", type=_int_at_least(0), default=0, help="the simulated pipeline rank")
+    add(
+        "--rank",
+        type=_int_at_least(0),
+        default=None,
+        help="the simulated pipeline rank (default: the one holding the last stage, so the table "
+        "shows the loss: pp-1, or 0 for dualpipev)",
+    )
     add("--device", choices=("cpu", "cuda"), default=None,
         help="default: cuda if available, else cpu")
     add("--steps", type=positive, default=4, help="step 1 calibrates the pools")
@@ -145,12 +151,15 @@ def _real_schedule(schedule: str, pp: int, microbatches: int, rank: int, vpp: in
 
 def resolve_layout(args: argparse.Namespace) -> Layout:
     """The rank's op order and stages; raises ValueError naming the flag for a bad combination."""
-    schedule, microbatches, rank = args.schedule, args.microbatches, args.rank
+    schedule, microbatches = args.schedule, args.microbatches
     if args.vpp is not None and schedule != "interleaved":
         raise ValueError(f"--vpp applies only to --schedule interleaved, not {schedule}")
     if schedule == "none" and args.pp not in (None, 1):
         raise ValueError(f"--pp must be 1 with --schedule none (one stage), got {args.pp}")
     pp = (1 if schedule == "none" else 2) if args.pp is None else args.pp
+    rank = args.rank
+    if rank is None:
+        rank = 0 if schedule in ("none", "dualpipev") else pp - 1
     if rank >= pp:
         raise ValueError(f"--rank must be < --pp ({pp}), got {rank}")
     vpp = None
