@@ -151,15 +151,22 @@ def test_static_backend_rejects_expert_tensor_parallel_mismatch(installed, model
         PagingFlexTokenDispatcher(3, [0, 1, 2], cfg, pg_collection=get_default_pg_collection())
 
 
-def _ep2_worker(rank: int, port: int, capacity_factor, skew: bool):
-    """One rank of an EP=2 gloo group: dispatch -> per-expert scale -> combine vs a reference."""
+def _ep2_worker(rank: int, port: int, capacity_factor, skew: bool, backend: str = "gloo"):
+    """One rank of an EP=2 group (gloo on CPUs, or NCCL with one GPU per rank): dispatch ->
+    per-expert scale -> combine vs a reference."""
     from types import SimpleNamespace
 
     import torch.distributed as dist
 
     from megatron_paging.mcore.dispatcher import StaticCapacityManager
 
-    dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend, rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}"
+    )
     try:
         config = SimpleNamespace(
             moe_router_topk=TOPK,
@@ -169,7 +176,7 @@ def _ep2_worker(rank: int, port: int, capacity_factor, skew: bool):
             fp4=None,
         )
         manager = StaticCapacityManager(dist.group.WORLD, EXPERTS // 2, EXPERTS, config)
-        hidden, routing_map, probs = _routing(10 + rank, skew=skew)
+        hidden, routing_map, probs = (t.to(device) for t in _routing(10 + rank, skew=skew))
         hidden.requires_grad_()
         probs.requires_grad_()
         manager.setup_metadata(routing_map, probs)
@@ -178,9 +185,11 @@ def _ep2_worker(rank: int, port: int, capacity_factor, skew: bool):
         _, pprobs = manager.get_permuted_hidden_states_by_experts(y)
         # Local expert l of this rank is global expert 2 * rank + l: scale its rows by (g + 1).
         scale = torch.repeat_interleave(
-            torch.arange(2, dtype=torch.float32) + 2 * rank + 1, tpe, output_size=int(tpe.sum())
+            torch.arange(2, dtype=torch.float32, device=device) + 2 * rank + 1,
+            tpe,
+            output_size=int(tpe.sum()),
         )
-        scale = torch.cat([scale, torch.zeros(y.shape[0] - scale.shape[0])])
+        scale = torch.cat([scale, torch.zeros(y.shape[0] - scale.shape[0], device=device)])
         out = manager.combine(y * (pprobs * scale)[:, None])
         out.square().sum().backward()
 
@@ -195,7 +204,7 @@ def _ep2_worker(rank: int, port: int, capacity_factor, skew: bool):
                         kept[t, 2 * dest + local] = seen < block
                         seen += 1
         h2, p2 = hidden.detach().clone().requires_grad_(), probs.detach().clone().requires_grad_()
-        weights = p2 * kept * (torch.arange(EXPERTS, dtype=torch.float32) + 1)
+        weights = p2 * kept * (torch.arange(EXPERTS, dtype=torch.float32, device=device) + 1)
         ref = (h2[:, None, :] * weights[:, :, None]).sum(1)
         ref.square().sum().backward()
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
@@ -203,7 +212,7 @@ def _ep2_worker(rank: int, port: int, capacity_factor, skew: bool):
         torch.testing.assert_close(probs.grad * kept, p2.grad * kept, rtol=1e-5, atol=1e-5)
         dropped = bool((routing_map & ~kept).any())
         assert bool(manager.over_budget) == dropped
-        flags = torch.tensor([int(dropped)])
+        flags = torch.tensor([int(dropped)], device=device)
         dist.all_reduce(flags)
         if skew and capacity_factor is not None:
             assert int(flags) > 0, "the skewed routing should overflow a 0.5 budget"
@@ -218,3 +227,17 @@ def test_expert_parallel_two_ranks_over_gloo(capacity_factor, skew):
     from mcore_fixtures import free_port
 
     mp.spawn(_ep2_worker, args=(free_port(), capacity_factor, skew), nprocs=2)
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+    reason=f"needs 2 CUDA devices, found {torch.cuda.device_count()}",
+)
+@pytest.mark.parametrize("capacity_factor, skew", [(1.5, False), (0.5, True)])
+def test_expert_parallel_two_gpus_over_nccl(capacity_factor, skew):
+    """EP=2 with one GPU per rank over NCCL: the same contract as the gloo test, device-side."""
+    import torch.multiprocessing as mp
+    from mcore_fixtures import free_port
+
+    mp.spawn(_ep2_worker, args=(free_port(), capacity_factor, skew, "nccl"), nprocs=2)

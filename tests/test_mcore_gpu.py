@@ -24,17 +24,22 @@ SMALL = (
 ).split()
 
 
-def _train(tmp_path: Path, paged: bool) -> tuple[list[str], str]:
+def _train(
+    tmp_path: Path, paged: bool, nproc: int = 1, extra: tuple[str, ...] = ()
+) -> tuple[list[str], str]:
     pytest.importorskip("megatron.training")
     loss_log = tmp_path / ("paged" if paged else "unpaged")
     env = {
         **os.environ,
         "PAGED": "1" if paged else "0",
+        "NPROC": str(nproc),
         "PYTHON": sys.executable,
         "MEGATRON_PAGING_LOSS_LOG": str(loss_log),
+        "NCCL_NVLS_ENABLE": "0",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
     }
     result = subprocess.run(
-        ["bash", str(ROOT / "examples" / "run_pretrain_1gpu.sh"), *SMALL],
+        ["bash", str(ROOT / "examples" / "run_pretrain_1gpu.sh"), *SMALL, *extra],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -43,8 +48,11 @@ def _train(tmp_path: Path, paged: bool) -> tuple[list[str], str]:
     )
     log = result.stdout + result.stderr
     assert result.returncode == 0, log[-4000:]
-    losses = Path(f"{loss_log}.rank0").read_text().split()
-    return losses[::2], log
+    # Every rank that computes a loss (the last pipeline stage; every rank with EP) logs it.
+    losses = []
+    for rank_file in sorted(tmp_path.glob(f"{loss_log.name}.rank*")):
+        losses += rank_file.read_text().split()[::2]
+    return losses, log
 
 
 def test_example_trains_paged_bitwise_equal_to_unpaged(tmp_path):
@@ -55,3 +63,24 @@ def test_example_trains_paged_bitwise_equal_to_unpaged(tmp_path):
     assert len(unpaged) == 3 * 4  # 3 steps x 4 microbatches
     assert all(float.fromhex(v) == float.fromhex(v) for v in unpaged)  # no NaN
     assert paged == unpaged
+
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2,
+    reason=f"needs 2 CUDA devices, found {torch.cuda.device_count()}",
+)
+@pytest.mark.parametrize(
+    "extra",
+    [
+        pytest.param(("--expert-model-parallel-size", "2"), id="ep2"),
+        # Several microbatches in flight per rank: where paging saves memory.
+        pytest.param(("--pipeline-model-parallel-size", "2"), id="pp2"),
+    ],
+)
+def test_example_two_gpus_paged_bitwise_equal_to_unpaged(tmp_path, extra):
+    unpaged, _ = _train(tmp_path, paged=False, nproc=2, extra=extra)
+    paged, log = _train(tmp_path, paged=True, nproc=2, extra=extra)
+    assert "paging_mode=paged" in log
+    assert unpaged and paged == unpaged
