@@ -189,7 +189,10 @@ def report_memory(api, implementation: str) -> None:
     if implementation == "mcore":  # Megatron-Core's own manager holds the pages
         from megatron.core.transformer.moe.paged_stash import PagedStashManager
 
-        buffers = PagedStashManager.get_instance().stash_buffers or {}
+        manager = PagedStashManager.get_instance()
+        # Megatron-Core's states: begin -> capture (first step) -> captured (pages every step).
+        mode, steps = f"mcore-{manager.status}", manager.iteration
+        buffers = manager.stash_buffers or {}
         cuda_bytes = sum(
             b.cuda_buffer.numel() * b.cuda_buffer.element_size()
             for per_dtype in buffers.values()
@@ -204,13 +207,14 @@ def report_memory(api, implementation: str) -> None:
     else:
         pools = api.engine.pools
         cuda_bytes, host_bytes = pools.total_bytes() if pools is not None else (0, 0)
+        mode, steps = api.engine.mode, api.engine.steps
     mib = 2**20
     print(
         f"paging-example rank {os.environ.get('RANK', '0')}: "
         f"peak_allocated_mib={torch.cuda.max_memory_allocated() / mib:.1f} "
         f"peak_reserved_mib={torch.cuda.max_memory_reserved() / mib:.1f} "
         f"pool_cuda_mib={cuda_bytes / mib:.1f} pool_host_mib={host_bytes / mib:.1f} "
-        f"paging_mode={api.engine.mode} paged_steps={api.engine.steps}",
+        f"paging_mode={mode} paged_steps={steps}",
         flush=True,
     )
 
