@@ -15,7 +15,7 @@ can defer its weight gradients. Nothing here imports megatron.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 import torch
@@ -70,6 +70,51 @@ def _seeded(seed: int, chunk: int, microbatch: int, salt: int) -> torch.Generato
     return torch.Generator().manual_seed(mixed)
 
 
+def drive_ops(
+    ops: Sequence[Op],
+    forward_steps: Callable[[Op], Iterator[None]],
+    backward_steps: Callable[[Op], Iterator[None]],
+    layers_per_chunk: Sequence[int],
+    run_wgrad: Callable[[Op], None],
+    prefetch: Callable[[Op], None] | None = None,
+    on_op: Callable[[int, Op], None] | None = None,
+) -> None:
+    """Execute one rank's op list with per-layer step generators.
+
+    ``forward_steps(op)`` / ``backward_steps(op)`` yield once per layer. An overlapped F+B pair
+    (combined 1F1B, DualPipeV) advances both layer by layer, then runs each to completion so
+    code after a generator's last yield still executes. Before each op, ``prefetch`` is offered
+    the op(s) that run next, so their reloads can start during this one.
+    """
+    i = 0
+    while i < len(ops):
+        op = ops[i]
+        if on_op is not None:
+            on_op(i, op)
+        span = 2 if op.overlap else 1
+        if prefetch is not None:
+            for upcoming in ops[i + 1 : i + 1 + span]:
+                prefetch(upcoming)
+        if op.overlap:
+            partner = ops[i + 1]
+            f_steps, b_steps = forward_steps(op), backward_steps(partner)
+            for _ in range(max(layers_per_chunk[op.chunk], layers_per_chunk[partner.chunk])):
+                next(f_steps, None)
+                next(b_steps, None)
+            for steps in (f_steps, b_steps):
+                for _ in steps:
+                    pass
+        elif op.kind == "F":
+            for _ in forward_steps(op):
+                pass
+        elif op.kind == "B":
+            for _ in backward_steps(op):
+                pass
+        else:
+            run_wgrad(op)
+        i += span
+
+
 def run_schedule(
     chunks: Sequence[Sequence[nn.Module]],
     ops: Sequence[Op],
@@ -122,29 +167,15 @@ def run_schedule(
         elif op.kind == "W":
             context.prefetch_wgrad(op.chunk, op.microbatch)
 
-    i = 0
-    while i < len(ops):
-        op = ops[i]
-        if on_op is not None:
-            on_op(i, op)
-        span = 2 if op.overlap else 1
-        if prefetch_ops:  # the next backward/wgrad op's top slots reload during this op
-            for upcoming in ops[i + 1 : i + 1 + span]:
-                prefetch(upcoming)
-        if op.overlap:
-            f_steps, b_steps = forward_steps(op), backward_steps(ops[i + 1])
-            for _ in range(max(len(chunks[op.chunk]), len(chunks[ops[i + 1].chunk]))):
-                next(f_steps, None)
-                next(b_steps, None)
-        elif op.kind == "F":
-            for _ in forward_steps(op):
-                pass
-        elif op.kind == "B":
-            for _ in backward_steps(op):
-                pass
-        else:
-            context.run_wgrad(op.chunk, op.microbatch)
-        i += span
+    drive_ops(
+        ops,
+        forward_steps,
+        backward_steps,
+        [len(layers) for layers in chunks],
+        lambda op: context.run_wgrad(op.chunk, op.microbatch),
+        prefetch if prefetch_ops else None,
+        on_op,
+    )
     if saved:
         raise RuntimeError(f"forwards without a backward: {sorted(saved)}")
     return context.finish()

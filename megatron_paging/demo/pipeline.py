@@ -25,7 +25,7 @@ from torch import nn
 
 from megatron_paging.demo.model import TinyMoEConfig, TinyMoELayer, init_parameters
 from megatron_paging.paging import PagingContext
-from megatron_paging.pipeline_sim import Op, check_ops
+from megatron_paging.pipeline_sim import Op, check_ops, drive_ops
 
 Key = tuple[int, int]  # (chunk, microbatch)
 
@@ -186,28 +186,18 @@ def run_step(
         if grad is not None:
             sent[key] = grad
 
-    i = 0
-    while i < len(ops):
-        op = ops[i]
-        span = 2 if op.overlap else 1
-        for upcoming in ops[i + 1 : i + 1 + span]:  # reload during this op
-            if upcoming.kind == "B":
-                context.prefetch(upcoming.chunk, upcoming.microbatch, upcoming.defers_wgrad)
-        if op.overlap:  # F and B layer by layer, as combined 1F1B / DualPipeV overlap them
-            f_steps, b_steps = forward_steps(op), backward_steps(ops[i + 1])
-            layers = max(len(chunks[op.chunk].layers), len(chunks[ops[i + 1].chunk].layers))
-            for _ in range(layers):
-                next(f_steps, None)
-                next(b_steps, None)
-        elif op.kind == "F":
-            for _ in forward_steps(op):
-                pass
-        elif op.kind == "B":
-            for _ in backward_steps(op):
-                pass
-        else:
-            context.run_wgrad(op.chunk, op.microbatch)  # TinyMoE defers no weight gradient
-        i += span
+    def prefetch(op: Op) -> None:
+        if op.kind == "B":
+            context.prefetch(op.chunk, op.microbatch, op.defers_wgrad)
+
+    drive_ops(
+        ops,
+        forward_steps,
+        backward_steps,
+        [len(chunk.layers) for chunk in chunks],
+        lambda op: context.run_wgrad(op.chunk, op.microbatch),  # TinyMoE defers no wgrad
+        prefetch,
+    )
     if islands:
         raise RuntimeError(f"forwards without a backward: {sorted(islands)}")
     loss = torch.stack(losses).sum() if losses else None
