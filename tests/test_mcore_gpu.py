@@ -65,7 +65,6 @@ def test_example_trains_paged_bitwise_equal_to_unpaged(tmp_path):
     assert paged == unpaged
 
 
-
 @pytest.mark.multigpu
 @pytest.mark.skipif(
     torch.cuda.device_count() < 2,
@@ -84,3 +83,33 @@ def test_example_two_gpus_paged_bitwise_equal_to_unpaged(tmp_path, extra):
     paged, log = _train(tmp_path, paged=True, nproc=2, extra=extra)
     assert "paging_mode=paged" in log
     assert unpaged and paged == unpaged
+
+
+# -- forced overflow through Megatron (docs/overflow.md) -----------------------------------------
+# A CUDA pool at 0.3x the calibrated peak cannot hold one step's records: every paged step
+# overflows (step 1 calibrates and never overflows).
+SMALL_POOL = ("--moe-paged-stash-buffer-size-factor-cuda", "0.3")
+
+
+def test_example_forced_overflow_rerun_is_bitwise_equal_to_unpaged(tmp_path):
+    unpaged, _ = _train(tmp_path, paged=False)
+    paged, log = _train(
+        tmp_path, paged=True, extra=(*SMALL_POOL, "--paging-overflow-policy", "rerun")
+    )
+    assert "page pool overflow" in log and "policy 'rerun'" in log
+    # The rerun's losses are logged after the discarded attempt's: compare the last attempt of
+    # every step, i.e. the unpaged control must appear as a suffix per step.
+    per_step = len(unpaged) // 3
+    assert paged[-per_step:] == unpaged[-per_step:]
+
+
+@pytest.mark.parametrize("policy", ["skip", "grow"])
+def test_example_forced_overflow_skip_and_grow(tmp_path, policy):
+    extra = (*SMALL_POOL, "--paging-overflow-policy", policy, "--train-iters", "6")
+    _, log = _train(tmp_path, paged=True, extra=extra)
+    overflows = log.count("page pool overflow")
+    assert overflows >= 1 and f"policy '{policy}'" in log
+    if policy == "grow":
+        assert "grew pool" in log
+        # 0.3 x 1.5^k reaches the peak after a few steps; later steps no longer overflow.
+        assert overflows < 5
