@@ -5,7 +5,12 @@
 # Usage (device tool, repo root; .whl carries megatron-core's wheel):
 #   bash scripts/gpu_check.sh [steps...]     steps: info build tests sanitizer bench-kernels
 #                                            bench-scheduler mcore (default: all)
-# Each step has its own time limit so one hang cannot eat the whole call.
+# Each step has its own time limit so one hang cannot eat the whole call. Everything together
+# takes longer than one 10-minute device call; split it, for example
+#   GIT_COMMIT=$(git rev-parse HEAD) bash scripts/gpu_check.sh build tests sanitizer
+#   GIT_COMMIT=... bash scripts/gpu_check.sh build bench-kernels bench-scheduler mcore
+# (GIT_COMMIT: .git does not travel to the device machine; benchmarks record it in their JSON.
+#  PYTEST_EXTRA: more pytest arguments, e.g. "--deselect tests/test_mcore_gpu.py".)
 set -u
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -39,7 +44,7 @@ for step in "${steps[@]}"; do
   case $step in
     info) run_step info 60 python3 -m megatron_paging.cli info ;;
     build) run_step build 300 python3 -m megatron_paging.kernels.build --verbose ;;
-    tests) run_step tests 200 python3 -m pytest -q -m "gpu or multigpu or build" -p no:cacheprovider \
+    tests) run_step tests 420 python3 -m pytest -q -m "gpu or multigpu or build" -p no:cacheprovider \
              --junitxml "$OUT/gpu_tests.xml" ${PYTEST_EXTRA:-} tests ;;
     sanitizer)
       if command -v compute-sanitizer >/dev/null && [ -f scripts/sanitizer_run.py ]; then
