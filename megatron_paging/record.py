@@ -126,3 +126,46 @@ class PageRecord:
             f"page_size={self.page_size}, segments={len(self.segment_rows)}, "
             f"annotations={self.annotations})"
         )
+
+
+class RecordLayout:
+    """The static part of a record (segments, page slots), validated once by ``PageRecord.new``.
+
+    ``new_record`` packs the live-count copy, ``page_record`` and ``spilled_to_host`` into one
+    uninitialized int64 buffer: one allocation and one copy kernel per record. Both stash
+    kernels zero ``page_record`` and ``spilled_to_host`` before use, so no fill is needed.
+    """
+
+    __slots__ = ("template", "num_segments", "page_slots")
+
+    def __init__(self, template: PageRecord):
+        self.template = template
+        self.num_segments = template.num_segments
+        self.page_slots = template.page_record.numel()
+
+    def new_record(self, live_rows: torch.Tensor, snapshot: bool = True) -> PageRecord:
+        """A record over ``live_rows``: copied when ``snapshot``, else kept (already private)."""
+        t, segments = self.template, self.num_segments
+        if live_rows.dtype.is_floating_point or live_rows.dtype.is_complex:
+            raise TypeError(f"live_rows must be an integer tensor, got {live_rows.dtype}")
+        if live_rows.numel() != segments:
+            raise ValueError(f"live_rows has {live_rows.numel()} entries for {segments} segment(s)")
+        own = segments if snapshot or live_rows.dtype != torch.int64 else 0
+        packed = torch.empty(own + self.page_slots + 1, dtype=torch.int64,
+                             device=live_rows.device)
+        if own:
+            live = packed[:own]
+            live.copy_(live_rows.reshape(-1))  # the snapshot: the caller may overwrite its tensor
+        else:
+            live = live_rows if live_rows.dim() == 1 else live_rows.reshape(-1)
+        return PageRecord(
+            capacity_rows=t.capacity_rows,
+            row_bytes=t.row_bytes,
+            page_size=t.page_size,
+            segment_starts=t.segment_starts,
+            segment_rows=t.segment_rows,
+            slot_offsets=t.slot_offsets,
+            live_rows=live,
+            page_record=packed[own:-1],
+            spilled_to_host=packed[-1:],
+        )

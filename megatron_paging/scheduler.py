@@ -61,7 +61,7 @@ import torch
 
 from megatron_paging import kernels
 from megatron_paging.pool import PagePools
-from megatron_paging.record import PageRecord
+from megatron_paging.record import PageRecord, RecordLayout
 
 BACKWARD = "backward"
 WGRAD = "wgrad"
@@ -96,49 +96,6 @@ class PagedHandle:
     @property
     def microbatch(self) -> int:
         return self.record.annotations["microbatch"]
-
-
-class _Layout:
-    """The static part of a record (segments, page slots), validated once by ``PageRecord.new``.
-
-    ``new_record`` packs the live-count copy, ``page_record`` and ``spilled_to_host`` into one
-    uninitialized int64 buffer: one allocation and one copy kernel per record. Both stash
-    kernels zero ``page_record`` and ``spilled_to_host`` before use, so no fill is needed.
-    """
-
-    __slots__ = ("template", "num_segments", "page_slots")
-
-    def __init__(self, template: PageRecord):
-        self.template = template
-        self.num_segments = template.num_segments
-        self.page_slots = template.page_record.numel()
-
-    def new_record(self, live_rows: torch.Tensor, snapshot: bool = True) -> PageRecord:
-        """A record over ``live_rows``: copied when ``snapshot``, else kept (already private)."""
-        t, segments = self.template, self.num_segments
-        if live_rows.dtype.is_floating_point or live_rows.dtype.is_complex:
-            raise TypeError(f"live_rows must be an integer tensor, got {live_rows.dtype}")
-        if live_rows.numel() != segments:
-            raise ValueError(f"live_rows has {live_rows.numel()} entries for {segments} segment(s)")
-        own = segments if snapshot or live_rows.dtype != torch.int64 else 0
-        packed = torch.empty(own + self.page_slots + 1, dtype=torch.int64,
-                             device=live_rows.device)
-        if own:
-            live = packed[:own]
-            live.copy_(live_rows.reshape(-1))  # the snapshot: the caller may overwrite its tensor
-        else:
-            live = live_rows if live_rows.dim() == 1 else live_rows.reshape(-1)
-        return PageRecord(
-            capacity_rows=t.capacity_rows,
-            row_bytes=t.row_bytes,
-            page_size=t.page_size,
-            segment_starts=t.segment_starts,
-            segment_rows=t.segment_rows,
-            slot_offsets=t.slot_offsets,
-            live_rows=live,
-            page_record=packed[own:-1],
-            spilled_to_host=packed[-1:],
-        )
 
 
 @dataclass
@@ -217,7 +174,7 @@ class PagingScheduler:
         self._sources: deque[tuple[Any, list[PagedHandle]]] = deque()  # (stash-done, handles)
         # Host-static record layout per (capacity_rows, row_bytes, segments, device, page size):
         # validated once, so a save costs one allocation and at most one copy kernel.
-        self._layouts: dict[tuple, _Layout] = {} if layout_cache is None else layout_cache
+        self._layouts: dict[tuple, RecordLayout] = {} if layout_cache is None else layout_cache
 
     # ---------------------------------------------------------------- forward
     def open_slot(self, chunk: int, layer: int, microbatch: int) -> None:
@@ -334,7 +291,13 @@ class PagingScheduler:
             )
 
     def unpack(self, handle: PagedHandle) -> torch.Tensor:
-        """The tensor behind ``handle``; the compute stream waits for its reload only now."""
+        """The tensor behind ``handle``; the compute stream waits for its reload only now.
+
+        A handle still pending in the open slot (its layer's forward has not committed, e.g. a
+        recompute or a backward inside the forward) was never stashed: its source is returned.
+        """
+        if any(h is handle for h in self._pending):
+            return handle.source
         compute = None
         if handle.tensor is None:  # nobody reloaded it ahead: do it now
             compute = self._reload([handle], "demand")
@@ -366,13 +329,13 @@ class PagingScheduler:
         return left
 
     # -------------------------------------------------------------- internals
-    def _layout(self, capacity_rows, row_bytes, segments, live_rows) -> _Layout:
+    def _layout(self, capacity_rows, row_bytes, segments, live_rows) -> RecordLayout:
         static = None if segments is None else tuple((int(a), int(n)) for a, n in segments)
         key = (capacity_rows, row_bytes, static, live_rows.device, self.page_size)
         layout = self._layouts.get(key)
         if layout is None:  # first record of this shape: full validation by PageRecord.new
             template = PageRecord.new(capacity_rows, row_bytes, self.page_size, live_rows, static)
-            layout = self._layouts[key] = _Layout(template)
+            layout = self._layouts[key] = RecordLayout(template)
         return layout
 
     def _slot_start(self, branch, chunk, layer, microbatch, defer_wgrad) -> None:

@@ -24,6 +24,7 @@ runner's ``grow`` policy does).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,8 @@ from megatron_paging.calibration import Calibrator
 from megatron_paging.pool import PagePools
 from megatron_paging.scheduler import PagingScheduler
 from megatron_paging.streams import CpuStreamBackend, CudaStreamBackend
+
+logger = logging.getLogger(__name__)
 
 # Megatron-Core pages MXFP8 column-wise scale rows at 1/32 of the token rows.
 SCALE_INV_BLOCK_SIZE = 32
@@ -135,10 +138,24 @@ class PagingEngine:
             self._calibration_device = None
 
     def end_step(self) -> None:
-        """Join the paging stream and drop the step's scheduler state."""
-        if self.scheduler is not None:
-            self.unreloaded_records += self.scheduler.finish()
-            self.scheduler = None
+        """Join the paging stream and drop the step's scheduler state.
+
+        The scheduler is dropped even when ``finish()`` raises (an exception inside a layer left
+        a slot open), so the next step starts clean instead of failing forever. Records that a
+        step never reloaded are counted and logged: their pages were lost for that step.
+        """
+        scheduler, self.scheduler = self.scheduler, None
+        if scheduler is None:
+            return
+        unreloaded = scheduler.finish()
+        if unreloaded:
+            self.unreloaded_records += unreloaded
+            logger.warning(
+                "paging: %d record(s) of step %d were never reloaded (their pages stayed in use "
+                "for the step); a saved tensor was dropped without its backward running",
+                unreloaded,
+                self.steps,
+            )
 
     def release_pools(self) -> None:
         """Drop the pools; the next enabled step recalibrates."""
