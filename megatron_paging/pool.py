@@ -144,8 +144,8 @@ class PagePool:
         self.free_list_head = torch.zeros(2, dtype=torch.int64, device=self.device)
         self.free_list_tail = torch.tensor(caps, dtype=torch.int64, device=self.device)
         self.free_list_capacity = torch.tensor(caps, dtype=torch.int64, device=self.device)
-        # Preallocated reset sources: reset() must not allocate (CUDA-graph safe).
-        self._reset_tail = self.free_list_tail.clone()
+        # Preallocated reset sources: reset() must not allocate (CUDA-graph safe). The full
+        # ring's tail is its capacity, so free_list_capacity doubles as the tail's reset source.
         self._reset_free_list_cuda = torch.arange(
             self.num_cuda_pages, dtype=torch.int64, device=self.device
         )
@@ -196,7 +196,7 @@ class PagePool:
         self.free_list_cuda.copy_(self._reset_free_list_cuda)
         self.free_list_host.copy_(self._reset_free_list_host)
         self.free_list_head.zero_()
-        self.free_list_tail.copy_(self._reset_tail)
+        self.free_list_tail.copy_(self.free_list_capacity)
 
     def free_pages(self) -> tuple[int, int]:
         """(device tier, host tier) free page counts. Reads device state: host sync."""

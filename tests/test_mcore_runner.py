@@ -288,3 +288,50 @@ def test_runner_rejects_bad_calls():
         run.runner(model=[run.chunk], data_iterator=None, seq_length=1, forward_only=False)
     with pytest.raises(ValueError, match="overflow policy"):
         PagedStashRunner(run.config, False, [run.chunk], None, None, policy="retry")
+
+
+@pytest.mark.parametrize("policy", ["skip", "grow"])
+def test_deferred_policies_skip_only_the_over_budget_step(policy):
+    run = Run(policy, ROOMY)
+    for step in range(4):
+        run.train_step(step, over_budget_step=1)
+    run.runner.finish()
+    assert run.runner.skipped_steps == 1 and run.runner.monitor.steps == 4
+    dispatcher = run.chunk.decoder.layers[0].mlp.token_dispatcher
+    assert not dispatcher.check_over_budget().any()  # cleared after the step's reduce
+    assert run.runner.monitor.grown_steps == 0  # an over-budget step is not fixed by growing
+
+
+def evaluate(run, step, over_budget_step=None):
+    return run.runner(
+        model=[run.chunk],
+        data_iterator=[iter(batches(step, over_budget_step))],
+        num_microbatches=MICROBATCHES,
+        seq_length=CAPACITY,
+        forward_only=True,
+    )
+
+
+@pytest.mark.parametrize("policy", ["rerun", "skip"])
+def test_evaluation_is_not_a_training_step(policy):
+    control = Run(policy, ROOMY, paged=False)
+    run = Run(policy, ROOMY)
+    control.train_step(0)
+    run.train_step(0)
+    run.runner.finish()
+    skip, steps = run.runner.skip, run.runner.monitor.steps
+    grads = run.chunk.weight.grad.clone()
+    calls = len(run.calls)
+
+    # The static budget dropped tokens: the eval reruns unbudgeted and reports good losses.
+    assert evaluate(run, 1, over_budget_step=1) == evaluate(control, 1)
+    assert run.calls[calls:] == [True, False] and run.config.moe_paged_stash
+    assert run.runner.skip is skip and run.runner.monitor.steps == steps
+    assert run.runner.monitor.rerun_steps == 0 and run.runner.skipped_steps == 0
+    assert run.runner.eval_reruns == 1
+    assert torch.equal(run.chunk.weight.grad, grads)  # an eval rerun keeps the step's grads
+    dispatcher = run.chunk.decoder.layers[0].mlp.token_dispatcher
+    assert dispatcher._comm_manager.moe_expert_rank_capacity_factor == 1.0  # restored
+
+    evaluate(run, 2)  # a clean eval is not rerun
+    assert run.runner.eval_reruns == 1 and run.calls[calls + 2 :] == [True]

@@ -21,6 +21,10 @@ this class (bound to the paging API through the ``paging`` keyword). What change
     device; 'grow' then enlarges every pool's CUDA tier by ``growth_factor``. Megatron's own
     ``update_successful`` reports True for such a step: count skips from ``skipped_steps``.
 
+  The dispatchers' sticky over-budget flags are cleared once a step's flags are packed, so one
+  over-budget step drops only itself. Evaluations (``forward_only``) are no training steps:
+  see :meth:`PagedStashRunner.__call__`.
+
 Nothing here runs inside a CUDA-graph-captured region: the runner wraps the (possibly
 graph-captured) forward-backward callable and the optimizer step from the outside.
 """
@@ -131,6 +135,7 @@ class PagedStashRunner:
             self._configs.setdefault(id(root.config), root.config)
         self.skip: torch.Tensor | None = None  # the current step's device skip flag
         self._pending: torch.Tensor | None = None  # reduced flags awaiting the deferred read
+        self.eval_reruns = 0  # evaluations rerun without paging / static budget
         self.device_skips = []
         for torch_optimizer in _torch_optimizers(optimizer):
             if device_resident_steps(torch_optimizer):
@@ -169,8 +174,15 @@ class PagedStashRunner:
         )
 
     def _reduce_flags(self) -> torch.Tensor:
+        """The step's packed flags, reduced over ranks; the dispatchers' sticky over-budget
+        flags are cleared once packed, so the next step starts clean under every policy."""
         over_budget = [mlp.token_dispatcher.check_over_budget() for mlp in self.moe_layers]
-        return self.monitor.reduce(self._paging_flags(), over_budget, self._flag_device())
+        reduced = self.monitor.reduce(self._paging_flags(), over_budget, self._flag_device())
+        for mlp in self.moe_layers:
+            reset = getattr(mlp.token_dispatcher, "reset_over_budget", None)
+            if reset is not None:
+                reset()
+        return reduced
 
     def finish(self) -> None:
         """Read and act on the last step's flags now (end of training, before checkpoints)."""
@@ -221,25 +233,37 @@ class PagedStashRunner:
                     mlp.token_dispatcher.reset_over_budget()
 
     def prepare_for_rerun(self, is_training: bool = True) -> None:
-        """Paging and the static dispatch budget off, grads and flags cleared (Megatron-Core's)."""
+        """Paging and the static dispatch budget off, flags cleared and, for training, grads
+        cleared (Megatron-Core's; it also clears grads before an evaluation rerun)."""
         self._set_static_budget(restore=False)
         if self.paging is not None:
             self.paging.paged_stash_reset(enabled=False, config=self.config)
         self._set_moe_paged_stash(False)
-        for chunk in self.model:
-            if hasattr(chunk, "zero_grad_buffer"):
-                chunk.zero_grad_buffer()
-        if self.optimizer is not None:
-            self.optimizer.zero_grad()
-        if self.copy_main_params and self.optimizer is not None:
-            for inner in getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]:
-                if hasattr(inner, "shard_fp32_from_float16_groups"):
-                    inner._copy_main_params_to_param_buffer()
+        if is_training:  # an evaluation produced no gradients and must not drop the step's
+            for chunk in self.model:
+                if hasattr(chunk, "zero_grad_buffer"):
+                    chunk.zero_grad_buffer()
+            if self.optimizer is not None:
+                self.optimizer.zero_grad()
+            if self.copy_main_params and self.optimizer is not None:
+                chained = getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]
+                for inner in chained:
+                    if hasattr(inner, "shard_fp32_from_float16_groups"):
+                        inner._copy_main_params_to_param_buffer()
         reset_graph = getattr(self.forward_backward_func, "reset_cuda_graph", None)
         if reset_graph is not None:
             reset_graph(stage="training" if is_training else "validation")
 
     def __call__(self, *args, **kwargs):
+        """Run forward-backward, then act on its flags (see the module docstring).
+
+        Evaluation (``forward_only=True``) is not a training step: it is not counted by the
+        monitor, leaves ``self.skip`` (the training step's optimizer flag) alone and ignores
+        the policy. Its flags are read right away (an evaluation has no optimizer step to defer
+        to) and, if the static dispatch budget dropped tokens (or paging failed), it is rerun
+        once without paging and without the budget, so garbage losses never reach the caller;
+        ``eval_reruns`` counts those reruns.
+        """
         if args:
             raise TypeError("PagedStashRunner: forward_backward_func takes keyword arguments only")
         missing = [
@@ -251,34 +275,51 @@ class PagedStashRunner:
             raise TypeError(f"PagedStashRunner: missing keyword argument(s) {missing}")
         self.finish()  # deferred: the previous step's flags, before this step's data
         training = not kwargs["forward_only"]
-        saved_paged_stash = self.config.moe_paged_stash
         saved_iterators, kwargs["data_iterator"] = self.data_read(
             kwargs["data_iterator"], kwargs["model"], training, kwargs["num_microbatches"]
         )
         result = self.forward_backward_func(**kwargs)
         reduced = self._reduce_flags()
-        self.skip = skip_flag(reduced)
-        if training and self.monitor.policy != "rerun":
-            self._pending = reduced
+        if not training:
+            if self.monitor.read(reduced).discard:
+                log_single_rank(
+                    logger,
+                    logging.INFO,
+                    "paging: evaluation dropped tokens or overflowed; rerunning it without "
+                    "paging and without the static dispatch budget",
+                )
+                self.eval_reruns += 1
+                result = self._rerun(kwargs, saved_iterators, training=False)
             return result
 
-        # 'rerun' (and every evaluation): read now, before anything consumes the results.
-        decision = self.monitor.decide(self.monitor.read(reduced), policy="rerun")
+        self.skip = skip_flag(reduced)
+        if self.monitor.policy != "rerun":
+            self._pending = reduced
+            return result
+        # 'rerun': read now, before the optimizer consumes the gradients.
+        decision = self.monitor.decide(self.monitor.read(reduced))
         if decision.action == "rerun":
-            self.prepare_for_rerun(is_training=training)
-            kwargs["data_iterator"] = saved_iterators
-            try:
-                result = self.forward_backward_func(**kwargs)
-                rerun_flags = self._reduce_flags()
+            result = self._rerun(kwargs, saved_iterators, training=True)
+        return result
+
+    def _rerun(self, kwargs, saved_iterators, training: bool):
+        """Repeat forward-backward on the same data without paging and the static budget."""
+        saved_paged_stash = self.config.moe_paged_stash
+        self.prepare_for_rerun(is_training=training)
+        kwargs["data_iterator"] = saved_iterators
+        try:
+            result = self.forward_backward_func(**kwargs)
+            rerun_flags = self._reduce_flags()
+            if training:
                 self.skip = skip_flag(rerun_flags)
-                if self.monitor.read(rerun_flags).discard:
-                    raise RuntimeError(
-                        "PagedStashRunner: the rerun without paging and without the static "
-                        "dispatch budget still raised an overflow flag"
-                    )
-            finally:
-                self._set_moe_paged_stash(saved_paged_stash)
-        self._set_static_budget(restore=True)
+            if self.monitor.read(rerun_flags).discard:
+                raise RuntimeError(
+                    "PagedStashRunner: the rerun without paging and without the static "
+                    "dispatch budget still raised an overflow flag"
+                )
+        finally:
+            self._set_moe_paged_stash(saved_paged_stash)
+            self._set_static_budget(restore=True)
         return result
 
 
