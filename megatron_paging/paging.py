@@ -13,7 +13,8 @@ A model (or its adapter) does four things:
 * marks each capacity buffer it wants paged: ``context.mark(buffer, live_rows, segments)``. Only
   marked tensors — matched by identity when autograd saves them — are paged; every other saved
   tensor passes through untouched. A mark can come before or after the op that saves the tensor,
-  as long as it is before the layer's commit;
+  as long as it is before the layer's commit; the commit raises if a marked tensor was not saved
+  (autograd saved a view or copy of it, or nothing);
 * optionally defers weight gradients: inside a backward with ``defer_wgrad=True`` a custom
   autograd function hands its wgrad closure to ``context.defer_wgrad(fn)``, keeping its wgrad
   input as ``context.pack(x)`` / ``context.unpack(saved)`` so it is only unpacked when
@@ -237,11 +238,26 @@ class PagingContext:
                 continue
             if mark.handle is None:  # one record per tensor even if saved twice
                 mark.handle = self.scheduler.save(  # mark() already copied live_rows
-                    s.tensor, mark.live_rows, mark.segments, mark.wgrad_only,
+                    s.tensor,
+                    mark.live_rows,
+                    mark.segments,
+                    mark.wgrad_only,
                     live_rows_private=True,
                 )
             s.handle, s.tensor = mark.handle, None
         self.scheduler.commit()
+        unmatched = [m for m in marks.values() if m.handle is None]
+        if unmatched:
+            # A view, reshape or .contiguous() copy of the marked tensor (or nothing at all) was
+            # saved: it would silently stay resident, so the memory saving would be a lie.
+            chunk, layer, microbatch = slot
+            first = unmatched[0].tensor
+            raise RuntimeError(
+                f"{len(unmatched)} tensor(s) marked for paging in chunk {chunk} layer {layer} "
+                f"microbatch {microbatch} were not saved by autograd as marked (first: shape "
+                f"{tuple(first.shape)}, dtype {first.dtype}); mark the exact tensor that is "
+                "saved for backward, not a view or copy of it"
+            )
         return slot
 
     def _backward_slot_start(self, chunk: int, layer: int, microbatch: int) -> None:
@@ -251,8 +267,9 @@ class PagingContext:
         self.scheduler.backward_slot_start(chunk, layer, microbatch, defer_wgrad=defer)
 
     def _backward_slot_end(self, chunk: int, layer: int, microbatch: int) -> None:
-        self.scheduler.backend.note("backward-slot-end", chunk=chunk, layer=layer,
-                                    microbatch=microbatch)
+        self.scheduler.backend.note(
+            "backward-slot-end", chunk=chunk, layer=layer, microbatch=microbatch
+        )
 
 
 __all__ = ["PagingContext"]

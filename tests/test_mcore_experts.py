@@ -83,6 +83,16 @@ def test_gemm_backend_choice_and_errors(installed, model_parallel):  # noqa: F81
         PagedGroupedMLP(4, moe_config(add_bias_linear=True))
 
 
+def test_delayed_wgrad_is_rejected(installed, model_parallel):  # noqa: F811
+    config = moe_config()
+    # Megatron-Core validates delay_wgrad_compute against features the CPU test lacks (EP
+    # overlap, TE), so it is set on a built config, as an already-validated run would have it.
+    config.delay_wgrad_compute = True
+    with pytest.raises(ValueError, match="does not support delay_wgrad_compute=True") as error:
+        PagedGroupedMLP(4, config)
+    assert "\n" not in str(error.value)
+
+
 def _moe_layer(config):
     import dataclasses
     from functools import partial

@@ -62,12 +62,11 @@ def test_our_flags_parse(parser):
         "--paging-overflow-policy", "grow",
         "--paging-kernel-backend", "reference",
         "--paging-gemm-backend", "loop",
-        "--paging-implementation", "mcore",
         "--moe-paged-stash-buffer-size-factor-cpu", "0.5",
     ]  # fmt: skip
     args = _validate(parser, argv, environ={"MEGATRON_PAGING_MAX_CTAS": "512"})
     assert flags.install_options(args) == dict(
-        replace_paged_stash=False, kernel_backend="reference", prefetch_distance=2, max_ctas=512
+        replace_paged_stash=True, kernel_backend="reference", prefetch_distance=2, max_ctas=512
     )
 
     class Config:
@@ -105,6 +104,16 @@ def test_our_flags_parse(parser):
          "--paging-prefetch-distance must be >= 0"),
         (BASE + ["--paging-kernel-backend", "cuda"], {}, False,
          "--paging-kernel-backend cuda needs a CUDA device"),
+        (BASE + ["--paging-implementation", "mcore", "--paging-max-ctas", "8",
+                 "--paging-prefetch-distance", "2", "--paging-kernel-backend", "reference",
+                 "--paging-overflow-policy", "skip", "--paging-gemm-backend", "loop"],
+         {"MEGATRON_PAGING_MAX_CTAS": "8"}, False,
+         "--paging-max-ctas, --paging-prefetch-distance, --paging-overflow-policy, "
+         "--paging-kernel-backend have no effect with --paging-implementation mcore"),
+        (BASE + ["--paging-implementation", "mcore", "--paging-overflow-policy", "grow"], {},
+         False, "--paging-overflow-policy have no effect with --paging-implementation mcore"),
+        (["--paging-gemm-backend", "loop", "--paging-prefetch-distance", "2"], {}, False,
+         "--paging-prefetch-distance only apply with --moe-paged-stash"),
     ],
 )  # fmt: skip
 def test_startup_errors(parser, argv, environ, cuda, message):
@@ -131,3 +140,15 @@ def test_bare_parser_gets_megatron_flags_too():
     args = _validate(parser, BASE[:3] + ["--paging-prefetch-distance", "0"])
     assert args.paging_prefetch_distance == 0
     assert args.moe_paged_stash and args.moe_expert_rank_capacity_factor == 1.25
+
+
+def test_mcore_implementation_takes_the_gemm_backend_only(parser):
+    argv = BASE + ["--paging-implementation", "mcore", "--paging-gemm-backend", "loop"]
+    args = _validate(parser, argv)
+    assert args.paging_gemm_backend == "loop"
+    assert flags.install_options(args) == dict(replace_paged_stash=False)
+
+
+def test_gemm_backend_also_selects_the_unpaged_controls_gemms(parser):
+    args = _validate(parser, ["--paging-gemm-backend", "grouped"])
+    assert not args.moe_paged_stash and args.paging_gemm_backend == "grouped"

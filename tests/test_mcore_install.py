@@ -170,3 +170,27 @@ def test_baseline_install_keeps_megatron_cores_paged_stash(installer):
     assert moe_layer.MoEFlexTokenDispatcher is not token_dispatcher.MoEFlexTokenDispatcher
     api = installer.install()  # switching to ours re-installs
     assert paged_stash.paged_stash_reset == api.paged_stash_reset
+
+
+def test_install_with_other_engine_options_reinstalls(installer, caplog):
+    api = installer.install()
+    count = len(installer.rebindings)
+    assert installer.install(prefetch_distance=api.engine.prefetch_distance) is api  # same
+    with caplog.at_level(logging.INFO, logger=install_mod.__name__):
+        other = installer.install(prefetch_distance=4, kernel_backend="reference")
+    assert other is not api
+    assert other.engine.prefetch_distance == 4 and other.engine.kernel_backend == "reference"
+    assert paged_stash.paged_stash_reset == other.paged_stash_reset
+    assert len(installer.rebindings) == count
+    reinstall = [r for r in caplog.records if "reinstalling" in r.getMessage()]
+    assert len(reinstall) == 1 and "prefetch_distance" in reinstall[0].getMessage()
+    assert installer.install() is other  # no options: keep what is installed
+
+
+def test_engine_options_that_would_be_unused_are_rejected(installer):
+    with pytest.raises(ValueError, match=r"\['max_ctas', 'prefetch_distance'\].*replace_paged"):
+        installer.install(replace_paged_stash=False, prefetch_distance=2, max_ctas=8)
+    assert not installer.installed
+    with pytest.raises(ValueError, match=r"\['prefetch_distance'\].*explicit api"):
+        installer.install(MCorePagingAPI(), prefetch_distance=2)
+    assert not installer.installed

@@ -326,6 +326,46 @@ def test_argument_errors():
         context.mark(torch.randn(4, 4), torch.tensor(1))
 
 
+class _Square(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return 2 * x * grad
+
+
+@pytest.mark.parametrize("saved_as", ["copy", "view", "row_slice", "nothing", "itself"])
+def test_a_mark_autograd_does_not_save_is_an_error_at_commit(saved_as):
+    context = PagingContext(PagingScheduler(CpuStreamBackend(), make_pools()))
+    w = torch.randn(HIDDEN, HIDDEN, requires_grad=True)
+    with context.forward(1, 2):
+        x = context.group_start(torch.randn(TOKENS, HIDDEN), layer=0)
+        buffer = x @ w
+        context.mark(buffer, torch.tensor(TOKENS // 2))
+        saved = {
+            "copy": buffer.clone(),
+            "view": buffer.view(-1, 8),
+            "row_slice": buffer[1:],
+            "nothing": buffer.detach(),
+            "itself": buffer,
+        }[saved_as]
+        y = _Square.apply(saved) if saved_as != "nothing" else saved * 2
+        if saved_as == "itself":
+            y = context.group_commit(y)
+            assert context.scheduler.finish() == 1  # paged, never reloaded
+            return
+        with pytest.raises(RuntimeError) as error:
+            context.group_commit(y)
+    message = str(error.value)
+    assert "chunk 1 layer 0 microbatch 2" in message
+    assert f"shape {(TOKENS, HIDDEN)}" in message and "torch.float32" in message
+    assert "\n" not in message
+
+
 def test_schedule_orders_are_complete_and_checked():
     for schedule, options in CASES:
         ops, num_chunks = build(schedule, options)

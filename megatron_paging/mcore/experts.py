@@ -128,6 +128,13 @@ class PagedGroupedMLP(MegatronModule):
                 )
         if config.moe_latent_size:
             raise ValueError("PagedGroupedMLP does not support moe_latent_size")
+        if getattr(config, "delay_wgrad_compute", False):
+            # backward computes the weight gradients; a backward_dw that did nothing would
+            # silently break Megatron's delayed-wgrad schedule.
+            raise ValueError(
+                "PagedGroupedMLP does not support delay_wgrad_compute=True (weight gradients "
+                "are computed in backward)"
+            )
         self.num_local_experts = num_local_experts
         self.gemm_backend = gemm_backend
         self.name = name
@@ -207,7 +214,7 @@ class PagedGroupedMLP(MegatronModule):
         return output, None
 
     def backward_dw(self):
-        """Weight gradients are computed in backward (no delayed wgrad)."""
+        """Weight gradients are computed in backward (delay_wgrad_compute is rejected)."""
 
 
 __all__ = ["GEMM_BACKENDS", "PagedGroupedMLP", "resolve_gemm_backend"]

@@ -25,7 +25,10 @@ It also adds ``static`` to the choices of Megatron's ``--moe-flex-dispatcher-bac
 sync-free dispatch backend, :mod:`.dispatcher`).
 
 :func:`validate_paging_args` raises one ``ValueError`` naming the offending flags for every
-meaningless or conflicting combination, before any model is built.
+meaningless or conflicting combination, before any model is built: ``--paging-*`` flags other
+than ``--paging-gemm-backend`` need ``--moe-paged-stash`` (the GEMM backend also selects the
+unpaged control's GEMMs); ``--paging-implementation mcore`` rejects the flags only our engine
+and runner read (kernel backend, prefetch distance, max CTAs, overflow policy).
 """
 
 from __future__ import annotations
@@ -66,6 +69,15 @@ PAGING_DEFAULTS = {
     "paging_implementation": "ours",
 }
 IMPLEMENTATIONS = ("ours", "mcore")
+# Flags that also act without --moe-paged-stash (the GEMMs of the unpaged control run).
+WITHOUT_PAGING = ("paging_gemm_backend",)
+# Flags of our engine and runner; Megatron-Core's own manager (`mcore`) ignores them.
+OURS_ONLY = (
+    "paging_kernel_backend",
+    "paging_prefetch_distance",
+    "paging_max_ctas",
+    "paging_overflow_policy",
+)
 
 
 def _option(parser: argparse.ArgumentParser, flag: str):
@@ -146,13 +158,21 @@ def validate_paging_args(args, environ=None, cuda_available: bool | None = None)
 
         cuda_available = torch.cuda.is_available()
     paged = bool(getattr(args, "moe_paged_stash", False))
-    ours_set = [
-        "--" + dest.replace("_", "-")
+    ours_set = {
+        dest: "--" + dest.replace("_", "-")
         for dest, default in PAGING_DEFAULTS.items()
         if getattr(args, dest, default) != default
-    ]
-    if ours_set and not paged:
-        raise ValueError(f"{', '.join(ours_set)} only apply with --moe-paged-stash")
+    }
+    need_paging = [flag for dest, flag in ours_set.items() if dest not in WITHOUT_PAGING]
+    if need_paging and not paged:
+        raise ValueError(f"{', '.join(need_paging)} only apply with --moe-paged-stash")
+    if getattr(args, "paging_implementation", "ours") == "mcore":
+        unused = [flag for dest, flag in ours_set.items() if dest in OURS_ONLY]
+        if unused:
+            raise ValueError(
+                f"{', '.join(unused)} have no effect with --paging-implementation mcore "
+                "(Megatron-Core's own paged-stash manager, kernels and step runner)"
+            )
 
     backend = getattr(args, "moe_flex_dispatcher_backend", None)
     if backend == STATIC_BACKEND and getattr(args, "moe_token_dispatcher_type", None) != "flex":
@@ -203,8 +223,11 @@ def validate_paging_args(args, environ=None, cuda_available: bool | None = None)
 
 
 def install_options(args) -> dict:
-    """Keyword arguments of :func:`megatron_paging.mcore.install.install` from ``args``."""
-    return dict(replace_paged_stash=args.paging_implementation == "ours", **engine_options(args))
+    """Keyword arguments of :func:`megatron_paging.mcore.install.install` from ``args``
+    (no engine options for ``mcore``: Megatron-Core's own manager has no use for them)."""
+    if args.paging_implementation == "mcore":
+        return dict(replace_paged_stash=False)
+    return dict(replace_paged_stash=True, **engine_options(args))
 
 
 def engine_options(args) -> dict:

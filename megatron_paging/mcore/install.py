@@ -17,8 +17,9 @@ the importers. :meth:`PagingInstaller.install` therefore
 5. logs one line saying what it replaced.
 
 :meth:`PagingInstaller.uninstall` puts every original object back (identity restored).
-``install()`` is idempotent. Modules imported *after* install keep Megatron-Core's names: call
-``install()`` before building the model (the example script does it first thing).
+``install()`` is idempotent (a call asking for other engine options reinstalls). Modules
+imported *after* install keep Megatron-Core's names: call ``install()`` before building the
+model (the example script does it first thing).
 """
 
 from __future__ import annotations
@@ -146,11 +147,35 @@ class PagingInstaller:
 
         ``replace_paged_stash=False`` installs only the ``static`` dispatch backend and its config
         shim and leaves Megatron-Core's own paged-stash manager, kernels and runner in place (the
-        baseline that benchmarks compare against); the returned ``api`` is then unused.
-        Idempotent: installing again returns the installed API (or swaps in a new ``api``)."""
+        baseline that benchmarks compare against); the returned ``api`` is then unused, and
+        ``engine_options`` (which would be unused too) raise ``ValueError``, as they do next
+        to an explicit ``api``.
+
+        Idempotent: installing again returns the installed API, unless it asks for something
+        else: a new ``api``, another ``replace_paged_stash``, or ``engine_options`` that differ
+        from the installed engine's; then it uninstalls and installs afresh (logging one line).
+        """
+        if engine_options and not replace_paged_stash:
+            raise ValueError(
+                f"engine options {sorted(engine_options)} have no effect with "
+                "replace_paged_stash=False (Megatron-Core's own paged stash)"
+            )
+        if engine_options and api is not None:
+            raise ValueError(
+                f"engine options {sorted(engine_options)} have no effect next to an explicit api "
+                "(build its PagingEngine with them instead)"
+            )
         if self.installed:
-            if (api is None or api is self.api) and replace_paged_stash == self.replaced:
+            changed = self._changed_engine_options(engine_options)
+            same_api = api is None or api is self.api
+            if same_api and replace_paged_stash == self.replaced and not changed:
                 return self.api
+            if changed:
+                logger.info(
+                    "megatron-paging: reinstalling with engine options %s (were %s)",
+                    {k: engine_options[k] for k in changed},
+                    {k: getattr(self.api.engine, k, None) for k in changed},
+                )
             self.uninstall()
         version = check_megatron_core_version()
         for name in KNOWN_IMPORTERS:
@@ -211,6 +236,12 @@ class PagingInstaller:
             ),
         )
         return api
+
+    def _changed_engine_options(self, engine_options: dict) -> list[str]:
+        """The requested engine options the installed API's engine does not already have."""
+        engine = getattr(self.api, "engine", None)
+        missing = object()
+        return sorted(k for k, v in engine_options.items() if getattr(engine, k, missing) != v)
 
     def uninstall(self) -> None:
         """Put every original object back. A no-op when nothing is installed."""
