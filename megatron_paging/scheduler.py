@@ -87,6 +87,7 @@ class PagedHandle:
     parked: Any = None
     tensor: torch.Tensor | None = None  # the reloaded tensor
     reload_event: Any = None
+    alloc_stream: Any = None  # the compute stream the reload destination was allocated on
     waited: bool = False
 
     @property
@@ -307,6 +308,8 @@ class PagingScheduler:
                 compute = self.backend.compute_stream()
             self.backend.wait(compute, handle.reload_event, "unpack")
             handle.waited = True
+            if compute != handle.alloc_stream:  # consumed on another stream than allocated on
+                self.backend.keep_alive(handle.tensor, compute)
         return handle.tensor
 
     def finish(self) -> int:
@@ -407,6 +410,10 @@ class PagingScheduler:
         done = self.backend.record(paging, "reload-done")
         for h in handles:
             h.reload_event = done
+            # Autograd may drop a prefetched tensor without unpacking it (so without the compute
+            # stream ever waiting): its memory must not be reused before the paging write ends.
+            self.backend.keep_alive(h.tensor, paging)
+            h.alloc_stream = compute
         return compute
 
     def _launch_group(self, stream, kind: str, handles: list[PagedHandle], **info) -> None:

@@ -11,8 +11,10 @@ The scheduler never calls ``torch.cuda`` directly; it talks to a backend with fi
   scheduler opens it once around each commit group / reload group, so a group of records costs
   one stream switch, not one per record.
 
-plus ``done(event)`` (has the event completed? never asked during graph capture) and
-``capturing()`` (is the compute stream being captured into a CUDA graph?).
+plus ``done(event)`` (has the event completed? never asked during graph capture),
+``capturing()`` (is the compute stream being captured into a CUDA graph?) and
+``keep_alive(tensor, stream)`` (``stream`` uses ``tensor``: its memory must not be reused before
+that stream's queued work is done — ``record_stream`` on CUDA).
 
 :class:`CudaStreamBackend` maps these onto real ``torch.cuda`` streams and events, with one
 high-priority paging stream per device. :class:`CpuStreamBackend` runs everything at once, in
@@ -112,6 +114,10 @@ class CpuStreamBackend:
         finally:
             self._current = previous
 
+    def keep_alive(self, tensor: torch.Tensor, stream: str) -> None:
+        """CPU work runs at once: nothing can reuse memory early. Logged for tests."""
+        self.log.append(LogEntry(next(self._seq), "keep_alive", stream, None, "tensor", {}))
+
     def note(self, kind: str, **info) -> None:
         """A scheduler milestone (commit, unpack, slot start) for the log; no work."""
         self.log.append(LogEntry(next(self._seq), "note", None, None, kind, info))
@@ -187,6 +193,11 @@ class CudaStreamBackend:
             return
         with torch.cuda.stream(stream):
             fn()
+
+    def keep_alive(self, tensor: torch.Tensor, stream) -> None:
+        # The caching allocator frees a block for reuse on its allocation stream only; this
+        # makes it also wait for ``stream``'s work queued so far when the tensor is freed.
+        tensor.record_stream(stream)
 
     def note(self, kind: str, **info) -> None:
         pass
