@@ -361,18 +361,21 @@ int max_segments() { return kMaxSegments; }
 
 // Pointer arguments are device pointers (host_pages: the mapped device pointer of pinned host
 // memory, or null without a host tier); segment arrays are host arrays of num_segments entries.
-cudaError_t launch_stash(const uint8_t* src, uint8_t* cuda_pages, uint8_t* host_pages,
-                         int64_t num_cuda_pages, int64_t num_host_pages, const int64_t* live_rows,
-                         int64_t* free_list_cuda, int64_t* free_list_host, int64_t* free_list_head,
-                         int64_t* free_list_tail, const int64_t* free_list_capacity,
-                         int64_t* page_record, int64_t record_slots, int64_t* spilled_to_host,
-                         int64_t* flags, unsigned int* done_counter,
-                         const int64_t* segment_starts, const int64_t* segment_rows,
-                         const int64_t* slot_offsets, int num_segments, int64_t page_size,
-                         int64_t row_bytes, int max_ctas, cudaStream_t stream) {
+// Stash and reload take the same metadata; only the direction of the payload copy differs
+// (stash reads `user` and writes `pages`, reload the reverse; the kernel never writes
+// through the side it reads), so one entry point serves both.
+cudaError_t launch_copy(bool reload, uint8_t* user, uint8_t* cuda_pages, uint8_t* host_pages,
+                        int64_t num_cuda_pages, int64_t num_host_pages,
+                        const int64_t* live_rows, int64_t* free_list_cuda,
+                        int64_t* free_list_host, int64_t* free_list_head,
+                        int64_t* free_list_tail, const int64_t* free_list_capacity,
+                        int64_t* page_record, int64_t record_slots, int64_t* spilled_to_host,
+                        int64_t* flags, unsigned int* done_counter,
+                        const int64_t* segment_starts, const int64_t* segment_rows,
+                        const int64_t* slot_offsets, int num_segments, int64_t page_size,
+                        int64_t row_bytes, int max_ctas, cudaStream_t stream) {
   PagingArgs args{};
-  // The kernel never writes through `user` on stash.
-  args.user = const_cast<uint8_t*>(src);
+  args.user = user;
   args.pages[0] = cuda_pages;
   args.pages[1] = host_pages;
   args.num_pages[0] = num_cuda_pages;
@@ -391,41 +394,7 @@ cudaError_t launch_stash(const uint8_t* src, uint8_t* cuda_pages, uint8_t* host_
   args.page_size = page_size;
   args.row_bytes = row_bytes;
   args.num_segments = num_segments;
-  return launch(false, args, segment_starts, segment_rows, slot_offsets, max_ctas, stream);
-}
-
-cudaError_t launch_reload(uint8_t* dst, const uint8_t* cuda_pages, const uint8_t* host_pages,
-                          int64_t num_cuda_pages, int64_t num_host_pages,
-                          const int64_t* live_rows, int64_t* free_list_cuda,
-                          int64_t* free_list_host, int64_t* free_list_head,
-                          int64_t* free_list_tail, const int64_t* free_list_capacity,
-                          int64_t* page_record, int64_t record_slots, int64_t* spilled_to_host,
-                          int64_t* flags, unsigned int* done_counter,
-                          const int64_t* segment_starts, const int64_t* segment_rows,
-                          const int64_t* slot_offsets, int num_segments, int64_t page_size,
-                          int64_t row_bytes, int max_ctas, cudaStream_t stream) {
-  PagingArgs args{};
-  args.user = dst;
-  // The kernel never writes through `pages` on reload.
-  args.pages[0] = const_cast<uint8_t*>(cuda_pages);
-  args.pages[1] = const_cast<uint8_t*>(host_pages);
-  args.num_pages[0] = num_cuda_pages;
-  args.num_pages[1] = num_host_pages;
-  args.ring[0] = free_list_cuda;
-  args.ring[1] = free_list_host;
-  args.head = free_list_head;
-  args.tail = free_list_tail;
-  args.capacity = free_list_capacity;
-  args.live_rows = live_rows;
-  args.page_record = page_record;
-  args.record_slots = record_slots;
-  args.spilled_to_host = spilled_to_host;
-  args.flags = flags;
-  args.done_counter = done_counter;
-  args.page_size = page_size;
-  args.row_bytes = row_bytes;
-  args.num_segments = num_segments;
-  return launch(true, args, segment_starts, segment_rows, slot_offsets, max_ctas, stream);
+  return launch(reload, args, segment_starts, segment_rows, slot_offsets, max_ctas, stream);
 }
 
 }  // namespace megatron_paging

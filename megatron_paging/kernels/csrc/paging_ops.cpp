@@ -18,25 +18,16 @@ namespace megatron_paging {
 
 // Defined in paging_kernels.cu.
 int max_segments();
-cudaError_t launch_stash(const uint8_t* src, uint8_t* cuda_pages, uint8_t* host_pages,
-                         int64_t num_cuda_pages, int64_t num_host_pages, const int64_t* live_rows,
-                         int64_t* free_list_cuda, int64_t* free_list_host, int64_t* free_list_head,
-                         int64_t* free_list_tail, const int64_t* free_list_capacity,
-                         int64_t* page_record, int64_t record_slots, int64_t* spilled_to_host,
-                         int64_t* flags, unsigned int* done_counter,
-                         const int64_t* segment_starts, const int64_t* segment_rows,
-                         const int64_t* slot_offsets, int num_segments, int64_t page_size,
-                         int64_t row_bytes, int max_ctas, cudaStream_t stream);
-cudaError_t launch_reload(uint8_t* dst, const uint8_t* cuda_pages, const uint8_t* host_pages,
-                          int64_t num_cuda_pages, int64_t num_host_pages,
-                          const int64_t* live_rows, int64_t* free_list_cuda,
-                          int64_t* free_list_host, int64_t* free_list_head,
-                          int64_t* free_list_tail, const int64_t* free_list_capacity,
-                          int64_t* page_record, int64_t record_slots, int64_t* spilled_to_host,
-                          int64_t* flags, unsigned int* done_counter,
-                          const int64_t* segment_starts, const int64_t* segment_rows,
-                          const int64_t* slot_offsets, int num_segments, int64_t page_size,
-                          int64_t row_bytes, int max_ctas, cudaStream_t stream);
+cudaError_t launch_copy(bool reload, uint8_t* user, uint8_t* cuda_pages, uint8_t* host_pages,
+                        int64_t num_cuda_pages, int64_t num_host_pages,
+                        const int64_t* live_rows, int64_t* free_list_cuda,
+                        int64_t* free_list_host, int64_t* free_list_head,
+                        int64_t* free_list_tail, const int64_t* free_list_capacity,
+                        int64_t* page_record, int64_t record_slots, int64_t* spilled_to_host,
+                        int64_t* flags, unsigned int* done_counter,
+                        const int64_t* segment_starts, const int64_t* segment_rows,
+                        const int64_t* slot_offsets, int num_segments, int64_t page_size,
+                        int64_t row_bytes, int max_ctas, cudaStream_t stream);
 
 namespace {
 
@@ -164,6 +155,39 @@ Common check_common(const at::Tensor& user, const at::Tensor& cuda_pages,
   return c;
 }
 
+// Stash and reload share every check and argument; `kReload` picks the direction.
+template <bool kReload>
+void copy_cuda(const at::Tensor& user, const at::Tensor& cuda_pages, const at::Tensor& host_pages,
+                const at::Tensor& live_rows, const at::Tensor& free_list_cuda,
+                const at::Tensor& free_list_host, const at::Tensor& free_list_head,
+                const at::Tensor& free_list_tail, const at::Tensor& free_list_capacity,
+                const at::Tensor& page_record, const at::Tensor& spilled_to_host,
+                const at::Tensor& flags, const at::Tensor& done_counter,
+                at::IntArrayRef segment_starts, at::IntArrayRef segment_rows,
+                at::IntArrayRef slot_offsets, int64_t page_size, int64_t row_bytes,
+                int64_t max_ctas) {
+  const Common c = check_common(user, cuda_pages, host_pages, live_rows, free_list_cuda,
+                                free_list_host, free_list_head, free_list_tail,
+                                free_list_capacity, page_record, spilled_to_host, flags,
+                                done_counter, segment_starts, segment_rows, slot_offsets,
+                                page_size, row_bytes, max_ctas);
+  const c10::cuda::CUDAGuard guard(cuda_pages.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  const cudaError_t err = launch_copy(
+      kReload, user.data_ptr<uint8_t>(), cuda_pages.data_ptr<uint8_t>(),
+      mapped_host_pages(host_pages, stream),
+      c.num_cuda_pages, c.num_host_pages, live_rows.data_ptr<int64_t>(),
+      free_list_cuda.data_ptr<int64_t>(), free_list_host.data_ptr<int64_t>(),
+      free_list_head.data_ptr<int64_t>(), free_list_tail.data_ptr<int64_t>(),
+      free_list_capacity.data_ptr<int64_t>(), page_record.data_ptr<int64_t>(),
+      page_record.numel(), spilled_to_host.data_ptr<int64_t>(), flags.data_ptr<int64_t>(),
+      reinterpret_cast<unsigned int*>(done_counter.data_ptr<int32_t>()), segment_starts.data(),
+      segment_rows.data(), slot_offsets.data(), c.num_segments, page_size, row_bytes,
+      static_cast<int>(max_ctas), stream);
+  TORCH_CHECK(err == cudaSuccess, "megatron_paging: ", kReload ? "reload" : "stash",
+              " launch failed: ", cudaGetErrorString(err));
+}
+
 void stash_cuda(const at::Tensor& src, const at::Tensor& cuda_pages, const at::Tensor& host_pages,
                 const at::Tensor& live_rows, const at::Tensor& free_list_cuda,
                 const at::Tensor& free_list_host, const at::Tensor& free_list_head,
@@ -173,57 +197,25 @@ void stash_cuda(const at::Tensor& src, const at::Tensor& cuda_pages, const at::T
                 at::IntArrayRef segment_starts, at::IntArrayRef segment_rows,
                 at::IntArrayRef slot_offsets, int64_t page_size, int64_t row_bytes,
                 int64_t max_ctas) {
-  const Common c = check_common(src, cuda_pages, host_pages, live_rows, free_list_cuda,
-                                free_list_host, free_list_head, free_list_tail,
-                                free_list_capacity, page_record, spilled_to_host, flags,
-                                done_counter, segment_starts, segment_rows, slot_offsets,
-                                page_size, row_bytes, max_ctas);
-  const c10::cuda::CUDAGuard guard(cuda_pages.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
-  const cudaError_t err = launch_stash(
-      src.data_ptr<uint8_t>(), cuda_pages.data_ptr<uint8_t>(),
-      mapped_host_pages(host_pages, stream),
-      c.num_cuda_pages, c.num_host_pages, live_rows.data_ptr<int64_t>(),
-      free_list_cuda.data_ptr<int64_t>(), free_list_host.data_ptr<int64_t>(),
-      free_list_head.data_ptr<int64_t>(), free_list_tail.data_ptr<int64_t>(),
-      free_list_capacity.data_ptr<int64_t>(), page_record.data_ptr<int64_t>(),
-      page_record.numel(), spilled_to_host.data_ptr<int64_t>(), flags.data_ptr<int64_t>(),
-      reinterpret_cast<unsigned int*>(done_counter.data_ptr<int32_t>()), segment_starts.data(),
-      segment_rows.data(), slot_offsets.data(), c.num_segments, page_size, row_bytes,
-      static_cast<int>(max_ctas), stream);
-  TORCH_CHECK(err == cudaSuccess, "megatron_paging: stash launch failed: ",
-              cudaGetErrorString(err));
+  copy_cuda<false>(src, cuda_pages, host_pages, live_rows, free_list_cuda, free_list_host,
+                       free_list_head, free_list_tail, free_list_capacity, page_record,
+                       spilled_to_host, flags, done_counter, segment_starts, segment_rows,
+                       slot_offsets, page_size, row_bytes, max_ctas);
 }
 
-void reload_cuda(const at::Tensor& dst, const at::Tensor& cuda_pages,
-                 const at::Tensor& host_pages, const at::Tensor& live_rows,
-                 const at::Tensor& free_list_cuda, const at::Tensor& free_list_host,
-                 const at::Tensor& free_list_head, const at::Tensor& free_list_tail,
-                 const at::Tensor& free_list_capacity, const at::Tensor& page_record,
-                 const at::Tensor& spilled_to_host, const at::Tensor& flags,
-                 const at::Tensor& done_counter, at::IntArrayRef segment_starts,
-                 at::IntArrayRef segment_rows, at::IntArrayRef slot_offsets, int64_t page_size,
-                 int64_t row_bytes, int64_t max_ctas) {
-  const Common c = check_common(dst, cuda_pages, host_pages, live_rows, free_list_cuda,
-                                free_list_host, free_list_head, free_list_tail,
-                                free_list_capacity, page_record, spilled_to_host, flags,
-                                done_counter, segment_starts, segment_rows, slot_offsets,
-                                page_size, row_bytes, max_ctas);
-  const c10::cuda::CUDAGuard guard(cuda_pages.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
-  const cudaError_t err = launch_reload(
-      dst.data_ptr<uint8_t>(), cuda_pages.data_ptr<uint8_t>(),
-      mapped_host_pages(host_pages, stream),
-      c.num_cuda_pages, c.num_host_pages, live_rows.data_ptr<int64_t>(),
-      free_list_cuda.data_ptr<int64_t>(), free_list_host.data_ptr<int64_t>(),
-      free_list_head.data_ptr<int64_t>(), free_list_tail.data_ptr<int64_t>(),
-      free_list_capacity.data_ptr<int64_t>(), page_record.data_ptr<int64_t>(),
-      page_record.numel(), spilled_to_host.data_ptr<int64_t>(), flags.data_ptr<int64_t>(),
-      reinterpret_cast<unsigned int*>(done_counter.data_ptr<int32_t>()), segment_starts.data(),
-      segment_rows.data(), slot_offsets.data(), c.num_segments, page_size, row_bytes,
-      static_cast<int>(max_ctas), stream);
-  TORCH_CHECK(err == cudaSuccess, "megatron_paging: reload launch failed: ",
-              cudaGetErrorString(err));
+void reload_cuda(const at::Tensor& dst, const at::Tensor& cuda_pages, const at::Tensor& host_pages,
+                const at::Tensor& live_rows, const at::Tensor& free_list_cuda,
+                const at::Tensor& free_list_host, const at::Tensor& free_list_head,
+                const at::Tensor& free_list_tail, const at::Tensor& free_list_capacity,
+                const at::Tensor& page_record, const at::Tensor& spilled_to_host,
+                const at::Tensor& flags, const at::Tensor& done_counter,
+                at::IntArrayRef segment_starts, at::IntArrayRef segment_rows,
+                at::IntArrayRef slot_offsets, int64_t page_size, int64_t row_bytes,
+                int64_t max_ctas) {
+  copy_cuda<true>(dst, cuda_pages, host_pages, live_rows, free_list_cuda, free_list_host,
+                       free_list_head, free_list_tail, free_list_capacity, page_record,
+                       spilled_to_host, flags, done_counter, segment_starts, segment_rows,
+                       slot_offsets, page_size, row_bytes, max_ctas);
 }
 
 }  // namespace
