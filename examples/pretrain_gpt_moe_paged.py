@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from functools import partial
 
 import torch
@@ -47,6 +48,80 @@ from megatron_paging.mcore.specs import get_gpt_moe_paged_layer_spec
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
 # Verification runs: append every microbatch loss, exactly (float.hex), to this file (+ rank).
 LOSS_LOG_ENV = "MEGATRON_PAGING_LOSS_LOG"
+# Diagnostics: profile this training iteration (1-based, as Megatron logs it) with torch.profiler
+# and print its top kernels and host ops.
+PROFILE_ENV = "MEGATRON_PAGING_PROFILE_ITER"
+
+
+class StepProbe:
+    """Per-iteration peak memory, and a torch.profiler summary of one chosen iteration.
+
+    Megatron's loop has no per-iteration callback for a forward-step provider, so the probe
+    notices a new ``args.curr_iteration`` at the first forward step of each iteration: a step's
+    window runs from its first forward to the next step's first forward (its optimizer step
+    included). Every line it prints starts with ``paging-example``.
+    """
+
+    def __init__(self, profile_iteration: int | None):
+        self.iteration = None
+        self.profile_iteration = profile_iteration
+        self.step_peaks: dict[int, float] = {}
+        self.profiler = None
+        self.profile_t0 = 0.0
+
+    def on_forward_step(self) -> None:
+        iteration = get_args().curr_iteration + 1  # Megatron logs iterations from 1
+        if iteration == self.iteration:
+            return
+        self.close_step()
+        torch.cuda.reset_peak_memory_stats()
+        self.iteration = iteration
+        if iteration == self.profile_iteration:
+            torch.cuda.synchronize()
+            self.profiler = torch.profiler.profile(
+                activities=[
+                    torch.profiler.ProfilerActivity.CPU,
+                    torch.profiler.ProfilerActivity.CUDA,
+                ]
+            )
+            self.profiler.start()
+            self.profile_t0 = time.perf_counter()
+
+    def close_step(self) -> None:
+        if self.iteration is None:
+            return
+        peak = torch.cuda.max_memory_allocated() / 2**20
+        self.step_peaks[self.iteration] = peak
+        print(
+            f"paging-example step-memory iteration={self.iteration} peak_allocated_mib={peak:.1f}",
+            flush=True,
+        )
+        if self.profiler is not None:
+            torch.cuda.synchronize()
+            wall_ms = (time.perf_counter() - self.profile_t0) * 1e3
+            self.profiler.stop()
+            self._print_profile(self.profiler, wall_ms)
+            self.profiler = None
+
+    def _print_profile(self, profiler, wall_ms: float) -> None:
+        events = profiler.key_averages()
+        device_us = sum(e.self_device_time_total for e in events)
+        cpu_us = sum(e.self_cpu_time_total for e in events)
+        print(
+            f"paging-example profile iteration={self.iteration} wall_ms={wall_ms:.1f} "
+            f"self_device_ms={device_us / 1e3:.1f} self_cpu_ms={cpu_us / 1e3:.1f}",
+            flush=True,
+        )
+        for key in ("self_device_time_total", "self_cpu_time_total"):
+            print(f"paging-example profile top by {key}:", flush=True)
+            print(events.table(sort_by=key, row_limit=30, max_name_column_width=70), flush=True)
+
+    def peak_mib(self, first_iteration: int = 1) -> float:
+        peaks = [p for i, p in self.step_peaks.items() if i >= first_iteration]
+        return max(peaks) if peaks else 0.0
+
+
+PROBE = StepProbe(int(os.environ[PROFILE_ENV]) if os.environ.get(PROFILE_ENV) else None)
 
 
 def model_provider(
@@ -108,6 +183,7 @@ def loss_func(loss_mask, output_tensor):
 
 
 def forward_step(data_iterator, model):
+    PROBE.on_forward_step()
     vp_stage = get_attr_wrapped_model(model, "vp_stage")
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, vp_stage)
     output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
@@ -209,9 +285,13 @@ def report_memory(api, implementation: str) -> None:
         cuda_bytes, host_bytes = pools.total_bytes() if pools is not None else (0, 0)
         mode, steps = api.engine.mode, api.engine.steps
     mib = 2**20
+    PROBE.close_step()
+    # Steady state: from the third step on (step 1 calibrates, step 2 allocates the pools and
+    # the optimizer's lazy state).
     print(
         f"paging-example rank {os.environ.get('RANK', '0')}: "
-        f"peak_allocated_mib={torch.cuda.max_memory_allocated() / mib:.1f} "
+        f"peak_allocated_mib={PROBE.peak_mib():.1f} "
+        f"steady_peak_allocated_mib={PROBE.peak_mib(first_iteration=3):.1f} "
         f"peak_reserved_mib={torch.cuda.max_memory_reserved() / mib:.1f} "
         f"pool_cuda_mib={cuda_bytes / mib:.1f} pool_host_mib={host_bytes / mib:.1f} "
         f"paging_mode={mode} paged_steps={steps}",

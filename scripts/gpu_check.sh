@@ -10,7 +10,8 @@
 #   GIT_COMMIT=$(git rev-parse HEAD) bash scripts/gpu_check.sh build tests sanitizer
 #   GIT_COMMIT=... bash scripts/gpu_check.sh build bench-kernels bench-scheduler mcore
 # (GIT_COMMIT: .git does not travel to the device machine; benchmarks record it in their JSON.
-#  PYTEST_EXTRA: more pytest arguments, e.g. "--deselect tests/test_mcore_gpu.py".)
+#  PYTEST_EXTRA: more pytest arguments, e.g. "--deselect tests/test_mcore_gpu.py";
+#  PYTEST_TARGETS: test files or node ids instead of the whole tests/ tree.)
 set -u
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -45,7 +46,7 @@ for step in "${steps[@]}"; do
     info) run_step info 60 python3 -m megatron_paging.cli info ;;
     build) run_step build 300 python3 -m megatron_paging.kernels.build --verbose ;;
     tests) run_step tests 420 python3 -m pytest -q -m "gpu or multigpu or build" -p no:cacheprovider \
-             --junitxml "$OUT/gpu_tests.xml" ${PYTEST_EXTRA:-} tests ;;
+             --junitxml "$OUT/gpu_tests.xml" ${PYTEST_EXTRA:-} ${PYTEST_TARGETS:-tests} ;;
     sanitizer)
       if command -v compute-sanitizer >/dev/null && [ -f scripts/sanitizer_run.py ]; then
         run_step memcheck 150 compute-sanitizer --tool memcheck --error-exitcode 7 \

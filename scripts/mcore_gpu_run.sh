@@ -8,7 +8,9 @@
 # control, peak memory and step time, and write $OUT/mcore_run.json.
 #
 # Usage: bash scripts/mcore_gpu_run.sh [OUT] ; env: STEPS (20), MODES ("unpaged paged mcore"),
-#        DETERMINISTIC (1: --deterministic-mode, needed for bitwise parity), EXTRA (more flags).
+#        DETERMINISTIC (1: --deterministic-mode, needed for bitwise parity), EXTRA (more flags),
+#        MEGATRON_PAGING_PROFILE_ITER (profile that iteration in every mode: top kernels and
+#        host ops land in the mode's log; the example's StepProbe also logs per-step peaks).
 set -u
 OUT=${1:-${OUT:-$PWD/out}}
 mkdir -p "$OUT"

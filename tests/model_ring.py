@@ -13,7 +13,9 @@ Rules modelled:
 * A stash takes the device tier if it has room for the whole record, else the host tier (when
   there is one) if that has room, else it sets the sticky ``overflow`` flag and copies nothing.
 * A live count outside ``[0, segment rows]`` sets ``invalid_live`` and ``overflow``.
-* Once ``overflow`` is set, stashes and reloads change nothing (no pop, no push, no copy).
+* Once ``overflow`` is set, stashes and reloads change nothing in any pool (no pop, no push, no
+  copy); a reload then writes zeros over the record's live rows (clamped to its segments), so a
+  step that will be discarded never feeds uninitialized bytes (NaN) to the backward.
 * Pages come off the ring in record order (segment 0's live pages, then segment 1's, ...) and
   go back in that same order.
 """
@@ -185,9 +187,21 @@ class ModelPool:
             pool_row = record.page_record[slot] * self.page_size + row_in_page
             self.rows[(tier, pool_row)] = src_rows[src_row]
 
+    @staticmethod
+    def zeroed_rows(record: ModelRecord) -> list[int]:
+        """Rows a reload zeroes after an overflow: the live counts clamped to the segments."""
+        return [
+            start + i
+            for (start, rows), n in zip(record.segments, record.live, strict=True)
+            for i in range(min(max(n, 0), rows))
+        ]
+
     def reload(self, record: ModelRecord, dst_rows: list[bytes]) -> bool:
-        """Write the record's live rows into ``dst_rows`` (in place); False if it copied nothing."""
+        """Write the record's live rows into ``dst_rows`` (in place); False if it copied nothing
+        (after an overflow it zeroes them instead)."""
         if self.flags.overflow:
+            for row in self.zeroed_rows(record):
+                dst_rows[row] = bytes(len(dst_rows[row]))
             return False
         tier = HOST if record.spilled_to_host else DEVICE
         if tier == HOST and not self.has_host_tier:

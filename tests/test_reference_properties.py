@@ -223,7 +223,7 @@ def test_counters_near_2_pow_40_worked_example():
 
 GIVEN_TESTS = {"interleavings", "host_tier", "sticky", "large_counters", "two_pools"}
 COVERED_PATHS = ("multi_segment", "record_reused", "host_spill", "invalid_live")
-COVERED_PATHS += ("overflow_on_stash", "op_after_overflow", "reload_copied", "reload_noop")
+COVERED_PATHS += ("overflow_on_stash", "op_after_overflow", "reload_copied", "reload_zeroed")
 COVERED_PATHS += ("reload_not_oldest_nor_newest", "finished_clean", "finished_overflowed")
 
 

@@ -15,7 +15,10 @@ stash(src, record, pool)
        each page are copied; ``head`` advances by ``required``.
 
 reload(dst, record, pool)
-    1. If ``overflow`` is set: nothing happens.
+    1. If ``overflow`` is set: the record's live rows (clamped to its segments) of ``dst`` are
+       zeroed and nothing else happens. (Megatron-Core leaves them untouched; its destinations
+       are uninitialized memory, and a NaN there trips Megatron's gradient NaN check before the
+       overflow policy can discard the step.)
     2. From the tier ``spilled_to_host`` names, the live rows are copied back to the same rows of
        ``dst``; rows outside the live prefixes keep their bytes; pages are pushed back at ``tail``
        in record order; ``tail`` advances by ``required``.
@@ -186,7 +189,8 @@ def reload(dst: torch.Tensor, record: PageRecord, pool: PagePool) -> None:
     flags = pool.flags
     live, pages, prefix, required, _ = _plan(record)
     from_host = record.spilled_to_host[0] == 1
-    active = (flags.overflow[0] == 0) & (~from_host | pool.has_host_tier)
+    overflowed = flags.overflow[0] != 0
+    active = ~overflowed & (~from_host | pool.has_host_tier)
     from_cuda = active & ~from_host
     from_host = active & from_host
 
@@ -199,7 +203,8 @@ def reload(dst: torch.Tensor, record: PageRecord, pool: PagePool) -> None:
             host_idx = torch.where(row_live & from_host, src_row, pool.host_pages.shape[0])
             host_data = pool._host_storage[_host_index(host_idx, pool)].to(pool.device)
             data = torch.where(from_host, host_data, data)
-        keep = ~(row_live & active)
+        data = torch.where(overflowed, 0, data)
+        keep = ~(row_live & (active | overflowed))
         dst_rows[rows] = torch.where(keep[:, None], dst_rows[rows], data)
 
         slot_live = slot_in_seg < pages[seg_of_slot]

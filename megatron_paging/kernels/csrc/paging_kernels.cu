@@ -190,6 +190,18 @@ __device__ __forceinline__ void copy_range(uint8_t* dst, const uint8_t* src, int
   if (static_cast<int>(threadIdx.x) < n - done) dst[done + threadIdx.x] = src[done + threadIdx.x];
 }
 
+// CTA-cooperative zeroing of n bytes (16-byte stores between byte-wise edges).
+__device__ __forceinline__ void zero_range(uint8_t* dst, int n) {
+  const uintptr_t d = reinterpret_cast<uintptr_t>(dst);
+  const int lead = min(n, static_cast<int>((16u - (d & 15u)) & 15u));
+  if (static_cast<int>(threadIdx.x) < lead) dst[threadIdx.x] = 0;
+  const int words = (n - lead) / 16;
+  uint4* body = reinterpret_cast<uint4*>(dst + lead);
+  for (int i = threadIdx.x; i < words; i += kThreads) body[i] = make_uint4(0u, 0u, 0u, 0u);
+  const int done = lead + words * 16;
+  if (static_cast<int>(threadIdx.x) < n - done) dst[done + threadIdx.x] = 0;
+}
+
 template <bool kReload, int N>
 __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
     paging_kernel(const __grid_constant__ PagingArgs a, const __grid_constant__ Segments<N> seg) {
@@ -228,7 +240,10 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
     ring_start = from_host ? tail1 : tail0;
   }
 
-  if (active) {
+  // After an overflow the step is discarded, but its backward still runs: a reload zeroes its
+  // live rows so that uninitialized memory (NaN) never reaches Megatron's gradient NaN check.
+  const bool zero_fill = kReload && overflow != 0;
+  if (active || zero_fill) {
     const int64_t ps = a.page_size;
     const int64_t rb = a.row_bytes;
     const int64_t cap = max(a.capacity[tier], int64_t{1});
@@ -241,16 +256,16 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
       const int s = last_at_or_below(plan.page_prefix, a.num_segments, g);
       const int64_t j = g - plan.page_prefix[s];
       const int64_t slot = seg.slot_offset[s] + j;
-      int64_t page_id;
+      int64_t page_id = 0;
       if constexpr (!kReload) {
         page_id = ring[(ring_start + g) % cap];
         if (k == 0 && threadIdx.x == 0) a.page_record[slot] = page_id;
-      } else {
+      } else if (active) {
         page_id = a.page_record[slot];
         if (k == 0 && threadIdx.x == 0 && !invalid) ring[(ring_start + g) % cap] = page_id;
       }
       // A corrupt ring or record must not turn into a wild write.
-      if (page_id < 0 || page_id >= a.num_pages[tier]) continue;
+      if (active && (page_id < 0 || page_id >= a.num_pages[tier])) continue;
       const int64_t rows_here = min(ps, plan.copy_rows[s] - j * ps);
       const int64_t lo = k * kTileBytes;
       const int64_t hi = min(lo + kTileBytes, rows_here * rb);
@@ -259,7 +274,11 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
       uint8_t* paged = pages + page_id * ps * rb + lo;
       const int n = static_cast<int>(hi - lo);
       if constexpr (kReload) {
-        copy_range(user, paged, n);
+        if (active) {
+          copy_range(user, paged, n);
+        } else {
+          zero_range(user, n);
+        }
       } else {
         copy_range(paged, user, n);
       }
