@@ -44,6 +44,7 @@ from megatron_paging.mcore.flags import (
 )
 from megatron_paging.mcore.install import install
 from megatron_paging.mcore.specs import get_gpt_moe_paged_layer_spec
+from megatron_paging.memory_trace import format_breakdown, peak_breakdown
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
 # Verification runs: append every microbatch loss, exactly (float.hex), to this file (+ rank).
@@ -51,6 +52,9 @@ LOSS_LOG_ENV = "MEGATRON_PAGING_LOSS_LOG"
 # Diagnostics: profile this training iteration (1-based, as Megatron logs it) with torch.profiler
 # and print its top kernels and host ops.
 PROFILE_ENV = "MEGATRON_PAGING_PROFILE_ITER"
+# Diagnostics: record the allocator's history during this iteration and print what is alive at
+# its peak, grouped by the code that allocated it (megatron_paging.memory_trace).
+MEMORY_ENV = "MEGATRON_PAGING_MEMORY_ITER"
 
 
 class StepProbe:
@@ -62,9 +66,11 @@ class StepProbe:
     included). Every line it prints starts with ``paging-example``.
     """
 
-    def __init__(self, profile_iteration: int | None):
+    def __init__(self, profile_iteration: int | None, memory_iteration: int | None):
         self.iteration = None
         self.profile_iteration = profile_iteration
+        self.memory_iteration = memory_iteration
+        self.recording = False
         self.step_peaks: dict[int, float] = {}
         self.profiler = None
         self.profile_t0 = 0.0
@@ -76,6 +82,10 @@ class StepProbe:
         self.close_step()
         torch.cuda.reset_peak_memory_stats()
         self.iteration = iteration
+        if iteration == self.memory_iteration:
+            self.recording = True
+            torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+            self.memory_base_mib = torch.cuda.memory_allocated() / 2**20
         if iteration == self.profile_iteration:
             torch.cuda.synchronize()
             self.profiler = torch.profiler.profile(
@@ -96,12 +106,28 @@ class StepProbe:
             f"paging-example step-memory iteration={self.iteration} peak_allocated_mib={peak:.1f}",
             flush=True,
         )
+        if self.recording:
+            self._print_memory_peak()
         if self.profiler is not None:
             torch.cuda.synchronize()
             wall_ms = (time.perf_counter() - self.profile_t0) * 1e3
             self.profiler.stop()
             self._print_profile(self.profiler, wall_ms)
             self.profiler = None
+
+    def _print_memory_peak(self) -> None:
+        torch.cuda.synchronize()
+        snapshot = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        self.recording = False
+        trace = snapshot["device_traces"][torch.cuda.current_device()]
+        breakdown = peak_breakdown(trace)
+        print(
+            f"paging-example memory iteration={self.iteration} "
+            f"allocated_at_start_mib={self.memory_base_mib:.1f} trace_entries={len(trace)}\n"
+            + format_breakdown(breakdown, top=30, prefix="paging-example memory "),
+            flush=True,
+        )
 
     def _print_profile(self, profiler, wall_ms: float) -> None:
         events = profiler.key_averages()
@@ -121,7 +147,10 @@ class StepProbe:
         return max(peaks) if peaks else 0.0
 
 
-PROBE = StepProbe(int(os.environ[PROFILE_ENV]) if os.environ.get(PROFILE_ENV) else None)
+PROBE = StepProbe(
+    int(os.environ[PROFILE_ENV]) if os.environ.get(PROFILE_ENV) else None,
+    int(os.environ[MEMORY_ENV]) if os.environ.get(MEMORY_ENV) else None,
+)
 
 
 def model_provider(

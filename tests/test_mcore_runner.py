@@ -90,12 +90,15 @@ class Paging:
         return self.engine.pools.flags.host_spill.ne(0)
 
 
-def make_forward_backward(paging, calls):
-    """Megatron's schedule in miniature: reset paging, all forwards, then all backwards."""
+def make_forward_backward(paging, calls, budgets):
+    """Megatron's schedule in miniature: reset paging, all forwards, then all backwards.
+    ``calls`` logs whether each call paged, ``budgets`` the dispatcher's capacity factor."""
 
     def forward_backward(*, model, data_iterator, num_microbatches, forward_only, **_):
         calls.append(model[0].config.moe_paged_stash)
         config = model[0].config
+        manager = model[0].decoder.layers[0].mlp.token_dispatcher._comm_manager
+        budgets.append(manager.moe_expert_rank_capacity_factor)
         if config.moe_paged_stash:
             paging.paged_stash_reset(enabled=not forward_only, config=config)
         pools = paging.engine.pools if config.moe_paged_stash and paging.enabled else None
@@ -157,13 +160,13 @@ class Run:
             else torch.optim.SGD(params, lr=0.1, momentum=0.9)
         )
         self.paging = Paging(cuda_rows)
-        self.calls = []
+        self.calls, self.budgets = [], []
         self.runner = PagedStashRunner(
             self.config,
             False,
             [self.chunk],
             self.optimizer,
-            make_forward_backward(self.paging, self.calls),
+            make_forward_backward(self.paging, self.calls, self.budgets),
             paging=self.paging,
         )
 
@@ -204,6 +207,9 @@ def test_rerun_policy_is_bitwise_equal_to_unpaged():
         assert control.train_step(step) == paged.train_step(step)
     assert paged.runner.monitor.rerun_steps == 3
     assert paged.calls == [True, False] * 3  # each step reran once without paging
+    # Only the pools overflowed: the rerun keeps the static dispatch budget (same capacity as
+    # the control, hence bitwise equal), unlike an over-budget rerun.
+    assert paged.budgets == [1.0, 1.0] * 3
     assert paged.config.moe_paged_stash  # restored after the rerun
     assert_equal_states(paged.state(), control.state())
 
@@ -260,6 +266,7 @@ def test_over_budget_dispatcher_reruns_without_static_budget():
         paged.train_step(step, over_budget_step=1)
     dispatcher = paged.chunk.decoder.layers[0].mlp.token_dispatcher
     assert paged.calls == [True, True, False]
+    assert paged.budgets == [1.0, 1.0, None]  # the over-budget step reran without the budget
     assert dispatcher._comm_manager.moe_expert_rank_capacity_factor == 1.0  # restored
     assert not dispatcher.check_over_budget().any()
     assert_equal_states(paged.state(), control.state())

@@ -14,8 +14,10 @@ this class (bound to the paging API through the ``paging`` keyword). What change
 * Policies (``config.moe_paging_overflow_policy``, default 'rerun'):
 
   - 'rerun' (Megatron-Core's behaviour): flags are read right after forward-backward and the
-    step is repeated once without paging and without the static dispatch budget, before the
-    optimizer consumes the gradients. One host read per step, as in Megatron-Core.
+    step is repeated once without paging, before the optimizer consumes the gradients. One host
+    read per step, as in Megatron-Core. Unlike Megatron-Core, the static dispatch budget is
+    dropped for the rerun only when a dispatcher was over budget: a step that only overflowed
+    the pools reruns at the same capacity, so it is bitwise equal to the unpaged control.
   - 'skip' / 'grow': nothing is read during the step. The reduced flags are read when the next
     step starts (or by :meth:`PagedStashRunner.finish`); the step was already dropped on
     device; 'grow' then enlarges every pool's CUDA tier by ``growth_factor``. Megatron's own
@@ -232,10 +234,12 @@ class PagedStashRunner:
                 if not restore:
                     mlp.token_dispatcher.reset_over_budget()
 
-    def prepare_for_rerun(self, is_training: bool = True) -> None:
-        """Paging and the static dispatch budget off, flags cleared and, for training, grads
-        cleared (Megatron-Core's; it also clears grads before an evaluation rerun)."""
-        self._set_static_budget(restore=False)
+    def prepare_for_rerun(self, is_training: bool = True, keep_static_budget: bool = False) -> None:
+        """Paging off, the static dispatch budget off (unless ``keep_static_budget``), flags
+        cleared and, for training, grads cleared (Megatron-Core's; it also clears grads before
+        an evaluation rerun)."""
+        if not keep_static_budget:
+            self._set_static_budget(restore=False)
         if self.paging is not None:
             self.paging.paged_stash_reset(enabled=False, config=self.config)
         self._set_moe_paged_stash(False)
@@ -281,15 +285,24 @@ class PagedStashRunner:
         result = self.forward_backward_func(**kwargs)
         reduced = self._reduce_flags()
         if not training:
-            if self.monitor.read(reduced).discard:
+            flags = self.monitor.read(reduced)
+            if flags.discard:
                 log_single_rank(
                     logger,
                     logging.INFO,
                     "paging: evaluation dropped tokens or overflowed; rerunning it without "
-                    "paging and without the static dispatch budget",
+                    "paging"
+                    + (
+                        " and without the static dispatch budget" if flags.over_budget_ranks else ""
+                    ),
                 )
                 self.eval_reruns += 1
-                result = self._rerun(kwargs, saved_iterators, training=False)
+                result = self._rerun(
+                    kwargs,
+                    saved_iterators,
+                    training=False,
+                    keep_static_budget=not flags.over_budget_ranks,
+                )
             return result
 
         self.skip = skip_flag(reduced)
@@ -297,15 +310,22 @@ class PagedStashRunner:
             self._pending = reduced
             return result
         # 'rerun': read now, before the optimizer consumes the gradients.
-        decision = self.monitor.decide(self.monitor.read(reduced))
+        flags = self.monitor.read(reduced)
+        decision = self.monitor.decide(flags)
         if decision.action == "rerun":
-            result = self._rerun(kwargs, saved_iterators, training=True)
+            result = self._rerun(
+                kwargs,
+                saved_iterators,
+                training=True,
+                keep_static_budget=not flags.over_budget_ranks,
+            )
         return result
 
-    def _rerun(self, kwargs, saved_iterators, training: bool):
-        """Repeat forward-backward on the same data without paging and the static budget."""
+    def _rerun(self, kwargs, saved_iterators, training: bool, keep_static_budget: bool = False):
+        """Repeat forward-backward on the same data without paging (and, unless
+        ``keep_static_budget``, without the static dispatch budget)."""
         saved_paged_stash = self.config.moe_paged_stash
-        self.prepare_for_rerun(is_training=training)
+        self.prepare_for_rerun(is_training=training, keep_static_budget=keep_static_budget)
         kwargs["data_iterator"] = saved_iterators
         try:
             result = self.forward_backward_func(**kwargs)
@@ -314,8 +334,9 @@ class PagedStashRunner:
                 self.skip = skip_flag(rerun_flags)
             if self.monitor.read(rerun_flags).discard:
                 raise RuntimeError(
-                    "PagedStashRunner: the rerun without paging and without the static "
-                    "dispatch budget still raised an overflow flag"
+                    "PagedStashRunner: the rerun without paging"
+                    + ("" if keep_static_budget else " and without the static dispatch budget")
+                    + " still raised an overflow flag"
                 )
         finally:
             self._set_moe_paged_stash(saved_paged_stash)

@@ -1,0 +1,100 @@
+"""What is allocated at the peak: replay a CUDA caching-allocator trace and group the live blocks.
+
+``torch.cuda.memory._record_memory_history`` logs every allocation and free with its Python
+stack; :func:`peak_breakdown` replays one such trace (``torch.cuda.memory._snapshot()``'s
+``device_traces``), finds the moment the allocated bytes peak and groups the blocks alive then by
+the first stack frame outside PyTorch (the model or paging code that asked for the memory).
+The example's ``MEGATRON_PAGING_MEMORY_ITER`` uses it to explain a step's peak.
+
+Bytes count as allocated from ``alloc`` until ``free_completed``, as the allocator's
+``allocated_bytes`` statistic does: a block freed while another stream still uses it
+(``record_stream``) stays counted until its events complete.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+# Frames in these paths are not "who asked": the first frame outside them names the caller.
+LIBRARY_PATHS = ("/torch/", "/contextlib.py", "/functools.py", "<frozen")
+
+
+@dataclass(frozen=True)
+class PeakGroup:
+    site: str  # "file:line function" of the first frame outside PyTorch, or "<no stack>"
+    bytes: int
+    blocks: int
+
+
+@dataclass(frozen=True)
+class PeakBreakdown:
+    peak_bytes: int  # allocated bytes above the trace's start at the peak
+    peak_index: int  # index of the trace entry that reached the peak (-1: empty trace)
+    groups: list[PeakGroup]  # largest first
+
+
+def caller_site(frames: list[dict]) -> str:
+    for frame in frames or ():
+        filename = frame.get("filename", "")
+        if not any(part in filename for part in LIBRARY_PATHS):
+            short = "/".join(filename.split("/")[-3:])
+            return f"{short}:{frame.get('line', '?')} {frame.get('name', '?')}"
+    return "<no stack>"
+
+
+def peak_breakdown(trace: list[dict]) -> PeakBreakdown:
+    """Replay ``trace`` (one device's entries, oldest first) and group the blocks live at its peak.
+
+    Frees of blocks allocated before the trace began are ignored (they lower nothing the trace
+    counted), so ``peak_bytes`` is relative to the allocated bytes when recording started.
+    """
+    live: dict[int, dict] = {}
+    current = peak = 0
+    peak_index = -1
+    for i, entry in enumerate(trace):
+        action = entry.get("action")
+        if action == "alloc":
+            live[entry["addr"]] = entry
+            current += entry["size"]
+            if current > peak:
+                peak, peak_index = current, i
+        elif action == "free_completed" and entry["addr"] in live:
+            current -= live.pop(entry["addr"])["size"]
+    # Second pass up to the peak: the live set at that moment.
+    live.clear()
+    for entry in trace[: peak_index + 1]:
+        action = entry.get("action")
+        if action == "alloc":
+            live[entry["addr"]] = entry
+        elif action == "free_completed":
+            live.pop(entry["addr"], None)
+    sizes: dict[str, int] = defaultdict(int)
+    counts: dict[str, int] = defaultdict(int)
+    for entry in live.values():
+        site = caller_site(entry.get("frames", []))
+        sizes[site] += entry["size"]
+        counts[site] += 1
+    groups = sorted(
+        (PeakGroup(site, sizes[site], counts[site]) for site in sizes),
+        key=lambda g: (-g.bytes, g.site),
+    )
+    return PeakBreakdown(peak, peak_index, groups)
+
+
+def format_breakdown(breakdown: PeakBreakdown, top: int = 25, prefix: str = "") -> str:
+    mib = 2**20
+    lines = [f"{prefix}peak above trace start: {breakdown.peak_bytes / mib:.1f} MiB"]
+    for group in breakdown.groups[:top]:
+        lines.append(
+            f"{prefix}{group.bytes / mib:10.1f} MiB {group.blocks:6d} blocks  {group.site}"
+        )
+    rest = breakdown.groups[top:]
+    if rest:
+        lines.append(
+            f"{prefix}{sum(g.bytes for g in rest) / mib:10.1f} MiB in {len(rest)} more sites"
+        )
+    return "\n".join(lines)
+
+
+__all__ = ["PeakBreakdown", "PeakGroup", "caller_site", "format_breakdown", "peak_breakdown"]

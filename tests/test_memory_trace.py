@@ -1,0 +1,52 @@
+"""The peak breakdown of an allocator trace (synthetic traces in torch's snapshot format)."""
+
+from megatron_paging.memory_trace import caller_site, format_breakdown, peak_breakdown
+
+
+def frames(site: str) -> list[dict]:
+    return [
+        {"filename": "/x/site-packages/torch/nn/functional.py", "line": 1, "name": "linear"},
+        {"filename": f"/repo/pkg/{site}.py", "line": 7, "name": site},
+    ]
+
+
+def alloc(addr, size, site):
+    return {"action": "alloc", "addr": addr, "size": size, "frames": frames(site)}
+
+
+def free(addr, size, completed=True):
+    action = "free_completed" if completed else "free_requested"
+    return {"action": action, "addr": addr, "size": size, "frames": []}
+
+
+def test_groups_the_blocks_live_at_the_peak_not_at_the_end():
+    trace = [
+        alloc(1, 100, "attention"),
+        alloc(2, 50, "experts"),
+        alloc(3, 30, "experts"),
+        free(2, 50),  # peak (180) was before this free
+        alloc(4, 10, "loss"),
+        free(1, 100),
+        free(99, 1000),  # allocated before the trace: ignored
+    ]
+    result = peak_breakdown(trace)
+    assert result.peak_bytes == 180 and result.peak_index == 2
+    assert [(g.site.split(":")[0], g.bytes, g.blocks) for g in result.groups] == [
+        ("repo/pkg/attention.py", 100, 1),
+        ("repo/pkg/experts.py", 80, 2),
+    ]
+
+
+def test_a_free_counts_only_when_completed():
+    # record_stream: the block stays allocated until the other stream's event completes.
+    trace = [alloc(1, 100, "a"), free(1, 100, completed=False), alloc(2, 60, "b"), free(1, 100)]
+    assert peak_breakdown(trace).peak_bytes == 160
+
+
+def test_site_skips_library_frames_and_handles_missing_stacks():
+    assert caller_site(frames("mlp")) == "repo/pkg/mlp.py:7 mlp"
+    assert caller_site([]) == "<no stack>"
+    empty = peak_breakdown([])
+    assert empty.peak_bytes == 0 and empty.peak_index == -1 and empty.groups == []
+    text = format_breakdown(peak_breakdown([alloc(1, 2**20, "a"), alloc(2, 2**20, "b")]), top=1)
+    assert "2.0 MiB" in text and "1 more sites" in text
