@@ -132,12 +132,14 @@ def step_unless(
         ]
         step_fn(closure)
         with torch.no_grad():
+            # In place (out= aliases the stepped tensor exactly): no temporaries beyond the
+            # one backup copy.
             for p, before in zip(params, before_params, strict=True):
-                p.copy_(torch.where(skip, before, p))
+                torch.where(skip, before, p, out=p)
             for p, key, before in before_tensors:
                 after = optimizer.state[p].get(key)
                 if isinstance(after, torch.Tensor):
-                    after.copy_(torch.where(skip, before, after))
+                    torch.where(skip, before, after, out=after)
                 else:
                     optimizer.state[p][key] = before
 

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 pytest.importorskip("megatron.core")
 
@@ -124,7 +125,8 @@ def make_forward_backward(paging, calls, budgets):
                 return dst
 
             with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-                out = tokens @ model[0].weight
+                # Dropout draws from the RNG: a rerun must replay the attempt's draws.
+                out = F.dropout(tokens @ model[0].weight, p=0.25, training=not forward_only)
             losses.append((out[:live].tanh() ** 2).sum())
         if not forward_only:
             for loss in losses:
@@ -172,6 +174,7 @@ class Run:
 
     def train_step(self, step, over_budget_step=None):
         """What megatron.training.train_step does around the runner."""
+        torch.manual_seed(1000 + step)  # every run starts each step from the same RNG state
         self.chunk.zero_grad_buffer()
         losses = self.runner(
             model=[self.chunk],

@@ -6,11 +6,15 @@ this class (bound to the paging API through the ``paging`` keyword). What change
 
 * One collective per step: paging overflow, host spill, invalid live counts and the dispatchers'
   over-budget flags are packed in one tensor and all-reduced together, with no host read.
-* Device-side optimizer skip: every inner torch optimizer's ``step`` goes through
-  :func:`megatron_paging.overflow.step_unless`, so a step whose flags are set (on any rank)
-  leaves parameters and optimizer state untouched without the host looking at the flag. It sits
-  under Megatron-Core's own skip (``found_inf`` + loss scaler of its mixed-precision optimizers,
-  which still works as before) and covers bf16 runs that have no grad scaler.
+* Device-side optimizer skip ('skip' and 'grow' only): every inner torch optimizer's ``step``
+  goes through :func:`megatron_paging.overflow.step_unless`, so a step whose flags are set (on
+  any rank) leaves parameters and optimizer state untouched without the host looking at the
+  flag. It sits under Megatron-Core's own skip (``found_inf`` + loss scaler of its
+  mixed-precision optimizers, which still works as before) and covers bf16 runs that have no
+  grad scaler. Unless the optimizer is fused it keeps a copy of the stepped parameters and
+  state during the step (memory); 'rerun' leaves the optimizer untouched.
+* A rerun restores the random state (CPU, CUDA, Megatron's RNG tracker) of the attempt it
+  replaces, so it draws the same dropout masks.
 * Policies (``config.moe_paging_overflow_policy``, default 'rerun'):
 
   - 'rerun' (Megatron-Core's behaviour): flags are read right after forward-backward and the
@@ -36,6 +40,7 @@ from __future__ import annotations
 import logging
 
 import torch
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.transformer.moe import paged_stash as mcore_paged_stash
 from megatron.core.utils import get_attr_wrapped_model, log_single_rank
 
@@ -48,6 +53,22 @@ from megatron_paging.overflow import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+def rng_state() -> dict:
+    """Every generator a forward-backward draws from (dropout): CPU, CUDA, Megatron's tracker.
+    Host-side state only (seed and offset): no device synchronization."""
+    state = {"cpu": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
 
 
 def _moe_layers(model) -> list:
@@ -139,7 +160,11 @@ class PagedStashRunner:
         self._pending: torch.Tensor | None = None  # reduced flags awaiting the deferred read
         self.eval_reruns = 0  # evaluations rerun without paging / static budget
         self.device_skips = []
-        for torch_optimizer in _torch_optimizers(optimizer):
+        # 'rerun' reads the flags before the optimizer step and repairs the step, so the
+        # optimizer is left exactly as Megatron built it (the device skip would cost a copy of
+        # the parameters and optimizer state at every step for non-fused optimizers).
+        optimizers = _torch_optimizers(optimizer) if self.monitor.policy != "rerun" else []
+        for torch_optimizer in optimizers:
             if device_resident_steps(torch_optimizer):
                 log_single_rank(
                     logger,
@@ -282,6 +307,7 @@ class PagedStashRunner:
         saved_iterators, kwargs["data_iterator"] = self.data_read(
             kwargs["data_iterator"], kwargs["model"], training, kwargs["num_microbatches"]
         )
+        rng_before = rng_state()  # a rerun draws the same dropout masks as its attempt
         result = self.forward_backward_func(**kwargs)
         reduced = self._reduce_flags()
         if not training:
@@ -300,6 +326,7 @@ class PagedStashRunner:
                 result = self._rerun(
                     kwargs,
                     saved_iterators,
+                    rng_before,
                     training=False,
                     keep_static_budget=not flags.over_budget_ranks,
                 )
@@ -316,16 +343,18 @@ class PagedStashRunner:
             result = self._rerun(
                 kwargs,
                 saved_iterators,
+                rng_before,
                 training=True,
                 keep_static_budget=not flags.over_budget_ranks,
             )
         return result
 
-    def _rerun(self, kwargs, saved_iterators, training: bool, keep_static_budget: bool = False):
-        """Repeat forward-backward on the same data without paging (and, unless
-        ``keep_static_budget``, without the static dispatch budget)."""
+    def _rerun(self, kwargs, saved_iterators, rng_before, training: bool, keep_static_budget=False):
+        """Repeat forward-backward on the same data and random draws without paging (and,
+        unless ``keep_static_budget``, without the static dispatch budget)."""
         saved_paged_stash = self.config.moe_paged_stash
         self.prepare_for_rerun(is_training=training, keep_static_budget=keep_static_budget)
+        set_rng_state(rng_before)
         kwargs["data_iterator"] = saved_iterators
         try:
             result = self.forward_backward_func(**kwargs)
