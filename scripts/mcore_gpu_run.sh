@@ -113,4 +113,10 @@ json.dump(dict(gpu=gpu, date=time.strftime("%Y-%m-%d %H:%M:%S"), commit=commit, 
                summary=summary, runs=runs), open(out / "mcore_run.json", "w"), indent=1)
 print(f"wrote {out / 'mcore_run.json'}")
 EOF
+# Targets, peak breakdown and a PNG, in the form benchmarks/results/mcore_h200.json takes.
+case " $MODES " in
+  *" unpaged "*" paged "* | *" paged "*" unpaged "*)
+    "$PYTHON" benchmarks/report_mcore.py "$OUT" --json "$OUT/mcore_report.json" \
+      --png "$OUT/mcore_report.png" || status=1 ;;
+esac
 exit $status
