@@ -80,10 +80,10 @@ def main() -> None:
                 "(1.10) rounded up to whole 64-row pages, which lands just above 1.10.",
             },
         },
-        "caveat": "One run of 12 steps per mode on a host-bound workload (GPU busy about 60% of "
-        "the step); medians of steps 3-12. Across this session's runs the same unpaged "
-        "configuration measured 767-1074 ms, so step-time differences of a few percent "
-        "between modes are within run-to-run noise.",
+        "caveat": "One run of 12 steps per mode on a host-bound workload (about 30% GPU-busy in "
+        "the profiled step of mcore_h200_profile.json); medians of steps 3-12. Across this "
+        "session's runs the same unpaged configuration measured 767-1074 ms, so step-time "
+        "differences of a few percent between modes are within run-to-run noise.",
         "peak_breakdown": {
             mode: memory_breakdown(args.run_dir / f"mcore_{mode}.log") for mode in summary
         },

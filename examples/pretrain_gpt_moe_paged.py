@@ -131,7 +131,13 @@ class StepProbe:
 
     def _print_profile(self, profiler, wall_ms: float) -> None:
         events = profiler.key_averages()
-        device_us = sum(e.self_device_time_total for e in events)
+        # Device time of device events only (as torch's table totals it): a CPU op's own
+        # "self device time" is the same kernels again.
+        device_us = sum(
+            e.self_device_time_total
+            for e in events
+            if e.device_type != torch.autograd.DeviceType.CPU and not e.is_user_annotation
+        )
         cpu_us = sum(e.self_cpu_time_total for e in events)
         print(
             f"paging-example profile iteration={self.iteration} wall_ms={wall_ms:.1f} "
