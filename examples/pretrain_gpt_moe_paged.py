@@ -71,6 +71,7 @@ class StepProbe:
         self.profile_iteration = profile_iteration
         self.memory_iteration = memory_iteration
         self.recording = False
+        self.memory_base_mib = 0.0  # allocated when the recorded iteration began
         self.step_peaks: dict[int, float] = {}
         self.profiler = None
         self.profile_t0 = 0.0
