@@ -1,33 +1,35 @@
-"""Page-tile kernels vs Megatron-Core 0.19.2's Triton kernels vs ``torch.Tensor.copy_``.
+"""Paging kernels (tile path, bulk path, the dispatch rule) vs Megatron-Core 0.19.2's Triton
+kernels vs ``torch.Tensor.copy_``, on one device in one run.
 
-One run, one device. For each regime of ``shared/HARDWARE.md``: stash and reload separately,
-GB/s counting bytes read + written (2 x live bytes), the median of per-call CUDA-event timings
-with L2 flushed before each call (``triton.testing.do_bench``'s method; the pool-state reset a
-stash needs runs before the start event, outside the timed region). Then the effect of
-``max_ctas`` on copy time and on a concurrent bf16 GEMM.
+For each regime of ``shared/HARDWARE.md``: stash and reload separately, GB/s counting bytes read
++ written (2 x live bytes), the median of per-call CUDA-event timings with L2 flushed before each
+call (``triton.testing.do_bench``'s method; the pool reset a stash needs runs before the start
+event). Then GB/s against ``max_ctas`` for both paths, and the effect of the grid on a concurrent
+bf16 GEMM. Every arm is checked byte for byte before it is timed.
 
-Writes a table to stdout, JSON to ``--out`` and a PNG bar chart beside it.
+Writes a table to stdout, JSON to ``--out`` and a PNG (bars per regime, GB/s vs max_ctas).
 Run: ``megatron-paging bench kernels`` or ``python benchmarks/bench_kernels.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from common import CudaTimer, default_out, figure, gbps, header, write
 
 from megatron_paging import kernels
-from megatron_paging.env import git_commit
+from megatron_paging.config import DEFAULT_MAX_CTAS
+from megatron_paging.kernels import cuda_ops
 from megatron_paging.pool import PagePool
 from megatron_paging.record import PageRecord
 
 PAGE_SIZE = 64
-RESULTS = Path(__file__).resolve().parent / "results"
+PATHS = ("tile", "bulk", "cuda")  # "cuda": the dispatch rule's choice
+BULK_VARIANTS = ("bulk-16k", "bulk-8k")  # the bulk pipeline's other configurations
 
 
 @dataclass(frozen=True)
@@ -49,36 +51,6 @@ REGIMES = [
     Regime("1000 live rows bf16 h7168", torch.bfloat16, 7168, 32768, 1000, target="copy100"),
     Regime("host spill bf16 h7168", torch.bfloat16, 7168, 8192, 6144, True, target="copy95"),
 ]
-
-
-class Timer:
-    """Median milliseconds of ``fn`` over ``reps`` calls, each after ``setup`` and an L2 flush."""
-
-    def __init__(self, reps: int):
-        self.reps = reps
-        self.flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
-
-    def __call__(self, fn, setup=None) -> float:
-        for _ in range(3):  # warm-up: JIT compiles, allocator
-            if setup:
-                setup()
-            fn()
-        times = []
-        for _ in range(self.reps):
-            if setup:
-                setup()
-            self.flush.zero_()  # also keeps the GPU busy while the host enqueues fn
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            times.append((start, end))
-        torch.cuda.synchronize()
-        return statistics.median(s.elapsed_time(e) for s, e in times)
-
-
-def gbps(nbytes: int, ms: float) -> float:
-    return nbytes / (ms * 1e-3) / 1e9
 
 
 class Case:
@@ -103,12 +75,7 @@ class Case:
         if mcore is not None:
             flags = [torch.zeros(1, dtype=torch.int64, device="cuda") for _ in range(2)]
             self.buffer = mcore.PagedStashBuffer(
-                cuda_rows,
-                r.hidden,
-                PAGE_SIZE,
-                torch.device("cuda"),
-                *flags,
-                r.dtype,
+                cuda_rows, r.hidden, PAGE_SIZE, torch.device("cuda"), *flags, r.dtype,
                 num_tokens_host=host_rows,
             )
         self.moved = 2 * r.live_rows * self.row_bytes  # bytes read + written
@@ -118,26 +85,41 @@ class Case:
         self.pool.reset()
         self.pool.flags.reset()
 
-    def stash(self, max_ctas=None):
-        kernels.stash(self.src, self.record, self.pool, backend="cuda", max_ctas=max_ctas)
+    def stash(self, path="cuda", max_ctas=DEFAULT_MAX_CTAS):
+        if path in BULK_VARIANTS:
+            cuda_ops.copy(False, self.src, self.record, self.pool, max_ctas, path)
+        else:
+            kernels.stash(self.src, self.record, self.pool, backend=path, max_ctas=max_ctas)
 
-    def reload(self, max_ctas=None):
-        kernels.reload(self.dst, self.record, self.pool, backend="cuda", max_ctas=max_ctas)
+    def reload(self, path="cuda", max_ctas=DEFAULT_MAX_CTAS):
+        if path in BULK_VARIANTS:
+            cuda_ops.copy(True, self.dst, self.record, self.pool, max_ctas, path)
+        else:
+            kernels.reload(self.dst, self.record, self.pool, backend=path, max_ctas=max_ctas)
 
-    def reset_and_stash(self):
+    def reset_and_stash(self, path="cuda", max_ctas=DEFAULT_MAX_CTAS):
         self.reset()
-        self.stash()
+        self.stash(path, max_ctas)
+
+    def verify(self, path: str) -> None:
+        """The figures are meaningless if the copy is wrong: one round trip first."""
+        self.dst.view(torch.uint8).fill_(0)
+        self.reset_and_stash(path)
+        self.reload(path)
+        n = self.regime.live_rows
+        torch.cuda.synchronize()
+        if not torch.equal(self.dst[:n].view(torch.uint8), self.src[:n].view(torch.uint8)):
+            raise RuntimeError(f"{self.regime.name} ({path}): reload did not restore the rows")
+        if self.pool.flags.read()["overflow"]:
+            raise RuntimeError(f"{self.regime.name} ({path}): the pool overflowed")
 
     # Megatron-Core, driven as PagedTensor.offload_to_stash / reload_from_stash drive it.
     def mcore_reset(self):
         self.buffer.reset()
         self.buffer.overflow.zero_()
         self.paged = self.mcore.PagedTensor(
-            self.src,
-            num_tokens_tensor=self.live,
-            max_num_tokens=self.regime.capacity_rows,
-            hidden_size=self.regime.hidden,
-            page_size=PAGE_SIZE,
+            self.src, num_tokens_tensor=self.live, max_num_tokens=self.regime.capacity_rows,
+            hidden_size=self.regime.hidden, page_size=PAGE_SIZE,
         )
 
     def mcore_stash(self):
@@ -163,19 +145,6 @@ class Case:
         )
 
 
-def verify(case: Case) -> None:
-    """The figures are meaningless if the copy is wrong: check one round trip first."""
-    case.dst.view(torch.uint8).fill_(0)
-    case.reset_and_stash()
-    case.reload()
-    n = case.regime.live_rows
-    torch.cuda.synchronize()
-    if not torch.equal(case.dst[:n].view(torch.uint8), case.src[:n].view(torch.uint8)):
-        raise RuntimeError(f"{case.regime.name}: reload did not restore the stashed rows")
-    if case.pool.flags.read()["overflow"]:
-        raise RuntimeError(f"{case.regime.name}: the pool overflowed")
-
-
 def target_met(regime: Regime, ours: float, copy: float) -> tuple[str, bool]:
     if regime.target == "gbps1300":
         return ">= 1300 GB/s", ours >= 1300
@@ -185,20 +154,23 @@ def target_met(regime: Regime, ours: float, copy: float) -> tuple[str, bool]:
     return f">= {share:.0%} of copy_", ours >= share * copy
 
 
-def bench_regime(regime: Regime, timer: Timer, mcore) -> dict:
+def bench_regime(regime: Regime, timer: CudaTimer, mcore, bulk: bool) -> dict:
     case = Case(regime, mcore)
-    verify(case)
+    paths = [p for p in (*PATHS, *BULK_VARIANTS) if bulk or not p.startswith("bulk")]
+    ms = {}
+    for path in paths:
+        case.verify(path)
+        ms[f"{path}_stash"] = timer(lambda p=path: case.stash(p), case.reset)
+        ms[f"{path}_reload"] = timer(lambda p=path: case.reload(p),
+                                     lambda p=path: case.reset_and_stash(p))
     copy_out, copy_in = case.copy_fns()
-    ms = {
-        "ours_stash": timer(case.stash, case.reset),
-        "ours_reload": timer(case.reload, case.reset_and_stash),
-        "copy_stash_direction": timer(copy_out),
-        "copy_reload_direction": timer(copy_in),
-    }
+    ms["copy_stash_direction"] = timer(copy_out)
+    ms["copy_reload_direction"] = timer(copy_in)
     if mcore is not None:
         ms["mcore_stash"] = timer(case.mcore_stash, case.mcore_reset)
         ms["mcore_reload"] = timer(case.mcore_reload, case.mcore_reset_and_stash)
     rates = {k: gbps(case.moved, v) for k, v in ms.items()}
+    chosen = cuda_ops.choose_path(case.src, case.record)
     row = {
         "regime": regime.name,
         "dtype": str(regime.dtype).removeprefix("torch."),
@@ -207,107 +179,121 @@ def bench_regime(regime: Regime, timer: Timer, mcore) -> dict:
         "capacity_rows": regime.capacity_rows,
         "live_rows": regime.live_rows,
         "bytes_read_plus_written": case.moved,
+        "dispatch_rule_path": "bulk" if chosen == cuda_ops.BULK else "tile",
         "ms": ms,
         "gbps": rates,
     }
     for op in ("stash", "reload"):
-        label, ok = target_met(regime, rates[f"ours_{op}"], rates[f"copy_{op}_direction"])
-        row[f"target_{op}"] = {"target": label, "met": ok}
-    del case
-    torch.cuda.empty_cache()
+        label, ok = target_met(regime, rates[f"cuda_{op}"], rates[f"copy_{op}_direction"])
+        row[f"target_{op}"] = {"target": label, "met": ok, "arm": f"cuda_{op}"}
     return row
 
 
-def bench_max_ctas(timer: Timer, sweep: list[int]) -> list[dict]:
-    """Copy time vs max_ctas, and a bf16 8192^3 GEMM's time with paging on another stream."""
+def bench_max_ctas(timer: CudaTimer, sweep: list[int], bulk: bool) -> list[dict]:
+    """GB/s vs max_ctas per path, and a bf16 8192^3 GEMM's time with paging on another stream."""
     case = Case(REGIMES[0], None)
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     gemm_alone = timer(lambda: a @ b)
     paging_stream = torch.cuda.Stream()
     rows = []
-    for max_ctas in sweep:
-        stash_ms = timer(lambda m=max_ctas: case.stash(m), case.reset)
-        concurrent = []
-        for _ in range(5):
-            case.reset()
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            with torch.cuda.stream(paging_stream):
-                for _ in range(8):  # stash + reload cycles keep the rings balanced
-                    case.stash(max_ctas)
-                    case.reload(max_ctas)
-            start.record()
-            a @ b
-            end.record()
-            torch.cuda.synchronize()
-            concurrent.append(start.elapsed_time(end))
-        gemm_with = statistics.median(concurrent)
-        rows.append(
-            {
-                "max_ctas": max_ctas,
-                "stash_ms": stash_ms,
-                "stash_gbps": gbps(case.moved, stash_ms),
-                "gemm_alone_ms": gemm_alone,
-                "gemm_with_paging_ms": gemm_with,
+    for path in [p for p in ("tile", "bulk", *BULK_VARIANTS) if bulk or p == "tile"]:
+        for max_ctas in sweep:
+            stash_ms = timer(lambda m=max_ctas, p=path: case.stash(p, m), case.reset)
+            reload_ms = timer(lambda m=max_ctas, p=path: case.reload(p, m),
+                              lambda m=max_ctas, p=path: case.reset_and_stash(p, m))
+            concurrent = []
+            for _ in range(5):
+                case.reset()
+                torch.cuda.synchronize()
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                with torch.cuda.stream(paging_stream):
+                    for _ in range(8):  # stash + reload cycles keep the rings balanced
+                        case.stash(path, max_ctas)
+                        case.reload(path, max_ctas)
+                start.record()
+                a @ b
+                end.record()
+                torch.cuda.synchronize()
+                concurrent.append(start.elapsed_time(end))
+            gemm_with = statistics.median(concurrent)
+            rows.append({
+                "path": path, "max_ctas": max_ctas,
+                "stash_ms": stash_ms, "stash_gbps": gbps(case.moved, stash_ms),
+                "reload_ms": reload_ms, "reload_gbps": gbps(case.moved, reload_ms),
+                "gemm_alone_ms": gemm_alone, "gemm_with_paging_ms": gemm_with,
                 "gemm_slowdown": gemm_with / gemm_alone,
-            }
-        )
+            })
     return rows
 
 
+def few_sm_target(sweep: list[dict]) -> dict:
+    """>= 3.0 TB/s stash and reload (bf16 h7168) with at most 32 CTAs, best path."""
+    few = [s for s in sweep if s["max_ctas"] <= 32]
+    best = max(few, key=lambda s: min(s["stash_gbps"], s["reload_gbps"]), default=None)
+    if best is None:
+        return {"target": ">= 3000 GB/s with <= 32 CTAs", "met": False, "best": None}
+    ok = best["stash_gbps"] >= 3000 and best["reload_gbps"] >= 3000
+    return {"target": ">= 3000 GB/s with <= 32 CTAs", "met": ok,
+            "best": {k: best[k] for k in ("path", "max_ctas", "stash_gbps", "reload_gbps")}}
+
+
 def print_table(rows: list[dict], sweep: list[dict]) -> None:
-    cols = ("ours_stash", "ours_reload", "mcore_stash", "mcore_reload", "copy_stash_direction")
-    print(
-        f"{'regime':<30} "
-        + " ".join(f"{c.replace('_direction', ''):>13}" for c in cols)
-        + "  targets (stash/reload)"
-    )
+    cols = ("tile_stash", "tile_reload", "bulk_stash", "bulk_reload", "bulk-16k_stash",
+            "bulk-8k_stash", "cuda_stash", "cuda_reload", "mcore_stash", "mcore_reload",
+            "copy_stash_direction")
+    print(f"{'regime':<30} " + " ".join(f"{c.replace('_direction', ''):>12}" for c in cols)
+          + "  rule  targets (cuda stash/reload)")
     for row in rows:
         figs = " ".join(
-            f"{row['gbps'][c]:>13.0f}" if c in row["gbps"] else f"{'n/a':>13}" for c in cols
+            f"{row['gbps'][c]:>12.0f}" if c in row["gbps"] else f"{'n/a':>12}" for c in cols
         )
         marks = "/".join(
             "PASS" if row[f"target_{op}"]["met"] else "MISS" for op in ("stash", "reload")
         )
-        print(f"{row['regime']:<30} {figs}  {row['target_stash']['target']}: {marks}")
+        print(f"{row['regime']:<30} {figs}  {row['dispatch_rule_path']:>4}  "
+              f"{row['target_stash']['target']}: {marks}")
     print("GB/s, bytes read + written.\n")
-    print(
-        f"{'max_ctas':>8} {'stash GB/s':>11} {'GEMM ms':>9} {'GEMM+paging ms':>15} {'slowdown':>9}"
-    )
+    print(f"{'path':>8} {'max_ctas':>8} {'stash GB/s':>11} {'reload GB/s':>12} {'GEMM ms':>9} "
+          f"{'GEMM+paging':>12} {'slowdown':>9}")
     for s in sweep:
-        print(
-            f"{s['max_ctas']:>8} {s['stash_gbps']:>11.0f} {s['gemm_alone_ms']:>9.3f} "
-            f"{s['gemm_with_paging_ms']:>15.3f} {s['gemm_slowdown']:>9.3f}"
-        )
+        print(f"{s['path']:>8} {s['max_ctas']:>8} {s['stash_gbps']:>11.0f} "
+              f"{s['reload_gbps']:>12.0f} {s['gemm_alone_ms']:>9.3f} "
+              f"{s['gemm_with_paging_ms']:>12.3f} {s['gemm_slowdown']:>9.3f}")
 
 
-def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    series = [
-        ("ours_stash", "page-tile stash"),
-        ("ours_reload", "page-tile reload"),
-        ("mcore_stash", "MCore stash"),
-        ("mcore_reload", "MCore reload"),
-        ("copy_stash_direction", "copy_"),
-    ]
-    fig, ax = plt.subplots(figsize=(13, 5))
+def plot(rows: list[dict], sweep: list[dict], png: Path) -> None:
+    fig = figure(15, 5)
+    bars, curve = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    series = [("tile_stash", "tile stash"), ("bulk_stash", "bulk stash"),
+              ("cuda_reload", "dispatch reload"), ("mcore_stash", "MCore stash"),
+              ("mcore_reload", "MCore reload"), ("copy_stash_direction", "copy_")]
     width = 0.8 / len(series)
     for i, (key, label) in enumerate(series):
         values = [row["gbps"].get(key, 0.0) for row in rows]
-        ax.bar([x + i * width for x in range(len(rows))], values, width, label=label)
-    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(rows))])
-    ax.set_xticklabels([row["regime"] for row in rows], rotation=15, ha="right", fontsize=8)
-    ax.set_yscale("log")  # host spill runs ~40x below the device-memory regimes
-    ax.set_ylabel("GB/s (read + written), log scale")
-    ax.set_title(f"Paged stash kernels on {torch.cuda.get_device_name()}")
-    ax.legend(fontsize=8)
+        bars.bar([x + i * width for x in range(len(rows))], values, width, label=label)
+    bars.set_xticks([x + 0.4 - width / 2 for x in range(len(rows))])
+    bars.set_xticklabels([row["regime"] for row in rows], rotation=15, ha="right", fontsize=7)
+    bars.set_yscale("log")  # host spill runs ~40x below the device-memory regimes
+    bars.set_ylabel("GB/s (read + written), log scale")
+    bars.set_title(f"paging kernels on {torch.cuda.get_device_name()}", fontsize=9)
+    bars.legend(fontsize=7)
+    for path, style in (("tile", "o-"), ("bulk", "s-"), ("bulk-16k", "^-"), ("bulk-8k", "v-")):
+        points = [s for s in sweep if s["path"] == path]
+        if points:
+            curve.plot([s["max_ctas"] for s in points], [s["stash_gbps"] for s in points], style,
+                       label=f"{path} stash")
+            curve.plot([s["max_ctas"] for s in points], [s["reload_gbps"] for s in points],
+                       style, alpha=0.5, label=f"{path} reload")
+    curve.axhline(3000, color="grey", linestyle=":", linewidth=0.8)
+    curve.set_xscale("log", base=2)
+    curve.set_xlabel("max_ctas (grid bound)")
+    curve.set_ylabel("GB/s, bf16 h7168, 24576 live rows")
+    curve.set_title("bandwidth vs grid bound (dotted: 3 TB/s)", fontsize=9)
+    curve.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(png)
 
 
 def load_mcore():
@@ -320,42 +306,41 @@ def load_mcore():
 
 
 def main(argv: list[str] | None = None) -> int:
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-    default_out = RESULTS / f"kernels_{(gpu or 'none').replace(' ', '_')}.json"
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=default_out, help="JSON path (PNG beside it)")
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (PNG beside it)")
     parser.add_argument("--reps", type=int, default=30, help="timed calls per figure")
-    parser.add_argument("--max-ctas", default="64,256,2048", help="the max_ctas sweep")
+    parser.add_argument("--max-ctas", default="8,16,32,64,132,264,2048", help="the sweep")
     args = parser.parse_args(argv)
-    if gpu is None:
+    if not torch.cuda.is_available():
         print("error: the kernel benchmark needs a CUDA device")
         return 2
     import triton
 
     mcore = load_mcore()
-    timer = Timer(args.reps)
-    rows = [bench_regime(r, timer, mcore) for r in REGIMES]
-    sweep = bench_max_ctas(timer, [int(v) for v in args.max_ctas.split(",")])
+    bulk = cuda_ops.bulk_supported(torch.cuda.current_device())
+    timer = CudaTimer(args.reps)
+    rows = []
+    for regime in REGIMES:
+        rows.append(bench_regime(regime, timer, mcore, bulk))
+        torch.cuda.empty_cache()  # the regime's buffers are gone with its Case
+        print(f"measured {regime.name}", flush=True)
+    sweep = bench_max_ctas(timer, [int(v) for v in args.max_ctas.split(",")], bulk)
     print_table(rows, sweep)
-    result = {
-        "gpu": gpu,
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": git_commit(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "megatron_core": _mcore_version() if mcore is not None else None,
-        "page_size": PAGE_SIZE,
-        "default_max_ctas": kernels.MAX_CTAS,
-        "method": "median of per-call CUDA events, L2 flushed before each call, "
+    result = header(
+        "kernels",
+        triton=triton.__version__,
+        megatron_core=_mcore_version() if mcore is not None else None,
+        page_size=PAGE_SIZE,
+        default_max_ctas=DEFAULT_MAX_CTAS,
+        bulk_min_capacity_bytes=cuda_ops.BULK_MIN_CAPACITY_BYTES,
+        bulk_supported=bulk,
+        method="median of per-call CUDA events, L2 flushed before each call, "
         f"{args.reps} calls; GB/s = (bytes read + bytes written) / time",
-        "regimes": rows,
-        "max_ctas_sweep": sweep,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    png = args.out.with_suffix(".png")
-    plot(rows, png)
-    print(f"wrote {args.out} and {png}")
+        regimes=rows,
+        max_ctas_sweep=sweep,
+        few_sm_target=few_sm_target(sweep),
+    )
+    write(result, args.out or default_out("kernels"), lambda png: plot(rows, sweep, png))
     return 0
 
 

@@ -6,7 +6,8 @@ Megatron's own ``pretrain()`` drives everything; this script only adds:
   ``static`` flex dispatch backend now go through megatron-paging;
 * our flags (``extra_args_provider=add_paging_args``) and their start-up validation;
 * a model provider that builds ``GPTModel`` from the local (TE-free) layer spec with
-  :class:`~megatron_paging.mcore.experts.PagedGroupedMLP` experts.
+  :class:`~megatron_paging.mcore.experts.PagedGroupedMLP` experts and, by default, fused SDPA
+  core attention (``--paging-core-attention``).
 
 Launch: ``examples/run_pretrain_1gpu.sh`` (one GPU; its comment shows the EP/PP line).
 Paged vs unpaged control: the same command with and without ``--moe-paged-stash`` (both keep
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from functools import partial
 
@@ -36,15 +38,10 @@ from megatron.training.argument_utils import (
 from megatron.training.arguments import parse_and_validate_args
 from megatron.training.utils import is_first_or_last_pipeline_stage
 
-from megatron_paging.mcore.flags import (
-    add_paging_args,
-    apply_to_config,
-    install_options,
-    validate_paging_args,
-)
-from megatron_paging.mcore.install import install
+from megatron_paging.mcore import install
+from megatron_paging.mcore.flags import add_paging_args, install_options, paging_config
 from megatron_paging.mcore.specs import get_gpt_moe_paged_layer_spec
-from megatron_paging.memory_trace import format_breakdown, peak_breakdown
+from megatron_paging.tools.memory_trace import format_breakdown, peak_breakdown
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
 # Verification runs: append every microbatch loss, exactly (float.hex), to this file (+ rank).
@@ -53,30 +50,42 @@ LOSS_LOG_ENV = "MEGATRON_PAGING_LOSS_LOG"
 # and print its top kernels and host ops.
 PROFILE_ENV = "MEGATRON_PAGING_PROFILE_ITER"
 # Diagnostics: record the allocator's history during this iteration and print what is alive at
-# its peak, grouped by the code that allocated it (megatron_paging.memory_trace).
+# its peak, grouped by the code that allocated it (megatron_paging.tools.memory_trace).
 MEMORY_ENV = "MEGATRON_PAGING_MEMORY_ITER"
+# Verification: count the CUDA kernels of these iterations (comma-separated, e.g. "6,7"), so a
+# run can show that every replay of a captured CUDA graph launches the same work.
+KERNEL_COUNT_ENV = "MEGATRON_PAGING_KERNEL_COUNT_ITERS"
+# Benchmarks under a memory budget: torch.cuda.set_per_process_memory_fraction(this) at start.
+MEMORY_FRACTION_ENV = "MEGATRON_PAGING_MEMORY_FRACTION"
 
 
 class StepProbe:
-    """Per-iteration peak memory, and a torch.profiler summary of one chosen iteration.
+    """Per-iteration peak memory, exact per-microbatch losses, and a torch.profiler summary of
+    one chosen iteration.
 
-    Megatron's loop has no per-iteration callback for a forward-step provider, so the probe
-    notices a new ``args.curr_iteration`` at the first forward step of each iteration: a step's
-    window runs from its first forward to the next step's first forward (its optimizer step
-    included). Every line it prints starts with ``paging-example``.
+    Megatron's loop has no per-iteration callback, so the probe wraps the step runner that
+    ``train()`` builds (:func:`observe_training_steps`): a step's window runs from the start of
+    its forward-backward to the start of the next one (its optimizer step included). That works
+    with full-iteration CUDA graphs too, where no Python inside forward-backward runs on a
+    replay. Every line it prints starts with ``paging-example``.
     """
 
-    def __init__(self, profile_iteration: int | None, memory_iteration: int | None):
+    def __init__(self, profile_iteration: int | None, memory_iteration: int | None,
+                 count_iterations: tuple[int, ...] = ()):
         self.iteration = None
         self.profile_iteration = profile_iteration
         self.memory_iteration = memory_iteration
+        self.count_iterations = count_iterations
+        self.counter = None  # torch.profiler of a kernel-count iteration
+        self.runner = None  # the step runner train() built (its overflow counters are reported)
+        self.model = self.optimizer = None  # what the runner trains (its memory is reported)
         self.recording = False
         self.memory_base_mib = 0.0  # allocated when the recorded iteration began
         self.step_peaks: dict[int, float] = {}
         self.profiler = None
         self.profile_t0 = 0.0
 
-    def on_forward_step(self) -> None:
+    def on_step_start(self) -> None:
         iteration = get_args().curr_iteration + 1  # Megatron logs iterations from 1
         if iteration == self.iteration:
             return
@@ -87,6 +96,10 @@ class StepProbe:
             self.recording = True
             torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
             self.memory_base_mib = torch.cuda.memory_allocated() / 2**20
+        if iteration in self.count_iterations:
+            torch.cuda.synchronize()
+            self.counter = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            self.counter.start()
         if iteration == self.profile_iteration:
             torch.cuda.synchronize()
             self.profiler = torch.profiler.profile(
@@ -97,6 +110,17 @@ class StepProbe:
             )
             self.profiler.start()
             self.profile_t0 = time.perf_counter()
+
+    def on_step_end(self, losses_reduced) -> None:
+        """Append every microbatch loss of the step, exactly (float.hex), to the loss log."""
+        loss_log = os.environ.get(LOSS_LOG_ENV)
+        if not loss_log or not losses_reduced:
+            return
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        with open(f"{loss_log}.rank{rank}", "a") as f:
+            for report in losses_reduced:  # host reads after the step: verification runs only
+                loss, num_tokens = report["lm loss"].tolist()
+                f.write(f"{float(loss).hex()} {int(num_tokens)}\n")
 
     def close_step(self) -> None:
         if self.iteration is None:
@@ -109,6 +133,16 @@ class StepProbe:
         )
         if self.recording:
             self._print_memory_peak()
+        if self.counter is not None:
+            torch.cuda.synchronize()
+            self.counter.stop()
+            kernels = sum(
+                e.count
+                for e in self.counter.key_averages()
+                if e.device_type == torch.autograd.DeviceType.CUDA
+            )
+            print(f"paging-example kernels iteration={self.iteration} count={kernels}", flush=True)
+            self.counter = None
         if self.profiler is not None:
             torch.cuda.synchronize()
             wall_ms = (time.perf_counter() - self.profile_t0) * 1e3
@@ -157,7 +191,34 @@ class StepProbe:
 PROBE = StepProbe(
     int(os.environ[PROFILE_ENV]) if os.environ.get(PROFILE_ENV) else None,
     int(os.environ[MEMORY_ENV]) if os.environ.get(MEMORY_ENV) else None,
+    tuple(int(v) for v in os.environ.get(KERNEL_COUNT_ENV, "").split(",") if v.strip()),
 )
+
+
+def observe_training_steps(probe: StepProbe) -> None:
+    """Wrap the step runner ``train()`` builds (ours or Megatron-Core's ``PagedStashRunner``,
+    used whenever ``--moe-expert-rank-capacity-factor`` is set) so that ``probe`` sees the start
+    and the result of every training forward-backward, outside any CUDA graph."""
+    training = sys.modules["megatron.training.training"]
+    runner_cls = training.PagedStashRunner
+
+    def observed_runner(config, copy_main_params, model, optimizer, *args, **kwargs):
+        runner = probe.runner = runner_cls(config, copy_main_params, model, optimizer, *args,
+                                           **kwargs)
+        probe.model, probe.optimizer = model, optimizer
+
+        def forward_backward(**step):
+            training_step = not step["forward_only"]
+            if training_step:
+                probe.on_step_start()
+            result = runner(**step)
+            if training_step:
+                probe.on_step_end(result)
+            return result
+
+        return forward_backward
+
+    training.PagedStashRunner = observed_runner
 
 
 def model_provider(
@@ -168,12 +229,13 @@ def model_provider(
     if args.num_experts is None:
         raise ValueError("this example trains an MoE model: pass --num-experts")
     config = core_transformer_config_from_args(args)
-    apply_to_config(config, args)
     spec = get_gpt_moe_paged_layer_spec(
         args.num_experts,
         normalization=args.normalization,
         qk_layernorm=args.qk_layernorm,
         gemm_backend=args.paging_gemm_backend,
+        core_attention=args.paging_core_attention,
+        sdpa_backend=args.paging_sdpa_backend,
     )
     return GPTModel(
         config=config,
@@ -209,17 +271,12 @@ def loss_func(loss_mask, output_tensor):
     loss_mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * loss_mask)
     num_tokens = loss_mask.sum().clone().detach().to(torch.int)
+    # fp32 [loss, tokens]: the loss log reads the loss back exactly (StepProbe.on_step_end).
     report = {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
-    loss_log = os.environ.get(LOSS_LOG_ENV)
-    if loss_log:  # host sync per microbatch: verification runs only
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        with open(f"{loss_log}.rank{rank}", "a") as f:
-            f.write(f"{loss.item().hex()} {int(num_tokens)}\n")
     return loss, num_tokens, report
 
 
 def forward_step(data_iterator, model):
-    PROBE.on_forward_step()
     vp_stage = get_attr_wrapped_model(model, "vp_stage")
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, vp_stage)
     output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
@@ -274,15 +331,26 @@ def use_prebuilt_dataset_helpers() -> None:
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    fraction = os.environ.get(MEMORY_FRACTION_ENV)
+    if fraction:
+        torch.cuda.set_per_process_memory_fraction(float(fraction))
     train_valid_test_datasets_provider.is_distributed = True
     args = parse_and_validate_args(
         extra_args_provider=add_paging_args, args_defaults={"tokenizer_type": "NullTokenizer"}
     )
-    validate_paging_args(args)
-    if args.tensor_model_parallel_size != 1:
-        raise ValueError("this example reads batches without TP broadcast: use TP=1 (EP/PP ok)")
+    try:
+        config = paging_config(args)  # every paging flag and MEGATRON_PAGING_MAX_CTAS, once
+        if args.tensor_model_parallel_size != 1:
+            raise ValueError(
+                "--tensor-model-parallel-size: this example reads batches without TP broadcast; "
+                "use 1 (EP/PP work)"
+            )
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
     # Before any model or config is built: the hook points are imported by name.
-    api = install(**install_options(args))
+    api = install(**install_options(args, config))
+    observe_training_steps(PROBE)
     use_prebuilt_dataset_helpers()
     cfg = pretrain_cfg_container_from_args(args)
     cfg.model = None  # build through model_provider (our layer spec)
@@ -294,6 +362,34 @@ def main() -> None:
         model_provider=model_provider,
     )
     report_memory(api, args.paging_implementation)
+
+
+def _state_mib(model, optimizer) -> dict[str, float]:
+    """Parameters, gradient buffers and optimizer state, in MiB (what is not activation)."""
+    mib = 2**20
+    params = {id(p): p for chunk in model or [] for p in chunk.parameters()}
+    param_bytes = sum(p.numel() * p.element_size() for p in params.values())
+    grad_bytes = sum(
+        g.numel() * g.element_size()
+        for p in params.values()
+        for g in (getattr(p, "main_grad", None), p.grad)
+        if isinstance(g, torch.Tensor)
+    )
+    state_bytes = 0
+    inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    for opt in inner:
+        torch_opt = getattr(opt, "optimizer", opt)
+        for state in getattr(torch_opt, "state", {}).values():
+            state_bytes += sum(
+                t.numel() * t.element_size() for t in state.values() if isinstance(t, torch.Tensor)
+            )
+        masters = getattr(opt, "fp32_from_float16_groups", None) or getattr(
+            opt, "shard_fp32_from_float16_groups", None
+        )
+        for group in masters or []:
+            state_bytes += sum(p.numel() * p.element_size() for p in group)  # fp32 master copies
+    return {"param_mib": param_bytes / mib, "grad_mib": grad_bytes / mib,
+            "optimizer_state_mib": state_bytes / mib}
 
 
 def report_memory(api, implementation: str) -> None:
@@ -321,7 +417,13 @@ def report_memory(api, implementation: str) -> None:
         cuda_bytes, host_bytes = pools.total_bytes() if pools is not None else (0, 0)
         mode, steps = api.engine.mode, api.engine.steps
     mib = 2**20
+    if hasattr(PROBE.runner, "finish"):  # ours: the last step's deferred flag read
+        PROBE.runner.finish()
     PROBE.close_step()
+    monitor = getattr(PROBE.runner, "monitor", None)  # our runner's overflow decisions
+    actions = dict(monitor.actions) if monitor is not None else {}
+    replays = api.engine.replays if implementation != "mcore" else 0
+    state = _state_mib(PROBE.model, PROBE.optimizer)
     # Steady state: from the third step on (step 1 calibrates, step 2 allocates the pools and
     # the optimizer's lazy state).
     print(
@@ -330,7 +432,9 @@ def report_memory(api, implementation: str) -> None:
         f"steady_peak_allocated_mib={PROBE.peak_mib(first_iteration=3):.1f} "
         f"peak_reserved_mib={torch.cuda.max_memory_reserved() / mib:.1f} "
         f"pool_cuda_mib={cuda_bytes / mib:.1f} pool_host_mib={host_bytes / mib:.1f} "
-        f"paging_mode={mode} paged_steps={steps}",
+        + "".join(f"{k}={v:.1f} " for k, v in state.items())
+        + f"paging_mode={mode} paged_steps={steps} graph_replays={replays} "
+        f"overflow_actions={','.join(f'{k}:{v}' for k, v in sorted(actions.items())) or '-'}",
         flush=True,
     )
 

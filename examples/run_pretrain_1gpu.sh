@@ -11,7 +11,12 @@
 #       --pipeline-model-parallel-size 2 --global-batch-size 16
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python3}
+# The project's .venv (made by `make demo` / `make test`) when it exists, else python3; PYTHON=
+# chooses another interpreter.
+if [ -z "${PYTHON:-}" ]; then
+  if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+  echo "run_pretrain_1gpu.sh: using $PYTHON (set PYTHON= to choose another)" >&2
+fi
 NPROC=${NPROC:-1}
 PAGED=${PAGED:-1}
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}

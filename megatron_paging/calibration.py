@@ -9,6 +9,12 @@ While parking it tracks, per pool key (row bytes), the rows in flight (parked, n
 over the whole schedule and their peak; :meth:`Calibrator.size_pools` turns the peak into
 :class:`~megatron_paging.pool.PagePools`.
 
+Sizing follows Megatron-Core's sign convention for the buffer-size factors: a positive factor
+scales the peak of the *average-token hints* (``record.annotations["avg_rows"]``, Megatron's
+``avg_num_tokens``: the capacity without its imbalance headroom) for a pool key whose every
+record carried one, else the measured peak; a negative factor always scales the measured peak.
+The magnitude is the headroom (1.10 = 10 %). A host factor of 0 means no host tier.
+
 Unparked content: the live rows of every segment are restored bit for bit; **every other byte of
 the capacity buffer is zero**. Rows past a live prefix are padding whose outputs the MoE layer
 discards, so their gradient contributions are multiplied by zero upstream gradients; zeros (not
@@ -27,7 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_paging.kernels.reference import as_rows
+from megatron_paging.config import PagingConfig
+from megatron_paging.kernels.checks import as_rows
 from megatron_paging.pool import PagePools, ceil_div
 from megatron_paging.record import PageRecord
 
@@ -41,6 +48,7 @@ class ParkedRecord:
     original: torch.Tensor | None  # set when kept by identity
     live_prefixes: tuple[torch.Tensor, ...]  # [live_s, row_bytes] uint8 per segment
     live_counts: tuple[int, ...]
+    avg_rows: int | None  # the record's average-token hint, if it carried one
     shape: torch.Size
     dtype: torch.dtype
     device: torch.device
@@ -64,8 +72,9 @@ class Calibrator:
 
     def __init__(self, paging: bool = True):
         self.paging = paging
-        # Event log: (row_bytes, live counts per segment, +1 park / -1 unpark), in issue order.
-        self.events: list[tuple[int, tuple[int, ...], int]] = []
+        # Event log: (row_bytes, live counts per segment, average-token hint or None,
+        # +1 park / -1 unpark), in issue order.
+        self.events: list[tuple[int, tuple[int, ...], int | None, int]] = []
         self.rows_in_flight: dict[int, int] = {}
         self.peak_rows: dict[int, int] = {}
 
@@ -73,7 +82,7 @@ class Calibrator:
         """Keep ``tensor`` until backward as a compact copy of ``record``'s live prefixes."""
         meta = dict(shape=tensor.shape, dtype=tensor.dtype, device=tensor.device)
         if not self.paging:
-            return ParkedRecord(tensor, (), (), tracked=False, **meta)
+            return ParkedRecord(tensor, (), (), None, tracked=False, **meta)
         rows = as_rows(tensor, record.capacity_rows, record.row_bytes, "parked tensor")
         live_counts = tuple(int(n) for n in record.live_rows.tolist())  # calibration: host read ok
         for live, seg_rows in zip(live_counts, record.segment_rows, strict=True):
@@ -82,19 +91,21 @@ class Calibrator:
                     f"record live_rows={list(live_counts)} outside [0, segment rows "
                     f"{list(record.segment_rows)}]"
                 )
-        self._track(record.row_bytes, live_counts, +1)
+        avg_rows = record.annotations.get("avg_rows")
+        avg_rows = None if avg_rows is None else int(avg_rows)
+        self._track(record.row_bytes, live_counts, avg_rows, +1)
         if live_counts == record.segment_rows:
-            return ParkedRecord(tensor, (), live_counts, tracked=True, **meta)
+            return ParkedRecord(tensor, (), live_counts, avg_rows, tracked=True, **meta)
         prefixes = tuple(
             rows[start : start + live].clone()
             for start, live in zip(record.segment_starts, live_counts, strict=True)
         )
-        return ParkedRecord(None, prefixes, live_counts, tracked=True, **meta)
+        return ParkedRecord(None, prefixes, live_counts, avg_rows, tracked=True, **meta)
 
     def unpark(self, parked: ParkedRecord, record: PageRecord) -> torch.Tensor:
         """The capacity-shaped tensor back: live rows restored, every other byte zero."""
         if parked.tracked:
-            self._track(record.row_bytes, parked.live_counts, -1)
+            self._track(record.row_bytes, parked.live_counts, parked.avg_rows, -1)
         if parked.original is not None:
             return parked.original
         out = torch.zeros(parked.shape, dtype=parked.dtype, device=parked.device)
@@ -103,61 +114,58 @@ class Calibrator:
             rows[start : start + prefix.shape[0]] = prefix
         return out
 
-    def _track(self, row_bytes: int, live_counts: tuple[int, ...], sign: int) -> None:
-        self.events.append((row_bytes, live_counts, sign))
+    def _track(self, row_bytes: int, live_counts, avg_rows, sign: int) -> None:
+        self.events.append((row_bytes, live_counts, avg_rows, sign))
         in_flight = self.rows_in_flight.get(row_bytes, 0) + sign * sum(live_counts)
         if in_flight < 0:
             raise ValueError(f"unpark of a record that was not parked (row_bytes={row_bytes})")
         self.rows_in_flight[row_bytes] = in_flight
         self.peak_rows[row_bytes] = max(self.peak_rows.get(row_bytes, 0), in_flight)
 
-    def peak_page_rows(self, page_size: int) -> dict[int, int]:
+    def peak_page_rows(self, page_size: int, average: bool = False) -> dict[int, int]:
         """Per pool key, the peak rows in flight rounded the way pages hold them.
 
         Every segment's live prefix occupies ``ceil(live / page_size)`` whole pages, so a pool of
-        exactly this many rows holds the calibrated schedule without overflow.
+        exactly this many rows holds the calibrated schedule without overflow. ``average=True``
+        counts each record's average-token hint instead of its live rows, for the keys whose
+        every record carried one (the others keep the measured peak).
         """
-        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
-            raise ValueError(f"page_size must be a positive integer, got {page_size!r}")
+        hinted = {}
+        for row_bytes, _, avg_rows, _ in self.events:
+            hinted[row_bytes] = hinted.get(row_bytes, True) and avg_rows is not None
         in_flight: dict[int, int] = {}
         peak: dict[int, int] = {}
-        for row_bytes, live_counts, sign in self.events:
-            pages = sum(ceil_div(n, page_size) for n in live_counts)
+        for row_bytes, live_counts, avg_rows, sign in self.events:
+            if average and hinted[row_bytes]:
+                pages = ceil_div(avg_rows, page_size)
+            else:
+                pages = sum(ceil_div(n, page_size) for n in live_counts)
             in_flight[row_bytes] = in_flight.get(row_bytes, 0) + sign * pages * page_size
             peak[row_bytes] = max(peak.get(row_bytes, 0), in_flight[row_bytes])
         return peak
 
-    def size_pools(
-        self,
-        page_size: int,
-        cuda_factor: float,
-        host_factor: float = 0.0,
-        device: torch.device | str = "cpu",
-    ) -> PagePools:
-        """Pools for every key seen: CUDA tier ``peak x cuda_factor`` rows, host ``x host_factor``.
-
-        ``peak`` is :meth:`peak_page_rows` (page-rounded rows in flight); tiers are rounded up to
-        whole pages; ``host_factor`` 0 means no host tier. Logs one line with the sizes.
-        """
-        if not (isinstance(cuda_factor, (int, float)) and cuda_factor > 0):
-            raise ValueError(f"cuda_factor must be a number > 0, got {cuda_factor!r}")
-        if not (isinstance(host_factor, (int, float)) and host_factor >= 0):
-            raise ValueError(f"host_factor must be a number >= 0, got {host_factor!r}")
+    def size_pools(self, config: PagingConfig, device: torch.device | str = "cpu") -> PagePools:
+        """Pools for every key seen, sized from the peak by ``config``'s factors (see the module
+        docstring); tiers are rounded up to whole pages. Logs one line with the sizes."""
+        page_size = config.page_size
+        cuda_peak = self.peak_page_rows(page_size, average=config.cuda_factor > 0)
+        host_peak = self.peak_page_rows(page_size, average=config.host_factor > 0)
         pools = PagePools(page_size, device)
         sizes = []
-        for row_bytes, peak in sorted(self.peak_page_rows(page_size).items()):
-            cuda_rows = max(page_size, math.ceil(peak * cuda_factor))
-            host_rows = math.ceil(peak * host_factor)
+        for row_bytes in sorted(cuda_peak):
+            cuda_rows = max(page_size, math.ceil(cuda_peak[row_bytes] * abs(config.cuda_factor)))
+            host_rows = math.ceil(host_peak[row_bytes] * abs(config.host_factor))
             pool = pools.add(row_bytes, cuda_rows, host_rows)
             sizes.append(
                 f"row_bytes={row_bytes}: peak {self.peak_rows[row_bytes]} live rows "
-                f"({peak} paged) -> {pool.num_cuda_pages} CUDA / {pool.num_host_pages} host pages"
+                f"({cuda_peak[row_bytes]} sized) -> {pool.num_cuda_pages} CUDA / "
+                f"{pool.num_host_pages} host pages"
             )
         logger.info(
             "paging calibration: page_size=%d cuda_factor=%s host_factor=%s; %s",
             page_size,
-            cuda_factor,
-            host_factor,
+            config.cuda_factor,
+            config.host_factor,
             "; ".join(sizes) if sizes else "no paged records seen",
         )
         return pools

@@ -9,7 +9,9 @@ from pathlib import Path
 
 BENCHMARKS = {
     "kernels": "bench_kernels.py",
+    "host-cost": "bench_host_cost.py",
     "scheduler": "bench_scheduler.py",
+    "frontier": "bench_frontier.py",
 }
 
 
@@ -29,6 +31,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         print(f"error: {script} not found; run benchmarks from a source checkout", file=sys.stderr)
         return 2
     sys.argv = [str(script), *args.rest]
+    sys.path.insert(0, str(script.parent))  # the benchmarks' shared helper (common.py)
     runpy.run_path(str(script), run_name="__main__")
     return 0
 

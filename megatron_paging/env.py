@@ -8,6 +8,7 @@ import os
 import platform
 from pathlib import Path
 
+from megatron_paging.config import DEFAULT_MAX_CTAS, MAX_CTAS_ENV, ConfigError, max_ctas_from_env
 from megatron_paging.version import SUPPORTED_MEGATRON_CORE, __version__
 
 
@@ -73,8 +74,16 @@ def info() -> dict[str, object]:
         "transformer engine importable": importable("transformer_engine"),
         "apex importable": importable("apex"),
         "extension cache": str(extension_cache_dir()),
-        "MEGATRON_PAGING_MAX_CTAS": os.environ.get("MEGATRON_PAGING_MAX_CTAS", "2048 (default)"),
+        MAX_CTAS_ENV: _max_ctas_shown(),
     }
+
+
+def _max_ctas_shown() -> str:
+    try:
+        value = max_ctas_from_env()
+    except ConfigError as error:
+        return f"invalid: {os.environ.get(MAX_CTAS_ENV)!r} ({error.problem})"
+    return f"{DEFAULT_MAX_CTAS} (default)" if value is None else str(value)
 
 
 def git_commit() -> str:

@@ -1,27 +1,26 @@
-"""Autograd integration of the paging scheduler, model-agnostic.
+"""PagingContext: the one saved-tensor hook, over a :class:`~megatron_paging.engine.PagingEngine`.
 
-A model (or its adapter) does four things:
+A model (or its adapter: Megatron-Core's goes through :mod:`megatron_paging.mcore.api`) does:
 
-* wraps each forward of one (chunk, microbatch) in ``with context.forward(chunk, microbatch):``
-  — this installs ``saved_tensors_hooks`` — and each backward in
-  ``with context.backward(chunk, microbatch, defer_wgrad=...):``;
-* brackets every layer's forward with ``x = context.group_start(x, layer)`` and
-  ``y = context.group_commit(y)`` (identity autograd functions, like Megatron-Core's
-  ``PipelinePreScheduleFunction`` / ``PipelinePostScheduleFunction``). The commit stashes the
-  layer's records; the commit's *backward* marks the layer's backward start, which reloads the
-  layer and prefetches the next ones;
-* marks each capacity buffer it wants paged: ``context.mark(buffer, live_rows, segments)``. Only
-  marked tensors — matched by identity when autograd saves them — are paged; every other saved
-  tensor passes through untouched. A mark can come before or after the op that saves the tensor,
-  as long as it is before the layer's commit; the commit raises if a marked tensor was not saved
-  (autograd saved a view or copy of it, or nothing);
-* optionally defers weight gradients: inside a backward with ``defer_wgrad=True`` a custom
-  autograd function hands its wgrad closure to ``context.defer_wgrad(fn)``, keeping its wgrad
-  input as ``context.pack(x)`` / ``context.unpack(saved)`` so it is only unpacked when
-  ``context.run_wgrad(chunk, microbatch)`` runs it. Mark such inputs ``wgrad_only=True``.
+* per step: ``context.begin_step()`` ... ``context.finish()`` (the engine's life cycle);
+* per layer forward: opens a *slot* — ``x = context.group_start(x, layer)`` inside
+  ``with context.forward(chunk, microbatch):``, or ``context.open_slot(chunk, layer,
+  microbatch, device)`` — and closes it with ``y = context.group_commit(y)``, an identity
+  autograd function: its forward stashes the slot's records, its backward marks the layer's
+  backward start (reload + prefetch);
+* says which saved tensors to page: ``context.mark(buffer, live_rows, segments)`` (matched by
+  identity when autograd saves the tensor; before or after the saving op, until the commit), or
+  ``context.pack_marked(tensor, live_rows, ...)`` from inside its own pack hook (the tensor is
+  known to be paged when it is saved). Every other saved tensor passes through untouched; the
+  commit raises if a marked tensor was not saved as marked (a view or copy was saved instead);
+* optionally defers weight gradients: inside ``with context.backward(chunk, microbatch,
+  defer_wgrad=True)`` a custom autograd function hands its wgrad closure to
+  ``context.defer_wgrad(fn)``, keeping its wgrad input as ``context.pack(x)`` /
+  ``context.unpack(saved)``; ``context.run_wgrad(chunk, microbatch)`` runs them. Mark such
+  inputs ``wgrad_only=True``.
 
-With ``scheduler=None`` the context pages nothing but still runs the same deferred-wgrad
-bookkeeping, which makes it the unpaged control of the same model.
+``PagingContext(None)``, or a step begun with ``paging=False``, pages nothing but runs the same
+deferred-wgrad bookkeeping: the unpaged control of the same model.
 """
 
 from __future__ import annotations
@@ -29,36 +28,41 @@ from __future__ import annotations
 import contextlib
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from megatron_paging.engine import OFF, PagingEngine
 from megatron_paging.scheduler import WGRAD, PagedHandle, PagingScheduler
 
 
-@dataclass
+@dataclass(eq=False)
 class _Mark:
     tensor: torch.Tensor
     live_rows: torch.Tensor
     segments: Sequence[tuple[int, int]] | None
     wgrad_only: bool
+    private: bool  # live_rows is a copy nobody else writes
+    capacity_rows: int | None
+    annotations: dict = field(default_factory=dict)
     handle: PagedHandle | None = None
 
 
 class _Saved:
     """What the pack hook returns inside a slot: the tensor until commit, then maybe a handle."""
 
-    __slots__ = ("tensor", "handle")
+    __slots__ = ("tensor", "handle", "mark")
 
-    def __init__(self, tensor: torch.Tensor):
+    def __init__(self, tensor: torch.Tensor, mark: _Mark | None = None):
         self.tensor = tensor
         self.handle: PagedHandle | None = None
+        self.mark = mark
 
 
 class _GroupStart(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, context, layer):
-        ctx.context, ctx.slot = context, context._open_slot(layer)
+        ctx.context, ctx.slot = context, context._open_from_forward(layer, tensor.device)
         return tensor
 
     @staticmethod
@@ -70,8 +74,8 @@ class _GroupStart(torch.autograd.Function):
 class _GroupCommit(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, context):
-        ctx.context, ctx.slot = context, context._commit_slot()
-        return tensor
+        ctx.context, ctx.slot = context, context.commit_slot()
+        return tensor.view_as(tensor)
 
     @staticmethod
     def backward(ctx, grad):
@@ -80,10 +84,11 @@ class _GroupCommit(torch.autograd.Function):
 
 
 class PagingContext:
-    """Saved-tensor hooks + group start/commit + marks, driving one :class:`PagingScheduler`."""
+    """Saved-tensor hooks, slots and marks, driving the engine's step scheduler."""
 
-    def __init__(self, scheduler: PagingScheduler | None = None):
-        self.scheduler = scheduler
+    def __init__(self, engine: PagingEngine | None = None):
+        self.engine = engine
+        self.scheduler: PagingScheduler | None = None  # the open step's, once a slot opened
         self._forward: tuple[int, int] | None = None  # (chunk, microbatch)
         self._backward: tuple[int, int, bool] | None = None  # (chunk, microbatch, defer)
         self._slot: tuple[int, int, int] | None = None  # open forward slot
@@ -96,35 +101,77 @@ class PagingContext:
 
     @property
     def enabled(self) -> bool:
-        return self.scheduler is not None
+        """Whether the running step pages (a step is open and not begun with paging=False)."""
+        engine = self.engine
+        return engine is not None and engine.step_open and engine.mode != OFF
+
+    # ------------------------------------------------------------------ step
+    def begin_step(self, paging: bool = True) -> None:
+        """Start a forward-backward (the engine's ``begin_step``)."""
+        self._reset()
+        if self.engine is not None:
+            self.engine.begin_step(paging)
+
+    def finish(self) -> int:
+        """End of step: join the paging stream; returns records never reloaded (should be 0)."""
+        pending = sorted(self._wgrad)
+        self._reset()
+        unreloaded = 0
+        if self.engine is not None and self.engine.step_open:
+            unreloaded = self.engine.end_step()  # the step ends even when it was incomplete
+        if pending:
+            raise RuntimeError(f"finish(): deferred wgrads never ran for {pending}")
+        return unreloaded
+
+    def _reset(self) -> None:
+        self.scheduler = None
+        self._slot, self._saved, self._marks = None, [], {}
+        self._wgrad.clear()
 
     # ------------------------------------------------------------- forward side
     @contextlib.contextmanager
     def forward(self, chunk: int, microbatch: int):
-        """Forward of ``chunk`` for ``microbatch`` (or some of its layers)."""
+        """Forward of ``chunk`` for ``microbatch`` (or some of its layers): installs the hooks."""
         if self._forward is not None:
             raise RuntimeError(f"forward({chunk}, {microbatch}) nested in {self._forward}")
         self._forward = (int(chunk), int(microbatch))
-        hooks = (
-            torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
-            if self.enabled
-            else contextlib.nullcontext()
-        )
         try:
-            with hooks:
+            with self.hooks():
                 yield self
         finally:
             self._forward = None
 
+    def hooks(self, pack=None):
+        """``saved_tensors_hooks`` with :meth:`pack` (or ``pack``) and :meth:`unpack`; a no-op
+        context while the step does not page."""
+        if not self.enabled:
+            return contextlib.nullcontext()
+        return torch.autograd.graph.saved_tensors_hooks(pack or self.pack, self.unpack)
+
+    def open_slot(self, chunk: int, layer: int, microbatch: int, device) -> None:
+        """A layer's forward begins: its records belong to ``(chunk, layer, microbatch)``."""
+        if not self.enabled:
+            return
+        if self.scheduler is None:
+            self.scheduler = self.engine.scheduler_for(torch.device(device))
+        self._slot = (int(chunk), int(layer), int(microbatch))
+        self.scheduler.open_slot(*self._slot)
+
     def group_start(self, tensor: torch.Tensor, layer: int) -> torch.Tensor:
-        """Start of layer ``layer``'s forward (identity)."""
+        """Start of layer ``layer``'s forward inside ``forward(chunk, microbatch)`` (identity)."""
         if not self.enabled:
             return tensor
         return _GroupStart.apply(tensor, self, int(layer))
 
     def group_commit(self, tensor: torch.Tensor) -> torch.Tensor:
-        """End of the layer's forward (identity): stash its marked saved tensors."""
-        if not self.enabled:
+        """End of the layer's forward (identity): stash its records; its backward reloads them.
+
+        Outside autograd (no grad, or an output that needs none) the slot is committed directly.
+        """
+        if not self.enabled or self._slot is None:
+            return tensor
+        if not (torch.is_grad_enabled() and tensor.requires_grad):
+            self.commit_slot()
             return tensor
         return _GroupCommit.apply(tensor, self)
 
@@ -135,7 +182,7 @@ class PagingContext:
         segments: Sequence[tuple[int, int]] | None = None,
         wgrad_only: bool = False,
     ) -> torch.Tensor:
-        """Page ``tensor`` (a capacity buffer, rows first) if autograd saves it in this layer.
+        """Page ``tensor`` (a capacity buffer, rows first) if autograd saves it in this slot.
 
         Args:
             live_rows: device int tensor, one live count per segment; cloned now.
@@ -150,9 +197,32 @@ class PagingContext:
         if not isinstance(live_rows, torch.Tensor):
             raise TypeError(f"live_rows must be a tensor, got {type(live_rows).__name__}")
         self._marks[id(tensor)] = _Mark(
-            tensor, live_rows.detach().clone(), segments, bool(wgrad_only)
+            tensor, live_rows.detach().clone(), segments, bool(wgrad_only), True, None
         )
         return tensor
+
+    def pack_marked(
+        self,
+        tensor: torch.Tensor,
+        live_rows: torch.Tensor,
+        capacity_rows: int | None = None,
+        annotations: dict | None = None,
+        private: bool = False,
+    ):
+        """Pack-hook path for a tensor known to be paged when it is saved: ``capacity_rows`` rows
+        (default its first dimension) of which ``live_rows`` are live. ``private=True``: nobody
+        writes ``live_rows`` before the reload (no snapshot needed). Returns what autograd keeps.
+        """
+        if self._slot is None:
+            return tensor
+        mark = self._marks.get(id(tensor))
+        if mark is None or mark.tensor is not tensor:
+            mark = self._marks[id(tensor)] = _Mark(
+                tensor, live_rows, None, False, private, capacity_rows, annotations or {}
+            )
+        saved = _Saved(tensor, mark)
+        self._saved.append(saved)
+        return saved
 
     def pack(self, tensor: torch.Tensor):
         """The pack hook; call it directly to keep a tensor that is unpacked later."""
@@ -169,6 +239,44 @@ class PagingContext:
         if saved.handle is not None:
             return self.scheduler.unpack(saved.handle)
         return saved.tensor
+
+    def commit_slot(self) -> tuple[int, int, int]:
+        """The open slot's forward is done: stash its marked saved tensors (one record each)."""
+        if self._slot is None:
+            raise RuntimeError("group_commit() without a group_start()")
+        slot, saved, marks = self._slot, self._saved, self._marks
+        self._slot, self._saved, self._marks = None, [], {}
+        scheduler = self.scheduler
+        for s in saved:
+            mark = s.mark or marks.get(id(s.tensor))
+            if mark is None or mark.tensor is not s.tensor:
+                continue
+            if mark.handle is None:  # one record per tensor even if saved twice
+                mark.handle = scheduler.save(
+                    s.tensor,
+                    mark.live_rows,
+                    mark.segments,
+                    mark.wgrad_only,
+                    live_rows_private=mark.private,
+                    capacity_rows=mark.capacity_rows,
+                )
+                if mark.annotations:
+                    mark.handle.record.annotations.update(mark.annotations)
+            s.handle, s.tensor = mark.handle, None
+        scheduler.commit()
+        unmatched = [m for m in marks.values() if m.handle is None]
+        if unmatched:
+            # A view, reshape or .contiguous() copy of the marked tensor (or nothing at all) was
+            # saved: it would silently stay resident, so the memory saving would be a lie.
+            chunk, layer, microbatch = slot
+            first = unmatched[0].tensor
+            raise RuntimeError(
+                f"{len(unmatched)} tensor(s) marked for paging in chunk {chunk} layer {layer} "
+                f"microbatch {microbatch} were not saved by autograd as marked (first: shape "
+                f"{tuple(first.shape)}, dtype {first.dtype}); mark the exact tensor that is "
+                "saved for backward, not a view or copy of it"
+            )
+        return slot
 
     # ------------------------------------------------------------ backward side
     @contextlib.contextmanager
@@ -197,68 +305,28 @@ class PagingContext:
         """The W op: run the deferred weight gradients of ``(chunk, microbatch)`` in order."""
         current = None
         for layer, fn in self._wgrad.pop((int(chunk), int(microbatch)), []):
-            if self.enabled and layer is not None and layer != current:
+            if self.scheduler is not None and layer is not None and layer != current:
                 self.scheduler.wgrad_slot_start(chunk, layer, microbatch)
                 current = layer
             fn()
 
     def prefetch(self, chunk: int, microbatch: int, defer_wgrad: bool = False) -> None:
         """Hint: the backward of ``(chunk, microbatch)`` comes next; reload its top slots."""
-        if self.enabled:
+        if self.scheduler is not None:
             self.scheduler.prefetch(chunk, microbatch, defer_wgrad)
 
     def prefetch_wgrad(self, chunk: int, microbatch: int) -> None:
         """Hint: the deferred wgrad of ``(chunk, microbatch)`` comes next."""
-        if self.enabled:
+        if self.scheduler is not None:
             self.scheduler.prefetch(chunk, microbatch, branch=WGRAD)
 
-    def finish(self) -> int:
-        """End of step: join the paging stream; returns records never reloaded (should be 0)."""
-        if self._wgrad:
-            raise RuntimeError(f"finish(): deferred wgrads never ran for {sorted(self._wgrad)}")
-        return self.scheduler.finish() if self.enabled else 0
-
     # --------------------------------------------------------------- internals
-    def _open_slot(self, layer: int) -> tuple[int, int, int]:
+    def _open_from_forward(self, layer: int, device) -> tuple[int, int, int]:
         if self._forward is None:
             raise RuntimeError("group_start() outside `with context.forward(chunk, microbatch)`")
         chunk, microbatch = self._forward
-        self._slot = (chunk, layer, microbatch)
-        self.scheduler.open_slot(chunk, layer, microbatch)
+        self.open_slot(chunk, layer, microbatch, device)
         return self._slot
-
-    def _commit_slot(self) -> tuple[int, int, int]:
-        if self._slot is None:
-            raise RuntimeError("group_commit() without a group_start()")
-        slot, saved, marks = self._slot, self._saved, self._marks
-        self._slot, self._saved, self._marks = None, [], {}
-        for s in saved:
-            mark = marks.get(id(s.tensor))
-            if mark is None or mark.tensor is not s.tensor:
-                continue
-            if mark.handle is None:  # one record per tensor even if saved twice
-                mark.handle = self.scheduler.save(  # mark() already copied live_rows
-                    s.tensor,
-                    mark.live_rows,
-                    mark.segments,
-                    mark.wgrad_only,
-                    live_rows_private=True,
-                )
-            s.handle, s.tensor = mark.handle, None
-        self.scheduler.commit()
-        unmatched = [m for m in marks.values() if m.handle is None]
-        if unmatched:
-            # A view, reshape or .contiguous() copy of the marked tensor (or nothing at all) was
-            # saved: it would silently stay resident, so the memory saving would be a lie.
-            chunk, layer, microbatch = slot
-            first = unmatched[0].tensor
-            raise RuntimeError(
-                f"{len(unmatched)} tensor(s) marked for paging in chunk {chunk} layer {layer} "
-                f"microbatch {microbatch} were not saved by autograd as marked (first: shape "
-                f"{tuple(first.shape)}, dtype {first.dtype}); mark the exact tensor that is "
-                "saved for backward, not a view or copy of it"
-            )
-        return slot
 
     def _backward_slot_start(self, chunk: int, layer: int, microbatch: int) -> None:
         self._backward_layer = layer

@@ -23,22 +23,17 @@ reference kernels route masked-off writes there so that they stay free of data-d
 
 from __future__ import annotations
 
+import logging
+import math
+
 import torch
+
+from megatron_paging.config import non_negative_int, positive_int
+
+logger = logging.getLogger(__name__)
 
 DEVICE_TIER = 0
 HOST_TIER = 1
-
-
-def _check_positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
-
-
-def _check_non_negative_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-    return value
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -106,10 +101,10 @@ class PagePool:
         device: torch.device | str = "cpu",
         flags: PagingFlags | None = None,
     ):
-        self.row_bytes = _check_positive_int("row_bytes", row_bytes)
-        self.page_size = _check_positive_int("page_size", page_size)
-        self.num_cuda_pages = _check_non_negative_int("num_cuda_pages", num_cuda_pages)
-        self.num_host_pages = _check_non_negative_int("num_host_pages", num_host_pages)
+        self.row_bytes = positive_int("row_bytes", row_bytes)
+        self.page_size = positive_int("page_size", page_size)
+        self.num_cuda_pages = non_negative_int("num_cuda_pages", num_cuda_pages)
+        self.num_host_pages = non_negative_int("num_host_pages", num_host_pages)
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -155,6 +150,9 @@ class PagePool:
         # The CUDA kernels' last CTA commits ring counters and flags; this counts finished CTAs
         # and is back at 0 after every launch. Allocated here so capture never allocates it.
         self.kernel_done_counter = torch.zeros(1, dtype=torch.int32, device=self.device)
+        # What a kernel backend caches about this pool (e.g. the CUDA kernels' pointer block);
+        # made outside any CUDA-graph capture, see kernels.prepare().
+        self.kernel_handle = None
         self.reset()
 
     @classmethod
@@ -168,12 +166,12 @@ class PagePool:
         flags: PagingFlags | None = None,
     ) -> PagePool:
         """A pool with room for ``cuda_rows`` / ``host_rows`` rows, rounded up to whole pages."""
-        _check_positive_int("page_size", page_size)
+        positive_int("page_size", page_size)
         return cls(
             row_bytes,
             page_size,
-            ceil_div(_check_non_negative_int("cuda_rows", cuda_rows), page_size),
-            ceil_div(_check_non_negative_int("host_rows", host_rows), page_size),
+            ceil_div(non_negative_int("cuda_rows", cuda_rows), page_size),
+            ceil_div(non_negative_int("host_rows", host_rows), page_size),
             device,
             flags,
         )
@@ -215,7 +213,7 @@ class PagePools:
     """The pools of one paging context, keyed by row bytes, sharing one :class:`PagingFlags`."""
 
     def __init__(self, page_size: int, device: torch.device | str = "cpu"):
-        self.page_size = _check_positive_int("page_size", page_size)
+        self.page_size = positive_int("page_size", page_size)
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -260,3 +258,26 @@ class PagePools:
         cuda = sum(p.total_bytes[0] for p in self._pools.values())
         host = sum(p.total_bytes[1] for p in self._pools.values())
         return cuda, host
+
+    def grown(self, factor: float) -> PagePools:
+        """New pools with every device tier ``factor`` times larger (at least one page more).
+
+        Host tiers keep their size. These pools are not touched; whoever holds them swaps in the
+        new ones between steps (a captured CUDA graph must be re-captured: addresses change).
+        """
+        if (
+            isinstance(factor, bool)
+            or not isinstance(factor, (int, float))
+            or not math.isfinite(factor)
+            or not factor > 1
+        ):
+            raise ValueError(f"factor must be a finite number > 1, got {factor!r}")
+        grown = PagePools(self.page_size, self.device)
+        for pool in self:
+            pages = max(pool.num_cuda_pages + 1, math.ceil(pool.num_cuda_pages * factor))
+            grown.add(pool.row_bytes, pages * pool.page_size, pool.num_host_pages * pool.page_size)
+            logger.info(
+                "paging: grew pool row_bytes=%d from %d to %d device pages",
+                pool.row_bytes, pool.num_cuda_pages, pages,
+            )
+        return grown

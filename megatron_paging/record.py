@@ -15,21 +15,26 @@ pages back in the same order. For one segment this is Megatron-Core 0.19.2's lay
 
 ``spilled_to_host`` is Megatron-Core's: 0 = pages in the device tier, 1 = in the host tier (or
 the stash overflowed). Unused slots of ``page_record`` hold 0.
+
+The static part (sizes, segments, slots) is a :class:`RecordLayout`, validated once and shared
+by every record of that shape; a record adds its three device tensors and its annotations.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from megatron_paging.pool import _check_positive_int, ceil_div
+from megatron_paging.config import positive_int
+from megatron_paging.pool import ceil_div
 
 
 @dataclass(eq=False)
-class PageRecord:
-    """Metadata of one paged source buffer. Create with :meth:`PageRecord.new`."""
+class RecordLayout:
+    """The host-static part of a record. Build with :meth:`RecordLayout.new` (validates)."""
 
     capacity_rows: int
     row_bytes: int
@@ -37,8 +42,103 @@ class PageRecord:
     segment_starts: tuple[int, ...]
     segment_rows: tuple[int, ...]
     slot_offsets: tuple[int, ...]
+    page_slots: int  # page_record entries (>= 1 even for zero-row segments)
+    # What a kernel backend caches about this layout (the CUDA kernels' segment table).
+    kernel_handle: object = None
+
+    @classmethod
+    def new(
+        cls,
+        capacity_rows: int,
+        row_bytes: int,
+        page_size: int,
+        segments: Sequence[tuple[int, int]] | None = None,
+    ) -> RecordLayout:
+        """A layout for ``[capacity_rows, row_bytes]`` sources split into ``segments``.
+
+        ``segments``: ``(start_row, rows)`` per segment, sorted and disjoint; default one
+        segment spanning the whole buffer.
+        """
+        positive_int("capacity_rows", capacity_rows)
+        positive_int("row_bytes", row_bytes)
+        positive_int("page_size", page_size)
+        if segments is None:
+            segments = [(0, capacity_rows)]
+        try:
+            segments = [(operator.index(s), operator.index(n)) for s, n in segments]
+        except TypeError:
+            raise ValueError(
+                f"segments must be (start_row, rows) pairs of integers, got {segments}"
+            ) from None
+        if not segments:
+            raise ValueError("segments must name at least one (start_row, rows) range")
+        end = 0
+        for start, rows in segments:
+            if start < end or rows < 0 or start + rows > capacity_rows:
+                raise ValueError(
+                    f"segments must be sorted, disjoint (start_row, rows) ranges inside "
+                    f"[0, {capacity_rows}); got {segments}"
+                )
+            end = start + rows
+        slot_offsets, slots = [], 0
+        for _, rows in segments:
+            slot_offsets.append(slots)
+            slots += ceil_div(rows, page_size)
+        return cls(
+            capacity_rows=capacity_rows,
+            row_bytes=row_bytes,
+            page_size=page_size,
+            segment_starts=tuple(s for s, _ in segments),
+            segment_rows=tuple(n for _, n in segments),
+            slot_offsets=tuple(slot_offsets),
+            page_slots=max(slots, 1),
+        )
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.segment_rows)
+
+    @property
+    def max_pages(self) -> int:
+        return sum(ceil_div(n, self.page_size) for n in self.segment_rows)
+
+    def new_record(self, live_rows: torch.Tensor, snapshot: bool = True) -> PageRecord:
+        """A record over ``live_rows``: copied when ``snapshot``, else kept (already private).
+
+        The live-count copy, ``page_record`` and ``spilled_to_host`` share one uninitialized
+        int64 buffer: one allocation and at most one copy kernel per record. Every stash
+        kernel writes ``page_record`` and ``spilled_to_host`` before anything reads them.
+        """
+        segments = self.num_segments
+        _check_live_rows(live_rows, segments)
+        own = segments if snapshot or live_rows.dtype != torch.int64 else 0
+        packed = torch.empty(own + self.page_slots + 1, dtype=torch.int64,
+                             device=live_rows.device)
+        if own:
+            live = packed[:own]
+            live.copy_(live_rows.reshape(-1))  # the snapshot: the caller may overwrite its tensor
+        else:
+            live = live_rows if live_rows.dim() == 1 else live_rows.reshape(-1)
+        return PageRecord(self, live, packed[own:-1], packed[-1:])
+
+
+def _check_live_rows(live_rows, segments: int) -> None:
+    if not isinstance(live_rows, torch.Tensor):
+        raise TypeError(f"live_rows must be a device tensor, got {type(live_rows).__name__}")
+    if live_rows.dtype.is_floating_point or live_rows.dtype.is_complex:
+        raise TypeError(f"live_rows must be an integer tensor, got {live_rows.dtype}")
+    if live_rows.numel() != segments:
+        raise ValueError(f"live_rows has {live_rows.numel()} entries for {segments} segment(s)")
+
+
+@dataclass(eq=False)
+class PageRecord:
+    """One paged source buffer: its layout plus its device state. Create with
+    :meth:`PageRecord.new` or :meth:`RecordLayout.new_record`."""
+
+    layout: RecordLayout
     live_rows: torch.Tensor  # int64 [num_segments], on the record's device
-    page_record: torch.Tensor  # int64 [max_pages]
+    page_record: torch.Tensor  # int64 [page_slots]
     spilled_to_host: torch.Tensor  # int64 [1]
     # Optional scheduler annotations; the kernels ignore them.
     annotations: dict = field(default_factory=dict)
@@ -61,56 +161,26 @@ class PageRecord:
             segments: ``(start_row, rows)`` per segment, sorted and disjoint; default one segment
                 spanning the whole buffer.
         """
-        _check_positive_int("capacity_rows", capacity_rows)
-        _check_positive_int("row_bytes", row_bytes)
-        _check_positive_int("page_size", page_size)
-        if segments is None:
-            segments = [(0, capacity_rows)]
-        segments = [(int(s), int(n)) for s, n in segments]
-        if not segments:
-            raise ValueError("segments must name at least one (start_row, rows) range")
-        end = 0
-        for start, rows in segments:
-            if start < end or rows < 0 or start + rows > capacity_rows:
-                raise ValueError(
-                    f"segments must be sorted, disjoint (start_row, rows) ranges inside "
-                    f"[0, {capacity_rows}); got {segments}"
-                )
-            end = start + rows
-        if not isinstance(live_rows, torch.Tensor):
-            raise TypeError(f"live_rows must be a device tensor, got {type(live_rows).__name__}")
-        if live_rows.dtype.is_floating_point or live_rows.dtype.is_complex:
-            raise TypeError(f"live_rows must be an integer tensor, got {live_rows.dtype}")
-        live_rows = live_rows.reshape(-1)
-        if live_rows.numel() != len(segments):
-            raise ValueError(
-                f"live_rows has {live_rows.numel()} entries for {len(segments)} segment(s)"
-            )
-        live_rows = live_rows.to(torch.int64)
-        slot_offsets, max_pages = [], 0
-        for _, rows in segments:
-            slot_offsets.append(max_pages)
-            max_pages += ceil_div(rows, page_size)
+        layout = RecordLayout.new(capacity_rows, row_bytes, page_size, segments)
+        _check_live_rows(live_rows, layout.num_segments)
+        live_rows = live_rows.reshape(-1).to(torch.int64)
         device = live_rows.device
         return cls(
-            capacity_rows=capacity_rows,
-            row_bytes=row_bytes,
-            page_size=page_size,
-            segment_starts=tuple(s for s, _ in segments),
-            segment_rows=tuple(n for _, n in segments),
-            slot_offsets=tuple(slot_offsets),
+            layout=layout,
             live_rows=live_rows,
-            page_record=torch.zeros(max(max_pages, 1), dtype=torch.int64, device=device),
+            page_record=torch.zeros(layout.page_slots, dtype=torch.int64, device=device),
             spilled_to_host=torch.zeros(1, dtype=torch.int64, device=device),
         )
 
-    @property
-    def num_segments(self) -> int:
-        return len(self.segment_rows)
-
-    @property
-    def max_pages(self) -> int:
-        return sum(ceil_div(n, self.page_size) for n in self.segment_rows)
+    # The layout's fields, read through the record (kernels and tests use both).
+    capacity_rows = property(lambda self: self.layout.capacity_rows)
+    row_bytes = property(lambda self: self.layout.row_bytes)
+    page_size = property(lambda self: self.layout.page_size)
+    segment_starts = property(lambda self: self.layout.segment_starts)
+    segment_rows = property(lambda self: self.layout.segment_rows)
+    slot_offsets = property(lambda self: self.layout.slot_offsets)
+    num_segments = property(lambda self: self.layout.num_segments)
+    max_pages = property(lambda self: self.layout.max_pages)
 
     @property
     def device(self) -> torch.device:
@@ -118,54 +188,15 @@ class PageRecord:
 
     @property
     def capacity_bytes(self) -> int:
-        return self.capacity_rows * self.row_bytes
+        return self.layout.capacity_rows * self.layout.row_bytes
 
     def __repr__(self) -> str:
+        layout = self.layout
         return (
-            f"PageRecord(capacity_rows={self.capacity_rows}, row_bytes={self.row_bytes}, "
-            f"page_size={self.page_size}, segments={len(self.segment_rows)}, "
+            f"PageRecord(capacity_rows={layout.capacity_rows}, row_bytes={layout.row_bytes}, "
+            f"page_size={layout.page_size}, segments={layout.num_segments}, "
             f"annotations={self.annotations})"
         )
 
 
-class RecordLayout:
-    """The static part of a record (segments, page slots), validated once by ``PageRecord.new``.
-
-    ``new_record`` packs the live-count copy, ``page_record`` and ``spilled_to_host`` into one
-    uninitialized int64 buffer: one allocation and one copy kernel per record. Both stash
-    kernels zero ``page_record`` and ``spilled_to_host`` before use, so no fill is needed.
-    """
-
-    __slots__ = ("template", "num_segments", "page_slots")
-
-    def __init__(self, template: PageRecord):
-        self.template = template
-        self.num_segments = template.num_segments
-        self.page_slots = template.page_record.numel()
-
-    def new_record(self, live_rows: torch.Tensor, snapshot: bool = True) -> PageRecord:
-        """A record over ``live_rows``: copied when ``snapshot``, else kept (already private)."""
-        t, segments = self.template, self.num_segments
-        if live_rows.dtype.is_floating_point or live_rows.dtype.is_complex:
-            raise TypeError(f"live_rows must be an integer tensor, got {live_rows.dtype}")
-        if live_rows.numel() != segments:
-            raise ValueError(f"live_rows has {live_rows.numel()} entries for {segments} segment(s)")
-        own = segments if snapshot or live_rows.dtype != torch.int64 else 0
-        packed = torch.empty(own + self.page_slots + 1, dtype=torch.int64,
-                             device=live_rows.device)
-        if own:
-            live = packed[:own]
-            live.copy_(live_rows.reshape(-1))  # the snapshot: the caller may overwrite its tensor
-        else:
-            live = live_rows if live_rows.dim() == 1 else live_rows.reshape(-1)
-        return PageRecord(
-            capacity_rows=t.capacity_rows,
-            row_bytes=t.row_bytes,
-            page_size=t.page_size,
-            segment_starts=t.segment_starts,
-            segment_rows=t.segment_rows,
-            slot_offsets=t.slot_offsets,
-            live_rows=live,
-            page_record=packed[own:-1],
-            spilled_to_host=packed[-1:],
-        )
+__all__ = ["PageRecord", "RecordLayout"]

@@ -60,6 +60,7 @@ from typing import Any, Protocol
 import torch
 
 from megatron_paging import kernels
+from megatron_paging.config import PagingConfig
 from megatron_paging.pool import PagePools
 from megatron_paging.record import PageRecord, RecordLayout
 
@@ -114,12 +115,8 @@ class PagingScheduler:
         backend: a stream backend (:mod:`megatron_paging.streams`).
         pools: page pools keyed by row bytes; ``None`` during calibration (then ``parker``).
         parker: used instead of pools when ``pools`` is ``None`` (see module docstring).
-        prefetch_distance: how many paged slots below the one starting backward to reload ahead.
-        overlap: ``False`` runs stash/reload synchronously on the compute stream (control).
-        kernel_backend: passed to :func:`megatron_paging.kernels.stash` / ``reload``.
-        page_size: rows per page when ``pools`` is ``None`` (else the pools' page size).
-        max_ctas: grid bound of each paging kernel (``None``: the kernels' default). A smaller
-            grid leaves SMs to the compute stream while a copy overlaps it.
+        config: prefetch distance, overlap, kernel backend, grid bound and (without pools) the
+            page size (trusted: validated where it was built).
         layout_cache: a dict to keep validated record layouts in; pass the same one to the
             schedulers of later steps (same page size) so a layout is validated once per run,
             not once per step. Default: a private one.
@@ -130,36 +127,26 @@ class PagingScheduler:
         backend,
         pools: PagePools | None = None,
         parker: Parker | None = None,
-        prefetch_distance: int = 1,
-        overlap: bool = True,
-        kernel_backend: str = "auto",
-        page_size: int = 64,
-        max_ctas: int | None = None,
+        config: PagingConfig | None = None,
         layout_cache: dict | None = None,
     ):
         if pools is None and parker is None:
             raise ValueError("PagingScheduler needs pools, or a parker when pools is None")
-        if isinstance(prefetch_distance, bool) or not isinstance(prefetch_distance, int):
-            raise ValueError(f"prefetch_distance must be an int >= 0, got {prefetch_distance!r}")
-        if prefetch_distance < 0:
-            raise ValueError(f"prefetch_distance must be an int >= 0, got {prefetch_distance}")
-        if kernel_backend not in kernels.BACKENDS:
-            raise ValueError(
-                f"kernel_backend must be one of {kernels.BACKENDS}, got {kernel_backend!r}"
-            )
-        if max_ctas is not None and (
-            isinstance(max_ctas, bool) or not isinstance(max_ctas, int) or max_ctas <= 0
-        ):
-            raise ValueError(f"max_ctas must be a positive int or None, got {max_ctas!r}")
+        config = PagingConfig() if config is None else config
         self.backend = backend
         self.pools = pools
-        self.max_ctas = max_ctas
         self.parker = parker
-        self.prefetch_distance = prefetch_distance
-        self.overlap = overlap
-        self.kernel_backend = kernel_backend
-        self.page_size = pools.page_size if pools is not None else page_size
+        self.config = config
+        self.prefetch_distance = config.prefetch_distance
+        self.overlap = config.overlap
+        self.max_ctas = config.grid_bound
+        self.page_size = pools.page_size if pools is not None else config.page_size
+        # Resolved once: every pool of a scheduler lives on one device.
+        self.kernel = (
+            None if pools is None else kernels.resolve_backend(config.kernel_backend, pools.device)
+        )
         self._ids = itertools.count()
+        self._paging_used = False  # the paging stream got work this step (finish joins it)
         self._open: tuple[int, int, int] | None = None  # (chunk, layer, microbatch)
         self._pending: list[PagedHandle] = []
         # branch -> (chunk, layer) -> FIFO of stashed groups
@@ -195,9 +182,11 @@ class PagingScheduler:
         wgrad_only: bool = False,
         *,
         live_rows_private: bool = False,
+        capacity_rows: int | None = None,
     ) -> PagedHandle:
-        """Make a pending record for a capacity buffer ``[capacity_rows, ...]`` of the open slot.
+        """Make a pending record for a capacity buffer of the open slot.
 
+        The buffer is ``capacity_rows`` rows (default: its first dimension) of equal byte size.
         ``live_rows`` is copied now (never re-read), so the caller may overwrite it afterwards;
         ``live_rows_private=True`` says nobody else writes it (a copy the caller made) and skips
         the copy.
@@ -211,7 +200,13 @@ class PagingScheduler:
         if not isinstance(live_rows, torch.Tensor):
             raise TypeError(f"live_rows must be a device tensor, got {type(live_rows).__name__}")
         chunk, layer, microbatch = self._open
-        capacity_rows = tensor.shape[0]
+        if capacity_rows is None:
+            capacity_rows = tensor.shape[0]
+        elif capacity_rows <= 0 or tensor.numel() % capacity_rows:
+            raise ValueError(
+                f"save(): tensor {tuple(tensor.shape)} {tensor.dtype} is not {capacity_rows} "
+                "rows of equal size"
+            )
         row_bytes = tensor.numel() // capacity_rows * tensor.element_size()
         layout = self._layout(capacity_rows, row_bytes, segments, live_rows)
         # An integer tensor never requires grad: no detach (one tensor object less per save).
@@ -258,6 +253,7 @@ class PagingScheduler:
                 self._release_sources(capturing=True, compute=compute)
             commit_event = self.backend.record(compute, f"commit{(chunk, layer, microbatch)}")
             self.backend.wait(paging, commit_event, "commit")
+            self._paging_used = True
             self._launch_group(paging, "stash", handles)
             done = self.backend.record(paging, "stash-done")
             self._sources.append((done, handles))
@@ -316,9 +312,13 @@ class PagingScheduler:
         """End of a step: join the paging stream, drop sources; return unreloaded record count."""
         if self._open is not None:
             raise RuntimeError(f"finish(): slot {self._open} was never committed")
-        if self.overlap and self.pools is not None:
+        # Join only a paging stream this step used: it then holds work ordered after the
+        # compute stream's events of this step (inside a CUDA-graph capture, an unused paging
+        # stream never joined the capture and must not be waited on).
+        if self._paging_used:
             done = self.backend.record(self.backend.paging_stream, "finish")
             self.backend.wait(self.backend.compute_stream(), done, "finish")
+            self._paging_used = False
         for _, handles in self._sources:
             for h in handles:
                 h.source = None
@@ -336,9 +336,10 @@ class PagingScheduler:
         static = None if segments is None else tuple((int(a), int(n)) for a, n in segments)
         key = (capacity_rows, row_bytes, static, live_rows.device, self.page_size)
         layout = self._layouts.get(key)
-        if layout is None:  # first record of this shape: full validation by PageRecord.new
-            template = PageRecord.new(capacity_rows, row_bytes, self.page_size, live_rows, static)
-            layout = self._layouts[key] = RecordLayout(template)
+        if layout is None:  # first record of this shape: full validation
+            layout = self._layouts[key] = RecordLayout.new(
+                capacity_rows, row_bytes, self.page_size, static
+            )
         return layout
 
     def _slot_start(self, branch, chunk, layer, microbatch, defer_wgrad) -> None:
@@ -406,6 +407,7 @@ class PagingScheduler:
         paging = self.backend.paging_stream
         alloc = self.backend.record(compute, "reload-dst")
         self.backend.wait(paging, alloc, "reload-dst")
+        self._paging_used = True
         self._launch_group(paging, "reload", handles, reason=reason, oldest=oldest, branch=branch)
         done = self.backend.record(paging, "reload-done")
         for h in handles:
@@ -419,17 +421,17 @@ class PagingScheduler:
     def _launch_group(self, stream, kind: str, handles: list[PagedHandle], **info) -> None:
         """Launch one kernel per record with ``stream`` made current once for the group."""
         backend = self.backend
-        op = kernels.stash if kind == "stash" else kernels.reload
-        pools, kernel_backend, max_ctas = self.pools, self.kernel_backend, self.max_ctas
+        copy, reload = self.kernel.copy, kind == "reload"
+        pools, max_ctas = self.pools, self.max_ctas
         with backend.scope(stream):
             for h in handles:
                 record = h.record
                 pool = pools[record.row_bytes]
-                tensor = h.source if kind == "stash" else h.tensor
+                tensor = h.tensor if reload else h.source
                 notes = record.annotations
                 backend.launch(
                     stream, kind,
-                    functools.partial(op, tensor, record, pool, kernel_backend, max_ctas),
+                    functools.partial(copy, reload, tensor, record, pool, max_ctas),
                     record=h.id, chunk=notes["chunk"], layer=notes["layer"],
                     microbatch=notes["microbatch"], wgrad_only=h.wgrad_only, pool=pool,
                     pool_key=record.row_bytes, **info,

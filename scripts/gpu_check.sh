@@ -4,14 +4,21 @@
 #
 # Usage (device tool, repo root; .whl carries megatron-core's wheel):
 #   bash scripts/gpu_check.sh [steps...]     steps: info build tests sanitizer bench-kernels
-#                                            bench-scheduler mcore (default: all)
+#                                            host-cost bench-scheduler mcore frontier
+#                                            (default: all but frontier)
 # Each step has its own time limit so one hang cannot eat the whole call. Everything together
 # takes longer than one 10-minute device call; split it, for example
 #   GIT_COMMIT=$(git rev-parse HEAD) bash scripts/gpu_check.sh build tests sanitizer
 #   GIT_COMMIT=... bash scripts/gpu_check.sh build bench-kernels bench-scheduler mcore
 # (GIT_COMMIT: .git does not travel to the device machine; benchmarks record it in their JSON.
-#  PYTEST_EXTRA: more pytest arguments, e.g. "--deselect tests/test_mcore_gpu.py";
-#  PYTEST_TARGETS: test files or node ids instead of the whole tests/ tree.)
+#  PYTEST_EXTRA: more pytest arguments, e.g. "--deselect tests/test_example_pretrain.py";
+#  PYTEST_TARGETS: test files or node ids instead of the whole tests/ tree.
+#  host-cost measures this tree ("after") and, when .old_tree/megatron_paging exists (carry it:
+#  `git archive <commit> megatron_paging | tar -x -C .old_tree`), that tree too ("before").
+#  frontier: benchmarks/bench_frontier.py, resumable over several calls (docs/benchmarks.md):
+#  FRONTIER_TIME_S its own time budget (default 500 s; the step's limit is 40 s more),
+#  FRONTIER_RESUME an earlier call's frontier.json carried in the tree (e.g.
+#  benchmarks/results/frontier_h200.json), FRONTIER_ARGS more arguments ("--budget only", ...).)
 set -u
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -28,7 +35,7 @@ else
   export PYTHONPATH=$PWD
 fi
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(info build tests sanitizer bench-kernels bench-scheduler mcore)
+[ ${#steps[@]} -eq 0 ] && steps=(info build tests sanitizer bench-kernels host-cost bench-scheduler mcore)
 declare -A status seconds
 
 run_step() {  # name, limit seconds, command...
@@ -56,13 +63,28 @@ for step in "${steps[@]}"; do
       else
         echo "sanitizer: skipped (compute-sanitizer or scripts/sanitizer_run.py missing)" | tee -a "$LOG"
       fi ;;
-    bench-kernels) run_step bench-kernels 120 python3 benchmarks/bench_kernels.py \
+    bench-kernels) run_step bench-kernels 300 python3 benchmarks/bench_kernels.py \
                      --out "$OUT/kernels.json" ;;
-    bench-scheduler) run_step bench-scheduler 150 python3 benchmarks/bench_scheduler.py \
+    host-cost)
+      run_step host-cost 120 python3 benchmarks/bench_host_cost.py --label after \
+        --out "$OUT/host_after.json"
+      if [ -d .old_tree/megatron_paging ]; then
+        run_step host-cost-before 300 env PYTHONPATH="/tmp/site:$PWD/.old_tree" \
+          MEGATRON_PAGING_EXT_DIR=/tmp/megatron_paging_ext_old \
+          python3 benchmarks/bench_host_cost.py --label before --out "$OUT/host_before.json"
+      fi ;;
+    bench-scheduler) run_step bench-scheduler 240 python3 benchmarks/bench_scheduler.py \
                        --out "$OUT/scheduler.json" ;;
+    frontier)
+      ftime=${FRONTIER_TIME_S:-500}
+      resume=()
+      [ -n "${FRONTIER_RESUME:-}" ] && resume=(--resume "$FRONTIER_RESUME")
+      # shellcheck disable=SC2086
+      run_step frontier $((ftime + 40)) python3 benchmarks/bench_frontier.py \
+        --out "$OUT/frontier.json" --time-budget-s "$ftime" "${resume[@]}" ${FRONTIER_ARGS:-} ;;
     mcore)
       if [ -f scripts/mcore_gpu_run.sh ]; then
-        run_step mcore 260 bash scripts/mcore_gpu_run.sh "$OUT"
+        run_step mcore 420 bash scripts/mcore_gpu_run.sh "$OUT"
       else
         echo "mcore: skipped (scripts/mcore_gpu_run.sh missing)" | tee -a "$LOG"
       fi ;;
@@ -73,7 +95,8 @@ done
 echo
 echo "==================== gpu_check summary ===================="
 printf '%-18s %-10s %s\n' step status seconds
-for step in info build tests memcheck racecheck bench-kernels bench-scheduler mcore; do
+for step in info build tests memcheck racecheck bench-kernels host-cost host-cost-before \
+            bench-scheduler mcore frontier; do
   [ -n "${status[$step]:-}" ] && printf '%-18s %-10s %s\n' "$step" "${status[$step]}" "${seconds[$step]}"
 done
 if [ -f "$OUT/gpu_tests.xml" ]; then

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Train the example GPT-MoE (examples/run_pretrain_1gpu.sh: 8 layers, hidden 1024, 16 experts
-# top-2, seq 2048, 8 microbatches, bf16) for STEPS steps three ways, same seeds and capacity:
-#   unpaged  - no paging (control)
-#   paged    - --moe-paged-stash through megatron-paging
-#   mcore    - --moe-paged-stash through Megatron-Core 0.19.2's own manager + Triton kernels
+# top-2, seq 2048, 8 microbatches, bf16) for STEPS steps in several modes, same seeds, capacity
+# and flags (every mode runs --no-check-for-nan-in-loss-and-grad, which graphs need):
+#   unpaged          - no paging (control)
+#   paged            - --moe-paged-stash through megatron-paging
+#   mcore            - --moe-paged-stash through Megatron-Core 0.19.2's own manager + Triton
+#   graphed_unpaged  - unpaged under --cuda-graph-impl full_iteration
+#   graphed_paged    - paged under --cuda-graph-impl full_iteration
 # then print per-step losses / grad norms, bitwise parity of every microbatch loss against the
 # control, peak memory and step time, and write $OUT/mcore_run.json.
 #
@@ -30,13 +33,16 @@ for mode in $MODES; do
     unpaged) paged=0; impl=() ;;
     paged) paged=1; impl=() ;;
     mcore) paged=1; impl=(--paging-implementation mcore) ;;
+    graphed_unpaged) paged=0; impl=(--cuda-graph-impl full_iteration) ;;
+    graphed_paged) paged=1; impl=(--cuda-graph-impl full_iteration) ;;
     *) echo "unknown mode $mode"; exit 2 ;;
   esac
   echo "=== mcore run: $mode ($STEPS steps) -> $log"
   t0=$SECONDS
   # shellcheck disable=SC2086
   MEGATRON_PAGING_LOSS_LOG="$OUT/mcore_${mode}_loss" PAGED=$paged PYTHON=$PYTHON \
-    bash examples/run_pretrain_1gpu.sh --train-iters "$STEPS" "${det[@]}" "${impl[@]}" \
+    bash examples/run_pretrain_1gpu.sh --train-iters "$STEPS" --no-check-for-nan-in-loss-and-grad \
+    "${det[@]}" "${impl[@]}" \
     ${EXTRA:-} >"$log" 2>&1
   rc=$?
   echo "    exit $rc after $((SECONDS - t0)) s"
@@ -74,6 +80,7 @@ def parse(mode):
     exact = loss_file.read_text().split("\n") if loss_file.exists() else []
     return dict(iterations=rows, memory=mem, microbatch_losses=[l for l in exact if l],
                 reruns=text.count("rerunning") + text.count("rerun "),
+                captures=text.count("Capture CUDA graph for training"),
                 installed=[l for l in text.splitlines() if "megatron-paging installed" in l][:1])
 
 

@@ -68,7 +68,7 @@ def moe_config(**overrides):
 @pytest.fixture(scope="module")
 def installed():
     """megatron-paging installed for the module (the static backend needs the config shim)."""
-    from megatron_paging.mcore.install import PagingInstaller
+    from megatron_paging.mcore.installer import PagingInstaller
 
     installer = PagingInstaller()
     api = installer.install()

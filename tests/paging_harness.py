@@ -1,8 +1,9 @@
-"""Strategies and the checking harness behind test_reference_properties.py.
+"""Strategies and the checking harness behind test_kernels_reference.py.
 
-``Harness`` drives real pools and records through ``megatron_paging.kernels`` next to the
-plain-Python ring model (``model_ring.py``) and checks, after every stash and reload, that the
-two agree on page records, spill markers, rings, counters, flags and bytes (see the test
+``Harness`` drives real pools and records through ``megatron_paging.kernels`` (any registered
+backend: the reference, or on a CUDA pool the CUDA kernels' ``cuda`` / ``tile`` / ``bulk``) next
+to the plain-Python ring model (``model_ring.py``) and checks, after every stash and reload, that
+the two agree on page records, spill markers, rings, counters, flags and bytes (see the test
 module's docstring for the full list).
 """
 
@@ -313,6 +314,8 @@ class Harness:
     def check_rings_and_flags(self) -> None:
         assert self.flags.read() == self.model_flags.as_dict()
         for pool, model in zip(self.pools, self.models, strict=True):
+            # The CUDA kernels' completion counter is back at 0 after every launch.
+            assert int(pool.kernel_done_counter) == 0
             assert pool.free_list_head.tolist() == [model.tiers[t].head for t in (DEVICE, HOST)]
             assert pool.free_list_tail.tolist() == [model.tiers[t].tail for t in (DEVICE, HOST)]
             assert pool.free_list_cuda.tolist() == model.tiers[DEVICE].ring

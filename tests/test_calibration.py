@@ -1,4 +1,6 @@
-"""Calibrator: compact parking, capacity-shape reload, identity, peak tracking and pool sizing."""
+"""Calibrator: compact parking, capacity-shape reload, identity, peak tracking and pool sizing
+(Megatron-Core's sign convention: a positive factor sizes from the average-token hints where
+every record of a pool key carried one, a negative factor from the measured peak)."""
 
 from __future__ import annotations
 
@@ -11,18 +13,27 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from megatron_paging.calibration import Calibrator
+from megatron_paging.config import ConfigError, PagingConfig
 from megatron_paging.kernels import reload, stash
 from megatron_paging.pool import ceil_div
 from megatron_paging.record import PageRecord
 
 
-def make_record(capacity, row_bytes, page_size, live, segments=None):
-    return PageRecord.new(capacity, row_bytes, page_size, torch.tensor(live), segments)
+def make_record(capacity, row_bytes, page_size, live, segments=None, avg_rows=None):
+    record = PageRecord.new(capacity, row_bytes, page_size, torch.tensor(live), segments)
+    if avg_rows is not None:
+        record.annotations["avg_rows"] = avg_rows
+    return record
+
+
+def config(page_size, cuda_factor=1.0, host_factor=0.0):
+    return PagingConfig(page_size=page_size, cuda_factor=cuda_factor, host_factor=host_factor)
 
 
 @st.composite
-def schedules(draw):
-    """Records (row_bytes, capacity, segments, live) and a valid park/unpark interleaving."""
+def schedules(draw, hints=False):
+    """Records (row_bytes, capacity, segments, live, avg_rows) and a valid park/unpark
+    interleaving. ``hints``: each record may carry an average-token hint (or not)."""
     page_size = draw(st.sampled_from([1, 2, 4, 8]))
     n = draw(st.integers(1, 8))
     records = []
@@ -36,7 +47,8 @@ def schedules(draw):
             cursor += rows
         capacity = max(cursor, 1)
         live = [draw(st.integers(0, rows)) for rows in seg_rows]
-        records.append((row_bytes, capacity, list(zip(starts, seg_rows, strict=True)), live))
+        avg = draw(st.one_of(st.none(), st.integers(0, 40))) if hints else None
+        records.append((row_bytes, capacity, list(zip(starts, seg_rows, strict=True)), live, avg))
     # Each record parks before it unparks; the order of the 2n events is otherwise free.
     events, pending, parked = [], list(range(n)), []
     while pending or parked:
@@ -48,20 +60,29 @@ def schedules(draw):
     return page_size, records, events
 
 
-def brute_force_peak(page_size, records, events):
-    """Peak page-rounded rows per row_bytes, from the set of records in flight at every time."""
+def brute_force_peak(page_size, records, events, average=False):
+    """Peak page-rounded rows per row_bytes, from the set of records in flight at every time.
+
+    ``average``: a key whose every record has a hint counts ``ceil(avg / page)`` pages each.
+    """
     park_at = {i: t for t, (kind, i) in enumerate(events) if kind == "park"}
     unpark_at = {i: t for t, (kind, i) in enumerate(events) if kind == "unpark"}
+    hinted = {}
+    for row_bytes, _, _, _, avg in records:
+        hinted[row_bytes] = hinted.get(row_bytes, True) and avg is not None
     peak = {}
     for t in range(len(events)):
         totals = {}
-        for i, (row_bytes, _, _, live) in enumerate(records):
+        for i, (row_bytes, _, _, live, avg) in enumerate(records):
             if park_at[i] <= t < unpark_at[i]:
-                rows = sum(ceil_div(n, page_size) * page_size for n in live)
+                if average and hinted[row_bytes]:
+                    rows = ceil_div(avg, page_size) * page_size
+                else:
+                    rows = sum(ceil_div(n, page_size) * page_size for n in live)
                 totals[row_bytes] = totals.get(row_bytes, 0) + rows
         for row_bytes, rows in totals.items():
             peak[row_bytes] = max(peak.get(row_bytes, 0), rows)
-    for row_bytes, _, _, _ in records:
+    for row_bytes, *_ in records:
         peak.setdefault(row_bytes, 0)
     return peak
 
@@ -71,10 +92,10 @@ def run_schedule(page_size, records, events, park, unpark):
     gen = torch.Generator().manual_seed(0)
     sources, handles, restored = {}, {}, {}
     for kind, i in events:
-        row_bytes, capacity, segments, live = records[i]
+        row_bytes, capacity, segments, live, avg = records[i]
         if kind == "park":
             src = torch.randint(0, 256, (capacity, row_bytes), generator=gen, dtype=torch.uint8)
-            record = make_record(capacity, row_bytes, page_size, live, segments)
+            record = make_record(capacity, row_bytes, page_size, live, segments, avg)
             sources[i] = src
             handles[i] = (park(src.clone(), record), record)
         else:
@@ -82,43 +103,103 @@ def run_schedule(page_size, records, events, park, unpark):
     return {i: (sources[i], restored[i]) for i in sources}
 
 
-@given(schedules())
-def test_peak_matches_brute_force(schedule):
+def calibrated(schedule):
     page_size, records, events = schedule
     calibrator = Calibrator()
     run_schedule(page_size, records, events, calibrator.park, calibrator.unpark)
+    return calibrator
+
+
+@given(schedules())
+def test_peak_matches_brute_force(schedule):
+    page_size, records, events = schedule
+    calibrator = calibrated(schedule)
     assert calibrator.peak_page_rows(page_size) == brute_force_peak(page_size, records, events)
     raw = brute_force_peak(1, records, events)  # page size 1 = raw live rows
     assert calibrator.peak_rows == raw
     assert all(rows == 0 for rows in calibrator.rows_in_flight.values())
 
 
-@given(schedules(), st.sampled_from([1.0, 1.1, 1.5]), st.sampled_from([0.0, 0.5]))
-def test_size_pools_factors(schedule, cuda_factor, host_factor):
+@given(schedules(hints=True))
+def test_average_peak_matches_brute_force(schedule):
     page_size, records, events = schedule
-    calibrator = Calibrator()
-    run_schedule(page_size, records, events, calibrator.park, calibrator.unpark)
-    pools = calibrator.size_pools(page_size, cuda_factor, host_factor)
-    peak = brute_force_peak(page_size, records, events)
-    assert len(pools) == len(peak)
-    for row_bytes, rows in peak.items():
-        pool = pools[row_bytes]
-        assert pool.num_cuda_pages == ceil_div(
-            max(page_size, math.ceil(rows * cuda_factor)), page_size
+    calibrator = calibrated(schedule)
+    for average in (False, True):
+        assert calibrator.peak_page_rows(page_size, average=average) == brute_force_peak(
+            page_size, records, events, average=average
         )
-        assert pool.num_host_pages == ceil_div(math.ceil(rows * host_factor), page_size)
+    assert calibrator.peak_rows == brute_force_peak(1, records, events)  # hints never change it
+
+
+def expected_pages(rows, factor, page_size, minimum):
+    return ceil_div(max(minimum, math.ceil(rows * abs(factor))), page_size)
+
+
+@given(
+    schedules(hints=True),
+    st.sampled_from([1.0, 1.1, 1.5, -1.0, -1.25]),
+    st.sampled_from([0.0, 0.5, -0.5]),
+)
+def test_size_pools_factors_and_signs(schedule, cuda_factor, host_factor):
+    """Each tier: |factor| x (positive: the hinted peak where a key is fully hinted, else the
+    measured peak; negative: the measured peak), rounded up to pages; >= 1 device page."""
+    page_size, records, events = schedule
+    pools = calibrated(schedule).size_pools(config(page_size, cuda_factor, host_factor))
+    measured = brute_force_peak(page_size, records, events)
+    hinted = brute_force_peak(page_size, records, events, average=True)
+    assert len(pools) == len(measured) and pools.page_size == page_size
+    for row_bytes, rows in measured.items():
+        pool = pools[row_bytes]
+        cuda_rows = hinted[row_bytes] if cuda_factor > 0 else rows
+        host_rows = hinted[row_bytes] if host_factor > 0 else rows
+        assert pool.num_cuda_pages == expected_pages(cuda_rows, cuda_factor, page_size, page_size)
+        assert pool.num_host_pages == expected_pages(host_rows, host_factor, page_size, 0)
+
+
+def hinted_pair(page_size=4):
+    """Key 16: every record hinted (avg 2 rows, live 9 and 10). Key 8: one record unhinted."""
+    calibrator = Calibrator()
+    for row_bytes, live, avg in ((16, 9, 2), (16, 10, 2), (8, 9, 2), (8, 10, None)):
+        record = make_record(16, row_bytes, page_size, [live], avg_rows=avg)
+        calibrator.park(torch.zeros(16, row_bytes, dtype=torch.uint8), record)
+    return calibrator
+
+
+def test_positive_factor_sizes_from_the_hints_negative_from_the_measured_peak():
+    calibrator = hinted_pair()
+    assert calibrator.peak_rows == {16: 19, 8: 19}
+    # Key 16, positive: 2 records x ceil(2 / 4) pages = 8 rows, x 1.5 = 12 rows = 3 pages.
+    positive = calibrator.size_pools(config(4, 1.5))
+    assert positive[16].num_cuda_pages == 3
+    # Negative: the measured peak, (3 + 3 pages) x 4 rows = 24 rows, x 1.5 = 36 rows = 9 pages.
+    negative = calibrator.size_pools(config(4, -1.5))
+    assert negative[16].num_cuda_pages == 9
+
+
+def test_mixed_keys_a_partly_hinted_key_uses_the_measured_peak():
+    pools = hinted_pair().size_pools(config(4, 1.0))
+    assert pools[16].num_cuda_pages == 2  # fully hinted: 2 records x 1 page
+    assert pools[8].num_cuda_pages == 6  # one record without a hint: measured (3 + 3 pages)
+
+
+@pytest.mark.parametrize(("host_factor", "host_pages"), [(0.5, 1), (-0.5, 3), (0.0, 0)])
+def test_host_factor_follows_the_same_sign_convention(host_factor, host_pages):
+    pools = hinted_pair().size_pools(config(4, -1.0, host_factor))
+    assert pools[16].num_cuda_pages == 6  # the device tier's own (negative) sign
+    # Positive: 8 hinted rows x 0.5 = 4 rows = 1 page; negative: 24 measured rows x 0.5 = 3.
+    assert pools[16].num_host_pages == host_pages
+    assert pools[8].num_host_pages == (3 if host_factor else 0)  # key 8 is measured either way
 
 
 @given(schedules())
 def test_sized_pools_hold_the_schedule_exactly(schedule):
     """Factor 1.0 replays the calibrated schedule without overflow; one page less overflows."""
     page_size, records, events = schedule
-    calibrator = Calibrator()
-    run_schedule(page_size, records, events, calibrator.park, calibrator.unpark)
+    calibrator = calibrated(schedule)
     peak = calibrator.peak_page_rows(page_size)
 
     for shrink in (0, 1):
-        pools = calibrator.size_pools(page_size, 1.0)
+        pools = calibrator.size_pools(config(page_size, 1.0))
         if shrink:
             key = max(peak, key=peak.get)
             if peak[key] <= page_size:
@@ -143,7 +224,7 @@ def test_sized_pools_hold_the_schedule_exactly(schedule):
             for pool in pools:  # every page back in its ring
                 assert pool.free_pages() == (pool.num_cuda_pages, pool.num_host_pages)
             for i, (src, out) in results.items():
-                _, _, segments, live = records[i]
+                _, _, segments, live, _ = records[i]
                 for (start, _), n in zip(segments, live, strict=True):
                     assert torch.equal(out[start : start + n], src[start : start + n])
 
@@ -223,10 +304,11 @@ def test_size_pools_logs_one_line(caplog):
         record = make_record(16, row_bytes, 4, [live])
         calibrator.park(torch.zeros(16, row_bytes, dtype=torch.uint8), record)
     with caplog.at_level(logging.INFO, logger="megatron_paging.calibration"):
-        pools = calibrator.size_pools(4, 1.5, 0.5)
+        pools = calibrator.size_pools(config(4, 1.5, 0.5))
     assert len(caplog.records) == 1
     line = caplog.records[0].getMessage()
     assert "row_bytes=8" in line and "row_bytes=16" in line
+    assert "cuda_factor=1.5" in line and "host_factor=0.5" in line
     assert pools[16].num_cuda_pages == ceil_div(math.ceil(12 * 1.5), 4)
     assert pools[16].num_host_pages == ceil_div(6, 4)
 
@@ -235,12 +317,14 @@ def test_size_pools_logs_one_line(caplog):
     "kwargs, match",
     [
         (dict(cuda_factor=0), "cuda_factor"),
-        (dict(cuda_factor=1.0, host_factor=-1), "host_factor"),
+        (dict(cuda_factor=math.inf), "cuda_factor"),
+        (dict(cuda_factor=1.0, host_factor=math.nan), "host_factor"),
     ],
 )
-def test_size_pools_rejects_bad_factors(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        Calibrator().size_pools(4, **kwargs)
+def test_bad_factors_are_refused_by_the_config(kwargs, match):
+    with pytest.raises(ConfigError, match=match) as error:
+        config(4, **kwargs)
+    assert error.value.field == match and "\n" not in str(error.value)
 
 
 def test_park_rejects_invalid_live():

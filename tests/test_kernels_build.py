@@ -1,17 +1,17 @@
-"""CPU-side checks of the CUDA kernel package: the nvcc build, the grid bound, argument checks."""
+"""CPU-side checks of the CUDA kernel package: the nvcc build (the ``copy`` operator's schema, the
+``Pool`` / ``Layout`` handle classes), the toolkit and arch look-ups, and the wrapper's checks
+that run before anything is built or launched. (``MEGATRON_PAGING_MAX_CTAS``: test_config.py.)"""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+import re
 
 import pytest
 import torch
 
 from megatron_paging.kernels import build, cuda_ops
 from megatron_paging.pool import PagePool
-from megatron_paging.record import PageRecord
+from megatron_paging.record import PageRecord, RecordLayout
 
 
 def _toolkit_or_none():
@@ -21,46 +21,112 @@ def _toolkit_or_none():
         return None
 
 
-@pytest.mark.build
-@pytest.mark.skipif(_toolkit_or_none() is None, reason="no CUDA toolkit (nvcc) on this machine")
-@pytest.mark.skipif(torch.version.cuda is None, reason="torch is a CPU-only build")
-def test_extension_builds_for_sm90_and_registers_ops():
+needs_build = [
+    pytest.mark.build,
+    pytest.mark.skipif(_toolkit_or_none() is None, reason="no CUDA toolkit (nvcc) on this machine"),
+    pytest.mark.skipif(torch.version.cuda is None, reason="torch is a CPU-only build"),
+]
+
+
+@pytest.fixture(scope="module")
+def extension():
     # One compile per source change; later runs find the cached build (ninja no-op).
-    library = build.load("9.0")
-    assert library.is_file() and library.parent == build.build_directory("9.0")
-    stash_schema = str(torch.ops.megatron_paging.stash.default._schema)
-    reload_schema = str(torch.ops.megatron_paging.reload.default._schema)
-    assert "Tensor(d!) page_record" in stash_schema and "int max_ctas" in stash_schema
-    assert "Tensor(a!) dst" in reload_schema and "Tensor(d!) free_list_tail" in reload_schema
+    return build.load("9.0")
 
 
-def _import_with_max_ctas(value: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, MEGATRON_PAGING_MAX_CTAS=value)
-    code = "import megatron_paging.kernels as k; print(k.MAX_CTAS)"
-    return subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+def _apply(marks):
+    def decorate(fn):
+        for mark in reversed(marks):
+            fn = mark(fn)
+        return fn
+
+    return decorate
+
+
+@_apply(needs_build)
+def test_extension_builds_for_sm90_and_registers_the_op_and_classes(extension):
+    assert extension.is_file() and extension.parent == build.build_directory("9.0")
+    schema = str(torch.ops.megatron_paging.copy.default._schema)
+    assert schema == (
+        "megatron_paging::copy(Tensor(a!) user, "
+        "__torch__.torch.classes.megatron_paging.Pool pool, "
+        "__torch__.torch.classes.megatron_paging.Layout layout, Tensor live_rows, "
+        "Tensor(b!) page_record, Tensor(c!) spilled_to_host, bool reload, int path, "
+        "int max_ctas) -> ()"
     )
+    bulk = str(torch.ops.megatron_paging.bulk_supported.default._schema)
+    assert bulk == "megatron_paging::bulk_supported(int device) -> bool"
+    assert torch.classes.megatron_paging.Pool is not None
+    assert torch.classes.megatron_paging.Layout is not None
 
 
-@pytest.mark.parametrize("value", ["0", "-5", "many"])
-def test_non_positive_max_ctas_is_rejected_at_import(value):
-    result = _import_with_max_ctas(value)
-    assert result.returncode != 0
-    assert "MEGATRON_PAGING_MAX_CTAS must be a positive integer" in result.stderr
-    assert repr(value) in result.stderr
+@_apply(needs_build)
+@pytest.mark.parametrize(
+    "segments", [None, [(0, 260), (260, 0), (270, 17), (290, 10)], [(5, 0)],
+                 [(i, 1) for i in range(300)]],
+    ids=["one", "four", "empty", "300"],
+)
+def test_layout_handles_of_valid_layouts_are_accepted(extension, segments):
+    """Every layout RecordLayout.new accepts passes the handle's own (C++) validation."""
+    layout = RecordLayout.new(300, 224, 16, segments)
+    handle = cuda_ops.layout_handle(layout)
+    assert layout.kernel_handle is handle and cuda_ops.layout_handle(layout) is handle
 
 
-def test_max_ctas_is_read_at_import():
-    result = _import_with_max_ctas("7")
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "7"
+@_apply(needs_build)
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        ((10, 8, 4, [0], [10], [1]), "slot_offsets\\[0\\] is 1, expected 0"),
+        ((10, 8, 4, [0, 3], [4, 4], [0, 1]), "sorted and disjoint \\(segment 1\\)"),
+        ((10, 8, 4, [0], [11], [0]), "segments end at row 11"),
+        ((10, 8, 4, [], [], []), "1 to 1024 segments, got 0"),
+        ((1025, 1, 1, list(range(1025)), [1] * 1025, list(range(1025))), "got 1025"),
+        ((10, 8, 4, [0], [10], []), "differ in length"),
+        ((0, 8, 4, [0], [0], [0]), "must be positive"),
+    ],
+    ids=["slot", "overlap", "past_end", "none", "too_many", "lengths", "capacity"],
+)
+def test_layout_class_refuses_bad_tables(extension, args, words):
+    with pytest.raises(RuntimeError, match=words):
+        torch.classes.megatron_paging.Layout(*args)
+
+
+@_apply(needs_build)
+def test_pool_class_needs_a_cuda_pool(extension):
+    pool = PagePool(8, 4, 2)
+    with pytest.raises(RuntimeError, match="cuda_pages must be a CUDA tensor"):
+        torch.classes.megatron_paging.Pool(
+            pool.cuda_pages, pool.host_pages, pool.free_list_cuda, pool.free_list_host,
+            pool.free_list_head, pool.free_list_tail, pool.free_list_capacity,
+            pool.flags.values, pool.kernel_done_counter, 4, 8,
+        )
+
+
+def test_header_and_wrapper_agree_on_the_paths_and_the_segment_limit():
+    header = (build.CSRC / "paging.h").read_text()
+    enum = re.search(r"enum class CopyPath : int \{(.*?)\};", header, re.S).group(1)
+    values = {name: int(v) for name, v in re.findall(r"(k\w+) = (\d+)", enum)}
+    assert values["kTile"] == cuda_ops.TILE == cuda_ops.PATHS["tile"] == 0
+    assert values["kBulk"] == cuda_ops.BULK == cuda_ops.PATHS["bulk"] == 1
+    assert set(cuda_ops.PATHS.values()) <= set(values.values())  # every path the wrapper names
+    assert re.search(r"kMaxSegments\s*=\s*1024;", header)
+    # Every source and header is listed, so that an edit of any of them rebuilds.
+    assert set(build.SOURCES) | set(build.HEADERS) == set(build.CSRC.glob("*.[ch]*"))
 
 
 def test_resolve_arch():
     assert build.resolve_arch("9.0") == "9.0"
     assert build.resolve_arch("10.0+PTX") == "10.0"
+    assert build.resolve_arch("9.0a") == "9.0"
     with pytest.raises(build.BuildError, match="arch must look like"):
         build.resolve_arch("sm_90")
+
+
+def test_resolve_arch_from_the_arch_list(monkeypatch):
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0;10.0")
+    assert build.resolve_arch(None) == "9.0"
+    assert build.build_directory("9.0").name == "sm90"
 
 
 def test_resolve_arch_without_gpu_or_arch_list_says_what_to_do(monkeypatch):
@@ -79,21 +145,45 @@ def test_missing_toolkit_is_named(monkeypatch, tmp_path):
         build.find_cuda_home()
 
 
+# ----------------------------------------------------------------------------- wrapper checks
+
+
 def _cpu_case():
     pool = PagePool(row_bytes=8, page_size=4, num_cuda_pages=4)
     record = PageRecord.new(8, 8, 4, torch.tensor(3))
     return torch.zeros(8, 8, dtype=torch.uint8), record, pool
 
 
-def test_cuda_wrapper_rejects_a_cpu_pool():
-    src, record, pool = _cpu_case()
-    with pytest.raises(ValueError, match="need a CUDA pool"):
-        cuda_ops.stash(src, record, pool, max_ctas=64)
+@pytest.fixture
+def no_extension(monkeypatch):
+    """The checks below must refuse before the extension is built or called."""
+
+    def refuse():
+        raise AssertionError("the extension was asked for")
+
+    monkeypatch.setattr(cuda_ops, "_library", refuse)
 
 
-def test_cuda_wrapper_rejects_non_positive_max_ctas():
+def test_cuda_wrapper_rejects_a_cpu_pool(no_extension):
+    _, _, pool = _cpu_case()
+    with pytest.raises(ValueError, match="the CUDA paging kernels need a CUDA pool, got one on"):
+        cuda_ops.pool_handle(pool)
+    assert pool.kernel_handle is None
+    cuda_ops.prepare([pool])  # prepare() skips pools that are not on a CUDA device
+    assert pool.kernel_handle is None
+
+
+@pytest.mark.parametrize("reload", [False, True])
+def test_cuda_wrapper_rejects_non_positive_max_ctas(no_extension, reload):
     src, record, pool = _cpu_case()
-    pool.device = torch.device("cuda", 0)  # only the static checks run before any launch
-    for bad in (0, -1, 2.5, True):
+    for bad in (0, -1, 2.5, True, None):
         with pytest.raises(ValueError, match="max_ctas must be a positive integer"):
-            cuda_ops.reload(src, record, pool, max_ctas=bad)
+            cuda_ops.copy(reload, src, record, pool, bad)
+
+
+def test_cuda_wrapper_runs_the_shared_checks_first(no_extension):
+    src, record, pool = _cpu_case()
+    with pytest.raises(ValueError, match="stash source holds 56 bytes"):
+        cuda_ops.copy(False, src[:7], record, pool, 64)
+    with pytest.raises(ValueError, match="reload destination must be contiguous"):
+        cuda_ops.copy(True, torch.zeros(8, 16, dtype=torch.uint8)[:, ::2], record, pool, 64)

@@ -213,7 +213,7 @@ def test_rows_past_live_never_reach_results(installed, model_parallel, nan_fille
 def test_reloaded_tensors_are_freed_when_their_backward_ran(installed, model_parallel, monkeypatch):  # noqa: F811
     import weakref
 
-    from megatron_paging.mcore.engine import SavedHandle
+    from megatron_paging.paging import _Saved
 
     api = installed
     torch.manual_seed(2)
@@ -222,15 +222,16 @@ def test_reloaded_tensors_are_freed_when_their_backward_ran(installed, model_par
     api.engine.release_pools()
     _train_steps(api, layer, config, paged=True, steps=1)  # calibrate
     reloaded = []
-    unpack = api.engine.unpack
+    unpack = api.context.unpack
 
     def tracking_unpack(saved):
+        paged = isinstance(saved, _Saved) and saved.handle is not None  # not a weight or probs
         tensor = unpack(saved)
-        if isinstance(saved, SavedHandle):  # a paged tensor, not a weight or the probs
+        if paged:
             reloaded.append(weakref.ref(tensor))
         return tensor
 
-    monkeypatch.setattr(api.engine, "unpack", tracking_unpack)
+    monkeypatch.setattr(api.context, "unpack", tracking_unpack)
     api.paged_stash_reset(enabled=True, config=config)
     api.paged_stash_init_chunk_handler(None, None)
     hidden = torch.randn(8, 2, config.hidden_size).requires_grad_()

@@ -1,5 +1,5 @@
-"""Flags through Megatron's real argument parser, and every start-up error of
-validate_paging_args."""
+"""Flags through Megatron's real argument parser, the PagingConfig they build, and every
+start-up error of paging_config / validate_paging_args."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 
 pytest.importorskip("megatron.training")
 
+from megatron_paging.config import PagingConfig  # noqa: E402
 from megatron_paging.mcore import flags  # noqa: E402
 
 BASE = [
@@ -48,11 +49,11 @@ def test_defaults_and_megatron_names(parser):
     assert args.moe_paged_stash_buffer_size_factor_cuda == pytest.approx(1.10)
     assert args.moe_paged_stash_buffer_size_factor_cpu == 0.0
     assert args.moe_flex_dispatcher_backend == "static"
-    assert flags.engine_options(args) == dict(
-        kernel_backend="auto", prefetch_distance=1, max_ctas=None
-    )
+    assert flags.paging_config(args, environ={}, cuda_available=False) == PagingConfig()
     assert (args.paging_overflow_policy, args.paging_gemm_backend) == ("rerun", "auto")
-    assert flags.install_options(args)["replace_paged_stash"] is True
+    assert (args.paging_core_attention, args.paging_sdpa_backend) == ("sdpa", "auto")
+    options = flags.install_options(args, PagingConfig())
+    assert options == dict(replace_paged_stash=True, config=PagingConfig())
 
 
 def test_our_flags_parse(parser):
@@ -60,21 +61,34 @@ def test_our_flags_parse(parser):
         "--paging-max-ctas", "512",
         "--paging-prefetch-distance", "2",
         "--paging-overflow-policy", "grow",
+        "--paging-growth-factor", "2.5",
         "--paging-kernel-backend", "reference",
         "--paging-gemm-backend", "loop",
+        "--paging-no-overlap",
+        "--moe-paged-stash-page-size", "32",
+        "--moe-paged-stash-buffer-size-factor-cuda", "-1.25",
         "--moe-paged-stash-buffer-size-factor-cpu", "0.5",
     ]  # fmt: skip
-    args = _validate(parser, argv, environ={"MEGATRON_PAGING_MAX_CTAS": "512"})
-    assert flags.install_options(args) == dict(
-        replace_paged_stash=True, kernel_backend="reference", prefetch_distance=2, max_ctas=512
+    args = parser.parse_args(argv)
+    config = flags.paging_config(args, environ={"MEGATRON_PAGING_MAX_CTAS": "512"},
+                                 cuda_available=False)
+    # Megatron-Core's sign convention: a negative factor sizes from the measured peak.
+    assert config == PagingConfig(
+        page_size=32, cuda_factor=-1.25, host_factor=0.5, kernel_backend="reference",
+        max_ctas=512, prefetch_distance=2, overlap=False, overflow_policy="grow",
+        growth_factor=2.5,
     )
+    assert flags.install_options(args, config) == dict(replace_paged_stash=True, config=config)
 
-    class Config:
-        pass
 
-    config = Config()
-    flags.apply_to_config(config, args)
-    assert config.moe_paging_overflow_policy == "grow"
+def test_max_ctas_comes_from_the_environment_when_no_flag_sets_it(parser):
+    args = parser.parse_args(BASE)
+    config = flags.paging_config(args, environ={"MEGATRON_PAGING_MAX_CTAS": " 96 "},
+                                 cuda_available=False)
+    assert config.max_ctas == 96 and config.grid_bound == 96
+    # An unpaged run reads nothing: a bad value there is not its concern.
+    unpaged = parser.parse_args(["--moe-token-dispatcher-type", "flex"])
+    flags.paging_config(unpaged, environ={"MEGATRON_PAGING_MAX_CTAS": "bad"}, cuda_available=False)
 
 
 @pytest.mark.parametrize(
@@ -101,7 +115,22 @@ def test_our_flags_parse(parser):
         (BASE + ["--paging-max-ctas", "256"], {"MEGATRON_PAGING_MAX_CTAS": "1024"}, False,
          "--paging-max-ctas 256 conflicts with MEGATRON_PAGING_MAX_CTAS=1024"),
         (BASE + ["--paging-prefetch-distance", "-1"], {}, False,
-         "--paging-prefetch-distance must be >= 0"),
+         "--paging-prefetch-distance must be a non-negative integer, got -1"),
+        (BASE + ["--paging-growth-factor", "1.0"], {}, False,
+         "--paging-growth-factor must be > 1, got 1.0"),
+        (BASE, {"MEGATRON_PAGING_MAX_CTAS": "lots"}, False,
+         "MEGATRON_PAGING_MAX_CTAS must be a positive integer (it bounds the copy kernels' "
+         "grid), got 'lots'"),
+        (BASE + ["--cuda-graph-impl", "local"], {}, False,
+         "--cuda-graph-impl local cannot be combined with --moe-paged-stash"),
+        (BASE + ["--paging-kernel-backend", "bulk"], {}, False,
+         "--paging-kernel-backend bulk needs a CUDA device"),
+        (["--paging-core-attention", "local", "--paging-sdpa-backend", "flash"], {}, False,
+         "--paging-sdpa-backend flash needs --paging-core-attention sdpa"),
+        (["--paging-sdpa-backend", "cudnn", "--deterministic-mode"], {}, False,
+         "--paging-sdpa-backend cudnn is not deterministic"),
+        (BASE + ["--paging-no-overlap", "--paging-implementation", "mcore"], {}, False,
+         "--paging-no-overlap have no effect with --paging-implementation mcore"),
         (BASE + ["--paging-kernel-backend", "cuda"], {}, False,
          "--paging-kernel-backend cuda needs a CUDA device"),
         (BASE + ["--paging-implementation", "mcore", "--paging-max-ctas", "8",
@@ -147,6 +176,12 @@ def test_mcore_implementation_takes_the_gemm_backend_only(parser):
     args = _validate(parser, argv)
     assert args.paging_gemm_backend == "loop"
     assert flags.install_options(args) == dict(replace_paged_stash=False)
+
+
+def test_full_iteration_graphs_are_accepted_with_paging(parser):
+    argv = BASE + ["--cuda-graph-impl", "full_iteration"]
+    config = flags.paging_config(parser.parse_args(argv), environ={}, cuda_available=False)
+    assert config == PagingConfig()
 
 
 def test_gemm_backend_also_selects_the_unpaged_controls_gemms(parser):

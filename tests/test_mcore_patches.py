@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "apply_patches.sh"
 PATCHED_FILES = (
     "megatron/core/transformer/moe/paged_stash.py",
+    "megatron/core/pipeline_parallel/schedules.py",
     "megatron/core/transformer/moe/moe_layer.py",
     "megatron/core/transformer/transformer_config.py",
 )
@@ -33,7 +34,8 @@ dist.init_process_group("gloo", world_size=1, rank=0, init_method=f"tcp://127.0.
 from megatron.core import parallel_state
 parallel_state.initialize_model_parallel()
 from megatron.core.transformer.moe import experts, moe_layer, paged_stash
-from megatron_paging.mcore.install import INSTALLER
+from megatron.core.pipeline_parallel import schedules
+from megatron_paging.mcore.installer import INSTALLER, FinishingForwardBackward
 assert not INSTALLER.installed
 assert moe_layer.MoEFlexTokenDispatcher.__name__ == "PagingFlexTokenDispatcher"
 config = moe_config(moe_paged_stash=True, moe_expert_rank_capacity_factor=2.0)  # no shim needed
@@ -43,6 +45,10 @@ api = paged_stash._megatron_paging_api()
 paged = t._train_steps(api, layer, config, paged=True)
 unpaged = t._train_steps(api, layer, config, paged=False)
 assert api.engine.pools is not None and INSTALLER.installed
+# Every forward-backward ends its paging step (what full-iteration CUDA graphs need).
+fn = schedules.get_forward_backward_func(pp_size=1, vp_size=None)
+assert isinstance(fn, FinishingForwardBackward) and fn.api is api
+assert not getattr(schedules.get_forward_backward_func, "megatron_paging_finishing", False)
 for (lp, gp, hp), (lu, gu, hu) in zip(paged, unpaged, strict=True):
     assert all(torch.equal(a, b) for a, b in zip(lp + gp + hp, lu + gu + hu, strict=True))
 print("PATCHED-OK")
@@ -71,13 +77,13 @@ def test_apply_check_revert_round_trip(vendored):
         (original / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(vendored / rel, original / rel)
     assert "apply cleanly" in _run("check", vendored)
-    assert "applied 3 patches" in _run("apply", vendored)
+    assert f"applied {len(PATCHED_FILES)} patches" in _run("apply", vendored)
     assert "applied in" in _run("check", vendored)
     assert "already applied" in _run("apply", vendored)
     assert all(
         not filecmp.cmp(vendored / rel, original / rel, shallow=False) for rel in PATCHED_FILES
     )
-    assert "reverted 3 patches" in _run("revert", vendored)
+    assert f"reverted {len(PATCHED_FILES)} patches" in _run("revert", vendored)
     assert all(filecmp.cmp(vendored / rel, original / rel, shallow=False) for rel in PATCHED_FILES)
     shutil.rmtree(original)
 

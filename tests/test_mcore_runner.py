@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("megatron.core")
 
+from megatron_paging.config import PagingConfig  # noqa: E402
 from megatron_paging.kernels import reload, stash  # noqa: E402
 from megatron_paging.mcore.runner import PagedStashRunner  # noqa: E402
 from megatron_paging.pool import PagePools  # noqa: E402
@@ -72,16 +73,32 @@ class Chunk(torch.nn.Module):
         self.weight.grad = None
 
 
+class Engine:
+    """The part of PagingEngine the runner uses: config (the policy), pools, flags, grow."""
+
+    def __init__(self, cuda_rows, policy):
+        self.config = PagingConfig(page_size=PAGE, overflow_policy=policy)
+        self.pools = PagePools(PAGE)
+        self.pools.add(ROW_BYTES, cuda_rows)
+        self.paged = False
+
+    @property
+    def flags(self):
+        return self.pools.flags if self.paged else None
+
+    def grow(self, factor):
+        self.pools = self.pools.grown(factor)
+
+
 class Paging:
     """The part of MCorePagingAPI the runner uses, over real pools."""
 
-    def __init__(self, cuda_rows):
-        self.engine = SimpleNamespace(pools=PagePools(PAGE))
-        self.engine.pools.add(ROW_BYTES, cuda_rows)
+    def __init__(self, cuda_rows, policy):
+        self.engine = Engine(cuda_rows, policy)
         self.enabled = False
 
     def paged_stash_reset(self, enabled=True, config=None):
-        self.enabled = bool(enabled)
+        self.enabled = self.engine.paged = bool(enabled)
         self.engine.pools.reset()
 
     def check_paged_stash_overflow(self):
@@ -149,11 +166,7 @@ def batches(step, over_budget_step=None):
 
 class Run:
     def __init__(self, policy, cuda_rows, paged=True, optimizer="adamw"):
-        self.config = SimpleNamespace(
-            moe_paged_stash=paged,
-            moe_expert_rank_capacity_factor=1.0,
-            moe_paging_overflow_policy=policy,
-        )
+        self.config = SimpleNamespace(moe_paged_stash=paged, moe_expert_rank_capacity_factor=1.0)
         self.chunk = Chunk(self.config)
         params = [self.chunk.weight]
         self.optimizer = (
@@ -161,7 +174,7 @@ class Run:
             if optimizer == "adamw"
             else torch.optim.SGD(params, lr=0.1, momentum=0.9)
         )
-        self.paging = Paging(cuda_rows)
+        self.paging = Paging(cuda_rows, policy)
         self.calls, self.budgets = [], []
         self.runner = PagedStashRunner(
             self.config,
@@ -296,7 +309,7 @@ def test_runner_rejects_bad_calls():
         run.runner(1)
     with pytest.raises(TypeError, match="num_microbatches"):
         run.runner(model=[run.chunk], data_iterator=None, seq_length=1, forward_only=False)
-    with pytest.raises(ValueError, match="overflow policy"):
+    with pytest.raises(ValueError, match="overflow_policy must be one of"):
         PagedStashRunner(run.config, False, [run.chunk], None, None, policy="retry")
 
 

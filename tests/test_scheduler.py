@@ -8,18 +8,34 @@ from collections import defaultdict
 import pytest
 import torch
 
+from megatron_paging.config import PagingConfig
+from megatron_paging.engine import PagingEngine
 from megatron_paging.paging import PagingContext
-from megatron_paging.pipeline_sim import Op, check_ops, parameter_grads, run_schedule
-from megatron_paging.pipeline_sim import synthetic_chunks as make_chunks
 from megatron_paging.pool import PagePools
 from megatron_paging.scheduler import PagingScheduler
 from megatron_paging.streams import COMPUTE, PAGING, CpuStreamBackend
+from megatron_paging.tools.pipeline_sim import parameter_grads, run_schedule
+from megatron_paging.tools.pipeline_sim import synthetic_chunks as make_chunks
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     from megatron_paging.mcore import schedules
 
 TOKENS, HIDDEN, FFN, SEGMENTS, LAYERS, PAGE = 32, 16, 24, 2, 2, 4
+
+
+@pytest.fixture(autouse=True)
+def one_cpu_thread():
+    # Tiny tensors: on a busy 2-core machine, intra-op threads only contend.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def paged_context(backend, pools, **options) -> PagingContext:
+    config = PagingConfig(page_size=PAGE, **options)
+    return PagingContext(PagingEngine(config, stream_backend=backend, pools=pools))
 
 
 def make_pools(pages_rows: int = 4096) -> PagePools:
@@ -29,21 +45,14 @@ def make_pools(pages_rows: int = 4096) -> PagePools:
     return pools
 
 
-def run(ops, num_chunks, paged=True, seed=3, **scheduler_options):
-    chunks = make_chunks(num_chunks, LAYERS, TOKENS, HIDDEN, FFN, SEGMENTS, seed=seed)
-    backend, pools, scheduler = CpuStreamBackend(), None, None
-    op_starts = []
+def run(ops, num_chunks, paged=True, seed=3, layers=LAYERS, **options):
+    chunks = make_chunks(num_chunks, layers, TOKENS, HIDDEN, FFN, SEGMENTS, seed=seed)
+    backend, pools, context, op_starts = CpuStreamBackend(), None, PagingContext(None), []
     if paged:
-        pools = scheduler_options.pop("pools", None) or make_pools()
-        scheduler = PagingScheduler(backend, pools, **scheduler_options)
-    left = run_schedule(
-        chunks,
-        ops,
-        PagingContext(scheduler),
-        (TOKENS, HIDDEN),
-        seed=seed,
-        on_op=lambda i, op: op_starts.append((len(backend.log), op)),
-    )
+        pools = options.pop("pools", None) or make_pools()
+        context = paged_context(backend, pools, **options)
+    on_op = lambda i, op: op_starts.append((len(backend.log), op))
+    left = run_schedule(chunks, ops, context, (TOKENS, HIDDEN), seed=seed, on_op=on_op)
     return parameter_grads(chunks), backend, pools, left, op_starts
 
 
@@ -218,6 +227,59 @@ def test_prefetch_distance(distance):
     assert ("prefetch" in reasons) == (distance > 0)
 
 
+DEEP = [  # more than two layers per chunk: which lower slots a prefetch picks matters
+    ("1f1b", dict(pp=2, rank=0, microbatches=3)),
+    ("interleaved", dict(pp=2, vpp=2, rank=1, microbatches=4)),
+    ("dualpipev", dict(pp=2, rank=1, microbatches=5)),  # deferred wgrads: the W branch too
+]
+
+
+@pytest.mark.parametrize("distance", [1, 2])
+@pytest.mark.parametrize("schedule,options", DEEP, ids=lambda v: str(v))
+def test_prefetch_reloads_the_next_slots_below_in_descending_order(schedule, options, distance):
+    """Slot ``l`` reloads when the backward (or wgrad) of slot ``l + distance`` starts, before
+    slot ``l + distance - 1`` starts; the top slots by the op-level prefetch or the top slot's
+    start. Taking the lowest slots first would reload slot 0 early and slot 2 at its start."""
+    layers, (ops, num_chunks) = 4, build(schedule, options)
+    control, *_ = run(ops, num_chunks, paged=False, layers=layers)
+    paged, backend, _, left, _ = run(ops, num_chunks, layers=layers, prefetch_distance=distance)
+    assert_bitwise(control, paged)
+    assert left == 0
+    starts, reloads = {}, {}
+    for e in backend.log:
+        info = e.info
+        if e.op == "note" and e.kind in ("backward-slot-start", "wgrad-slot-start"):
+            key = (e.kind.split("-")[0], info["chunk"], info["microbatch"], info["layer"])
+            starts.setdefault(key, e.seq)
+        elif e.op == "launch" and e.kind == "reload":
+            key = (info["branch"], info["chunk"], info["microbatch"], info["layer"])
+            reloads.setdefault(key, (e.seq, info["reason"]))
+    assert reloads.keys() == starts.keys()
+    assert {k[0] for k in reloads} == ({"backward", "wgrad"} if schedule == "dualpipev"
+                                       else {"backward"})
+    for (branch, chunk, mb, layer), (seq, reason) in reloads.items():
+        start = starts[(branch, chunk, mb, layer)]
+        if layer == layers - 1:  # the top slot: ahead of its backward when an op allowed it
+            assert (reason, seq < start) in {("prefetch", True), ("slot", False)}
+            continue
+        assert reason == "prefetch" and seq < start, (branch, chunk, mb, layer)
+        if layer + distance < layers:  # issued by the start of the slot `distance` above
+            upper = starts[(branch, chunk, mb, layer + distance)]
+            below = starts[(branch, chunk, mb, layer + distance - 1)]
+            assert upper < seq < below, (branch, chunk, mb, layer)
+    # Between two scheduler milestones, the slots of one backward reload top down.
+    issued, descending = defaultdict(list), 0
+    for e in backend.log:
+        if e.op == "note":
+            issued.clear()
+        elif e.op == "launch" and e.kind == "reload":
+            seen = issued[(e.info["branch"], e.info["chunk"], e.info["microbatch"])]
+            assert not seen or seen[-1] >= e.info["layer"]
+            descending += bool(seen) and seen[-1] > e.info["layer"]
+            seen.append(e.info["layer"])
+    assert descending or distance == 1  # distance 2: the op-level prefetch reloads 2 slots
+
+
 def test_no_overlap_control_runs_on_compute_stream():
     ops = schedules.one_f_one_b(pp=2, rank=0, microbatches=3, delay_wgrad=True)
     control, *_ = run(ops, 1, paged=False)
@@ -251,15 +313,35 @@ class CloneParker:
         return out
 
 
+class ParkerEngine(PagingEngine):
+    """An engine whose (pool-less) steps park records with a given parker."""
+
+    def __init__(self, parker):
+        super().__init__(PagingConfig(page_size=PAGE), stream_backend=CpuStreamBackend())
+        self.parker = parker
+
+    def scheduler_for(self, device):
+        self.scheduler = self.scheduler or PagingScheduler(
+            self._stream_backend, pools=None, parker=self.parker, config=self.config
+        )
+        return self.scheduler
+
+
 def test_parker_path_without_pools():
     ops = schedules.dualpipev(pp=2, rank=0, microbatches=4)
     control, *_ = run(ops, 2, paged=False)
     parker = CloneParker()
     chunks = make_chunks(2, LAYERS, TOKENS, HIDDEN, FFN, SEGMENTS, seed=3)
-    scheduler = PagingScheduler(CpuStreamBackend(), pools=None, parker=parker, page_size=PAGE)
-    left = run_schedule(chunks, ops, PagingContext(scheduler), (TOKENS, HIDDEN), seed=3)
+    left = run_schedule(chunks, ops, PagingContext(ParkerEngine(parker)), (TOKENS, HIDDEN), seed=3)
     assert_bitwise(control, parameter_grads(chunks))
     assert left == 0 and parker.parked_rows > 0
+
+    # The engine's own calibration step (the Calibrator parks) gives the same gradients.
+    chunks = make_chunks(2, LAYERS, TOKENS, HIDDEN, FFN, SEGMENTS, seed=3)
+    engine = PagingEngine(PagingConfig(page_size=PAGE), stream_backend=CpuStreamBackend())
+    assert run_schedule(chunks, ops, PagingContext(engine), (TOKENS, HIDDEN), seed=3) == 0
+    assert_bitwise(control, parameter_grads(chunks))
+    assert engine.pools is not None and engine.steps == 1
 
 
 def test_live_rows_are_cloned_at_save():
@@ -306,9 +388,9 @@ def test_argument_errors():
     with pytest.raises(ValueError, match="parker"):
         PagingScheduler(backend)
     with pytest.raises(ValueError, match="prefetch_distance"):
-        PagingScheduler(backend, make_pools(), prefetch_distance=-1)
+        PagingScheduler(backend, make_pools(), config=PagingConfig(prefetch_distance=-1))
     with pytest.raises(ValueError, match="kernel_backend"):
-        PagingScheduler(backend, make_pools(), kernel_backend="triton")
+        PagingScheduler(backend, make_pools(), config=PagingConfig(kernel_backend="triton"))
     scheduler = PagingScheduler(backend, make_pools())
     with pytest.raises(RuntimeError, match="open slot"):
         scheduler.save(torch.randn(8, HIDDEN), torch.tensor(1))
@@ -321,68 +403,10 @@ def test_argument_errors():
         scheduler.save(torch.randn(HIDDEN, 8).t(), torch.tensor(1))
     with pytest.raises(ValueError, match="prefetch|branch"):
         scheduler.prefetch(0, 0, branch="forward")
-    context = PagingContext(scheduler)
+    context = paged_context(backend, make_pools())
+    context.begin_step()
     with pytest.raises(RuntimeError, match="group_start"):
         context.mark(torch.randn(4, 4), torch.tensor(1))
-
-
-class _Square(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x * x
-
-    @staticmethod
-    def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        return 2 * x * grad
-
-
-@pytest.mark.parametrize("saved_as", ["copy", "view", "row_slice", "nothing", "itself"])
-def test_a_mark_autograd_does_not_save_is_an_error_at_commit(saved_as):
-    context = PagingContext(PagingScheduler(CpuStreamBackend(), make_pools()))
-    w = torch.randn(HIDDEN, HIDDEN, requires_grad=True)
-    with context.forward(1, 2):
-        x = context.group_start(torch.randn(TOKENS, HIDDEN), layer=0)
-        buffer = x @ w
-        context.mark(buffer, torch.tensor(TOKENS // 2))
-        saved = {
-            "copy": buffer.clone(),
-            "view": buffer.view(-1, 8),
-            "row_slice": buffer[1:],
-            "nothing": buffer.detach(),
-            "itself": buffer,
-        }[saved_as]
-        y = _Square.apply(saved) if saved_as != "nothing" else saved * 2
-        if saved_as == "itself":
-            y = context.group_commit(y)
-            assert context.scheduler.finish() == 1  # paged, never reloaded
-            return
-        with pytest.raises(RuntimeError) as error:
-            context.group_commit(y)
-    message = str(error.value)
-    assert "chunk 1 layer 0 microbatch 2" in message
-    assert f"shape {(TOKENS, HIDDEN)}" in message and "torch.float32" in message
-    assert "\n" not in message
-
-
-def test_schedule_orders_are_complete_and_checked():
-    for schedule, options in CASES:
-        ops, num_chunks = build(schedule, options)
-        check_ops(ops)
-        microbatches = options["microbatches"]
-        forwards = sorted((op.chunk, op.microbatch) for op in ops if op.kind == "F")
-        assert forwards == [(c, m) for c in range(num_chunks) for m in range(microbatches)]
-    assert any(op.overlap for op in schedules.dualpipev(2, 0, 4))
-    assert any(op.kind == "W" for op in schedules.dualpipev(2, 1, 5))
-    with pytest.raises(ValueError, match="group_size"):
-        schedules.interleaved_one_f_one_b(pp=4, vpp=2, rank=0, microbatches=8, group_size=3)
-    with pytest.raises(ValueError, match="DualPipeV"):
-        schedules.dualpipev(pp=3, rank=0, microbatches=5)
-    with pytest.raises(ValueError, match="comes after"):
-        check_ops([Op("B", 0, 0)])
-    with pytest.raises(ValueError, match="never finished"):
-        check_ops([Op("F", 0, 0)])
 
 
 class CapturingBackend(CpuStreamBackend):
@@ -419,7 +443,7 @@ def test_schedule_parity_under_capture_rules():
     ops = schedules.dualpipev(pp=2, rank=0, microbatches=4)
     control, *_ = run(ops, 2, paged=False)
     chunks = make_chunks(2, LAYERS, TOKENS, HIDDEN, FFN, SEGMENTS, seed=3)
-    scheduler = PagingScheduler(CapturingBackend(), make_pools())
-    left = run_schedule(chunks, ops, PagingContext(scheduler), (TOKENS, HIDDEN), seed=3)
+    context = paged_context(CapturingBackend(), make_pools())
+    left = run_schedule(chunks, ops, context, (TOKENS, HIDDEN), seed=3)
     assert left == 0
     assert_bitwise(control, parameter_grads(chunks))

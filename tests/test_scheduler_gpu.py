@@ -7,10 +7,12 @@ import warnings
 import pytest
 import torch
 
+from megatron_paging.config import PagingConfig
+from megatron_paging.engine import PagingEngine
 from megatron_paging.paging import PagingContext
-from megatron_paging.pipeline_sim import parameter_grads, run_schedule, synthetic_chunks
 from megatron_paging.pool import PagePools
 from megatron_paging.scheduler import PagingScheduler
+from megatron_paging.tools.pipeline_sim import parameter_grads, run_schedule, synthetic_chunks
 
 pytestmark = [
     pytest.mark.gpu,
@@ -24,7 +26,7 @@ def cuda_kernels_available() -> bool:
     try:
         from megatron_paging.kernels import cuda_ops
 
-        cuda_ops._ops()
+        cuda_ops.bulk_supported(torch.cuda.current_device())  # builds / loads the extension
     except Exception:  # noqa: BLE001 - any build/load failure means "not available here"
         return False
     return True
@@ -61,6 +63,13 @@ def make_pools(rows: int, page_size: int = 16) -> PagePools:
     return pools
 
 
+def paged_context(pools: PagePools, backend=None, **options) -> PagingContext:
+    """A context over an engine that pages through ``pools`` from its first step."""
+    config = PagingConfig(page_size=pools.page_size, **options)
+    engine = PagingEngine(config, stream_backend=backend or make_backend(), pools=pools)
+    return PagingContext(engine)
+
+
 def cuda_chunks(num_chunks: int, seed: int = 5):
     chunks = synthetic_chunks(num_chunks, LAYERS, TOKENS, HIDDEN, FFN, SEGMENTS, seed=seed)
     return [[layer.cuda() for layer in layers] for layers in chunks]
@@ -82,11 +91,9 @@ def test_gpu_parity_with_control(name, kernel_backend):
     control_chunks = cuda_chunks(num_chunks)
     run_schedule(control_chunks, ops, PagingContext(None), (TOKENS, HIDDEN), seed=1, device="cuda")
     pools = make_pools(TOKENS * LAYERS * num_chunks * 6 * 2)
-    scheduler = PagingScheduler(make_backend(), pools, kernel_backend=kernel_backend)
+    context = paged_context(pools, kernel_backend=kernel_backend)
     paged_chunks = cuda_chunks(num_chunks)
-    left = run_schedule(
-        paged_chunks, ops, PagingContext(scheduler), (TOKENS, HIDDEN), seed=1, device="cuda"
-    )
+    left = run_schedule(paged_chunks, ops, context, (TOKENS, HIDDEN), seed=1, device="cuda")
     torch.cuda.synchronize()
     assert left == 0
     control, paged = parameter_grads(control_chunks), parameter_grads(paged_chunks)
@@ -137,7 +144,8 @@ def test_gpu_paging_overlaps_compute():
     pools = PagePools(64, device="cuda")
     pools.add(width * 2, cuda_rows=records * rows)
     backend = _TimedBackend()
-    scheduler = PagingScheduler(backend, pools, prefetch_distance=records, kernel_backend="cuda")
+    config = PagingConfig(page_size=64, prefetch_distance=records, kernel_backend="cuda")
+    scheduler = PagingScheduler(backend, pools, config=config)
     sources = [
         torch.randn(rows, width, device="cuda", dtype=torch.bfloat16) for _ in range(records)
     ]
@@ -197,15 +205,14 @@ def test_gpu_paged_step_never_synchronizes_the_host():
     ops, num_chunks = schedule("interleaved")
     chunks = cuda_chunks(num_chunks)
     pools = make_pools(TOKENS * LAYERS * num_chunks * 6 * 2)
-    scheduler = PagingScheduler(make_backend(), pools, kernel_backend="cuda")
+    context = paged_context(pools, kernel_backend="cuda")
     inputs = {}
     for op in ops:
         for salt in (1, 2):
             inputs[(op.chunk, op.microbatch, salt)] = torch.randn(TOKENS, HIDDEN, device="cuda")
 
-    def step():
-        pools.reset()
-        return run_schedule(chunks, ops, PagingContext(scheduler), (TOKENS, HIDDEN),
+    def step():  # begin_step resets the pools in place
+        return run_schedule(chunks, ops, context, (TOKENS, HIDDEN),
                             device="cuda", make_input=lambda c, m, s: inputs[(c, m, s)])
 
     assert step() == 0  # warm up: extension, allocator, cuBLAS handles
@@ -220,10 +227,9 @@ def test_gpu_paged_step_never_synchronizes_the_host():
     assert pools.flags.read() == {"overflow": False, "host_spill": False, "invalid_live": False}
 
 
-def _capture_step(layers, context, static_x, static_grad, pools):
-    def step():
-        if pools is not None:
-            pools.reset()
+def _capture_step(layers, context, static_x, static_grad):
+    def step():  # the whole step, begin_step (the pools' reset) included, is captured
+        context.begin_step()
         x = static_x
         with context.forward(0, 0):
             for index, layer in enumerate(layers):
@@ -254,11 +260,11 @@ def test_gpu_cuda_graph_replay_with_different_live_counts():
     static_grad = torch.zeros(TOKENS, HIDDEN, device="cuda")
     control_layers, paged_layers = cuda_chunks(1)[0], cuda_chunks(1)[0]
     pools = make_pools(TOKENS * LAYERS * 2)
-    scheduler = PagingScheduler(make_backend(), pools, kernel_backend="cuda")
-    control_graph = _capture_step(control_layers, PagingContext(None), static_x, static_grad, None)
-    paged_graph = _capture_step(
-        paged_layers, PagingContext(scheduler), static_x, static_grad, pools
-    )
+    context = paged_context(pools, kernel_backend="cuda")
+    engine = context.engine
+    control_graph = _capture_step(control_layers, PagingContext(None), static_x, static_grad)
+    paged_graph = _capture_step(paged_layers, context, static_x, static_grad)
+    assert engine.steps == 3 and not engine.step_open  # 2 warm-up steps + the captured one
     seen_live = []
     for seed in (11, 12):
         g = torch.Generator(device="cuda").manual_seed(seed)
@@ -267,12 +273,18 @@ def test_gpu_cuda_graph_replay_with_different_live_counts():
         control_graph.replay()
         for pool in pools:
             pool.cuda_pages.zero_()
+        for pool in pools:  # dirty rings and flags: the captured begin_step must reset them
+            pool.free_list_head.fill_(1)
+        pools.flags.overflow.fill_(1)
         paged_graph.replay()
+        engine.note_replayed_step()
         torch.cuda.synchronize()
         seen_live.append(torch.stack([layer.live_rows for layer in paged_layers]).cpu())
         assert any(bool(pool.cuda_pages.any()) for pool in pools), "nothing was stashed"
         for pool in pools:
             assert pool.free_pages() == (pool.num_cuda_pages, 0)
+        assert engine.flags.read() == {"overflow": False, "host_spill": False,
+                                       "invalid_live": False}
         control = parameter_grads([control_layers])
         paged = parameter_grads([paged_layers])
         for key in control:
@@ -303,3 +315,37 @@ def test_cuda_backend_streams():
     assert backend.done(event)
     with pytest.raises(ValueError, match="CUDA device"):
         CudaStreamBackend("cpu")
+
+
+# Last in this file: if CUDA rejects the capture (the bug it checks for), no test here follows.
+def test_gpu_captured_step_whose_slot_pages_nothing():
+    """A captured paged step whose slot stashes nothing never forks the paging stream into the
+    capture; ending the step must not make the capture wait on an event recorded outside it
+    (CUDA rejects such a wait)."""
+    pools = make_pools(TOKENS * 4)
+    context = paged_context(pools, kernel_backend="reference")
+    x = torch.randn(TOKENS, HIDDEN, device="cuda")
+
+    def step():
+        context.begin_step()
+        context.open_slot(0, 0, 0, x.device)
+        y = context.group_commit(x * 2)  # no autograd: the slot commits with no record
+        assert context.finish() == 0
+        return y
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # eager warm-up
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = step()
+    x.fill_(3.0)
+    graph.replay()
+    context.engine.note_replayed_step()
+    torch.cuda.synchronize()
+    assert bool((y == 6.0).all())
+    assert context.engine.flags.read() == {"overflow": False, "host_spill": False,
+                                           "invalid_live": False}

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib.util
 import logging
 import math
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -35,11 +35,12 @@ from pathlib import Path
 import torch
 
 from megatron_paging import kernels
+from megatron_paging.config import ConfigError, PagingConfig, kernel_backend_choices
+from megatron_paging.config import overflow_policy_choices as policy_choices
 from megatron_paging.demo.model import TinyMoEConfig, synthetic_batches
 from megatron_paging.demo.pipeline import StageChunk, make_step_inputs, stage_indices
-from megatron_paging.demo.training import DemoResult, Layout, train_control, train_paged
-from megatron_paging.overflow import POLICIES
-from megatron_paging.pipeline_sim import Op
+from megatron_paging.demo.training import ControlRun, DemoResult, Layout, PagedRun
+from megatron_paging.schedule import Op
 
 DEFAULT_PLOT = "megatron_paging_demo.png"
 SCHEDULES = ("none", "1f1b", "interleaved", "dualpipev")
@@ -108,13 +109,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="device-tier rows = factor x the calibrated peak live rows in flight")
     add("--host-pool-factor", type=_float_above(0.0, strict=False), default=0.0,
         help="pinned-host-tier rows, same unit (0 = no host tier)")
-    add("--overflow-policy", choices=POLICIES, default="rerun",
+    add("--overflow-policy", choices=policy_choices(), default="rerun",
         help="rerun: redo an overflowing step unpaged (parity holds); skip: drop its optimizer "
              "step on device; grow: skip, then enlarge the device tier by --growth-factor")
     add("--growth-factor", type=_float_above(1.0, strict=True), default=1.5,
         help="device-tier multiplier of --overflow-policy grow")
-    add("--plot", default=DEFAULT_PLOT, help="PNG of bytes held for backward over time")
-    add("--kernel-backend", choices=kernels.BACKENDS, default="auto")
+    add("--plot", default=DEFAULT_PLOT,
+        help="PNG of bytes held for backward over time ('.png' is added to a name without one)")
+    add("--kernel-backend", choices=kernel_backend_choices(), default="auto")
 
 
 def _resolve_device(requested: str | None) -> torch.device:
@@ -126,26 +128,63 @@ def _resolve_device(requested: str | None) -> torch.device:
 
 
 def _resolve_backend(requested: str, device: torch.device) -> str:
-    if requested == "cuda" and device.type != "cuda":
-        raise ValueError("--kernel-backend cuda needs --device cuda")
-    if requested == "auto" and device.type == "cuda":
-        if importlib.util.find_spec("megatron_paging.kernels.cuda_ops") is None:
-            return "reference"
-        return "cuda"
-    return kernels.resolve_backend(requested, device)
+    if requested != "auto" and device.type not in kernels.REGISTRY[requested].device_types:
+        raise ValueError(f"--kernel-backend {requested} needs --device cuda")
+    return kernels.resolve_backend(requested, device).name
+
+
+# PagingConfig field -> the demo flag that sets it (config errors name the flag).
+FLAG_OF_FIELD = {
+    "page_size": "--page-size",
+    "cuda_factor": "--pool-factor",
+    "host_factor": "--host-pool-factor",
+    "kernel_backend": "--kernel-backend",
+    "overflow_policy": "--overflow-policy",
+    "growth_factor": "--growth-factor",
+}
+
+
+def paging_config(args: argparse.Namespace, backend: str) -> PagingConfig:
+    """The paged run's config; ConfigError names the flag (or MEGATRON_PAGING_MAX_CTAS)."""
+    try:
+        return PagingConfig.from_env(
+            page_size=args.page_size,
+            cuda_factor=args.pool_factor,
+            host_factor=args.host_pool_factor,
+            kernel_backend=backend,
+            overflow_policy=args.overflow_policy,
+            growth_factor=args.growth_factor,
+        )
+    except ConfigError as error:
+        raise error.renamed(FLAG_OF_FIELD) from None
+
+
+def plot_path(requested: str) -> Path:
+    """``--plot`` as the file that will be written, checked before any training runs."""
+    path = Path(requested).expanduser()
+    if not path.suffix:
+        path = path.with_suffix(".png")
+    if path.suffix.lower() != ".png":
+        raise ValueError(f"--plot must name a .png file, got {requested!r}")
+    path = path.resolve()
+    if not path.parent.is_dir():
+        raise ValueError(f"--plot: directory {path.parent} does not exist")
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ValueError(f"--plot: {path} is not writable")
+    return path
 
 
 def _real_schedule(schedule: str, pp: int, microbatches: int, rank: int, vpp: int):
-    # The demo's one megatron import (Megatron-Core's generators), quietened and kept lazy.
-    cpp_logger = logging.getLogger("torch.utils.cpp_extension")
-    level = cpp_logger.level
-    cpp_logger.setLevel(logging.ERROR)  # "No CUDA runtime is found" on CPU-only machines
+    # The demo's one megatron import (Megatron-Core's generators), quietened and kept lazy:
+    # importing megatron logs "No CUDA runtime is found" on CPU-only machines and warns about
+    # missing Transformer Engine / apex, none of which concerns the demo.
+    logging.disable(logging.WARNING)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             from megatron_paging.mcore.schedules import schedule_ops
     finally:
-        cpp_logger.setLevel(level)
+        logging.disable(logging.NOTSET)
     return schedule_ops(schedule, pp, microbatches, rank, vpp)
 
 
@@ -188,10 +227,13 @@ def resolve_layout(args: argparse.Namespace) -> Layout:
     return Layout(schedule, pp, vpp, rank, microbatches, ops, stages, num_stages)
 
 
-def run_demo(args: argparse.Namespace) -> DemoResult:
-    """Both runs and the verdict; raises ValueError naming the flag for a bad combination."""
+def run_demo(args: argparse.Namespace, on_step=None) -> DemoResult:
+    """Both runs, step by step, and the verdict; raises ValueError naming the flag for a bad
+    combination. ``on_step(step, control_outcome, paged_outcome, paged_run)`` is called after
+    every step."""
     device = _resolve_device(args.device)
     backend = _resolve_backend(args.kernel_backend, device)
+    config = paging_config(args, backend)
     if args.topk > args.experts:
         raise ValueError(f"--topk ({args.topk}) must not exceed --experts ({args.experts})")
     layout = resolve_layout(args)
@@ -212,9 +254,14 @@ def run_demo(args: argparse.Namespace) -> DemoResult:
                          args.hidden, device, dtype)
         for s in range(args.steps)
     ]
-    control = train_control(control_chunks, layout.ops, step_inputs, device)
-    paged = train_paged(paged_chunks, layout.ops, step_inputs, device, args, backend)
-    return DemoResult(layout, device, backend, args.overflow_policy, control, paged)
+    control = ControlRun(control_chunks, layout.ops, device)
+    paged = PagedRun(paged_chunks, layout.ops, device, config)
+    for step, inputs in enumerate(step_inputs, 1):
+        control_outcome, paged_outcome = control.step(inputs), paged.step(inputs)
+        if on_step is not None:
+            on_step(step, control_outcome, paged_outcome, paged)
+    return DemoResult(layout, device, backend, args.overflow_policy, control.finish(),
+                      paged.finish())
 
 
 def _kib(nbytes: int) -> str:
@@ -225,26 +272,37 @@ def _loss(loss: torch.Tensor | None) -> str:
     return "-" if loss is None else f"{loss.item():.6f}"
 
 
-def format_table(result: DemoResult) -> str:
-    header = (
-        "step", "action", "overflow", "loss control", "loss paged", "grad norm control",
-        "grad norm paged", "peak held control", "peak held paged", "pages used (peak)",
-        "host spills",
+HEADER = (
+    "step", "action", "overflow", "loss control", "loss paged", "grad norm control",
+    "grad norm paged", "peak held control", "peak held paged", "pages used (peak)",
+    "host spills",
+)
+# Column widths: the header's, or what the cells need (a wider cell widens its own row only).
+WIDTHS = tuple(max(len(h), 9) for h in HEADER)
+
+
+def format_header() -> str:
+    header = " | ".join(h.rjust(w) for h, w in zip(HEADER, WIDTHS, strict=True))
+    return header + "\n" + "-+-".join("-" * w for w in WIDTHS)
+
+
+def format_row(step: int, c, p) -> str:
+    # A skipped step's gradients came from an overflowed run: never applied, not shown.
+    discarded = p.action in ("skipped", "grown")
+    paged_norm = "discarded" if discarded else f"{p.grad_norm:.6f}"
+    cells = (
+        str(step), p.action, "yes" if p.overflow else "no", _loss(c.loss), _loss(p.loss),
+        f"{c.grad_norm:.6f}", paged_norm, _kib(c.peak_bytes), _kib(p.peak_bytes),
+        "-" if p.peak_pages is None else str(p.peak_pages), str(p.host_spills),
     )
-    rows = [header]
+    return " | ".join(cell.rjust(w) for cell, w in zip(cells, WIDTHS, strict=True))
+
+
+def format_table(result: DemoResult) -> str:
+    rows = [format_header()]
     for step, (c, p) in enumerate(zip(result.control.steps, result.paged.steps, strict=True), 1):
-        # A skipped step's gradients came from an overflowed run: never applied, not shown.
-        discarded = p.action in ("skipped", "grown")
-        paged_norm = "discarded" if discarded else f"{p.grad_norm:.6f}"
-        rows.append((
-            str(step), p.action, "yes" if p.overflow else "no", _loss(c.loss), _loss(p.loss),
-            f"{c.grad_norm:.6f}", paged_norm, _kib(c.peak_bytes), _kib(p.peak_bytes),
-            "-" if p.peak_pages is None else str(p.peak_pages), str(p.host_spills),
-        ))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines = [" | ".join(cell.rjust(w) for cell, w in zip(r, widths, strict=True)) for r in rows]
-    lines.insert(1, "-+-".join("-" * w for w in widths))
-    return "\n".join(lines)
+        rows.append(format_row(step, c, p))
+    return "\n".join(rows)
 
 
 def write_plot(result: DemoResult, path: Path) -> None:
@@ -281,26 +339,43 @@ def _pool_line(pools) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the demo, print the table, plot path and parity line; exit code per the contract."""
+    """Run the demo, print each step's row as it finishes, then the plot path and the parity
+    line; exit code per the contract."""
     try:
-        result = run_demo(args)
+        plot = plot_path(args.plot)
+        device = _resolve_device(args.device)
+        backend = _resolve_backend(args.kernel_backend, device)
+        paging_config(args, backend)  # a bad MEGATRON_PAGING_MAX_CTAS stops here, first
+        if args.topk > args.experts:
+            raise ValueError(f"--topk ({args.topk}) must not exceed --experts ({args.experts})")
+        layout = resolve_layout(args)  # imports Megatron-Core's schedule generators
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    layout = result.layout
     vpp = f", vpp {layout.vpp}" if layout.vpp else ""
     print(
         f"TinyMoE demo: schedule {layout.schedule} (pp {layout.pp}{vpp}, "
         f"microbatches {layout.microbatches}), rank {layout.rank} holds stage(s) "
         f"{', '.join(map(str, layout.stages))} of {layout.num_stages}; {len(layout.ops)} ops "
-        f"on {result.device} (kernel backend: {result.backend})"
+        f"on {device} (kernel backend: {backend})",
+        flush=True,
     )
-    print(f"order: {' '.join(map(repr, layout.ops))}")
-    print(f"pools (calibrated in step 1): {_pool_line(result.paged.calibrated_pools)}")
+    print(f"order: {' '.join(map(repr, layout.ops))}", flush=True)
+
+    def on_step(step, control, paged, run):
+        if step == 1:
+            pools = run.rank.result.calibrated_pools
+            print(f"pools (calibrated in step 1): {_pool_line(pools)}")
+            print(format_header())
+        print(format_row(step, control, paged), flush=True)
+
+    try:
+        result = run_demo(args, on_step)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     if result.paged.pools is not result.paged.calibrated_pools:
         print(f"pools (after grow): {_pool_line(result.paged.pools)}")
-    print(format_table(result))
-    plot = Path(args.plot).resolve()
     write_plot(result, plot)
     print(f"plot: {plot}")
     verdict = result.verdict()

@@ -6,12 +6,12 @@ and the cross-entropy loss (scaled by ``1 / microbatches``, as Megatron-Core doe
 neighbour stages would send is synthetic and seeded: the activation a non-first chunk receives,
 and the gradient a non-last chunk receives for its output.
 
-:func:`run_step` follows an op list (:class:`~megatron_paging.pipeline_sim.Op`, from the real
-schedule generators) the way :func:`megatron_paging.pipeline_sim.run_schedule` does: every
-TinyMoE layer is its own autograd island wrapped in ``group_start`` / ``group_commit``, an
-overlapped F+B pair runs layer by layer, the next backward's top slots are prefetched during
-the op before it. TinyMoE computes weight gradients inside its backward, so ``W`` ops have
-nothing to run. Nothing here imports megatron.
+:func:`run_step` follows an op list (:class:`~megatron_paging.schedule.Op`, from the real
+schedule generators) with the op-list driver the simulator uses too: every TinyMoE layer is its
+own autograd island wrapped in ``group_start`` / ``group_commit``, an overlapped F+B pair runs
+layer by layer, the next backward's top slots are prefetched during the op before it. TinyMoE
+computes weight gradients inside its backward, so ``W`` ops have nothing to run. Nothing here
+imports megatron.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from torch import nn
 
 from megatron_paging.demo.model import TinyMoEConfig, TinyMoELayer, init_parameters
 from megatron_paging.paging import PagingContext
-from megatron_paging.pipeline_sim import Op, check_ops, drive_ops
+from megatron_paging.schedule import Op, check_ops, drive_ops
 
 Key = tuple[int, int]  # (chunk, microbatch)
 
@@ -130,7 +130,6 @@ class MarkLedger:
 class StepRun:
     loss: torch.Tensor | None  # sum of the scaled last-stage losses; None without a last stage
     sent_grads: dict[Key, torch.Tensor]  # input gradient each non-first chunk sends upstream
-    unreloaded: int  # records never reloaded (context.finish(); 0 in a complete step)
 
 
 def run_step(
@@ -141,7 +140,8 @@ def run_step(
     ledger: MarkLedger | None = None,
     on_layer: Callable[[], None] | None = None,
 ) -> StepRun:
-    """Run one step's ops; ``on_layer`` is called after every layer forward and backward."""
+    """Run one step's ops (the caller begins and finishes the step on ``context``);
+    ``on_layer`` is called after every layer forward and backward."""
     check_ops(ops)
     ledger = MarkLedger(context) if ledger is None else ledger
     islands: dict[Key, list[tuple[torch.Tensor | None, torch.Tensor]]] = {}
@@ -201,7 +201,7 @@ def run_step(
     if islands:
         raise RuntimeError(f"forwards without a backward: {sorted(islands)}")
     loss = torch.stack(losses).sum() if losses else None
-    return StepRun(loss, sent, context.finish())
+    return StepRun(loss, sent)
 
 
 class SpillCountingBackend:

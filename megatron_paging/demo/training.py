@@ -1,14 +1,16 @@
-"""The demo's two training loops and its verdict.
+"""The demo's two training runs, step by step, and its verdict.
 
-* :func:`train_control` — ``PagingContext(None)`` every step.
-* :func:`train_paged` — step 1 calibrates (the :class:`Calibrator` is the scheduler's parker),
-  then pools sized ``--pool-factor`` / ``--host-pool-factor`` x the calibrated peak serve every
-  later step. Overflow handling follows ``overflow.py``: the flags are reduced once after
-  forward-backward; ``rerun`` reads them right away (Megatron-Core's behaviour) and redoes an
-  overflowing step unpaged before the optimizer step; ``skip`` / ``grow`` give the reduced flag
-  to the optimizer (``DeviceSkip``: the update is dropped on device, no host read) and read the
-  flags only after the step; ``grow`` then builds larger pools for the next step.
+* :class:`ControlRun` — the unpaged control: ``PagingContext(None)`` every step.
+* :class:`PagedRun` — the runtime every driver uses: a :class:`~megatron_paging.engine.PagingEngine`
+  (step 1 calibrates, later steps page through pools sized ``--pool-factor`` /
+  ``--host-pool-factor`` x the calibrated peak) under one
+  :class:`~megatron_paging.paging.PagingContext`. Overflow handling is the config's policy object
+  (:mod:`megatron_paging.overflow`), with this run as its step control: the flags are reduced
+  once after forward-backward; a policy that reads before the optimizer (``rerun``) does so and
+  may redo the step unpaged; the others (``skip``, ``grow``) give the reduced flag to the
+  optimizer (the update is dropped on device, no host read) and read the flags after the step.
 
+Both runs advance one step at a time, so the CLI prints each step's row as it finishes.
 Byte accounting (the table and the plot) reads pool counters on the host after every layer
 forward and backward; it is demo instrumentation, not part of paging.
 """
@@ -20,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_paging.calibration import Calibrator
+from megatron_paging.config import PagingConfig
 from megatron_paging.demo.pipeline import (
     MarkLedger,
     SpillCountingBackend,
@@ -29,11 +31,12 @@ from megatron_paging.demo.pipeline import (
     StepRun,
     run_step,
 )
-from megatron_paging.overflow import DeviceSkip, OverflowMonitor, grow_pools, skip_flag
+from megatron_paging.engine import PagingEngine
+from megatron_paging.optimizer_skip import DeviceSkip
+from megatron_paging.overflow import OverflowMonitor, make_policy, skip_flag
 from megatron_paging.paging import PagingContext
-from megatron_paging.pipeline_sim import Op
 from megatron_paging.pool import PagePools
-from megatron_paging.scheduler import PagingScheduler
+from megatron_paging.schedule import Op
 from megatron_paging.streams import CpuStreamBackend, CudaStreamBackend
 
 LEARNING_RATE = 1e-2
@@ -104,11 +107,13 @@ class _Rank:
     def forward_backward(
         self,
         context: PagingContext,
+        paging: bool,
         inputs: StepInputs,
         measure: Callable[[MarkLedger], tuple[int, int]],
         record: bool = True,
     ) -> tuple[StepRun, int, int]:
-        """One step's ops; returns the run and the peak (bytes, pages) held for backward."""
+        """One step's ops between ``begin_step`` and ``finish``; returns the run and the peak
+        (bytes, pages) held for backward."""
         self.optimizer.zero_grad(set_to_none=True)
         ledger = MarkLedger(context)
         peak = [0, 0]
@@ -121,10 +126,16 @@ class _Rank:
             if record:
                 self.result.timeline.append(held)
 
+        context.begin_step(paging)
         run = run_step(self.chunks, self.ops, context, inputs, ledger, sample)
-        if run.unreloaded:
-            raise RuntimeError(f"{run.unreloaded} paged record(s) were never reloaded")
+        unreloaded = context.finish()
+        if unreloaded:
+            raise RuntimeError(f"{unreloaded} paged record(s) were never reloaded")
         return run, peak[0], peak[1]
+
+    def outcome(self, run: StepRun, peak_bytes: int, **fields) -> StepOutcome:
+        return StepOutcome(loss=run.loss, grads=self.grads(), sent_grads=run.sent_grads,
+                           peak_bytes=peak_bytes, **fields)
 
     def grads(self) -> dict[str, torch.Tensor]:
         return {
@@ -154,7 +165,7 @@ class _Rank:
         return self.result
 
 
-def _unpaged_bytes(ledger: MarkLedger) -> tuple[int, int]:
+def _held(ledger: MarkLedger) -> tuple[int, int]:
     return ledger.held_bytes, 0
 
 
@@ -171,100 +182,101 @@ def _pool_usage(pools: PagePools) -> tuple[int, int]:
     return used_bytes, used_pages
 
 
-def _outcome(rank: _Rank, run: StepRun, peak_bytes: int, **fields) -> StepOutcome:
-    return StepOutcome(loss=run.loss, grads=rank.grads(), sent_grads=run.sent_grads,
-                       peak_bytes=peak_bytes, **fields)
+class ControlRun:
+    """The unpaged control, one step at a time."""
+
+    def __init__(self, chunks, ops, device):
+        self.rank = _Rank(chunks, ops, device)
+        self.context = PagingContext(None)
+
+    def step(self, inputs: StepInputs) -> StepOutcome:
+        run, peak, _ = self.rank.forward_backward(self.context, False, inputs, _held)
+        outcome = self.rank.outcome(run, peak, action="-")
+        self.rank.result.steps.append(outcome)
+        self.rank.optimizer.step()
+        return outcome
+
+    def finish(self) -> RunResult:
+        return self.rank.finish()
 
 
-def train_control(
-    chunks: Sequence[StageChunk],
-    ops: Sequence[Op],
-    step_inputs: Sequence[StepInputs],
-    device: torch.device,
-) -> RunResult:
-    rank = _Rank(chunks, ops, device)
-    for inputs in step_inputs:
-        run, peak, _ = rank.forward_backward(PagingContext(None), inputs, _unpaged_bytes)
-        rank.result.steps.append(_outcome(rank, run, peak, action="-"))
-        rank.optimizer.step()
-    return rank.finish()
+class PagedRun:
+    """The paged run, one step at a time; the overflow policy's :class:`StepControl`."""
 
+    def __init__(self, chunks, ops, device, config: PagingConfig):
+        self.rank = _Rank(chunks, ops, device)
+        streams = CudaStreamBackend(device) if device.type == "cuda" else CpuStreamBackend()
+        self.backend = SpillCountingBackend(streams)
+        self.engine = PagingEngine(config, stream_backend=self.backend)
+        self.context = PagingContext(self.engine)
+        self.monitor = OverflowMonitor(make_policy(config))
+        self._skip: list[torch.Tensor | None] = [None]
+        if not self.monitor.policy.reads_before_optimizer:
+            DeviceSkip(self.rank.optimizer, lambda: self._skip[0])
+        self._inputs: StepInputs | None = None
+        self._run: StepRun | None = None
 
-def _scheduler(backend, pools: PagePools, kernel_backend: str) -> PagingScheduler:
-    return PagingScheduler(backend, pools, kernel_backend=kernel_backend)
-
-
-def train_paged(
-    chunks: Sequence[StageChunk],
-    ops: Sequence[Op],
-    step_inputs: Sequence[StepInputs],
-    device: torch.device,
-    args,
-    kernel_backend: str,
-) -> RunResult:
-    """Calibrate in step 1, page every later step, apply ``args.overflow_policy``."""
-    rank = _Rank(chunks, ops, device)
-    streams = CudaStreamBackend(device) if device.type == "cuda" else CpuStreamBackend()
-    backend = SpillCountingBackend(streams)
-    monitor = OverflowMonitor(args.overflow_policy, growth_factor=args.growth_factor)
-    pending_skip: list[torch.Tensor | None] = [None]
-    DeviceSkip(rank.optimizer, lambda: pending_skip[0])
-
-    # Step 1: no pool yet; the Calibrator parks live rows and measures the peak in flight.
-    calibrator = Calibrator()
-    parking = PagingScheduler(backend, None, parker=calibrator, page_size=args.page_size)
-
-    def parked_bytes(_ledger) -> tuple[int, int]:
-        return sum(k * v for k, v in calibrator.rows_in_flight.items()), 0
-
-    run, peak, _ = rank.forward_backward(PagingContext(parking), step_inputs[0], parked_bytes)
-    rank.result.steps.append(_outcome(rank, run, peak, action="calibrate"))
-    rank.optimizer.step()
-    pools = calibrator.size_pools(
-        args.page_size, args.pool_factor, args.host_pool_factor, device
-    )
-    rank.result.calibrated_pools = pools
-    scheduler = _scheduler(backend, pools, kernel_backend)
-
-    for inputs in step_inputs[1:]:
-        pools.reset()  # every page free, flags clear (allocates nothing)
-        backend.host_spills = 0
-        run, peak, peak_pages = rank.forward_backward(
-            PagingContext(scheduler), inputs, lambda _ledger, pools=pools: _pool_usage(pools)
+    # -- StepControl ------------------------------------------------------------------------
+    def rerun_unpaged(self) -> None:
+        self._run, _, _ = self.rank.forward_backward(
+            self.context, False, self._inputs, _held, record=False
         )
+
+    def grow_pools(self, factor: float) -> None:
+        self.engine.grow(factor)
+
+    # -- one step ---------------------------------------------------------------------------
+    def _measure(self, ledger) -> tuple[int, int]:
+        calibrator = self.engine.calibrator
+        if calibrator is not None:  # calibration: the parked live rows
+            return sum(k * v for k, v in calibrator.rows_in_flight.items()), 0
+        return _pool_usage(self.engine.pools)
+
+    def step(self, inputs: StepInputs) -> StepOutcome:
+        rank, result = self.rank, self.rank.result
+        calibrating = self.engine.pools is None
+        self.backend.host_spills = 0
+        self._inputs = inputs
+        self._run, peak, peak_pages = rank.forward_backward(
+            self.context, True, inputs, self._measure
+        )
+        if calibrating:
+            outcome = rank.outcome(self._run, peak, action="calibrate")
+            result.steps.append(outcome)
+            rank.optimizer.step()
+            result.calibrated_pools = result.pools = self.engine.pools
+            return outcome
+        pools = self.engine.pools
         pages_left = _pool_usage(pools)[1]
-        spills = backend.host_spills
-        reduced = monitor.reduce(pools.flags)  # one collective, no host read
+        spills = self.backend.host_spills
+        reduced = self.monitor.reduce(self.engine.flags)  # one collective, no host read
         state_unchanged = None
-        if monitor.policy == "rerun":
-            decision = monitor.decide(monitor.read(reduced))  # before the optimizer step
-            if decision.action == "rerun":
-                pools.reset()
-                run, _, _ = rank.forward_backward(
-                    PagingContext(None), inputs, _unpaged_bytes, record=False
-                )
-            outcome = _outcome(rank, run, peak, action=ACTIONS[decision.action])
+        if self.monitor.policy.reads_before_optimizer:
+            flags = self.monitor.read(reduced)
+            action = self.monitor.decide(flags, self)  # may rerun the step unpaged
+            outcome = rank.outcome(self._run, peak, action=ACTIONS[action])
             rank.optimizer.step()
         else:
-            outcome = _outcome(rank, run, peak, action="")
+            outcome = rank.outcome(self._run, peak, action="")
             before = rank.state()
-            pending_skip[0] = skip_flag(reduced)
+            self._skip[0] = skip_flag(reduced)
             rank.optimizer.step()  # dropped on device when the reduced flags say so
-            pending_skip[0] = None
-            decision = monitor.decide(monitor.read(reduced))  # deferred: after the step
-            outcome.action = ACTIONS[decision.action]
-            if decision.flags.discard:
+            self._skip[0] = None
+            flags = self.monitor.read(reduced)  # deferred: after the step
+            outcome.action = ACTIONS[self.monitor.decide(flags, self)]
+            if flags.discard:
                 after = rank.state()
                 state_unchanged = all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
-            if decision.action == "grow":
-                pools = grow_pools(pools, monitor.growth_factor)
-                scheduler = _scheduler(backend, pools, kernel_backend)
         outcome.peak_pages, outcome.host_spills = peak_pages, spills
-        outcome.overflow = bool(decision.flags.overflow_ranks)
+        outcome.overflow = bool(flags.overflow_ranks)
         outcome.pages_left, outcome.state_unchanged = pages_left, state_unchanged
-        rank.result.steps.append(outcome)
-    rank.result.pools, rank.result.monitor = pools, monitor
-    return rank.finish()
+        result.steps.append(outcome)
+        result.pools = self.engine.pools
+        return outcome
+
+    def finish(self) -> RunResult:
+        self.rank.result.monitor = self.monitor
+        return self.rank.finish()
 
 
 def compare(step: int, control: StepOutcome, paged: StepOutcome) -> list[str]:
@@ -321,12 +333,12 @@ class DemoResult:
 
 
 __all__ = [
+    "ControlRun",
     "DemoResult",
     "Layout",
+    "PagedRun",
     "RunResult",
     "StepOutcome",
     "Verdict",
     "compare",
-    "train_control",
-    "train_paged",
 ]

@@ -1,87 +1,121 @@
-"""Public entry points of the paging kernels: ``stash`` and ``reload``.
+"""The paging kernels: ``stash`` and ``reload`` over a small registry of backends.
 
-Backends:
+==============  =================================================================  ===========
+backend         what moves the bytes                                               devices
+==============  =================================================================  ===========
+``reference``   pure torch (:mod:`.reference`), the executable specification       cpu, cuda
+``cuda``        the CUDA kernels (``csrc/``), bulk or tile path chosen per record  cuda
+``tile``        the CUDA kernels, CTA-cooperative vector copies forced             cuda
+``bulk``        the CUDA kernels, sm90 bulk-copy pipeline forced                   cuda
+``auto``        ``cuda`` for CUDA pools, ``reference`` otherwise                   cpu, cuda
+==============  =================================================================  ===========
 
-* ``"cuda"`` — the page-tile CUDA C++ kernels (``csrc/``), registered as torch operators
-  ``megatron_paging::stash`` / ``megatron_paging::reload`` and built on first use.
-* ``"reference"`` — the pure-torch specification in :mod:`.reference` (CPU and CUDA).
-* ``"auto"`` (default) — ``cuda`` for CUDA tensors, ``reference`` for CPU tensors.
-
-``MEGATRON_PAGING_MAX_CTAS`` (environment, read once at import, default 2048) bounds the number
-of CTAs a copy kernel launches; it never bounds capacity or copied rows.
+All backends have the same semantics byte for byte (see :mod:`.reference`). Adding one is a
+module with a ``copy(reload, tensor, record, pool, max_ctas)`` function plus one
+:class:`KernelBackend` line in :data:`REGISTRY`.
 """
 
 from __future__ import annotations
 
-import os
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
+from megatron_paging.config import DEFAULT_MAX_CTAS
 from megatron_paging.kernels import reference
 from megatron_paging.pool import PagePool
 from megatron_paging.record import PageRecord
 
-BACKENDS = ("auto", "cuda", "reference")
+
+def _reference_copy(reload, tensor, record, pool, max_ctas):
+    (reference.reload if reload else reference.stash)(tensor, record, pool, max_ctas)
 
 
-def _read_max_ctas() -> int:
-    raw = os.environ.get("MEGATRON_PAGING_MAX_CTAS", "2048")
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value <= 0:
+def _cuda_copy(path: str):
+    def copy(reload, tensor, record, pool, max_ctas):
+        from megatron_paging.kernels import cuda_ops  # builds the extension on first use
+
+        cuda_ops.copy(reload, tensor, record, pool, max_ctas, path)
+
+    return copy
+
+
+def _cuda_prepare(pool: PagePool) -> None:
+    from megatron_paging.kernels import cuda_ops
+
+    cuda_ops.pool_handle(pool)
+
+
+@dataclass(frozen=True)
+class KernelBackend:
+    name: str
+    copy: Callable[[bool, torch.Tensor, PageRecord, PagePool, int], None]
+    device_types: tuple[str, ...]
+    # Per-pool set-up that must happen outside a CUDA-graph capture (None: nothing to do).
+    prepare_pool: Callable[[PagePool], None] | None = None
+
+    def stash(self, src, record, pool, max_ctas: int = DEFAULT_MAX_CTAS) -> None:
+        """Copy the live rows of ``src`` into pages of ``pool``; fill ``record``. No host sync."""
+        self.copy(False, src, record, pool, max_ctas)
+
+    def reload(self, dst, record, pool, max_ctas: int = DEFAULT_MAX_CTAS) -> None:
+        """Copy a stashed record's live rows back into ``dst``; recycle its pages. No sync."""
+        self.copy(True, dst, record, pool, max_ctas)
+
+
+REGISTRY: dict[str, KernelBackend] = {
+    "reference": KernelBackend("reference", _reference_copy, ("cpu", "cuda")),
+    "cuda": KernelBackend("cuda", _cuda_copy("auto"), ("cuda",), _cuda_prepare),
+    "tile": KernelBackend("tile", _cuda_copy("tile"), ("cuda",), _cuda_prepare),
+    "bulk": KernelBackend("bulk", _cuda_copy("bulk"), ("cuda",), _cuda_prepare),
+}
+
+
+def _resolve(name: str, device_type: str) -> KernelBackend:
+    if name == "auto":
+        name = "cuda" if device_type == "cuda" else "reference"
+    backend = REGISTRY.get(name)
+    if backend is None:
         raise ValueError(
-            f"MEGATRON_PAGING_MAX_CTAS must be a positive integer (it bounds the copy kernels' "
-            f"grid), got {raw!r}"
+            f"paging kernel backend must be one of {('auto', *REGISTRY)}, got {name!r}"
         )
-    return value
-
-
-MAX_CTAS = _read_max_ctas()
-
-
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """The concrete backend (``cuda`` or ``reference``) for tensors on ``device``."""
-    if backend not in BACKENDS:
-        raise ValueError(f"paging kernel backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        return "cuda" if device.type == "cuda" else "reference"
-    if backend == "cuda" and device.type != "cuda":
-        raise ValueError(f"paging kernel backend 'cuda' needs CUDA tensors, got {device}")
+    if device_type not in backend.device_types:
+        raise ValueError(
+            f"paging kernel backend {name!r} runs on {'/'.join(backend.device_types)} tensors, "
+            f"got {device_type}"
+        )
     return backend
 
 
-def stash(
-    src: torch.Tensor,
-    record: PageRecord,
-    pool: PagePool,
-    backend: str = "auto",
-    max_ctas: int | None = None,
-) -> None:
+def resolve_backend(name: str, device: torch.device) -> KernelBackend:
+    """The concrete backend for tensors on ``device`` (``auto`` resolved)."""
+    return _resolve(name, torch.device(device).type)
+
+
+def stash(src, record: PageRecord, pool: PagePool, backend: str = "auto",
+          max_ctas: int | None = None) -> None:
     """Copy the live rows of ``src`` into pages of ``pool``; fill ``record``. No host sync."""
-    if resolve_backend(backend, pool.device) == "reference":
-        reference.stash(src, record, pool)
-        return
-    from megatron_paging.kernels import cuda_ops
-
-    cuda_ops.stash(src, record, pool, MAX_CTAS if max_ctas is None else max_ctas)
+    resolve_backend(backend, pool.device).copy(
+        False, src, record, pool, DEFAULT_MAX_CTAS if max_ctas is None else max_ctas
+    )
 
 
-def reload(
-    dst: torch.Tensor,
-    record: PageRecord,
-    pool: PagePool,
-    backend: str = "auto",
-    max_ctas: int | None = None,
-) -> None:
+def reload(dst, record: PageRecord, pool: PagePool, backend: str = "auto",
+           max_ctas: int | None = None) -> None:
     """Copy a stashed record's live rows back into ``dst``; recycle its pages. No host sync."""
-    if resolve_backend(backend, pool.device) == "reference":
-        reference.reload(dst, record, pool)
-        return
-    from megatron_paging.kernels import cuda_ops
-
-    cuda_ops.reload(dst, record, pool, MAX_CTAS if max_ctas is None else max_ctas)
+    resolve_backend(backend, pool.device).copy(
+        True, dst, record, pool, DEFAULT_MAX_CTAS if max_ctas is None else max_ctas
+    )
 
 
-__all__ = ["BACKENDS", "MAX_CTAS", "reload", "resolve_backend", "stash"]
+def prepare(pools, backend: str = "auto") -> None:
+    """Whatever a backend must set up per pool before a CUDA-graph capture (CUDA: handles)."""
+    for pool in pools:
+        prepare_pool = resolve_backend(backend, pool.device).prepare_pool
+        if prepare_pool is not None:
+            prepare_pool(pool)
+
+
+__all__ = ["REGISTRY", "KernelBackend", "prepare", "reload", "resolve_backend",
+           "stash"]

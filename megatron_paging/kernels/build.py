@@ -1,8 +1,9 @@
-"""JIT build of the page-tile CUDA kernels (``csrc/``) with ``torch.utils.cpp_extension``.
+"""JIT build of the CUDA paging kernels (``csrc/``) with ``torch.utils.cpp_extension``.
 
-The extension registers the torch operators ``megatron_paging::stash`` / ``::reload`` when it is
-loaded. It is built with ninja into :func:`megatron_paging.env.extension_cache_dir`, one folder
-per target architecture, and rebuilt only when a source or flag changes.
+The extension registers the torch operator ``megatron_paging::copy`` and the handle classes
+``torch.classes.megatron_paging.Pool`` / ``Layout`` when it is loaded. It is built with ninja
+into :func:`megatron_paging.env.extension_cache_dir`, one folder per target architecture, and
+rebuilt only when a source, a header or a flag changes.
 
 ``python -m megatron_paging.kernels.build --arch 9.0 --verbose`` compiles for sm_90 without a GPU
 and prints where the shared library is.
@@ -11,6 +12,7 @@ and prints where the shared library is.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import shutil
 import sys
@@ -22,7 +24,8 @@ from megatron_paging.env import extension_cache_dir
 
 EXTENSION_NAME = "megatron_paging_kernels"
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (CSRC / "paging_kernels.cu", CSRC / "paging_ops.cpp")
+SOURCES = (CSRC / "paging_tile.cu", CSRC / "paging_bulk.cu", CSRC / "paging_ops.cpp")
+HEADERS = (CSRC / "paging.h", CSRC / "paging_device.cuh")
 _DEFAULT_CUDA_HOME = "/usr/local/cuda"
 
 
@@ -98,10 +101,18 @@ def _check_toolchain() -> Path:
     return cuda_home
 
 
+def _headers_digest() -> str:
+    digest = hashlib.sha256()
+    for header in HEADERS:
+        digest.update(header.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def load(arch: str | None = None, verbose: bool = False) -> Path:
     """Build (if needed) and load the extension; return the path of the shared library.
 
-    Loading registers ``torch.ops.megatron_paging.stash`` / ``reload``; it needs no GPU.
+    Loading registers ``torch.ops.megatron_paging.copy`` and the handle classes; it needs no
+    GPU.
     """
     arch = resolve_arch(arch)
     _check_toolchain()
@@ -117,13 +128,16 @@ def load(arch: str | None = None, verbose: bool = False) -> Path:
             # Our own -gencode keeps torch from adding its arch list and makes the arch part
             # of the flags that decide whether a cached build is reused.
             extra_cuda_cflags=[
+                # torch decides whether a cached build is current from the sources and flags
+                # only: the headers' digest in the flags makes a header edit rebuild too.
+                f"-DMEGATRON_PAGING_HEADERS={_headers_digest()}",
                 "-O3",
                 "-lineinfo",
                 "-std=c++17",
                 f"-gencode=arch=compute_{cc},code=sm_{cc}",
                 f"-gencode=arch=compute_{cc},code=compute_{cc}",
             ],
-            extra_cflags=["-O2", "-std=c++17"],
+            extra_cflags=["-O2", "-std=c++17", f"-DMEGATRON_PAGING_HEADERS={_headers_digest()}"],
             build_directory=str(build_dir),
             is_python_module=False,
             verbose=verbose,

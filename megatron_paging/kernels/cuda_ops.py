@@ -1,16 +1,24 @@
-"""Thin wrapper over the page-tile CUDA kernels (``torch.ops.megatron_paging.stash/reload``).
+"""Thin wrapper over the CUDA paging kernels (``csrc/``): handles, the path rule, one op call.
 
-Argument checks are the reference's (:func:`reference.check_args`) plus what the kernels need:
-CUDA tensors and a positive ``max_ctas``. The extension is built and loaded on first use.
+The extension (built and loaded on first use) provides ``torch.ops.megatron_paging.copy`` and
+two handle classes. A pool's handle (its tensors' device pointers, the host tier's mapped
+address) and a record layout's handle (its segment table) are made once and cached on the
+pool / layout object, so a launch passes five tensors-or-handles and three ints. Make pool
+handles before a CUDA-graph capture (:func:`prepare`; the engine does it when it sizes pools).
+
+Path rule (:func:`choose_path`), per record, from host-static facts only:
+
+* ``bulk`` (sm90 ``cp.async.bulk`` pipeline) when the GPU is sm90 or newer, ``row_bytes`` is a
+  multiple of 16, the user buffer is 16-byte aligned, and the record's capacity is at least
+  :data:`BULK_MIN_CAPACITY_BYTES` (smaller launches cannot amortize the pipeline's set-up);
+* ``tile`` (CTA-cooperative vector copies) otherwise.
+
+Inside a bulk launch, tiles of the pinned host tier and the zero fill after an overflow still
+move cooperatively (bulk copies are not used on mapped host memory).
 
 Each pool carries a one-int32 completion counter (``pool.kernel_done_counter``) that the
 kernels' last CTA uses to commit freelist counters and flags; it is 0 between launches. All
 stashes and reloads of one pool must be ordered on one stream (the freelists need that anyway).
-
-Hot path: the operator overloads are resolved once; the record's segment tuples go to the
-operator as they are (an ``int[]`` argument takes a tuple), and the pool's tensors are the
-pool's own cached views. Per call the wrapper makes at most the byte view of ``src``/``dst``
-(none when it already is ``[capacity_rows, row_bytes]`` uint8).
 """
 
 from __future__ import annotations
@@ -19,66 +27,109 @@ import functools
 
 import torch
 
-from megatron_paging.kernels import reference
-from megatron_paging.pool import PagePool
-from megatron_paging.record import PageRecord
+from megatron_paging.kernels.checks import check_args
+from megatron_paging.pool import PagePool, PagePools
+from megatron_paging.record import PageRecord, RecordLayout
+
+TILE, BULK = 0, 1
+# "bulk-16k" / "bulk-8k": the bulk pipeline with smaller tiles and more stages (same shared
+# memory), reachable here for the kernel benchmark's comparison (docs/kernels.md).
+PATHS = {"tile": TILE, "bulk": BULK, "bulk-16k": 2, "bulk-8k": 3}
+# Below this capacity a launch is too short for the bulk pipeline to pay (measured, see
+# docs/kernels.md): the tile path takes it.
+BULK_MIN_CAPACITY_BYTES = 1 << 20
+BULK_ALIGN = 16
 
 
 @functools.cache
-def _ops():
-    """The ``(stash, reload)`` operator overloads, built and loaded on first use."""
+def _library():
+    """``(copy op, handle classes)``, building and loading the extension on first use."""
     try:
-        ops = torch.ops.megatron_paging
-        return ops.stash.default, ops.reload.default
+        return torch.ops.megatron_paging.copy.default, torch.classes.megatron_paging
     except (AttributeError, RuntimeError):
         from megatron_paging.kernels import build
 
         build.load()
-        ops = torch.ops.megatron_paging
-        return ops.stash.default, ops.reload.default
+        return torch.ops.megatron_paging.copy.default, torch.classes.megatron_paging
 
 
-def _check(t: torch.Tensor, record: PageRecord, pool: PagePool, max_ctas: int, what: str):
-    if pool.device.type != "cuda":
-        raise ValueError(f"the CUDA paging kernels need a CUDA pool, got one on {pool.device}")
+@functools.cache
+def bulk_supported(device_index: int) -> bool:
+    """Whether the bulk path runs on CUDA device ``device_index`` (sm90 or newer)."""
+    _library()
+    return bool(torch.ops.megatron_paging.bulk_supported(device_index))
+
+
+def pool_handle(pool: PagePool):
+    """The pool's kernel handle, made on first use (never during a capture: see prepare())."""
+    handle = pool.kernel_handle
+    if handle is None:
+        if pool.device.type != "cuda":
+            raise ValueError(f"the CUDA paging kernels need a CUDA pool, got one on {pool.device}")
+        handle = pool.kernel_handle = _library()[1].Pool(
+            pool.cuda_pages, pool.host_pages, pool.free_list_cuda, pool.free_list_host,
+            pool.free_list_head, pool.free_list_tail, pool.free_list_capacity,
+            pool.flags.values, pool.kernel_done_counter, pool.page_size, pool.row_bytes,
+        )
+    return handle
+
+
+def layout_handle(layout: RecordLayout):
+    handle = layout.kernel_handle
+    if handle is None:
+        handle = layout.kernel_handle = _library()[1].Layout(
+            layout.capacity_rows, layout.row_bytes, layout.page_size,
+            list(layout.segment_starts), list(layout.segment_rows), list(layout.slot_offsets),
+        )
+    return handle
+
+
+def prepare(pools: PagePools) -> None:
+    """Make every pool's handle now (outside any capture: it asks CUDA about host memory)."""
+    for pool in pools:
+        if pool.device.type == "cuda":
+            pool_handle(pool)
+
+
+def choose_path(tensor: torch.Tensor, record: PageRecord, requested: str = "auto") -> int:
+    """The copy path for one launch (see the module docstring); ``requested`` forces one."""
+    if requested == "tile":
+        return TILE
+    device_index = tensor.device.index
+    if requested != "auto":
+        if requested not in PATHS:
+            raise ValueError(
+                f"copy path must be 'auto' or one of {tuple(PATHS)}, got {requested!r}"
+            )
+        if not bulk_supported(device_index):
+            raise ValueError(
+                f"the bulk copy path needs an sm90 (Hopper) or newer GPU; cuda:{device_index} "
+                "is older (use kernel backend 'tile' or 'cuda')"
+            )
+        return PATHS[requested]
+    layout = record.layout
+    if (
+        layout.row_bytes % BULK_ALIGN == 0
+        and layout.capacity_rows * layout.row_bytes >= BULK_MIN_CAPACITY_BYTES
+        and tensor.data_ptr() % BULK_ALIGN == 0
+        and bulk_supported(device_index)
+    ):
+        return BULK
+    return TILE
+
+
+def copy(reload: bool, tensor, record: PageRecord, pool: PagePool, max_ctas: int,
+         path: str = "auto") -> None:
+    """One stash (``reload=False``) or reload of ``record`` through ``pool`` (one launch)."""
+    check_args(tensor, record, pool, "reload destination" if reload else "stash source")
     if isinstance(max_ctas, bool) or not isinstance(max_ctas, int) or max_ctas <= 0:
         raise ValueError(f"max_ctas must be a positive integer, got {max_ctas!r}")
-    return reference.check_args(t, record, pool, what)
+    op = _library()[0]
+    # The user buffer goes as it is (any dtype): the operator checks its byte size.
+    op(tensor, pool_handle(pool), layout_handle(record.layout), record.live_rows,
+       record.page_record, record.spilled_to_host, reload, choose_path(tensor, record, path),
+       max_ctas)
 
 
-def _call(op, rows: torch.Tensor, record: PageRecord, pool: PagePool, max_ctas: int) -> None:
-    # ``rows`` is a dtype view (never requires grad): the copy is bytes moving under autograd's
-    # feet, never part of a graph.
-    op(
-        rows,
-        pool.cuda_pages,
-        pool.host_pages,
-        record.live_rows,
-        pool.free_list_cuda,
-        pool.free_list_host,
-        pool.free_list_head,
-        pool.free_list_tail,
-        pool.free_list_capacity,
-        record.page_record,
-        record.spilled_to_host,
-        pool.flags.values,
-        pool.kernel_done_counter,
-        record.segment_starts,
-        record.segment_rows,
-        record.slot_offsets,
-        record.page_size,
-        record.row_bytes,
-        max_ctas,
-    )
-
-
-def stash(src: torch.Tensor, record: PageRecord, pool: PagePool, max_ctas: int) -> None:
-    """Copy the live rows of ``src`` into pages of ``pool`` and fill ``record`` (one launch)."""
-    src_rows = _check(src, record, pool, max_ctas, "stash source")
-    _call(_ops()[0], src_rows, record, pool, max_ctas)
-
-
-def reload(dst: torch.Tensor, record: PageRecord, pool: PagePool, max_ctas: int) -> None:
-    """Copy a stashed record's live rows back into ``dst`` and recycle its pages (one launch)."""
-    dst_rows = _check(dst, record, pool, max_ctas, "reload destination")
-    _call(_ops()[1], dst_rows, record, pool, max_ctas)
+__all__ = ["BULK", "BULK_MIN_CAPACITY_BYTES", "PATHS", "TILE", "bulk_supported", "choose_path",
+           "copy", "layout_handle", "pool_handle", "prepare"]

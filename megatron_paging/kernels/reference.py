@@ -33,51 +33,13 @@ from __future__ import annotations
 
 import torch
 
+from megatron_paging.kernels.checks import as_rows, check_args
 from megatron_paging.pool import DEVICE_TIER, HOST_TIER, PagePool
 from megatron_paging.record import PageRecord
 
 
-def as_rows(t: torch.Tensor, rows: int, row_bytes: int, what: str) -> torch.Tensor:
-    """View a contiguous tensor of any dtype as ``[rows, row_bytes]`` bytes.
-
-    Hot path: attribute reads only for the checks, and at most two views (none for a tensor
-    that already is ``[rows, row_bytes]`` uint8). A dtype view never requires grad.
-    """
-    if not t.is_contiguous():
-        raise ValueError(f"{what} must be contiguous (got strides {tuple(t.stride())})")
-    if t.nbytes != rows * row_bytes:
-        raise ValueError(
-            f"{what} holds {t.nbytes} bytes ({tuple(t.shape)} {t.dtype}) but the record needs "
-            f"{rows} rows x {row_bytes} bytes = {rows * row_bytes}"
-        )
-    shape = t.shape
-    if t.dtype is not torch.uint8:
-        if not shape:
-            t = t.reshape(1)  # a 0-d tensor cannot change dtype
-        t = t.view(torch.uint8)
-        shape = t.shape
-    if len(shape) == 2 and shape[0] == rows:
-        return t
-    return t.view(rows, row_bytes)
-
-
-def check_args(t: torch.Tensor, record: PageRecord, pool: PagePool, what: str) -> torch.Tensor:
-    """Host-side (static) argument checks shared by every backend; returns the byte view."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{what} must be a tensor, got {type(t).__name__}")
-    device = pool.device
-    if t.device != device:
-        raise ValueError(f"{what} is on {t.device} but the pool is on {device}")
-    if record.live_rows.device != device:
-        raise ValueError(f"record.live_rows is on {record.device} but the pool is on {device}")
-    if record.row_bytes != pool.row_bytes:
-        raise ValueError(
-            f"record row_bytes={record.row_bytes} does not match the pool's {pool.row_bytes}"
-        )
-    if record.page_size != pool.page_size:
-        raise ValueError(
-            f"record page_size={record.page_size} does not match the pool's {pool.page_size}"
-        )
+def _byte_rows(t: torch.Tensor, record: PageRecord, pool: PagePool, what: str) -> torch.Tensor:
+    check_args(t, record, pool, what)
     return as_rows(t, record.capacity_rows, record.row_bytes, what)
 
 
@@ -133,9 +95,12 @@ def _host_index(index: torch.Tensor, pool: PagePool) -> torch.Tensor:
     return index.cpu() if pool.device.type != "cpu" else index
 
 
-def stash(src: torch.Tensor, record: PageRecord, pool: PagePool) -> None:
-    """Copy the live rows of ``src`` into pages of ``pool`` and fill ``record`` (see module doc)."""
-    src_rows = check_args(src, record, pool, "stash source")
+def stash(src: torch.Tensor, record: PageRecord, pool: PagePool, max_ctas: int = 0) -> None:
+    """Copy the live rows of ``src`` into pages of ``pool`` and fill ``record`` (see module doc).
+
+    ``max_ctas`` is the kernel backends' common signature; a pure-torch copy has no grid.
+    """
+    src_rows = _byte_rows(src, record, pool, "stash source")
     flags = pool.flags
     record.page_record.zero_()
     record.spilled_to_host.zero_()
@@ -183,9 +148,12 @@ def stash(src: torch.Tensor, record: PageRecord, pool: PagePool) -> None:
     flags.invalid_live.bitwise_or_(invalid.to(torch.int64))
 
 
-def reload(dst: torch.Tensor, record: PageRecord, pool: PagePool) -> None:
-    """Copy a stashed record's live rows back into ``dst`` and return its pages to the ring."""
-    dst_rows = check_args(dst, record, pool, "reload destination")
+def reload(dst: torch.Tensor, record: PageRecord, pool: PagePool, max_ctas: int = 0) -> None:
+    """Copy a stashed record's live rows back into ``dst`` and return its pages to the ring.
+
+    ``max_ctas`` is ignored, as in :func:`stash`.
+    """
+    dst_rows = _byte_rows(dst, record, pool, "reload destination")
     flags = pool.flags
     live, pages, prefix, required, _ = _plan(record)
     from_host = record.spilled_to_host[0] == 1

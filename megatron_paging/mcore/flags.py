@@ -1,4 +1,5 @@
-"""Command-line flags for Megatron's ``extra_args_provider`` and their start-up validation.
+"""Command-line flags for Megatron's ``extra_args_provider``, and the one place they become a
+:class:`~megatron_paging.config.PagingConfig`.
 
 Megatron-Core 0.19.2 already defines (from ``TransformerConfig`` fields) and we keep, unchanged:
 ``--moe-paged-stash``, ``--moe-paged-stash-page-size`` (64),
@@ -12,23 +13,34 @@ flag                            default   meaning
 ``--paging-max-ctas``           None      grid bound of the copy kernels (None: the
                                           ``MEGATRON_PAGING_MAX_CTAS`` environment, else 2048)
 ``--paging-prefetch-distance``  1         reload this many later-backward layers ahead
+``--paging-no-overlap``         off       stash/reload on the compute stream (the no-overlap
+                                          control of benchmarks)
 ``--paging-overflow-policy``    rerun     ``rerun`` | ``skip`` | ``grow`` (see overflow.py)
-``--paging-kernel-backend``     auto      ``auto`` | ``cuda`` | ``reference``
+``--paging-growth-factor``      1.5       device-tier multiplier of ``grow``
+``--paging-kernel-backend``     auto      ``auto`` | ``cuda`` | ``tile`` | ``bulk`` |
+                                          ``reference`` (see megatron_paging.kernels)
 ``--paging-gemm-backend``       auto      PagedGroupedMLP GEMMs: ``auto`` | ``grouped`` |
                                           ``loop``
 ``--paging-implementation``     ours      ``ours`` | ``mcore``: page through megatron-paging,
                                           or through Megatron-Core's own manager and Triton
                                           kernels (the benchmark baseline; same model)
+``--paging-core-attention``     sdpa      ``sdpa`` (fused SDPAttention) | ``local`` (Megatron's
+                                          unfused DotProductAttention)
+``--paging-sdpa-backend``       auto      SDPAttention's pinned SDPA backend: ``auto`` |
+                                          ``flash`` | ``efficient`` | ``cudnn`` | ``math``
 ==============================  ========  ===================================================
 
 It also adds ``static`` to the choices of Megatron's ``--moe-flex-dispatcher-backend`` (our
 sync-free dispatch backend, :mod:`.dispatcher`).
 
-:func:`validate_paging_args` raises one ``ValueError`` naming the offending flags for every
-meaningless or conflicting combination, before any model is built: ``--paging-*`` flags other
-than ``--paging-gemm-backend`` need ``--moe-paged-stash`` (the GEMM backend also selects the
-unpaged control's GEMMs); ``--paging-implementation mcore`` rejects the flags only our engine
-and runner read (kernel backend, prefetch distance, max CTAs, overflow policy).
+:func:`paging_config` validates everything once and raises one ``ValueError`` naming the
+offending flags for every meaningless or conflicting combination, before any model is built:
+``--paging-*`` flags other than ``--paging-gemm-backend``, ``--paging-core-attention`` and
+``--paging-sdpa-backend`` need ``--moe-paged-stash`` (those three also build the unpaged
+control's model); ``--paging-sdpa-backend`` needs ``--paging-core-attention sdpa``, and its
+``cudnn`` is refused with ``--deterministic-mode``; ``--paging-implementation mcore`` rejects the
+flags only our engine and runner read; Megatron features that cannot run with paging (per-layer
+CUDA graphs) are refused by name.
 """
 
 from __future__ import annotations
@@ -37,22 +49,30 @@ import argparse
 import math
 import os
 
-from megatron_paging.kernels import BACKENDS as KERNEL_BACKENDS
+from megatron_paging.config import (
+    MAX_CTAS_ENV,
+    ConfigError,
+    PagingConfig,
+    kernel_backend_choices,
+    max_ctas_from_env,
+    overflow_policy_choices,
+)
+from megatron_paging.kernels import REGISTRY
+from megatron_paging.mcore.attention import CORE_ATTENTIONS, SDPA_BACKENDS
 from megatron_paging.mcore.dispatcher import STATIC_BACKEND
 from megatron_paging.mcore.experts import GEMM_BACKENDS
-from megatron_paging.overflow import POLICIES
-
-MAX_CTAS_ENV = "MEGATRON_PAGING_MAX_CTAS"
 
 # Megatron-Core's own flags (added only when the parser lacks them): flag -> add_argument kwargs.
 MCORE_FLAGS = {
     "--moe-paged-stash": dict(action="store_true", help="page routed-expert activations"),
     "--moe-paged-stash-page-size": dict(type=int, default=64, help="rows per page"),
     "--moe-paged-stash-buffer-size-factor-cuda": dict(
-        type=float, default=1.10, help="CUDA tier size = |factor| x calibrated peak rows"
+        type=float, default=1.10,
+        help="CUDA tier size = |factor| x calibrated peak rows (positive: average-token peak, "
+        "negative: measured peak)",
     ),
     "--moe-paged-stash-buffer-size-factor-cpu": dict(
-        type=float, default=0.0, help="pinned host tier size = |factor| x peak (0: none)"
+        type=float, default=0.0, help="pinned host tier size, same convention (0: none)"
     ),
     "--moe-expert-rank-capacity-factor": dict(
         type=float, default=None, help="static per-rank permuted-token budget factor"
@@ -63,21 +83,41 @@ MCORE_FLAGS = {
 PAGING_DEFAULTS = {
     "paging_max_ctas": None,
     "paging_prefetch_distance": 1,
+    "paging_no_overlap": False,
     "paging_overflow_policy": "rerun",
+    "paging_growth_factor": 1.5,
     "paging_kernel_backend": "auto",
     "paging_gemm_backend": "auto",
     "paging_implementation": "ours",
+    "paging_core_attention": "sdpa",
+    "paging_sdpa_backend": "auto",
 }
 IMPLEMENTATIONS = ("ours", "mcore")
-# Flags that also act without --moe-paged-stash (the GEMMs of the unpaged control run).
-WITHOUT_PAGING = ("paging_gemm_backend",)
+# Flags that also act without --moe-paged-stash (they build the unpaged control's model too).
+WITHOUT_PAGING = ("paging_gemm_backend", "paging_core_attention", "paging_sdpa_backend")
 # Flags of our engine and runner; Megatron-Core's own manager (`mcore`) ignores them.
 OURS_ONLY = (
     "paging_kernel_backend",
     "paging_prefetch_distance",
+    "paging_no_overlap",
     "paging_max_ctas",
     "paging_overflow_policy",
+    "paging_growth_factor",
 )
+# PagingConfig field -> the flag that sets it (errors name the flag).
+FLAG_OF_FIELD = {
+    "page_size": "--moe-paged-stash-page-size",
+    "cuda_factor": "--moe-paged-stash-buffer-size-factor-cuda",
+    "host_factor": "--moe-paged-stash-buffer-size-factor-cpu",
+    "kernel_backend": "--paging-kernel-backend",
+    "max_ctas": "--paging-max-ctas",
+    "prefetch_distance": "--paging-prefetch-distance",
+    "overlap": "--paging-no-overlap",
+    "overflow_policy": "--paging-overflow-policy",
+    "growth_factor": "--paging-growth-factor",
+}
+# Megatron's CUDA-graph modes that cannot capture paging (full_iteration can).
+UNSUPPORTED_GRAPH_IMPLS = ("local", "transformer_engine")
 
 
 def _option(parser: argparse.ArgumentParser, flag: str):
@@ -118,16 +158,28 @@ def add_paging_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="reload this many later-backward layers together with the current one",
     )
     group.add_argument(
+        "--paging-no-overlap",
+        action="store_true",
+        help="run stash and reload on the compute stream (no-overlap control)",
+    )
+    group.add_argument(
         "--paging-overflow-policy",
-        choices=POLICIES,
+        choices=overflow_policy_choices(),
         default=PAGING_DEFAULTS["paging_overflow_policy"],
         help="what a step whose pages overflowed does",
     )
     group.add_argument(
+        "--paging-growth-factor",
+        type=float,
+        default=PAGING_DEFAULTS["paging_growth_factor"],
+        help="device-tier multiplier of --paging-overflow-policy grow",
+    )
+    group.add_argument(
         "--paging-kernel-backend",
-        choices=KERNEL_BACKENDS,
+        choices=kernel_backend_choices(),
         default=PAGING_DEFAULTS["paging_kernel_backend"],
-        help="stash/reload kernels: CUDA extension, pure-torch reference, or auto",
+        help="stash/reload kernels: CUDA (bulk or tile path per record), one path forced, "
+        "pure-torch reference, or auto",
     )
     group.add_argument(
         "--paging-gemm-backend",
@@ -141,17 +193,27 @@ def add_paging_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=PAGING_DEFAULTS["paging_implementation"],
         help="page through megatron-paging (ours) or Megatron-Core's own manager (mcore)",
     )
+    group.add_argument(
+        "--paging-core-attention",
+        choices=CORE_ATTENTIONS,
+        default=PAGING_DEFAULTS["paging_core_attention"],
+        help="core attention of the local spec: fused torch SDPA (sdpa, no [b, heads, s, s] "
+        "activations) or Megatron's unfused DotProductAttention (local)",
+    )
+    group.add_argument(
+        "--paging-sdpa-backend",
+        choices=SDPA_BACKENDS,
+        default=PAGING_DEFAULTS["paging_sdpa_backend"],
+        help="SDPA backend pinned by --paging-core-attention sdpa (auto: flash on CUDA "
+        "fp16/bf16, efficient on CUDA fp32, math on CPU; cudnn is refused with "
+        "--deterministic-mode)",
+    )
     return parser
 
 
-def _finite(name: str, value) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    return float(value)
-
-
-def validate_paging_args(args, environ=None, cuda_available: bool | None = None) -> None:
-    """Raise ``ValueError`` (one message naming the flags) for a meaningless combination."""
+def paging_config(args, environ=None, cuda_available: bool | None = None) -> PagingConfig:
+    """The run's :class:`PagingConfig` from ``args``; one ``ValueError`` naming the flags (or the
+    environment variable) for a bad value or a meaningless combination."""
     environ = os.environ if environ is None else environ
     if cuda_available is None:
         import torch
@@ -174,6 +236,7 @@ def validate_paging_args(args, environ=None, cuda_available: bool | None = None)
                 "(Megatron-Core's own paged-stash manager, kernels and step runner)"
             )
 
+    _check_core_attention(args)
     backend = getattr(args, "moe_flex_dispatcher_backend", None)
     if backend == STATIC_BACKEND and getattr(args, "moe_token_dispatcher_type", None) != "flex":
         raise ValueError(
@@ -181,62 +244,90 @@ def validate_paging_args(args, environ=None, cuda_available: bool | None = None)
             f"flex (got {getattr(args, 'moe_token_dispatcher_type', None)!r})"
         )
     if not paged:
-        return
-
-    page_size = args.moe_paged_stash_page_size
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
-        raise ValueError(f"--moe-paged-stash-page-size must be a positive integer, got {page_size}")
-    cuda_factor = _finite(
-        "--moe-paged-stash-buffer-size-factor-cuda", args.moe_paged_stash_buffer_size_factor_cuda
-    )
-    if cuda_factor == 0:
-        raise ValueError(
-            "--moe-paged-stash-buffer-size-factor-cuda must be non-zero (it sizes the CUDA "
-            "page tier from the calibrated peak; the sign is Megatron-Core's and ignored here)"
+        return PagingConfig()  # nothing pages: the environment is not read
+    try:
+        env_max_ctas = max_ctas_from_env(environ)
+        _check_megatron_combinations(args)
+        max_ctas = args.paging_max_ctas
+        if max_ctas is not None and env_max_ctas is not None and env_max_ctas != max_ctas:
+            raise ValueError(
+                f"--paging-max-ctas {max_ctas} conflicts with {MAX_CTAS_ENV}="
+                f"{environ[MAX_CTAS_ENV]}; set one of them"
+            )
+        config = PagingConfig(
+            page_size=args.moe_paged_stash_page_size,
+            cuda_factor=args.moe_paged_stash_buffer_size_factor_cuda,
+            host_factor=args.moe_paged_stash_buffer_size_factor_cpu,
+            kernel_backend=args.paging_kernel_backend,
+            max_ctas=env_max_ctas if max_ctas is None else max_ctas,
+            prefetch_distance=args.paging_prefetch_distance,
+            overlap=not args.paging_no_overlap,
+            overflow_policy=args.paging_overflow_policy,
+            growth_factor=args.paging_growth_factor,
         )
-    _finite("--moe-paged-stash-buffer-size-factor-cpu", args.moe_paged_stash_buffer_size_factor_cpu)
+    except ConfigError as error:
+        raise ConfigError(*_flag_words(error)) from None
+    backend = REGISTRY.get(config.kernel_backend)
+    if backend is not None and "cpu" not in backend.device_types and not cuda_available:
+        raise ValueError(
+            f"--paging-kernel-backend {config.kernel_backend} needs a CUDA device (none is "
+            "available)"
+        )
+    return config
+
+
+def _flag_words(error: ConfigError) -> tuple[str, str]:
+    return FLAG_OF_FIELD.get(error.field, error.field), error.problem
+
+
+def _check_core_attention(args) -> None:
+    core = getattr(args, "paging_core_attention", PAGING_DEFAULTS["paging_core_attention"])
+    sdpa = getattr(args, "paging_sdpa_backend", PAGING_DEFAULTS["paging_sdpa_backend"])
+    if core != "sdpa" and sdpa != PAGING_DEFAULTS["paging_sdpa_backend"]:
+        raise ValueError(f"--paging-sdpa-backend {sdpa} needs --paging-core-attention sdpa")
+    if core == "sdpa" and sdpa == "cudnn" and getattr(args, "deterministic_mode", False):
+        raise ValueError(
+            "--paging-sdpa-backend cudnn is not deterministic (PyTorch excludes cuDNN attention "
+            "under --deterministic-mode); use auto or flash"
+        )
+
+
+def _check_megatron_combinations(args) -> None:
+    """Megatron features that cannot run with paging, refused by name."""
     rank_factor = getattr(args, "moe_expert_rank_capacity_factor", None)
     if rank_factor is None:
         raise ValueError(
             "--moe-paged-stash needs --moe-expert-rank-capacity-factor (the static expert "
             "capacity that paging shrinks to live rows)"
         )
-    if _finite("--moe-expert-rank-capacity-factor", rank_factor) <= 0:
+    if (
+        isinstance(rank_factor, bool)
+        or not isinstance(rank_factor, (int, float))
+        or not math.isfinite(rank_factor)
+        or rank_factor <= 0
+    ):
         raise ValueError(f"--moe-expert-rank-capacity-factor must be > 0, got {rank_factor}")
-
-    max_ctas = args.paging_max_ctas
-    if max_ctas is not None:
-        if max_ctas <= 0:
-            raise ValueError(f"--paging-max-ctas must be a positive integer, got {max_ctas}")
-        env_value = environ.get(MAX_CTAS_ENV)
-        if env_value is not None and env_value.strip() != str(max_ctas):
-            raise ValueError(
-                f"--paging-max-ctas {max_ctas} conflicts with {MAX_CTAS_ENV}={env_value}; "
-                "set one of them"
-            )
-    if args.paging_prefetch_distance < 0:
+    graph_impl = getattr(args, "cuda_graph_impl", "none")
+    if graph_impl in UNSUPPORTED_GRAPH_IMPLS:
         raise ValueError(
-            f"--paging-prefetch-distance must be >= 0, got {args.paging_prefetch_distance}"
+            f"--cuda-graph-impl {graph_impl} cannot be combined with --moe-paged-stash "
+            "(per-layer graphs capture an expert forward apart from the backward that reloads "
+            "it); use --cuda-graph-impl full_iteration"
         )
-    if args.paging_kernel_backend == "cuda" and not cuda_available:
-        raise ValueError("--paging-kernel-backend cuda needs a CUDA device (none is available)")
 
 
-def install_options(args) -> dict:
-    """Keyword arguments of :func:`megatron_paging.mcore.install.install` from ``args``
-    (no engine options for ``mcore``: Megatron-Core's own manager has no use for them)."""
+def validate_paging_args(args, environ=None, cuda_available: bool | None = None) -> None:
+    """Raise ``ValueError`` (one message naming the flags) for a bad or meaningless setting."""
+    paging_config(args, environ, cuda_available)
+
+
+def install_options(args, config: PagingConfig | None = None) -> dict:
+    """Keyword arguments of :func:`megatron_paging.mcore.install` from ``args`` and the config
+    :func:`paging_config` built from them (none for ``mcore``: Megatron-Core's own manager has
+    no use for one)."""
     if args.paging_implementation == "mcore":
         return dict(replace_paged_stash=False)
-    return dict(replace_paged_stash=True, **engine_options(args))
-
-
-def engine_options(args) -> dict:
-    """Keyword arguments of :class:`~megatron_paging.mcore.engine.PagingEngine` from ``args``."""
-    return dict(
-        kernel_backend=args.paging_kernel_backend,
-        prefetch_distance=args.paging_prefetch_distance,
-        max_ctas=args.paging_max_ctas,
-    )
+    return dict(replace_paged_stash=True, config=config or paging_config(args))
 
 
 def apply_to_config(config, args) -> None:
@@ -250,7 +341,7 @@ __all__ = [
     "PAGING_DEFAULTS",
     "add_paging_args",
     "apply_to_config",
-    "engine_options",
     "install_options",
+    "paging_config",
     "validate_paging_args",
 ]

@@ -6,33 +6,30 @@ this class (bound to the paging API through the ``paging`` keyword). What change
 
 * One collective per step: paging overflow, host spill, invalid live counts and the dispatchers'
   over-budget flags are packed in one tensor and all-reduced together, with no host read.
-* Device-side optimizer skip ('skip' and 'grow' only): every inner torch optimizer's ``step``
-  goes through :func:`megatron_paging.overflow.step_unless`, so a step whose flags are set (on
-  any rank) leaves parameters and optimizer state untouched without the host looking at the
-  flag. It sits under Megatron-Core's own skip (``found_inf`` + loss scaler of its
-  mixed-precision optimizers, which still works as before) and covers bf16 runs that have no
-  grad scaler. Unless the optimizer is fused it keeps a copy of the stepped parameters and
-  state during the step (memory); 'rerun' leaves the optimizer untouched.
-* A rerun restores the random state (CPU, CUDA, Megatron's RNG tracker) of the attempt it
-  replaces, so it draws the same dropout masks.
-* Policies (``config.moe_paging_overflow_policy``, default 'rerun'):
+* The overflow policy is an object (:mod:`megatron_paging.overflow`) built from the engine's
+  config (``--paging-overflow-policy``); this runner is its :class:`StepControl`:
 
-  - 'rerun' (Megatron-Core's behaviour): flags are read right after forward-backward and the
-    step is repeated once without paging, before the optimizer consumes the gradients. One host
-    read per step, as in Megatron-Core. Unlike Megatron-Core, the static dispatch budget is
-    dropped for the rerun only when a dispatcher was over budget: a step that only overflowed
-    the pools reruns at the same capacity, so it is bitwise equal to the unpaged control.
-  - 'skip' / 'grow': nothing is read during the step. The reduced flags are read when the next
-    step starts (or by :meth:`PagedStashRunner.finish`); the step was already dropped on
-    device; 'grow' then enlarges every pool's CUDA tier by ``growth_factor``. Megatron's own
+  - 'rerun' (Megatron-Core's behaviour) reads the flags right after forward-backward and
+    repeats the step once without paging, before the optimizer consumes the gradients (one host
+    read per step, as in Megatron-Core). The rerun restores the random state of the attempt
+    (CPU, CUDA, Megatron's tracker) so it draws the same dropout masks, and keeps the static
+    dispatch budget unless a dispatcher was over budget: a step that only overflowed the pools
+    reruns at the same capacity, bitwise equal to the unpaged control.
+  - 'skip' / 'grow' read nothing during the step: every inner torch optimizer's ``step`` goes
+    through :func:`megatron_paging.optimizer_skip.step_unless`, so a step whose flags are set
+    (on any rank) leaves parameters and optimizer state untouched on the device. The reduced
+    flags are read when the next step starts (or by :meth:`PagedStashRunner.finish`); 'grow'
+    then enlarges every pool's device tier. Unless the optimizer is fused, the skip keeps a copy
+    of the stepped parameters and state during the step (memory). Megatron's own
     ``update_successful`` reports True for such a step: count skips from ``skipped_steps``.
 
-  The dispatchers' sticky over-budget flags are cleared once a step's flags are packed, so one
-  over-budget step drops only itself. Evaluations (``forward_only``) are no training steps:
-  see :meth:`PagedStashRunner.__call__`.
+* Full-iteration CUDA graphs (:mod:`.graphs`): a replayed step's flags are read after the
+  replay, outside the graph; a rerun runs the graph's schedule function eagerly (the graph is
+  kept); 'grow' drops the graph, which Megatron-Core re-captures after its warm-up steps.
 
-Nothing here runs inside a CUDA-graph-captured region: the runner wraps the (possibly
-graph-captured) forward-backward callable and the optimizer step from the outside.
+The dispatchers' sticky over-budget flags are cleared once a step's flags are packed, so one
+over-budget step drops only itself. Evaluations (``forward_only``) are no training steps: see
+:meth:`PagedStashRunner.__call__`.
 """
 
 from __future__ import annotations
@@ -44,13 +41,10 @@ from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.transformer.moe import paged_stash as mcore_paged_stash
 from megatron.core.utils import get_attr_wrapped_model, log_single_rank
 
-from megatron_paging.overflow import (
-    DeviceSkip,
-    OverflowMonitor,
-    device_resident_steps,
-    grow_pools,
-    skip_flag,
-)
+from megatron_paging.config import PagingConfig
+from megatron_paging.mcore import graphs
+from megatron_paging.optimizer_skip import DeviceSkip, device_resident_steps
+from megatron_paging.overflow import OverflowMonitor, OverflowPolicy, skip_flag
 
 logger = logging.getLogger(__name__)
 
@@ -115,17 +109,33 @@ class _ApiFlags:
         )
 
 
+class _Attempt:
+    """One call's data and random state, what a rerun needs (the policy's StepControl)."""
+
+    def __init__(self, runner, kwargs, saved_iterators, rng_before, training):
+        self.runner, self.kwargs, self.training = runner, kwargs, training
+        self.saved_iterators, self.rng_before = saved_iterators, rng_before
+        self.keep_static_budget = True
+        self.result = None
+
+    def rerun_unpaged(self) -> None:
+        self.result = self.runner._rerun(self)
+
+    def grow_pools(self, factor: float) -> None:
+        self.runner.grow_pools(factor)
+
+
 class PagedStashRunner:
     """Forward-backward wrapper with deferred overflow handling (see the module docstring).
 
     Args (Megatron-Core's): config, copy_main_params, model, optimizer, forward_backward_func.
     Keyword-only:
-        paging: the paging API (:class:`megatron_paging.mcore.api.MCorePagingAPI`); used for
-            ``engine.pools`` (flags incl. invalid live counts, 'grow') and
-            ``paged_stash_reset``. None: read flags through Megatron-Core's module functions.
-        policy: 'rerun', 'skip' or 'grow' (default: ``config.moe_paging_overflow_policy`` or
-            'rerun').
-        growth_factor: CUDA tier multiplier of 'grow'.
+        paging: the paging API (:class:`megatron_paging.mcore.api.MCorePagingAPI`); its engine
+            gives the flags, the pools ('grow') and the config (the policy), and its
+            ``paged_stash_reset`` turns paging off for a rerun. None: read flags through
+            Megatron-Core's module functions and use the 'rerun' policy.
+        policy: an :class:`~megatron_paging.overflow.OverflowPolicy` or a policy name (default:
+            the engine config's).
         group: process group of the flag all_reduce (default: world).
     """
 
@@ -138,8 +148,7 @@ class PagedStashRunner:
         forward_backward_func,
         *,
         paging=None,
-        policy: str | None = None,
-        growth_factor: float = 1.5,
+        policy: OverflowPolicy | str | None = None,
         group=None,
     ):
         self.config = config
@@ -149,8 +158,9 @@ class PagedStashRunner:
         self.forward_backward_func = forward_backward_func
         self.paging = paging
         if policy is None:
-            policy = getattr(config, "moe_paging_overflow_policy", None) or "rerun"
-        self.monitor = OverflowMonitor(policy, group=group, growth_factor=growth_factor)
+            engine = getattr(paging, "engine", None)
+            policy = getattr(engine, "config", None) or PagingConfig()
+        self.monitor = OverflowMonitor(policy, group=group)
         self.moe_layers = _moe_layers(model)
         self._configs = {id(config): config}
         for chunk in model:
@@ -159,12 +169,13 @@ class PagedStashRunner:
         self.skip: torch.Tensor | None = None  # the current step's device skip flag
         self._pending: torch.Tensor | None = None  # reduced flags awaiting the deferred read
         self.eval_reruns = 0  # evaluations rerun without paging / static budget
+        self.graph_invalidations = 0  # captured graphs dropped by 'grow'
         self.device_skips = []
         # 'rerun' reads the flags before the optimizer step and repairs the step, so the
         # optimizer is left exactly as Megatron built it (the device skip would cost a copy of
         # the parameters and optimizer state at every step for non-fused optimizers).
-        optimizers = _torch_optimizers(optimizer) if self.monitor.policy != "rerun" else []
-        for torch_optimizer in optimizers:
+        policy_skips = not self.monitor.policy.reads_before_optimizer
+        for torch_optimizer in _torch_optimizers(optimizer) if policy_skips else []:
             if device_resident_steps(torch_optimizer):
                 log_single_rank(
                     logger,
@@ -187,9 +198,9 @@ class PagedStashRunner:
 
     def _paging_flags(self):
         engine = getattr(self.paging, "engine", None)
-        pools = getattr(engine, "pools", None)
-        if pools is not None and getattr(self.paging, "enabled", True):
-            return pools.flags
+        flags = getattr(engine, "flags", None)
+        if flags is not None:
+            return flags
         if self.paging is not None:
             return _ApiFlags(
                 self.paging.check_paged_stash_overflow(),
@@ -211,18 +222,28 @@ class PagedStashRunner:
                 reset()
         return reduced
 
+    def grow_pools(self, factor: float) -> None:
+        """StepControl: larger device tiers for the next step; a captured graph is dropped."""
+        engine = getattr(self.paging, "engine", None)
+        if engine is None or engine.pools is None:
+            log_single_rank(logger, logging.INFO, "paging: 'grow' found no pools to grow")
+            return
+        engine.grow(factor)
+        if graphs.invalidate(self.forward_backward_func, training=True):
+            self.graph_invalidations += 1
+            log_single_rank(
+                logger,
+                logging.INFO,
+                "paging: pools grew, so the captured CUDA graph was dropped; Megatron-Core "
+                "captures it again after its warm-up steps",
+            )
+
     def finish(self) -> None:
         """Read and act on the last step's flags now (end of training, before checkpoints)."""
         if self._pending is None:
             return
         reduced, self._pending = self._pending, None
-        decision = self.monitor.decide(self.monitor.read(reduced))
-        if decision.action == "grow":
-            engine = self.paging.engine if self.paging is not None else None
-            if engine is None or engine.pools is None:
-                log_single_rank(logger, logging.INFO, "paging: 'grow' found no pools to grow")
-            else:
-                engine.pools = grow_pools(engine.pools, self.monitor.growth_factor)
+        self.monitor.decide(self.monitor.read(reduced), _Attempt(self, None, None, None, True))
 
     # -- Megatron-Core's interface ------------------------------------------------------------
     def data_read(self, data_iterator, model, training, num_microbatches):
@@ -262,7 +283,7 @@ class PagedStashRunner:
     def prepare_for_rerun(self, is_training: bool = True, keep_static_budget: bool = False) -> None:
         """Paging off, the static dispatch budget off (unless ``keep_static_budget``), flags
         cleared and, for training, grads cleared (Megatron-Core's; it also clears grads before
-        an evaluation rerun)."""
+        an evaluation rerun). A captured CUDA graph is kept: the rerun runs eagerly."""
         if not keep_static_budget:
             self._set_static_budget(restore=False)
         if self.paging is not None:
@@ -279,9 +300,6 @@ class PagedStashRunner:
                 for inner in chained:
                     if hasattr(inner, "shard_fp32_from_float16_groups"):
                         inner._copy_main_params_to_param_buffer()
-        reset_graph = getattr(self.forward_backward_func, "reset_cuda_graph", None)
-        if reset_graph is not None:
-            reset_graph(stage="training" if is_training else "validation")
 
     def __call__(self, *args, **kwargs):
         """Run forward-backward, then act on its flags (see the module docstring).
@@ -307,8 +325,10 @@ class PagedStashRunner:
         saved_iterators, kwargs["data_iterator"] = self.data_read(
             kwargs["data_iterator"], kwargs["model"], training, kwargs["num_microbatches"]
         )
-        rng_before = rng_state()  # a rerun draws the same dropout masks as its attempt
-        result = self.forward_backward_func(**kwargs)
+        attempt = _Attempt(self, kwargs, saved_iterators, rng_state(), training)
+        attempt.result = self.forward_backward_func(**kwargs)
+        if self.paging is not None and graphs.replayed(self.forward_backward_func, training):
+            graphs.note_replay(self.paging)
         reduced = self._reduce_flags()
         if not training:
             flags = self.monitor.read(reduced)
@@ -323,48 +343,36 @@ class PagedStashRunner:
                     ),
                 )
                 self.eval_reruns += 1
-                result = self._rerun(
-                    kwargs,
-                    saved_iterators,
-                    rng_before,
-                    training=False,
-                    keep_static_budget=not flags.over_budget_ranks,
-                )
-            return result
+                attempt.keep_static_budget = not flags.over_budget_ranks
+                attempt.rerun_unpaged()
+            return attempt.result
 
         self.skip = skip_flag(reduced)
-        if self.monitor.policy != "rerun":
+        if self.monitor.policy.reads_before_optimizer:
+            flags = self.monitor.read(reduced)  # before the optimizer consumes the gradients
+            attempt.keep_static_budget = not flags.over_budget_ranks
+            self.monitor.decide(flags, attempt)
+        else:
             self._pending = reduced
-            return result
-        # 'rerun': read now, before the optimizer consumes the gradients.
-        flags = self.monitor.read(reduced)
-        decision = self.monitor.decide(flags)
-        if decision.action == "rerun":
-            result = self._rerun(
-                kwargs,
-                saved_iterators,
-                rng_before,
-                training=True,
-                keep_static_budget=not flags.over_budget_ranks,
-            )
-        return result
+        return attempt.result
 
-    def _rerun(self, kwargs, saved_iterators, rng_before, training: bool, keep_static_budget=False):
+    def _rerun(self, attempt: _Attempt):
         """Repeat forward-backward on the same data and random draws without paging (and,
-        unless ``keep_static_budget``, without the static dispatch budget)."""
+        unless the attempt keeps it, without the static dispatch budget), eagerly."""
         saved_paged_stash = self.config.moe_paged_stash
-        self.prepare_for_rerun(is_training=training, keep_static_budget=keep_static_budget)
-        set_rng_state(rng_before)
-        kwargs["data_iterator"] = saved_iterators
+        keep = attempt.keep_static_budget
+        self.prepare_for_rerun(is_training=attempt.training, keep_static_budget=keep)
+        set_rng_state(attempt.rng_before)
+        kwargs = dict(attempt.kwargs, data_iterator=attempt.saved_iterators)
         try:
-            result = self.forward_backward_func(**kwargs)
+            result = graphs.eager_function(self.forward_backward_func)(**kwargs)
             rerun_flags = self._reduce_flags()
-            if training:
+            if attempt.training:
                 self.skip = skip_flag(rerun_flags)
             if self.monitor.read(rerun_flags).discard:
                 raise RuntimeError(
                     "PagedStashRunner: the rerun without paging"
-                    + ("" if keep_static_budget else " and without the static dispatch budget")
+                    + ("" if keep else " and without the static dispatch budget")
                     + " still raised an overflow flag"
                 )
         finally:

@@ -1,7 +1,10 @@
 """Layer-spec helpers: a GPT-MoE built from Megatron-Core's local (TE-free) spec whose experts
 are :class:`~megatron_paging.mcore.experts.PagedGroupedMLP`.
 
-Only the experts change: attention, norms, router and shared experts are exactly what
+The experts change, and by default the core attention:
+:class:`~megatron_paging.mcore.attention.SDPAttention` (fused SDPA, no ``[b, heads, s, s]``
+activations, as TE's fused attention) instead of Megatron's unfused ``DotProductAttention``
+(``core_attention="local"``). Norms, projections, router and shared experts are exactly what
 ``get_gpt_layer_local_submodules`` gives, so the model trains without Transformer Engine or
 apex, and paging (``--moe-paged-stash``) covers its expert activations.
 """
@@ -15,6 +18,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodu
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from megatron_paging.mcore.attention import CORE_ATTENTIONS, SDPAttention, validate_sdpa_backend
 from megatron_paging.mcore.experts import PagedGroupedMLP
 
 
@@ -29,11 +33,29 @@ def paged_moe_mlp_builder(num_experts: int, gemm_backend: str = "auto", **local_
     return partial(moe_builder.func, submodules=moe_submodules)
 
 
+def with_core_attention(
+    self_attention: ModuleSpec, core_attention: str = "sdpa", sdpa_backend: str = "auto"
+) -> ModuleSpec:
+    """``self_attention`` (a local SelfAttention spec) with the chosen core attention."""
+    if core_attention not in CORE_ATTENTIONS:
+        raise ValueError(f"core_attention must be one of {CORE_ATTENTIONS}, got {core_attention!r}")
+    validate_sdpa_backend(sdpa_backend)
+    if core_attention == "local":
+        if sdpa_backend != "auto":
+            raise ValueError(f"sdpa_backend={sdpa_backend!r} needs core_attention='sdpa'")
+        return self_attention  # Megatron's unfused DotProductAttention, as the local spec has it
+    fused = partial(SDPAttention, sdpa_backend=sdpa_backend)
+    submodules = dataclasses.replace(self_attention.submodules, core_attention=fused)
+    return dataclasses.replace(self_attention, submodules=submodules)
+
+
 def get_gpt_moe_paged_layer_spec(
     num_experts: int,
     normalization: str | None = None,
     qk_layernorm: bool = False,
     gemm_backend: str = "auto",
+    core_attention: str = "sdpa",
+    sdpa_backend: str = "auto",
 ) -> ModuleSpec:
     """A transformer-layer spec for GPT-MoE: local (TE-free) modules + paged grouped experts.
 
@@ -42,11 +64,15 @@ def get_gpt_moe_paged_layer_spec(
         normalization: ``"RMSNorm"`` or None/``"LayerNorm"`` (``--normalization``).
         qk_layernorm: layernorm on queries and keys (``--qk-layernorm``).
         gemm_backend: PagedGroupedMLP GEMMs (``auto``, ``grouped``, ``loop``).
+        core_attention: ``sdpa`` (SDPAttention) or ``local`` (Megatron's unfused attention).
+        sdpa_backend: SDPAttention's pinned SDPA backend (``SDPA_BACKENDS``; ``auto``).
     """
     local_kwargs = dict(normalization=normalization, qk_layernorm=qk_layernorm)
     submodules = get_gpt_layer_local_submodules(num_experts=num_experts, **local_kwargs)
     mlp = paged_moe_mlp_builder(num_experts, gemm_backend, **local_kwargs)
-    return ModuleSpec(module=TransformerLayer, submodules=dataclasses.replace(submodules, mlp=mlp))
+    attention = with_core_attention(submodules.self_attention, core_attention, sdpa_backend)
+    submodules = dataclasses.replace(submodules, self_attention=attention, mlp=mlp)
+    return ModuleSpec(module=TransformerLayer, submodules=submodules)
 
 
-__all__ = ["get_gpt_moe_paged_layer_spec", "paged_moe_mlp_builder"]
+__all__ = ["get_gpt_moe_paged_layer_spec", "paged_moe_mlp_builder", "with_core_attention"]

@@ -1,34 +1,30 @@
-// torch operators megatron_paging::stash / megatron_paging::reload (CUDA implementations).
+// torch bindings of the paging kernels: two custom classes that hold what never changes per
+// launch, and one operator per launch.
 //
-// The Python wrapper (kernels/cuda_ops.py) passes byte views ([rows, row_bytes] uint8) of the
-// user buffer and the pool tiers, the pool's int64 ring metadata, the record's device tensors and
-// its static segment table as int[] arguments. Everything here is a host-side shape/dtype check;
-// no device value is read, so the ops are CUDA-graph capturable.
+//   torch.classes.megatron_paging.Pool    - a pool's tensors, checked once; their device
+//                                           pointers (the host tier's mapped address too)
+//   torch.classes.megatron_paging.Layout  - a record layout's segment table, checked once
+//   torch.ops.megatron_paging.copy        - one stash or reload of one record
+//
+// A launch then costs one operator call with a few arguments and a handful of cheap checks
+// (device, dtype, size): no pointer queries, no segment validation, no device attribute reads
+// (the launcher caches those). No device value is read, so launches are CUDA-graph capturable.
+// The pool's tensors are written through the Pool handle, which the schema cannot express: the
+// operator is not functionalizable (nothing here runs under torch.compile).
 
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <cstdint>
-#include <string>
+#include <vector>
+
+#include "paging.h"
 
 namespace megatron_paging {
-
-// Defined in paging_kernels.cu.
-int max_segments();
-cudaError_t launch_copy(bool reload, uint8_t* user, uint8_t* cuda_pages, uint8_t* host_pages,
-                        int64_t num_cuda_pages, int64_t num_host_pages,
-                        const int64_t* live_rows, int64_t* free_list_cuda,
-                        int64_t* free_list_host, int64_t* free_list_head,
-                        int64_t* free_list_tail, const int64_t* free_list_capacity,
-                        int64_t* page_record, int64_t record_slots, int64_t* spilled_to_host,
-                        int64_t* flags, unsigned int* done_counter,
-                        const int64_t* segment_starts, const int64_t* segment_rows,
-                        const int64_t* slot_offsets, int num_segments, int64_t page_size,
-                        int64_t row_bytes, int max_ctas, cudaStream_t stream);
-
 namespace {
 
 void check_on(const at::Tensor& t, const char* name, const at::Device& device,
@@ -43,204 +39,188 @@ void check_on(const at::Tensor& t, const char* name, const at::Device& device,
 void check_rows(const at::Tensor& t, const char* name, int64_t row_bytes, int64_t page_size) {
   TORCH_CHECK(t.dim() == 2 && t.size(1) == row_bytes, "megatron_paging: ", name,
               " must be [rows, ", row_bytes, "] bytes, got ", t.sizes());
-  TORCH_CHECK(page_size > 0 && t.size(0) % page_size == 0, "megatron_paging: ", name, " has ",
-              t.size(0), " rows, not a multiple of page_size ", page_size);
+  TORCH_CHECK(t.size(0) % page_size == 0, "megatron_paging: ", name, " has ", t.size(0),
+              " rows, not a multiple of page_size ", page_size);
 }
 
-// The device address of pinned host memory, or null for a pool without a host tier. Outside
-// capture it is asked of the runtime (which also proves the memory is pinned); during capture no
-// pointer query is made: with unified addressing, torch's pinned allocations (cudaHostAlloc) are
-// addressed by the device at their host address.
-uint8_t* mapped_host_pages(const at::Tensor& host_pages, cudaStream_t stream) {
+// The device address of pinned host memory (null for a pool without a host tier). Asked of the
+// runtime once per pool, which also proves the memory is pinned and mapped.
+uint8_t* mapped_host_pages(const at::Tensor& host_pages) {
   if (host_pages.numel() == 0) return nullptr;
   TORCH_CHECK(host_pages.device().is_cpu(), "megatron_paging: host_pages must be a CPU tensor");
-  void* ptr = host_pages.data_ptr();
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  TORCH_CHECK(cudaStreamIsCapturing(stream, &capture) == cudaSuccess,
-              "megatron_paging: cudaStreamIsCapturing failed");
-  if (capture == cudaStreamCaptureStatusNone) {
-    cudaPointerAttributes attr{};
-    const cudaError_t err = cudaPointerGetAttributes(&attr, ptr);
-    TORCH_CHECK(err == cudaSuccess && attr.type == cudaMemoryTypeHost && attr.devicePointer,
-                "megatron_paging: host_pages must be pinned host memory mapped into the device "
-                "address space (allocate it with pin_memory=True); cudaPointerGetAttributes: ",
-                cudaGetErrorString(err));
-    return static_cast<uint8_t*>(attr.devicePointer);
-  }
-  int device = 0;
-  int unified = 0;
-  TORCH_CHECK(cudaGetDevice(&device) == cudaSuccess &&
-                  cudaDeviceGetAttribute(&unified, cudaDevAttrUnifiedAddressing, device) ==
-                      cudaSuccess &&
-                  unified == 1,
-              "megatron_paging: a host tier under CUDA-graph capture needs unified addressing");
-  return static_cast<uint8_t*>(ptr);
+  cudaPointerAttributes attr{};
+  const cudaError_t err = cudaPointerGetAttributes(&attr, host_pages.data_ptr());
+  TORCH_CHECK(err == cudaSuccess && attr.type == cudaMemoryTypeHost && attr.devicePointer,
+              "megatron_paging: host_pages must be pinned host memory mapped into the device "
+              "address space (allocate it with pin_memory=True); cudaPointerGetAttributes: ",
+              cudaGetErrorString(err));
+  return static_cast<uint8_t*>(attr.devicePointer);
 }
 
-struct Common {
-  int64_t num_cuda_pages;
-  int64_t num_host_pages;
-  int num_segments;
+struct Pool : torch::CustomClassHolder {
+  // Held so the pointers in `view` stay valid for the handle's life.
+  std::vector<at::Tensor> tensors;
+  at::Device device;
+  PoolView view{};
+
+  Pool(at::Tensor cuda_pages, at::Tensor host_pages, at::Tensor free_list_cuda,
+       at::Tensor free_list_host, at::Tensor head, at::Tensor tail, at::Tensor capacity,
+       at::Tensor flags, at::Tensor done_counter, int64_t page_size, int64_t row_bytes)
+      : device(cuda_pages.device()) {
+    TORCH_CHECK(cuda_pages.is_cuda(), "megatron_paging: cuda_pages must be a CUDA tensor");
+    TORCH_CHECK(row_bytes > 0, "megatron_paging: row_bytes must be positive, got ", row_bytes);
+    TORCH_CHECK(page_size > 0, "megatron_paging: page_size must be positive, got ", page_size);
+    check_on(cuda_pages, "cuda_pages", device, at::kByte);
+    check_rows(cuda_pages, "cuda_pages", row_bytes, page_size);
+    TORCH_CHECK(host_pages.scalar_type() == at::kByte && host_pages.is_contiguous(),
+                "megatron_paging: host_pages must be a contiguous uint8 tensor");
+    check_rows(host_pages, "host_pages", row_bytes, page_size);
+    check_on(free_list_cuda, "free_list_cuda", device, at::kLong);
+    check_on(free_list_host, "free_list_host", device, at::kLong);
+    check_on(head, "free_list_head", device, at::kLong);
+    check_on(tail, "free_list_tail", device, at::kLong);
+    check_on(capacity, "free_list_capacity", device, at::kLong);
+    check_on(flags, "flags", device, at::kLong);
+    check_on(done_counter, "done_counter", device, at::kInt);
+    TORCH_CHECK(head.numel() == 2 && tail.numel() == 2 && capacity.numel() == 2,
+                "megatron_paging: free_list_head/tail/capacity must hold 2 entries (device, host)");
+    TORCH_CHECK(flags.numel() == 3,
+                "megatron_paging: flags must hold 3 entries (overflow, host_spill, invalid_live)");
+    TORCH_CHECK(done_counter.numel() >= 1, "megatron_paging: done_counter must hold 1 entry");
+    view.num_pages[0] = cuda_pages.size(0) / page_size;
+    view.num_pages[1] = host_pages.size(0) / page_size;
+    TORCH_CHECK(free_list_cuda.numel() >= view.num_pages[0], "megatron_paging: free_list_cuda has ",
+                free_list_cuda.numel(), " entries for ", view.num_pages[0], " pages");
+    TORCH_CHECK(free_list_host.numel() >= view.num_pages[1], "megatron_paging: free_list_host has ",
+                free_list_host.numel(), " entries for ", view.num_pages[1], " pages");
+    const c10::cuda::CUDAGuard guard(device);
+    view.pages[0] = cuda_pages.data_ptr<uint8_t>();
+    view.pages[1] = mapped_host_pages(host_pages);
+    view.ring[0] = free_list_cuda.data_ptr<int64_t>();
+    view.ring[1] = free_list_host.data_ptr<int64_t>();
+    view.head = head.data_ptr<int64_t>();
+    view.tail = tail.data_ptr<int64_t>();
+    view.capacity = capacity.data_ptr<int64_t>();
+    view.flags = flags.data_ptr<int64_t>();
+    view.done_counter = reinterpret_cast<unsigned int*>(done_counter.data_ptr<int32_t>());
+    view.page_size = page_size;
+    view.row_bytes = row_bytes;
+    tensors = {cuda_pages, host_pages, free_list_cuda, free_list_host, head,
+               tail,       capacity,   flags,          done_counter};
+  }
 };
 
-// Checks shared by stash and reload; `user` is the [capacity_rows, row_bytes] byte view.
-Common check_common(const at::Tensor& user, const at::Tensor& cuda_pages,
-                    const at::Tensor& host_pages, const at::Tensor& live_rows,
-                    const at::Tensor& free_list_cuda, const at::Tensor& free_list_host,
-                    const at::Tensor& free_list_head, const at::Tensor& free_list_tail,
-                    const at::Tensor& free_list_capacity, const at::Tensor& page_record,
-                    const at::Tensor& spilled_to_host, const at::Tensor& flags,
-                    const at::Tensor& done_counter, at::IntArrayRef segment_starts,
-                    at::IntArrayRef segment_rows, at::IntArrayRef slot_offsets,
-                    int64_t page_size, int64_t row_bytes, int64_t max_ctas) {
-  TORCH_CHECK(cuda_pages.is_cuda(), "megatron_paging: cuda_pages must be a CUDA tensor");
-  const at::Device device = cuda_pages.device();
-  TORCH_CHECK(row_bytes > 0, "megatron_paging: row_bytes must be positive, got ", row_bytes);
-  TORCH_CHECK(page_size > 0, "megatron_paging: page_size must be positive, got ", page_size);
-  TORCH_CHECK(max_ctas > 0 && max_ctas <= INT32_MAX,
-              "megatron_paging: max_ctas must be a positive int32, got ", max_ctas);
-  check_on(user, "the user buffer", device, at::kByte);
-  check_on(cuda_pages, "cuda_pages", device, at::kByte);
-  check_rows(user, "the user buffer", row_bytes, 1);
-  check_rows(cuda_pages, "cuda_pages", row_bytes, page_size);
-  TORCH_CHECK(host_pages.scalar_type() == at::kByte && host_pages.is_contiguous(),
-              "megatron_paging: host_pages must be a contiguous uint8 tensor");
-  check_rows(host_pages, "host_pages", row_bytes, page_size);
+struct Layout : torch::CustomClassHolder {
+  int64_t capacity_rows;
+  int64_t row_bytes;
+  int64_t page_size;
+  std::vector<int64_t> start;
+  std::vector<int64_t> rows;
+  std::vector<int64_t> slot_offset;
+  int64_t max_slots = 0;
+
+  Layout(int64_t capacity_rows, int64_t row_bytes, int64_t page_size, std::vector<int64_t> start,
+         std::vector<int64_t> rows, std::vector<int64_t> slot_offset)
+      : capacity_rows(capacity_rows),
+        row_bytes(row_bytes),
+        page_size(page_size),
+        start(std::move(start)),
+        rows(std::move(rows)),
+        slot_offset(std::move(slot_offset)) {
+    const int64_t n = static_cast<int64_t>(this->rows.size());
+    TORCH_CHECK(capacity_rows > 0 && row_bytes > 0 && page_size > 0,
+                "megatron_paging: capacity_rows, row_bytes and page_size must be positive");
+    TORCH_CHECK(n >= 1 && n <= kMaxSegments, "megatron_paging: a record needs 1 to ",
+                kMaxSegments, " segments, got ", n);
+    TORCH_CHECK(static_cast<int64_t>(this->start.size()) == n &&
+                    static_cast<int64_t>(this->slot_offset.size()) == n,
+                "megatron_paging: segment_starts, segment_rows and slot_offsets differ in length");
+    int64_t end = 0;
+    for (int64_t s = 0; s < n; ++s) {
+      TORCH_CHECK(this->start[s] >= end && this->rows[s] >= 0,
+                  "megatron_paging: segments must be sorted and disjoint (segment ", s, ")");
+      TORCH_CHECK(this->slot_offset[s] == max_slots, "megatron_paging: slot_offsets[", s,
+                  "] is ", this->slot_offset[s], ", expected ", max_slots);
+      end = this->start[s] + this->rows[s];
+      max_slots += (this->rows[s] + page_size - 1) / page_size;
+    }
+    TORCH_CHECK(end <= capacity_rows, "megatron_paging: segments end at row ", end,
+                " but the buffer has ", capacity_rows, " rows");
+  }
+
+  LayoutView view() const {
+    return LayoutView{static_cast<int>(rows.size()), start.data(), rows.data(),
+                      slot_offset.data(), max_slots};
+  }
+};
+
+void copy(const at::Tensor& user, const c10::intrusive_ptr<Pool>& pool,
+          const c10::intrusive_ptr<Layout>& layout, const at::Tensor& live_rows,
+          const at::Tensor& page_record, const at::Tensor& spilled_to_host, bool reload,
+          int64_t path, int64_t max_ctas) {
+  const at::Device& device = pool->device;
+  TORCH_CHECK(layout->row_bytes == pool->view.row_bytes && layout->page_size == pool->view.page_size,
+              "megatron_paging: the record's layout (row_bytes ", layout->row_bytes,
+              ", page_size ", layout->page_size, ") does not match the pool's (",
+              pool->view.row_bytes, ", ", pool->view.page_size, ")");
+  TORCH_CHECK(user.device() == device, "megatron_paging: the user buffer is on ", user.device(),
+              " but the pool is on ", device);
+  TORCH_CHECK(user.is_contiguous(), "megatron_paging: the user buffer must be contiguous");
+  TORCH_CHECK(static_cast<int64_t>(user.nbytes()) == layout->capacity_rows * layout->row_bytes,
+              "megatron_paging: the user buffer holds ", user.nbytes(), " bytes, the record ",
+              layout->capacity_rows * layout->row_bytes);
   check_on(live_rows, "live_rows", device, at::kLong);
-  check_on(free_list_cuda, "free_list_cuda", device, at::kLong);
-  check_on(free_list_host, "free_list_host", device, at::kLong);
-  check_on(free_list_head, "free_list_head", device, at::kLong);
-  check_on(free_list_tail, "free_list_tail", device, at::kLong);
-  check_on(free_list_capacity, "free_list_capacity", device, at::kLong);
   check_on(page_record, "page_record", device, at::kLong);
   check_on(spilled_to_host, "spilled_to_host", device, at::kLong);
-  check_on(flags, "flags", device, at::kLong);
-  check_on(done_counter, "done_counter", device, at::kInt);
-  TORCH_CHECK(free_list_head.numel() == 2 && free_list_tail.numel() == 2 &&
-                  free_list_capacity.numel() == 2,
-              "megatron_paging: free_list_head/tail/capacity must hold 2 entries (device, host)");
+  TORCH_CHECK(live_rows.numel() == static_cast<int64_t>(layout->rows.size()),
+              "megatron_paging: live_rows has ", live_rows.numel(), " entries for ",
+              layout->rows.size(), " segments");
+  TORCH_CHECK(page_record.numel() >= layout->max_slots, "megatron_paging: page_record has ",
+              page_record.numel(), " slots, the segments need ", layout->max_slots);
   TORCH_CHECK(spilled_to_host.numel() == 1, "megatron_paging: spilled_to_host must hold 1 entry");
-  TORCH_CHECK(flags.numel() == 3,
-              "megatron_paging: flags must hold 3 entries (overflow, host_spill, invalid_live)");
-  TORCH_CHECK(done_counter.numel() >= 1, "megatron_paging: done_counter must hold 1 entry");
+  TORCH_CHECK(max_ctas > 0 && max_ctas <= INT32_MAX,
+              "megatron_paging: max_ctas must be a positive int32, got ", max_ctas);
+  TORCH_CHECK(path >= static_cast<int64_t>(CopyPath::kTile) &&
+                  path <= static_cast<int64_t>(CopyPath::kBulkTinyTiles),
+              "megatron_paging: path must be 0 (tile), 1 (bulk) or 2-3 (bulk variants), got ",
+              path);
 
-  const Common c{cuda_pages.size(0) / page_size, host_pages.size(0) / page_size,
-                 static_cast<int>(segment_rows.size())};
-  TORCH_CHECK(free_list_cuda.numel() >= c.num_cuda_pages, "megatron_paging: free_list_cuda has ",
-              free_list_cuda.numel(), " entries for ", c.num_cuda_pages, " pages");
-  TORCH_CHECK(free_list_host.numel() >= c.num_host_pages, "megatron_paging: free_list_host has ",
-              free_list_host.numel(), " entries for ", c.num_host_pages, " pages");
-  TORCH_CHECK(c.num_segments >= 1 && c.num_segments <= max_segments(),
-              "megatron_paging: a record needs 1 to ", max_segments(), " segments, got ",
-              segment_rows.size());
-  TORCH_CHECK(segment_starts.size() == segment_rows.size() &&
-                  slot_offsets.size() == segment_rows.size(),
-              "megatron_paging: segment_starts, segment_rows and slot_offsets differ in length");
-  TORCH_CHECK(live_rows.numel() == c.num_segments, "megatron_paging: live_rows has ",
-              live_rows.numel(), " entries for ", c.num_segments, " segments");
-  int64_t end = 0;
-  int64_t slots = 0;
-  for (int s = 0; s < c.num_segments; ++s) {
-    TORCH_CHECK(segment_starts[s] >= end && segment_rows[s] >= 0,
-                "megatron_paging: segments must be sorted and disjoint (segment ", s, ")");
-    TORCH_CHECK(slot_offsets[s] == slots, "megatron_paging: slot_offsets[", s, "] is ",
-                slot_offsets[s], ", expected ", slots);
-    end = segment_starts[s] + segment_rows[s];
-    slots += (segment_rows[s] + page_size - 1) / page_size;
-  }
-  TORCH_CHECK(end <= user.size(0), "megatron_paging: segments end at row ", end,
-              " but the user buffer has ", user.size(0), " rows");
-  TORCH_CHECK(page_record.numel() >= slots, "megatron_paging: page_record has ",
-              page_record.numel(), " slots, the segments need ", slots);
-  return c;
-}
-
-// Stash and reload share every check and argument; `kReload` picks the direction.
-template <bool kReload>
-void copy_cuda(const at::Tensor& user, const at::Tensor& cuda_pages, const at::Tensor& host_pages,
-                const at::Tensor& live_rows, const at::Tensor& free_list_cuda,
-                const at::Tensor& free_list_host, const at::Tensor& free_list_head,
-                const at::Tensor& free_list_tail, const at::Tensor& free_list_capacity,
-                const at::Tensor& page_record, const at::Tensor& spilled_to_host,
-                const at::Tensor& flags, const at::Tensor& done_counter,
-                at::IntArrayRef segment_starts, at::IntArrayRef segment_rows,
-                at::IntArrayRef slot_offsets, int64_t page_size, int64_t row_bytes,
-                int64_t max_ctas) {
-  const Common c = check_common(user, cuda_pages, host_pages, live_rows, free_list_cuda,
-                                free_list_host, free_list_head, free_list_tail,
-                                free_list_capacity, page_record, spilled_to_host, flags,
-                                done_counter, segment_starts, segment_rows, slot_offsets,
-                                page_size, row_bytes, max_ctas);
-  const c10::cuda::CUDAGuard guard(cuda_pages.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
-  const cudaError_t err = launch_copy(
-      kReload, user.data_ptr<uint8_t>(), cuda_pages.data_ptr<uint8_t>(),
-      mapped_host_pages(host_pages, stream),
-      c.num_cuda_pages, c.num_host_pages, live_rows.data_ptr<int64_t>(),
-      free_list_cuda.data_ptr<int64_t>(), free_list_host.data_ptr<int64_t>(),
-      free_list_head.data_ptr<int64_t>(), free_list_tail.data_ptr<int64_t>(),
-      free_list_capacity.data_ptr<int64_t>(), page_record.data_ptr<int64_t>(),
-      page_record.numel(), spilled_to_host.data_ptr<int64_t>(), flags.data_ptr<int64_t>(),
-      reinterpret_cast<unsigned int*>(done_counter.data_ptr<int32_t>()), segment_starts.data(),
-      segment_rows.data(), slot_offsets.data(), c.num_segments, page_size, row_bytes,
-      static_cast<int>(max_ctas), stream);
-  TORCH_CHECK(err == cudaSuccess, "megatron_paging: ", kReload ? "reload" : "stash",
+  const c10::cuda::CUDAGuard guard(device);
+  CopyLaunch launch{};
+  launch.reload = reload;
+  launch.path = static_cast<CopyPath>(path);
+  launch.user = static_cast<uint8_t*>(user.data_ptr());
+  launch.live_rows = live_rows.data_ptr<int64_t>();
+  launch.page_record = page_record.data_ptr<int64_t>();
+  launch.record_slots = page_record.numel();
+  launch.spilled_to_host = spilled_to_host.data_ptr<int64_t>();
+  launch.pool = pool->view;
+  launch.layout = layout->view();
+  launch.max_ctas = static_cast<int>(max_ctas);
+  const cudaError_t err = launch_copy(launch, c10::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(err == cudaSuccess, "megatron_paging: ", reload ? "reload" : "stash",
               " launch failed: ", cudaGetErrorString(err));
 }
 
-void stash_cuda(const at::Tensor& src, const at::Tensor& cuda_pages, const at::Tensor& host_pages,
-                const at::Tensor& live_rows, const at::Tensor& free_list_cuda,
-                const at::Tensor& free_list_host, const at::Tensor& free_list_head,
-                const at::Tensor& free_list_tail, const at::Tensor& free_list_capacity,
-                const at::Tensor& page_record, const at::Tensor& spilled_to_host,
-                const at::Tensor& flags, const at::Tensor& done_counter,
-                at::IntArrayRef segment_starts, at::IntArrayRef segment_rows,
-                at::IntArrayRef slot_offsets, int64_t page_size, int64_t row_bytes,
-                int64_t max_ctas) {
-  copy_cuda<false>(src, cuda_pages, host_pages, live_rows, free_list_cuda, free_list_host,
-                       free_list_head, free_list_tail, free_list_capacity, page_record,
-                       spilled_to_host, flags, done_counter, segment_starts, segment_rows,
-                       slot_offsets, page_size, row_bytes, max_ctas);
-}
-
-void reload_cuda(const at::Tensor& dst, const at::Tensor& cuda_pages, const at::Tensor& host_pages,
-                const at::Tensor& live_rows, const at::Tensor& free_list_cuda,
-                const at::Tensor& free_list_host, const at::Tensor& free_list_head,
-                const at::Tensor& free_list_tail, const at::Tensor& free_list_capacity,
-                const at::Tensor& page_record, const at::Tensor& spilled_to_host,
-                const at::Tensor& flags, const at::Tensor& done_counter,
-                at::IntArrayRef segment_starts, at::IntArrayRef segment_rows,
-                at::IntArrayRef slot_offsets, int64_t page_size, int64_t row_bytes,
-                int64_t max_ctas) {
-  copy_cuda<true>(dst, cuda_pages, host_pages, live_rows, free_list_cuda, free_list_host,
-                       free_list_head, free_list_tail, free_list_capacity, page_record,
-                       spilled_to_host, flags, done_counter, segment_starts, segment_rows,
-                       slot_offsets, page_size, row_bytes, max_ctas);
-}
+bool bulk_path_supported(int64_t device) { return bulk_supported(static_cast<int>(device)); }
 
 }  // namespace
 
-// Mutated arguments carry (x!) so that functionalization and graph tooling see the writes.
 TORCH_LIBRARY(megatron_paging, m) {
+  m.class_<Pool>("Pool").def(
+      torch::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                  at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t>());
+  m.class_<Layout>("Layout").def(
+      torch::init<int64_t, int64_t, int64_t, std::vector<int64_t>, std::vector<int64_t>,
+                  std::vector<int64_t>>());
   m.def(
-      "stash(Tensor src, Tensor(a!) cuda_pages, Tensor(b!) host_pages, Tensor live_rows, "
-      "Tensor free_list_cuda, Tensor free_list_host, Tensor(c!) free_list_head, "
-      "Tensor free_list_tail, Tensor free_list_capacity, Tensor(d!) page_record, "
-      "Tensor(e!) spilled_to_host, Tensor(f!) flags, Tensor(g!) done_counter, "
-      "int[] segment_starts, int[] segment_rows, int[] slot_offsets, int page_size, "
-      "int row_bytes, int max_ctas) -> ()");
-  m.def(
-      "reload(Tensor(a!) dst, Tensor cuda_pages, Tensor host_pages, Tensor live_rows, "
-      "Tensor(b!) free_list_cuda, Tensor(c!) free_list_host, Tensor free_list_head, "
-      "Tensor(d!) free_list_tail, Tensor free_list_capacity, Tensor page_record, "
-      "Tensor spilled_to_host, Tensor flags, Tensor(e!) done_counter, "
-      "int[] segment_starts, int[] segment_rows, int[] slot_offsets, int page_size, "
-      "int row_bytes, int max_ctas) -> ()");
+      "copy(Tensor(a!) user, __torch__.torch.classes.megatron_paging.Pool pool, "
+      "__torch__.torch.classes.megatron_paging.Layout layout, Tensor live_rows, "
+      "Tensor(b!) page_record, Tensor(c!) spilled_to_host, bool reload, int path, "
+      "int max_ctas) -> ()");
+  m.def("bulk_supported(int device) -> bool", &bulk_path_supported);
 }
 
-TORCH_LIBRARY_IMPL(megatron_paging, CUDA, m) {
-  m.impl("stash", &stash_cuda);
-  m.impl("reload", &reload_cuda);
-}
+TORCH_LIBRARY_IMPL(megatron_paging, CUDA, m) { m.impl("copy", &copy); }
 
 }  // namespace megatron_paging

@@ -1,5 +1,8 @@
 """The one install point: make Megatron-Core 0.19.2 page through megatron-paging.
 
+Call ``megatron_paging.mcore.install()`` (this module's :func:`install`) before building any
+model or ``TransformerConfig``.
+
 Megatron-Core imports its paged-stash API *by name* (``from ...paged_stash import
 paged_stash_reset``), so replacing the function in ``paged_stash.py`` alone changes nothing for
 the importers. :meth:`PagingInstaller.install` therefore
@@ -10,14 +13,17 @@ the importers. :meth:`PagingInstaller.install` therefore
 3. scans ``sys.modules`` for every attribute that *is* one of Megatron-Core's original objects
    (by identity, so aliases are found too) and rebinds it to ours, remembering each rebinding:
    the seven API functions go to the bound methods of one :class:`MCorePagingAPI`,
-   ``PagedStashRunner`` to ours when :mod:`megatron_paging.mcore.runner` provides one, and
-   ``MoEFlexTokenDispatcher`` in ``moe_layer`` to a subclass that adds the ``static`` backend;
+   ``PagedStashRunner`` to ours when :mod:`megatron_paging.mcore.runner` provides one,
+   ``get_forward_backward_func`` to one whose functions end every forward-backward with the
+   API's ``paged_stash_finish`` (Megatron-Core has no end-of-step hook; a full-iteration CUDA
+   graph captures that end too), and ``MoEFlexTokenDispatcher`` in ``moe_layer`` to a subclass
+   that adds the ``static`` backend;
 4. installs the config-validation shim (the one place that teaches ``TransformerConfig`` about
    the ``static`` dispatch backend, see :func:`_validate_static_backend`);
 5. logs one line saying what it replaced.
 
 :meth:`PagingInstaller.uninstall` puts every original object back (identity restored).
-``install()`` is idempotent (a call asking for other engine options reinstalls). Modules
+``install()`` is idempotent (a call asking for another config reinstalls). Modules
 imported *after* install keep Megatron-Core's names: call ``install()`` before building the
 model (the example script does it first thing).
 """
@@ -31,6 +37,7 @@ import logging
 import sys
 from dataclasses import dataclass
 
+from megatron_paging.config import PagingConfig
 from megatron_paging.env import check_megatron_core_version
 from megatron_paging.mcore.api import MCorePagingAPI
 from megatron_paging.mcore.dispatcher import STATIC_BACKEND, PagingFlexTokenDispatcher
@@ -42,8 +49,10 @@ PAGED_STASH_MODULE = "megatron.core.transformer.moe.paged_stash"
 MOE_LAYER_MODULE = "megatron.core.transformer.moe.moe_layer"
 TOKEN_DISPATCHER_MODULE = "megatron.core.transformer.moe.token_dispatcher"
 CONFIG_MODULE = "megatron.core.transformer.transformer_config"
+SCHEDULES_MODULE = "megatron.core.pipeline_parallel.schedules"
 KNOWN_IMPORTERS = (
     PAGED_STASH_MODULE,
+    "megatron.core.pipeline_parallel",
     "megatron.core.transformer.moe.experts",
     "megatron.core.models.gpt.gpt_model",
     "megatron.core.models.hybrid.hybrid_model",
@@ -52,6 +61,39 @@ KNOWN_IMPORTERS = (
     "megatron.training.training",
 )
 RUNNER_NAME = "PagedStashRunner"
+FORWARD_BACKWARD_GETTER = "get_forward_backward_func"
+
+
+class FinishingForwardBackward:
+    """A ``forward_backward_func`` that ends every call with the API's ``paged_stash_finish``.
+
+    Inside a full-iteration CUDA-graph capture that end is captured too: it joins the paging
+    stream back into the capture stream, which the capture requires. Attributes of the wrapped
+    function stay reachable (``__getattr__``).
+    """
+
+    def __init__(self, forward_backward_func, api: MCorePagingAPI):
+        self.forward_backward_func = forward_backward_func
+        self.api = api
+
+    def __call__(self, *args, **kwargs):
+        result = self.forward_backward_func(*args, **kwargs)
+        self.api.paged_stash_finish()
+        return result
+
+    def __getattr__(self, name):
+        if name == "forward_backward_func":  # not set yet (copying): no recursion
+            raise AttributeError(name)
+        return getattr(self.forward_backward_func, name)
+
+
+def _finishing_getter(get_forward_backward_func, api: MCorePagingAPI):
+    @functools.wraps(get_forward_backward_func)
+    def getter(*args, **kwargs):
+        return FinishingForwardBackward(get_forward_backward_func(*args, **kwargs), api)
+
+    getter.megatron_paging_finishing = True
+    return getter
 
 
 @dataclass(frozen=True)
@@ -138,52 +180,45 @@ class PagingInstaller:
 
     def install(
         self,
+        config: PagingConfig | None = None,
         api: MCorePagingAPI | None = None,
         replace_paged_stash: bool = True,
-        **engine_options,
     ) -> MCorePagingAPI:
-        """Rebind Megatron-Core's paged-stash hook points to ``api`` (made from
-        ``engine_options`` for :class:`~megatron_paging.mcore.engine.PagingEngine` when None).
+        """Rebind Megatron-Core's paged-stash hook points to ``api`` (default: one made for
+        ``config``, itself defaulting to ``PagingConfig.from_env()``).
 
         ``replace_paged_stash=False`` installs only the ``static`` dispatch backend and its config
         shim and leaves Megatron-Core's own paged-stash manager, kernels and runner in place (the
-        baseline that benchmarks compare against); the returned ``api`` is then unused, and
-        ``engine_options`` (which would be unused too) raise ``ValueError``, as they do next
-        to an explicit ``api``.
+        baseline that benchmarks compare against); the returned ``api`` is then unused, and a
+        ``config`` (which would be unused too) raises ``ValueError``, as it does next to an
+        explicit ``api``.
 
         Idempotent: installing again returns the installed API, unless it asks for something
-        else: a new ``api``, another ``replace_paged_stash``, or ``engine_options`` that differ
-        from the installed engine's; then it uninstalls and installs afresh (logging one line).
+        else: a new ``api``, another ``replace_paged_stash``, or a ``config`` that differs from
+        the installed engine's; then it uninstalls and installs afresh (logging one line).
         """
-        if engine_options and not replace_paged_stash:
+        if config is not None and not replace_paged_stash:
             raise ValueError(
-                f"engine options {sorted(engine_options)} have no effect with "
-                "replace_paged_stash=False (Megatron-Core's own paged stash)"
+                "a paging config has no effect with replace_paged_stash=False "
+                "(Megatron-Core's own paged stash)"
             )
-        if engine_options and api is not None:
-            raise ValueError(
-                f"engine options {sorted(engine_options)} have no effect next to an explicit api "
-                "(build its PagingEngine with them instead)"
-            )
+        if config is not None and api is not None:
+            raise ValueError("a paging config has no effect next to an explicit api")
         if self.installed:
-            changed = self._changed_engine_options(engine_options)
             same_api = api is None or api is self.api
-            if same_api and replace_paged_stash == self.replaced and not changed:
+            same_config = config is None or config == self.api.engine.config
+            if same_api and replace_paged_stash == self.replaced and same_config:
                 return self.api
-            if changed:
+            if not same_config:
                 logger.info(
-                    "megatron-paging: reinstalling with engine options %s (were %s)",
-                    {k: engine_options[k] for k in changed},
-                    {k: getattr(self.api.engine, k, None) for k in changed},
+                    "megatron-paging: reinstalling with %s (was %s)", config, self.api.engine.config
                 )
             self.uninstall()
         version = check_megatron_core_version()
         for name in KNOWN_IMPORTERS:
             importlib.import_module(name)
         if api is None:
-            from megatron_paging.mcore.engine import PagingEngine
-
-            api = MCorePagingAPI(PagingEngine(**engine_options))
+            api = MCorePagingAPI(config=config)
 
         paged_stash = sys.modules[PAGED_STASH_MODULE]
         replacements = {}
@@ -195,6 +230,12 @@ class PagingInstaller:
         originals = {
             id(getattr(paged_stash, n)): getattr(paged_stash, n) for n, _ in replacements.values()
         }
+        # A Megatron-Core patched by patches/ already ends every forward-backward itself.
+        patched = hasattr(paged_stash, "paged_stash_finishing")
+        if replace_paged_stash and not patched:
+            getter = getattr(sys.modules[SCHEDULES_MODULE], FORWARD_BACKWARD_GETTER)
+            replacements[id(getter)] = (FORWARD_BACKWARD_GETTER, _finishing_getter(getter, api))
+            originals[id(getter)] = getter
         self.rebindings = self._rebind_everywhere(replacements, originals)
         self.replaced = replace_paged_stash
 
@@ -237,12 +278,6 @@ class PagingInstaller:
         )
         return api
 
-    def _changed_engine_options(self, engine_options: dict) -> list[str]:
-        """The requested engine options the installed API's engine does not already have."""
-        engine = getattr(self.api, "engine", None)
-        missing = object()
-        return sorted(k for k, v in engine_options.items() if getattr(engine, k, missing) != v)
-
     def uninstall(self) -> None:
         """Put every original object back. A no-op when nothing is installed."""
         for r in reversed(self.rebindings):
@@ -277,10 +312,12 @@ INSTALLER = PagingInstaller()
 
 
 def install(
-    api: MCorePagingAPI | None = None, replace_paged_stash: bool = True, **engine_options
+    config: PagingConfig | None = None,
+    api: MCorePagingAPI | None = None,
+    replace_paged_stash: bool = True,
 ) -> MCorePagingAPI:
     """Install megatron-paging into Megatron-Core (see :meth:`PagingInstaller.install`)."""
-    return INSTALLER.install(api, replace_paged_stash, **engine_options)
+    return INSTALLER.install(config, api, replace_paged_stash)
 
 
 def uninstall() -> None:
@@ -288,4 +325,12 @@ def uninstall() -> None:
     INSTALLER.uninstall()
 
 
-__all__ = ["INSTALLER", "KNOWN_IMPORTERS", "PagingInstaller", "Rebinding", "install", "uninstall"]
+__all__ = [
+    "INSTALLER",
+    "KNOWN_IMPORTERS",
+    "FinishingForwardBackward",
+    "PagingInstaller",
+    "Rebinding",
+    "install",
+    "uninstall",
+]

@@ -3,19 +3,24 @@ tensor allocations and views (no timings).
 
 Kernels are replaced by recording stubs where a test counts the scheduler's own work: the
 reference kernels are a specification and allocate freely; the CUDA kernels allocate nothing.
+The stubs are registered kernel backends: the scheduler resolves its backend once
+(``scheduler.kernel``) and calls its ``copy(reload, tensor, record, pool, max_ctas)``.
 """
 
 from __future__ import annotations
 
 import contextlib
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_paging import kernels
-from megatron_paging.kernels import cuda_ops, reference
-from megatron_paging.mcore.engine import PagingEngine
+from megatron_paging.config import PagingConfig
+from megatron_paging.engine import PagingEngine
+from megatron_paging.kernels import KernelBackend, cuda_ops
+from megatron_paging.kernels.checks import check_args
 from megatron_paging.pool import PagePools
 from megatron_paging.record import PageRecord
 from megatron_paging.scheduler import PagingScheduler
@@ -82,8 +87,11 @@ class CountingBackend(CpuStreamBackend):
 def noop_kernels(monkeypatch):
     """Kernels that do nothing: what remains is the scheduler's own work."""
     calls = []
-    monkeypatch.setattr(kernels, "stash", lambda *args: calls.append("stash"))
-    monkeypatch.setattr(kernels, "reload", lambda *args: calls.append("reload"))
+
+    def copy(reload, tensor, record, pool, max_ctas):
+        calls.append("reload" if reload else "stash")
+
+    monkeypatch.setitem(kernels.REGISTRY, "noop", KernelBackend("noop", copy, ("cpu",)))
     return calls
 
 
@@ -92,16 +100,11 @@ def stub_kernels(monkeypatch):
     """Kernels that only run the shared static checks (the CUDA wrapper's host-side work)."""
     calls = []
 
-    def stash(src, record, pool, backend="auto", max_ctas=None):
-        calls.append("stash")
-        reference.check_args(src, record, pool, "stash source")
+    def copy(reload, tensor, record, pool, max_ctas):
+        calls.append("reload" if reload else "stash")
+        check_args(tensor, record, pool, "reload destination" if reload else "stash source")
 
-    def reload(dst, record, pool, backend="auto", max_ctas=None):
-        calls.append("reload")
-        reference.check_args(dst, record, pool, "reload destination")
-
-    monkeypatch.setattr(kernels, "stash", stash)
-    monkeypatch.setattr(kernels, "reload", reload)
+    monkeypatch.setitem(kernels.REGISTRY, "stub", KernelBackend("stub", copy, ("cpu",)))
     return calls
 
 
@@ -109,6 +112,13 @@ def make_pools() -> PagePools:
     pools = PagePools(PAGE)
     pools.add(HIDDEN * 4, cuda_rows=ROWS * RECORDS * LAYERS * 2)
     return pools
+
+
+def make_scheduler(backend, kernel: str, **config) -> PagingScheduler:
+    scheduler = PagingScheduler(backend, make_pools(),
+                                config=PagingConfig(kernel_backend=kernel, **config))
+    assert scheduler.kernel is kernels.REGISTRY[kernel]  # resolved once, at construction
+    return scheduler
 
 
 def counted(scheduler, backend, per_call: list[tuple[str, int]]):
@@ -137,7 +147,7 @@ def forward_all(scheduler, tensors, live):
 @pytest.mark.parametrize("overlap", [True, False])
 def test_compute_stream_resolved_at_most_once_per_public_call(stub_kernels, overlap):
     backend = CountingBackend()
-    scheduler = PagingScheduler(backend, make_pools(), prefetch_distance=2, overlap=overlap)
+    scheduler = make_scheduler(backend, "stub", prefetch_distance=2, overlap=overlap)
     per_call: list[tuple[str, int]] = []
     counted(scheduler, backend, per_call)
     tensors = [torch.randn(ROWS, HIDDEN) for _ in range(RECORDS)]
@@ -159,7 +169,7 @@ def test_compute_stream_resolved_at_most_once_per_public_call(stub_kernels, over
 @pytest.mark.parametrize("overlap", [True, False])
 def test_stream_entered_once_per_group(stub_kernels, overlap):
     backend = CountingBackend()
-    scheduler = PagingScheduler(backend, make_pools(), prefetch_distance=1, overlap=overlap)
+    scheduler = make_scheduler(backend, "stub", prefetch_distance=1, overlap=overlap)
     tensors = [torch.randn(ROWS, HIDDEN) for _ in range(RECORDS)]
     handles = forward_all(scheduler, tensors, torch.tensor([5]))
     for layer in reversed(range(LAYERS)):
@@ -173,6 +183,27 @@ def test_stream_entered_once_per_group(stub_kernels, overlap):
     assert all(stream == scope for stream, scope in backend.launch_scopes)
     expected = backend.paging_stream if overlap else backend.compute_stream()
     assert set(backend.scopes) == {expected}
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_kernel_backend_resolved_once_per_scheduler(stub_kernels, monkeypatch, overlap):
+    resolved = []
+    real_resolve = kernels.resolve_backend
+
+    def resolve(name, device):
+        resolved.append((name, torch.device(device).type))
+        return real_resolve(name, device)
+
+    monkeypatch.setattr(kernels, "resolve_backend", resolve)
+    scheduler = make_scheduler(CpuStreamBackend(), "stub", overlap=overlap)
+    assert resolved == [("stub", "cpu")]
+    handles = forward_all(scheduler, [torch.randn(ROWS, HIDDEN)] * RECORDS, torch.tensor([5]))
+    for layer in reversed(range(LAYERS)):
+        scheduler.backward_slot_start(0, layer, 0)
+        for h in handles[layer]:
+            scheduler.unpack(h)
+    assert scheduler.finish() == 0 and resolved == [("stub", "cpu")]
+    assert len(stub_kernels) == 2 * LAYERS * RECORDS
 
 
 def test_cuda_backend_switches_stream_once_per_scope(monkeypatch):
@@ -201,7 +232,7 @@ def test_cuda_backend_switches_stream_once_per_scope(monkeypatch):
 
 def test_save_commit_reload_unpack_allocation_counts(noop_kernels):
     backend = CpuStreamBackend()
-    scheduler = PagingScheduler(backend, make_pools())
+    scheduler = make_scheduler(backend, "noop")
     tensors = [torch.randn(ROWS, HIDDEN) for _ in range(RECORDS)]
     live = torch.tensor([5])
     forward_all(scheduler, tensors, live)  # warm: layouts cached
@@ -230,77 +261,137 @@ def test_save_commit_reload_unpack_allocation_counts(noop_kernels):
     assert reload.allocations == ["aten.empty.memory_format"] * 2 and reload.views == []
     assert unpack.allocations == [] and unpack.views == []
     assert tensor.shape == tensors[0].shape
+    assert noop_kernels.count("stash") == LAYERS * RECORDS + 2
 
 
-def test_engine_steady_state_allocation_counts(noop_kernels):
-    engine = PagingEngine(kernel_backend="reference")
+class _Saves(torch.autograd.Function):
+    """Saves ``tensors`` for backward (through the installed pack hook) and reads them there."""
+
+    @staticmethod
+    def forward(ctx, x, *tensors):
+        ctx.save_for_backward(*tensors)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.unpacked = ctx.saved_tensors  # the unpack hook, on autograd's schedule
+        return (grad, *[None] * len(ctx.unpacked))
+
+
+def test_mcore_api_steady_state_allocation_counts(noop_kernels):
+    """Megatron-Core's call sequence through MCorePagingAPI -> PagingContext -> PagingEngine,
+    with autograd invoking the real pack/unpack hooks; counted once the pools exist."""
+    pytest.importorskip("megatron.core", reason="the adapter needs megatron-core")
+    from megatron_paging.mcore.api import MCorePagingAPI
+
+    engine = PagingEngine(PagingConfig(kernel_backend="noop", page_size=PAGE))
+    api = MCorePagingAPI(engine, device=torch.device("cpu"))
+    mcore_config = SimpleNamespace(moe_paged_stash_page_size=PAGE,
+                                   moe_paged_stash_buffer_size_factor_cuda=2.0,
+                                   moe_paged_stash_buffer_size_factor_cpu=0.0)
     tensors = [torch.randn(ROWS, HIDDEN) for _ in range(RECORDS)]
-    live = torch.tensor([5], dtype=torch.int32)
+    for t in tensors:
+        t.grouped_tensor_scale_inv = False  # Megatron-Core's mark: page this tensor
+    live = torch.tensor([5], dtype=torch.int32)  # the dispatcher's count
+    counters = None
+    phases = ("open", "pack", "commit", "unpack")
 
-    def step(counters=None):
-        engine.begin_step(True, PAGE, 2.0, 0.0)
-        groups, saved = [], []
-        for layer in range(LAYERS):
-            annotations = {"layer": layer, "microbatch": 0, "vp_stage": 0}
-            with counters["open"] if counters else contextlib.nullcontext():
-                group = engine.open_group(ROWS, live, annotations)
-            with counters["pack"] if counters else contextlib.nullcontext():
-                saved.append([engine.pack(group, t) for t in tensors])
-            engine.commit(group)
-            groups.append(group)
-        for layer in reversed(range(LAYERS)):
-            engine.reload(groups[layer])
-            with counters["unpack"] if counters else contextlib.nullcontext():
-                out = [engine.unpack(s) for s in saved[layer]]
-            assert [o.shape for o in out] == [t.shape for t in tensors]
-        engine.end_step()
+    def counting(phase, fn, *args):
+        if counters is None:
+            return fn(*args)
+        with counters[phase]:
+            return fn(*args)
 
-    step()  # calibration
-    step()  # sizes the pools
-    assert engine.mode == "paged"
-    counters = {"open": OpCounter(), "pack": OpCounter(), "unpack": OpCounter()}
-    step(counters)
+    real_pack, real_unpack = api._pack, api.context.unpack
+    api._pack = lambda t: counting("pack", real_pack, t)  # the hook get_paged_stash_context
+    api.context.unpack = lambda s: counting("unpack", real_unpack, s)  # installs, counted
+
+    def step():
+        api.paged_stash_reset(True, mcore_config)
+        api.paged_stash_init_chunk_handler(None, None)
+        x = torch.zeros(ROWS, HIDDEN, requires_grad=True)
+        nodes = []
+        for _ in range(LAYERS):
+            x = api.paged_stash_group_start(x)
+            ctx = counting("open", api.get_paged_stash_context, "expert_fc1", ROWS, live, None)
+            with ctx:
+                x = _Saves.apply(x, *tensors)
+            nodes.append(x.grad_fn)
+            x = counting("commit", api.paged_stash_group_commit, x)
+        x.sum().backward()
+        for node in nodes:
+            assert [u.shape for u in node.unpacked] == [t.shape for t in tensors]
+        return api.paged_stash_finish()
+
+    assert step() == 0 and engine.mode == "calibrate" and engine.pools is not None
+    assert engine.config.cuda_factor == 2.0  # Megatron-Core's config reached the engine
+    assert step() == 0 and engine.mode == "paged"  # warm: layouts cached
+    counters = {phase: OpCounter() for phase in phases}
+    stashes = noop_kernels.count("stash")
+    assert step() == 0 and engine.mode == "paged"
+    assert noop_kernels.count("stash") - stashes == LAYERS * RECORDS
+    assert noop_kernels.count("reload") == 2 * LAYERS * RECORDS
     # Per group: one private int64 copy of the live count (a reshape view at most).
-    assert len(counters["open"].allocations) == LAYERS
-    assert len(counters["open"].views) <= LAYERS
-    # Per record: one record buffer; no live-count snapshot (the group's copy is private).
-    assert counters["pack"].allocations == ["aten.empty.memory_format"] * LAYERS * RECORDS
+    assert counters["open"].allocations == ["aten._to_copy.default"] * LAYERS
+    assert counters["open"].views == ["aten.view.default"] * LAYERS
+    assert counters["open"].writes == []
+    # The pack hook only takes note; the commit makes one record buffer per record (no
+    # live-count snapshot: the group's copy is private) and stashes.
+    assert counters["pack"].allocations == counters["pack"].views == []
     assert counters["pack"].writes == []
+    assert counters["commit"].allocations == ["aten.empty.memory_format"] * LAYERS * RECORDS
+    assert counters["commit"].writes == []
+    # Two slices of the record buffer per record, and the commit's identity view per group.
+    group_views = ["aten.slice.Tensor"] * 2 * RECORDS + ["aten.view.default"]
+    assert counters["commit"].views == group_views * LAYERS
     assert counters["unpack"].allocations == [] and counters["unpack"].views == []
+    assert counters["unpack"].writes == []
     assert engine.unreloaded_records == 0
 
 
-@pytest.mark.parametrize(
-    "make, views",
-    [
-        (lambda: torch.zeros(ROWS, HIDDEN * 4, dtype=torch.uint8), 0),  # already byte rows
-        (lambda: torch.zeros(ROWS, HIDDEN), 1),  # one dtype view
-        (lambda: torch.zeros(ROWS, 2, HIDDEN // 2, requires_grad=True), 2),  # dtype + rows
-    ],
-)
-def test_kernel_checks_build_at_most_the_byte_view(make, views):
-    pools = make_pools()
-    pool = pools[HIDDEN * 4]
-    record = PageRecord.new(ROWS, HIDDEN * 4, PAGE, torch.tensor([5]))
-    tensor = make()
-    with OpCounter() as ops:
-        rows = reference.check_args(tensor, record, pool, "src")
-    assert len(ops.views) == views and ops.allocations == [] and ops.writes == []
-    assert rows.shape == (ROWS, HIDDEN * 4) and rows.dtype == torch.uint8
-    assert rows.data_ptr() == tensor.data_ptr() and not rows.requires_grad
+# ----------------------------------------------------------------------------- CUDA wrapper
 
 
-def test_cuda_wrapper_passes_cached_metadata_without_new_tensors():
-    pools = make_pools()
-    pool = pools[HIDDEN * 4]
+class FakeExtension:
+    """Stands in for the extension: records handle constructions and operator calls."""
+
+    def __init__(self):
+        self.pools, self.layouts, self.calls = [], [], []
+        self.Pool = lambda *args: self.pools.append(args) or ("pool", len(self.pools))
+        self.Layout = lambda *args: self.layouts.append(args) or ("layout", len(self.layouts))
+
+    def op(self, *args):
+        self.calls.append(args)
+
+
+def test_cuda_wrapper_passes_cached_handles_without_new_tensors(monkeypatch):
+    fake = FakeExtension()
+    monkeypatch.setattr(cuda_ops, "_library", lambda: (fake.op, fake))
+    pool = make_pools()[HIDDEN * 4]
     record = PageRecord.new(ROWS, HIDDEN * 4, PAGE, torch.tensor([5]))
+    other = record.layout.new_record(torch.tensor([2]))  # same layout, another record
     rows = torch.zeros(ROWS, HIDDEN * 4, dtype=torch.uint8)
-    seen = []
+    # The pool handle is made once, outside the hot path, for a CUDA pool (prepare()).
+    pool.device = torch.device("cuda", 0)
+    handle = cuda_ops.pool_handle(pool)
+    pool.device = torch.device("cpu")  # the rest of the call runs its checks on CPU tensors
+    assert pool.kernel_handle is handle and cuda_ops.pool_handle(pool) is handle
+    (pool_args,) = fake.pools
+    assert pool_args[0] is pool.cuda_pages and pool_args[7] is pool.flags.values
+    assert pool_args[8] is pool.kernel_done_counter and pool_args[9:] == (PAGE, HIDDEN * 4)
+
     with OpCounter() as ops:
-        cuda_ops._call(lambda *args: seen.append(args), rows, record, pool, 7)
+        cuda_ops.copy(False, rows, record, pool, 7, "tile")  # first use of the layout: its handle
+        cuda_ops.copy(True, rows, record, pool, 7, "tile")
+        cuda_ops.copy(False, rows, other, pool, 3, "tile")
     assert ops.views == [] and ops.allocations == [] and ops.writes == []
-    (args,) = seen
-    assert args[0] is rows and args[1] is pool.cuda_pages and args[11] is pool.flags.values
-    # The record's static tuples go to the operator as they are: no per-call list building.
-    assert args[13] is record.segment_starts and args[14] is record.segment_rows
-    assert args[15] is record.slot_offsets and args[16:] == (PAGE, HIDDEN * 4, 7)
+    assert len(fake.pools) == 1 and len(fake.layouts) == 1  # cached on the pool and layout
+    assert fake.layouts[0] == (ROWS, HIDDEN * 4, PAGE, [0], [ROWS], [0])
+    assert record.layout.kernel_handle == ("layout", 1)
+    for call, (reload, rec, max_ctas) in zip(
+        fake.calls, [(False, record, 7), (True, record, 7), (False, other, 3)], strict=True
+    ):
+        assert call[0] is rows and call[1] is handle and call[2] is rec.layout.kernel_handle
+        assert call[3] is rec.live_rows and call[4] is rec.page_record
+        assert call[5] is rec.spilled_to_host
+        assert call[6:] == (reload, cuda_ops.TILE, max_ctas)

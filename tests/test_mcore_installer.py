@@ -1,5 +1,6 @@
-"""install()/uninstall(): every importer of Megatron-Core's paged-stash API is rebound, and
-uninstall restores identity (real megatron-core 0.19.2 modules)."""
+"""install()/uninstall(): every importer of Megatron-Core's paged-stash API (and of
+get_forward_backward_func) is rebound, and uninstall restores identity (real megatron-core
+0.19.2 modules)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ pytest.importorskip("megatron.core")
 
 from megatron.core.transformer.moe import paged_stash  # noqa: E402
 
+import megatron_paging.mcore  # noqa: E402
 from megatron_paging import env  # noqa: E402
-from megatron_paging.mcore import install as install_mod  # noqa: E402
+from megatron_paging.config import PagingConfig  # noqa: E402
+from megatron_paging.mcore import installer as install_mod  # noqa: E402
 from megatron_paging.mcore.api import API_FUNCTION_NAMES, MCorePagingAPI  # noqa: E402
 
 # Importers by name in megatron-core 0.19.2 (grep of `from ...paged_stash import`).
@@ -33,6 +36,11 @@ EXPECTED_IMPORTERS = {
 ORIGINALS = {
     name: getattr(paged_stash, name) for name in API_FUNCTION_NAMES + ("PagedStashRunner",)
 }
+GETTER_IMPORTERS = (
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel",
+    "megatron.training.training",
+)
 
 
 def _holders_of(obj) -> list[str]:
@@ -79,8 +87,45 @@ def test_install_rebinds_every_importer(installer, alias_importer, caplog):
     # No module anywhere still holds an original API function.
     for name in API_FUNCTION_NAMES:
         assert _holders_of(ORIGINALS[name]) == [], name
+    from megatron.core.pipeline_parallel import schedules
+
+    getter = schedules.get_forward_backward_func
+    assert getter.megatron_paging_finishing
+    for module_name in GETTER_IMPORTERS:
+        assert sys.modules[module_name].get_forward_backward_func is getter
     install_lines = [r for r in caplog.records if r.name == install_mod.__name__]
     assert len(install_lines) == 1 and "schedules" in install_lines[0].getMessage()
+    assert "get_forward_backward_func" in install_lines[0].getMessage()
+
+
+def test_documented_entry_point_installs(installer, monkeypatch):
+    # README: megatron_paging.mcore.install() / uninstall() are the installer's functions.
+    monkeypatch.setattr(install_mod, "INSTALLER", installer)
+    api = megatron_paging.mcore.install()
+    assert installer.installed and installer.api is api
+    megatron_paging.mcore.uninstall()
+    assert not installer.installed
+
+
+def test_every_forward_backward_ends_its_paging_step(installer):
+    api = installer.install()
+    from megatron.core.pipeline_parallel import schedules
+
+    calls = []
+
+    def schedule_fn(**kwargs):
+        calls.append(("schedule", api.engine.step_open))
+        return "losses"
+
+    wrapped = install_mod.FinishingForwardBackward(schedule_fn, api)
+    api.paged_stash_reset(enabled=True, config=None)
+    assert api.engine.step_open
+    assert wrapped(forward_only=False) == "losses"
+    assert calls == [("schedule", True)] and not api.engine.step_open
+    # The getter Megatron's train() calls returns such a wrapper, attributes passed through.
+    fn = schedules.get_forward_backward_func(pp_size=1, vp_size=None)
+    assert isinstance(fn, install_mod.FinishingForwardBackward) and fn.api is api
+    assert fn.__name__ == fn.forward_backward_func.__name__
 
 
 def test_rebound_names_drive_the_api(installer):
@@ -118,7 +163,7 @@ def test_install_is_idempotent(installer):
     assert installer.install() is api
     assert len(installer.rebindings) == count
     other = MCorePagingAPI()
-    assert installer.install(other) is other
+    assert installer.install(api=other) is other
     assert paged_stash.paged_stash_reset == other.paged_stash_reset
     assert len(installer.rebindings) == count
     installer.uninstall()
@@ -172,25 +217,26 @@ def test_baseline_install_keeps_megatron_cores_paged_stash(installer):
     assert paged_stash.paged_stash_reset == api.paged_stash_reset
 
 
-def test_install_with_other_engine_options_reinstalls(installer, caplog):
+def test_install_with_another_config_reinstalls(installer, caplog):
     api = installer.install()
     count = len(installer.rebindings)
-    assert installer.install(prefetch_distance=api.engine.prefetch_distance) is api  # same
+    assert installer.install(api.engine.config) is api  # the same config
     with caplog.at_level(logging.INFO, logger=install_mod.__name__):
-        other = installer.install(prefetch_distance=4, kernel_backend="reference")
+        other = installer.install(PagingConfig(prefetch_distance=4, kernel_backend="reference"))
     assert other is not api
-    assert other.engine.prefetch_distance == 4 and other.engine.kernel_backend == "reference"
+    assert other.engine.config.prefetch_distance == 4
+    assert other.engine.config.kernel_backend == "reference"
     assert paged_stash.paged_stash_reset == other.paged_stash_reset
     assert len(installer.rebindings) == count
     reinstall = [r for r in caplog.records if "reinstalling" in r.getMessage()]
-    assert len(reinstall) == 1 and "prefetch_distance" in reinstall[0].getMessage()
-    assert installer.install() is other  # no options: keep what is installed
+    assert len(reinstall) == 1 and "prefetch_distance=4" in reinstall[0].getMessage()
+    assert installer.install() is other  # no config: keep what is installed
 
 
-def test_engine_options_that_would_be_unused_are_rejected(installer):
-    with pytest.raises(ValueError, match=r"\['max_ctas', 'prefetch_distance'\].*replace_paged"):
-        installer.install(replace_paged_stash=False, prefetch_distance=2, max_ctas=8)
+def test_a_config_that_would_be_unused_is_rejected(installer):
+    with pytest.raises(ValueError, match="no effect with replace_paged_stash=False"):
+        installer.install(PagingConfig(prefetch_distance=2), replace_paged_stash=False)
     assert not installer.installed
-    with pytest.raises(ValueError, match=r"\['prefetch_distance'\].*explicit api"):
-        installer.install(MCorePagingAPI(), prefetch_distance=2)
+    with pytest.raises(ValueError, match="no effect next to an explicit api"):
+        installer.install(PagingConfig(prefetch_distance=2), api=MCorePagingAPI())
     assert not installer.installed

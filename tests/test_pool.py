@@ -1,19 +1,24 @@
-"""Unit tests of every argument error of the pool, the record and the kernel entry points,
-of invalid live counts (detected on the device, raised on the host), and of ``reset()``
-allocating nothing. Each error test asserts the message names the bad argument."""
+"""PagePool, PagePools and PagingFlags: argument errors (each names the bad argument), the
+initial ring state and the public views, ``PagePools.grown``, sticky flags and invalid live
+counts (detected on the device, raised on the host), and ``reset()`` allocating nothing."""
 
 from __future__ import annotations
+
+import logging
+import math
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_paging import kernels
-from megatron_paging.pool import PagePool, PagePools, PagingFlags
+from megatron_paging.config import ConfigError
+from megatron_paging.pool import DEVICE_TIER, HOST_TIER, PagePool, PagePools, PagingFlags
 from megatron_paging.record import PageRecord
 
 NOT_POSITIVE_INTS = [0, -1, 1.5, True, "4", None]
 ROW_BYTES, PAGE_SIZE, ROWS = 8, 4, 10
+NO_FLAGS = {"overflow": False, "host_spill": False, "invalid_live": False}
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
@@ -38,46 +43,106 @@ def pool_state(pool: PagePool) -> list[torch.Tensor]:
     ]
 
 
+def assert_names(excinfo, name: str) -> None:
+    assert isinstance(excinfo.value, ConfigError) and excinfo.value.field == name
+    assert str(excinfo.value).startswith(f"{name} ")
+
+
 # ----------------------------------------------------------------------------- pool arguments
 
 
 @pytest.mark.parametrize("bad", NOT_POSITIVE_INTS)
 @pytest.mark.parametrize("name", ["row_bytes", "page_size"])
 def test_pool_rejects_non_positive_int(name, bad):
-    with pytest.raises(ValueError, match=name):
+    with pytest.raises(ValueError, match=name) as excinfo:
         small_pool(**{name: bad})
+    assert_names(excinfo, name)
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])
 @pytest.mark.parametrize("name", ["num_cuda_pages", "num_host_pages"])
 def test_pool_rejects_bad_page_counts(name, bad):
-    with pytest.raises(ValueError, match=name):
+    with pytest.raises(ValueError, match=name) as excinfo:
         small_pool(**{name: bad})
+    assert_names(excinfo, name)
 
 
 @pytest.mark.parametrize("bad", NOT_POSITIVE_INTS)
 def test_for_rows_and_pools_reject_bad_page_size(bad):
-    with pytest.raises(ValueError, match="page_size"):
+    with pytest.raises(ValueError, match="page_size") as excinfo:
         PagePool.for_rows(ROW_BYTES, bad, cuda_rows=16)
-    with pytest.raises(ValueError, match="page_size"):
+    assert_names(excinfo, "page_size")
+    with pytest.raises(ValueError, match="page_size") as excinfo:
         PagePools(bad)
+    assert_names(excinfo, "page_size")
 
 
 @pytest.mark.parametrize("name", ["cuda_rows", "host_rows"])
 def test_for_rows_rejects_negative_rows(name):
     rows = {"cuda_rows": 16, "host_rows": 0} | {name: -1}
-    with pytest.raises(ValueError, match=name):
+    with pytest.raises(ValueError, match=name) as excinfo:
         PagePool.for_rows(ROW_BYTES, PAGE_SIZE, **rows)
+    assert_names(excinfo, name)
 
 
 def test_for_rows_rounds_up_to_whole_pages():
     pool = PagePool.for_rows(ROW_BYTES, PAGE_SIZE, cuda_rows=9, host_rows=1)
     assert (pool.num_cuda_pages, pool.num_host_pages) == (3, 1)
+    pool = PagePool.for_rows(ROW_BYTES, PAGE_SIZE, cuda_rows=8, host_rows=0)
+    assert (pool.num_cuda_pages, pool.num_host_pages) == (2, 0)
 
 
 def test_flags_on_another_device_rejected():
-    with pytest.raises(ValueError, match="flags"):
+    with pytest.raises(ValueError, match="flags live on meta but the pool on cpu"):
         small_pool(flags=PagingFlags("meta"))
+
+
+# ----------------------------------------------------------------------------- pool state
+
+
+def test_new_pool_state_and_views():
+    flags = PagingFlags()
+    pool = PagePool(ROW_BYTES, PAGE_SIZE, num_cuda_pages=3, num_host_pages=2, flags=flags)
+    assert pool.flags is flags and pool.device == torch.device("cpu")
+    assert pool.cuda_pages.shape == (3 * PAGE_SIZE, ROW_BYTES)
+    assert pool.host_pages.shape == (2 * PAGE_SIZE, ROW_BYTES)
+    assert pool.cuda_pages.dtype == pool.host_pages.dtype == torch.uint8
+    # One scratch row / scratch freelist slot past the public views, never part of them.
+    assert pool._cuda_storage.shape[0] == 3 * PAGE_SIZE + 1
+    assert pool.cuda_pages.data_ptr() == pool._cuda_storage.data_ptr()
+    assert pool._free_list_cuda_storage.numel() == 4 and pool._free_list_host_storage.numel() == 3
+    assert pool.free_list_cuda.tolist() == [0, 1, 2] and pool.free_list_host.tolist() == [0, 1]
+    assert pool.free_list_head.tolist() == [0, 0] and pool.free_list_tail.tolist() == [3, 2]
+    assert pool.free_list_capacity.tolist() == [3, 2]
+    assert pool.free_pages() == (3, 2) and flags.read() == NO_FLAGS
+    assert pool.kernel_done_counter.tolist() == [0]
+    assert pool.kernel_done_counter.dtype == torch.int32
+    assert pool.kernel_handle is None
+    assert pool.has_host_tier and pool.page_bytes == PAGE_SIZE * ROW_BYTES
+    assert pool.total_bytes == (3 * PAGE_SIZE * ROW_BYTES, 2 * PAGE_SIZE * ROW_BYTES)
+    assert (DEVICE_TIER, HOST_TIER) == (0, 1)
+    assert repr(pool) == (
+        "PagePool(row_bytes=8, page_size=4, cuda_pages=3, host_pages=2, device=cpu)"
+    )
+
+
+def test_empty_tiers():
+    pool = PagePool(ROW_BYTES, PAGE_SIZE, num_cuda_pages=0, num_host_pages=0)
+    assert not pool.has_host_tier and pool.free_pages() == (0, 0)
+    assert pool.cuda_pages.shape == (0, ROW_BYTES) and pool.total_bytes == (0, 0)
+
+
+# ----------------------------------------------------------------------------- pools
+
+
+def test_pools_share_flags_and_sum_bytes():
+    pools = PagePools(PAGE_SIZE)
+    a = pools.add(16, cuda_rows=8)
+    b = pools.add(224, cuda_rows=5, host_rows=4)
+    assert a.flags is b.flags is pools.flags
+    assert (b.num_cuda_pages, b.num_host_pages) == (2, 1)
+    assert list(pools) == [a, b] and len(pools) == 2 and pools[224] is b
+    assert pools.total_bytes() == (8 * 16 + 8 * 224, 4 * 224)
 
 
 def test_pools_duplicate_row_bytes_rejected():
@@ -99,159 +164,78 @@ def test_pools_missing_row_bytes_names_key_and_known_pools():
     assert "row_bytes=32" in message and "[16, 224]" in message
 
 
-# ----------------------------------------------------------------------------- record arguments
+def used_pools():
+    pools = PagePools(PAGE_SIZE)
+    for row_bytes in (ROW_BYTES, 3):
+        pool = pools.add(row_bytes, cuda_rows=16, host_rows=12)  # 4 + 3 pages
+        record = PageRecord.new(ROWS, row_bytes, PAGE_SIZE, torch.tensor(9))
+        kernels.stash(source(ROWS, row_bytes), record, pool)
+        kernels.stash(source(ROWS, row_bytes), record, pool)  # 3 + 3 pages > 4: host tier
+    kernels.stash(source(), small_record(live=ROWS), pools[ROW_BYTES])  # no room: overflow
+    return pools
 
 
-@pytest.mark.parametrize("bad", NOT_POSITIVE_INTS)
-@pytest.mark.parametrize("name", ["capacity_rows", "row_bytes", "page_size"])
-def test_record_rejects_non_positive_int(name, bad):
-    with pytest.raises(ValueError, match=name):
-        small_record(**{name: bad})
+def test_grown_enlarges_device_tiers_only(caplog):
+    pools = PagePools(PAGE_SIZE)
+    for row_bytes, cuda_pages, host_pages in ((8, 4, 2), (3, 1, 0), (5, 0, 3), (7, 10, 0)):
+        pools.add(row_bytes, cuda_pages * PAGE_SIZE, host_pages * PAGE_SIZE)
+    with caplog.at_level(logging.INFO, logger="megatron_paging.pool"):
+        grown = pools.grown(1.5)
+    assert isinstance(grown, PagePools) and grown is not pools
+    assert (grown.page_size, grown.device) == (pools.page_size, pools.device)
+    # ceil(4 x 1.5) = 6; one page more at least: 1 -> 2, 0 -> 1; ceil(10 x 1.5) = 15.
+    assert [(p.row_bytes, p.num_cuda_pages, p.num_host_pages) for p in grown] == [
+        (8, 6, 2), (3, 2, 0), (5, 1, 3), (7, 15, 0)]
+    assert all(p.flags is grown.flags for p in grown) and grown.flags is not pools.flags
+    assert all(p.free_pages() == (p.num_cuda_pages, p.num_host_pages) for p in grown)
+    assert "from 4 to 6 device pages" in caplog.text and "from 0 to 1" in caplog.text
 
 
-@pytest.mark.parametrize(
-    "segments",
-    [
-        [],
-        [(0, 4), (3, 4)],  # overlapping
-        [(5, 2), (0, 2)],  # unsorted
-        [(6, 5)],  # past capacity
-        [(-1, 2)],  # negative start
-        [(0, -1)],  # negative rows
-    ],
-    ids=["empty", "overlapping", "unsorted", "out_of_range", "negative_start", "negative_rows"],
-)
-def test_record_rejects_bad_segments(segments):
-    live = torch.zeros(max(len(segments), 1), dtype=torch.int64)
-    with pytest.raises(ValueError, match="segments"):
-        PageRecord.new(ROWS, ROW_BYTES, PAGE_SIZE, live, segments)
+def test_grown_leaves_the_old_pools_untouched():
+    pools = used_pools()
+    before = [pool_state(p) + [p.cuda_pages.clone(), p.host_pages.clone()] for p in pools]
+    flags = pools.flags.read()
+    grown = pools.grown(2)
+    assert [p.num_cuda_pages for p in grown] == [8, 8]
+    assert [p.num_host_pages for p in grown] == [3, 3]
+    assert grown.flags.read() == NO_FLAGS and pools.flags.read() == flags
+    after = [pool_state(p) + [p.cuda_pages, p.host_pages] for p in pools]
+    for old, new in zip(before, after, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(old, new, strict=True))
+    assert all(p.kernel_handle is None for p in grown)  # the engine prepares them
 
 
-def test_record_accepts_adjacent_and_empty_segments():
-    record = PageRecord.new(
-        ROWS, ROW_BYTES, PAGE_SIZE, torch.tensor([1, 0, 2]), [(0, 5), (5, 0), (5, 5)]
-    )
-    assert record.slot_offsets == (0, 2, 2) and record.max_pages == 4
+def test_grown_by_a_small_factor_still_adds_a_page():
+    pools = PagePools(PAGE_SIZE)
+    pools.add(8, 3 * PAGE_SIZE)
+    assert [p.num_cuda_pages for p in pools.grown(1.01)] == [4]
+    assert len(PagePools(PAGE_SIZE).grown(3)) == 0
 
 
-@pytest.mark.parametrize(
-    "live", [torch.tensor(3.0), torch.tensor([1.0], dtype=torch.bfloat16), 3, [3]]
-)
-def test_record_rejects_live_rows_not_an_integer_tensor(live):
-    with pytest.raises(TypeError, match="live_rows"):
-        PageRecord.new(ROWS, ROW_BYTES, PAGE_SIZE, live)
+@pytest.mark.parametrize("bad", [1, 1.0, 0.5, 0, -2, True, "2", None, math.nan, math.inf])
+def test_grown_rejects_factors_that_do_not_grow(bad):
+    pools = PagePools(PAGE_SIZE)
+    pools.add(8, 4 * PAGE_SIZE)
+    pools.add(9, 0)
+    with pytest.raises(ValueError, match=r"factor must be a (finite )?number > 1"):
+        pools.grown(bad)
 
 
-@pytest.mark.parametrize("count", [1, 3])
-def test_record_rejects_live_count_per_segment_mismatch(count):
-    with pytest.raises(ValueError, match="live_rows has"):
-        PageRecord.new(
-            ROWS, ROW_BYTES, PAGE_SIZE, torch.zeros(count, dtype=torch.int64), [(0, 4), (4, 6)]
-        )
+# ----------------------------------------------------------------------------- flags
 
 
-# ----------------------------------------------------------------------------- kernel arguments
-
-
-@pytest.mark.parametrize("op", ["stash", "reload"])
-def test_non_contiguous_tensor_rejected(op):
-    wide = source(ROWS, 2 * ROW_BYTES)
-    what = "stash source" if op == "stash" else "reload destination"
-    with pytest.raises(ValueError, match=f"{what} must be contiguous"):
-        getattr(kernels, op)(wide[:, ::2], small_record(), small_pool())
-
-
-@pytest.mark.parametrize("rows", [ROWS - 1, ROWS + 1])
-@pytest.mark.parametrize("op", ["stash", "reload"])
-def test_wrong_byte_size_rejected(op, rows):
-    what = "stash source" if op == "stash" else "reload destination"
-    with pytest.raises(ValueError, match=f"{what} holds {rows * ROW_BYTES} bytes"):
-        getattr(kernels, op)(source(rows), small_record(), small_pool())
-
-
-def test_same_bytes_in_another_dtype_accepted():
-    pool, record = small_pool(), small_record(live=5)
-    src = source().view(torch.float8_e5m2)
-    kernels.stash(src.view(torch.bfloat16), record, pool)
-    dst = torch.zeros(ROWS * ROW_BYTES, dtype=torch.float8_e4m3fn)
-    kernels.reload(dst, record, pool)
-    assert torch.equal(dst.view(torch.uint8).view(ROWS, ROW_BYTES)[:5], source()[:5])
-
-
-def test_non_tensor_source_rejected():
-    with pytest.raises(TypeError, match="stash source must be a tensor"):
-        kernels.stash(source().numpy(), small_record(), small_pool())
-
-
-def test_record_row_bytes_mismatch_rejected():
-    record = small_record(row_bytes=2 * ROW_BYTES)
-    with pytest.raises(ValueError, match=f"row_bytes={2 * ROW_BYTES}"):
-        kernels.stash(source(ROWS, 2 * ROW_BYTES), record, small_pool())
-
-
-def test_record_page_size_mismatch_rejected():
-    with pytest.raises(ValueError, match=f"page_size={2 * PAGE_SIZE}"):
-        kernels.stash(source(), small_record(page_size=2 * PAGE_SIZE), small_pool())
-
-
-def test_tensor_on_another_device_rejected():
-    with pytest.raises(ValueError, match="stash source is on meta"):
-        kernels.stash(source().to("meta"), small_record(), small_pool())
-    with pytest.raises(ValueError, match="reload destination is on cpu"):
-        kernels.reload(source(), small_record(), small_pool(device="meta"))
-
-
-def test_record_on_another_device_rejected():
-    record = PageRecord.new(ROWS, ROW_BYTES, PAGE_SIZE, torch.tensor(3, device="meta"))
-    with pytest.raises(ValueError, match="record.live_rows is on meta"):
-        kernels.stash(source(), record, small_pool())
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_cpu_tensors_with_a_cuda_pool_rejected():
-    # The reference backend's checks are the shared ones (check_args); the CUDA backend's own
-    # device checks belong to the extension's tests.
-    pool = small_pool(device="cuda")
-    cuda_record = PageRecord.new(ROWS, ROW_BYTES, PAGE_SIZE, torch.tensor(3, device="cuda"))
-    with pytest.raises(ValueError, match="stash source is on cpu"):
-        kernels.stash(source(), cuda_record, pool, backend="reference")
-    with pytest.raises(ValueError, match="record.live_rows is on cpu"):
-        kernels.stash(source().cuda(), small_record(), pool, backend="reference")
-
-
-def test_rejected_call_changes_nothing():
-    pool, record = small_pool(), small_record(live=5)
-    record.page_record.fill_(7)
-    before = pool_state(pool)
-    with pytest.raises(ValueError, match="stash source holds"):
-        kernels.stash(source(ROWS + 1), record, pool)
-    assert all(torch.equal(a, b) for a, b in zip(before, pool_state(pool), strict=True))
-    assert record.page_record.tolist() == [7] * record.page_record.numel()
-
-
-@pytest.mark.parametrize("backend", ["triton", "CUDA", "", None])
-def test_unknown_backend_rejected(backend):
-    with pytest.raises(ValueError, match="backend must be one of"):
-        kernels.stash(source(), small_record(), small_pool(), backend=backend)
-
-
-def test_cuda_backend_with_cpu_tensors_rejected():
-    for op in (kernels.stash, kernels.reload):
-        with pytest.raises(ValueError, match="backend 'cuda' needs CUDA tensors"):
-            op(source(), small_record(), small_pool(), backend="cuda")
-
-
-@pytest.mark.parametrize("raw", ["0", "-3", "many", "1.5"])
-def test_max_ctas_environment_rejected(monkeypatch, raw):
-    monkeypatch.setenv("MEGATRON_PAGING_MAX_CTAS", raw)
-    with pytest.raises(ValueError, match="MEGATRON_PAGING_MAX_CTAS"):
-        kernels._read_max_ctas()
-    monkeypatch.setenv("MEGATRON_PAGING_MAX_CTAS", "96")
-    assert kernels._read_max_ctas() == 96
-
-
-# ----------------------------------------------------------------------------- invalid live
+def test_flags_are_views_of_one_device_tensor():
+    flags = PagingFlags()
+    assert flags.values.dtype == torch.int64 and flags.values.tolist() == [0, 0, 0]
+    flags.overflow.fill_(1)
+    flags.invalid_live.fill_(1)
+    assert flags.values.tolist() == [1, 0, 1]
+    assert flags.read() == {"overflow": True, "host_spill": False, "invalid_live": True}
+    flags.host_spill.fill_(1)
+    pointer = flags.values.data_ptr()
+    flags.reset()
+    assert flags.read() == NO_FLAGS and flags.values.data_ptr() == pointer
+    assert repr(flags) == "PagingFlags(device=cpu)"
 
 
 @pytest.mark.parametrize("live", [[-1, 0], [0, 7], [5, 6], [-2, 9]])
@@ -302,17 +286,6 @@ def test_op_recorder_sees_allocations():
     assert recorder.allocating_ops() == ["aten.clone.default", "aten.zeros.default"]
 
 
-def used_pools():
-    pools = PagePools(PAGE_SIZE)
-    for row_bytes in (ROW_BYTES, 3):
-        pool = pools.add(row_bytes, cuda_rows=16, host_rows=12)  # 4 + 3 pages
-        record = PageRecord.new(ROWS, row_bytes, PAGE_SIZE, torch.tensor(9))
-        kernels.stash(source(ROWS, row_bytes), record, pool)
-        kernels.stash(source(ROWS, row_bytes), record, pool)  # 3 + 3 pages > 4: host tier
-    kernels.stash(source(), small_record(live=ROWS), pools[ROW_BYTES])  # no room: overflow
-    return pools
-
-
 def test_reset_allocates_nothing_and_restores_rings():
     pools = used_pools()
     assert pools.flags.read() == {"overflow": True, "host_spill": True, "invalid_live": False}
@@ -333,7 +306,7 @@ def test_reset_allocates_nothing_and_restores_rings():
         pools.reset()
     assert recorder.ops and recorder.allocating_ops() == []
     assert [t.data_ptr() for t in tensors] + [pools.flags.values.data_ptr()] == pointers
-    assert pools.flags.read() == {"overflow": False, "host_spill": False, "invalid_live": False}
+    assert pools.flags.read() == NO_FLAGS
     for pool in pools:
         assert pool.free_list_head.tolist() == [0, 0]
         assert pool.free_list_tail.tolist() == [pool.num_cuda_pages, pool.num_host_pages]
@@ -349,6 +322,15 @@ def test_pool_reset_leaves_shared_flags_alone():
     assert pools[3].free_pages() == (4, 3)
     assert pools[ROW_BYTES].free_pages() == (1, 0)  # the other pool of the context is untouched
     assert pools.flags.read()["overflow"]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_pool_resolves_the_device_index_and_pins_the_host_tier():
+    pool = small_pool(device="cuda")
+    assert pool.device == torch.device("cuda", torch.cuda.current_device())
+    assert pool.flags.device == pool.device and pool.host_pages.is_pinned()
+    assert PagePools(PAGE_SIZE, "cuda").device.index == torch.cuda.current_device()
 
 
 @pytest.mark.gpu

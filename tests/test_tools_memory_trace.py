@@ -1,6 +1,6 @@
 """The peak breakdown of an allocator trace (synthetic traces in torch's snapshot format)."""
 
-from megatron_paging.memory_trace import caller_site, format_breakdown, peak_breakdown
+from megatron_paging.tools.memory_trace import caller_site, format_breakdown, peak_breakdown
 
 
 def frames(site: str) -> list[dict]:

@@ -1,28 +1,22 @@
-"""The demo: one pipeline rank of TinyMoE through the paging scheduler, calibration, overflow
-policies, the CLI contract; and TinyMoE's routing and capacity-buffer autograd functions."""
+"""The demo CLI: one pipeline rank of TinyMoE through the paging runtime, step by step;
+calibration, the overflow policies, the verdict, the output contract and the flags."""
 
 from __future__ import annotations
 
 import math
+import os
+import sys
 
 import pytest
 import torch
 
-from megatron_paging import kernels, overflow
+from megatron_paging import kernels, optimizer_skip
 from megatron_paging.cli import build_parser
 from megatron_paging.demo import cli as demo_cli
-from megatron_paging.demo.model import (
-    Combine,
-    Dispatch,
-    ExpertMLP,
-    TinyMoE,
-    TinyMoEConfig,
-    grouped_mm,
-    grouped_weight_grad,
-    route,
-    synthetic_batches,
-)
+from megatron_paging.demo import training
 from megatron_paging.demo.pipeline import stage_indices
+from megatron_paging.demo.training import StepOutcome, compare
+from megatron_paging.kernels import KernelBackend
 
 SMALL = [
     "--device", "cpu", "--steps", "3", "--layers", "1", "--hidden", "32", "--experts", "4",
@@ -51,7 +45,7 @@ def run_cli(tmp_path, capsys, *extra) -> tuple[int, str]:
 
 def table_rows(stdout: str) -> list[dict[str, str]]:
     lines = stdout.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("step |"))
+    start = next(i for i, line in enumerate(lines) if line.split("|")[0].strip() == "step")
     header = [cell.strip() for cell in lines[start].split("|")]
     rows = []
     for line in lines[start + 2 :]:
@@ -108,17 +102,30 @@ def test_stage_indices():
     assert stage_indices("1f1b", 4, 3, 1) == [3]
 
 
+def wrap_reference_kernel(monkeypatch, on_reload):
+    """Replace the registry's ``reference`` backend (the scheduler resolves it once per step)
+    by one whose reloads go through ``on_reload(real_copy, dst, record, pool, max_ctas)``."""
+    real = kernels.REGISTRY["reference"]
+
+    def copy(reload, tensor, record, pool, max_ctas):
+        if not reload:
+            return real.copy(reload, tensor, record, pool, max_ctas)
+        return on_reload(real.copy, tensor, record, pool, max_ctas)
+
+    wrapped = KernelBackend(real.name, copy, real.device_types, real.prepare_pool)
+    monkeypatch.setitem(kernels.REGISTRY, "reference", wrapped)
+
+
 def test_reload_destinations_poisoned_with_nan_keep_parity(tmp_path, monkeypatch):
     # Non-live rows of a reloaded buffer are NaN: the model must never let them reach a result.
-    real_reload = kernels.reload
     calls = []
 
-    def poisoned(dst, record, pool, backend="auto", max_ctas=None):
+    def poisoned(real_copy, dst, record, pool, max_ctas):
         dst.fill_(math.nan)
         calls.append(record)
-        real_reload(dst, record, pool, backend, max_ctas)
+        real_copy(True, dst, record, pool, max_ctas)
 
-    monkeypatch.setattr(kernels, "reload", poisoned)
+    wrap_reference_kernel(monkeypatch, poisoned)
     result = demo_cli.run_demo(demo_args(tmp_path))
     assert calls and result.verdict().line == "parity: bitwise"
     for step in result.paged.steps:
@@ -127,15 +134,13 @@ def test_reload_destinations_poisoned_with_nan_keep_parity(tmp_path, monkeypatch
 
 
 def test_corrupted_reload_is_reported_as_mismatch(tmp_path, capsys, monkeypatch):
-    real_reload = kernels.reload
-
-    def flip_one_byte(dst, record, pool, backend="auto", max_ctas=None):
-        real_reload(dst, record, pool, backend, max_ctas)
+    def flip_one_byte(real_copy, dst, record, pool, max_ctas):
+        real_copy(True, dst, record, pool, max_ctas)
         segment = int(torch.nonzero(record.live_rows > 0)[0, 0])  # a live row: it matters
         offset = record.segment_starts[segment] * record.row_bytes + 3  # an fp32 exponent byte
         dst.view(-1).view(torch.uint8)[offset] ^= 0x40
 
-    monkeypatch.setattr(kernels, "reload", flip_one_byte)
+    wrap_reference_kernel(monkeypatch, flip_one_byte)
     code, out = run_cli(tmp_path, capsys, "--steps", "2")
     assert code == 1
     last = out.splitlines()[-1]
@@ -205,7 +210,7 @@ def test_skip_that_updates_parameters_is_reported(tmp_path, capsys, monkeypatch)
         step_fn(closure)
         return False
 
-    monkeypatch.setattr(overflow, "step_unless", step_anyway)
+    monkeypatch.setattr(optimizer_skip, "step_unless", step_anyway)
     code, out = run_cli(tmp_path, capsys, "--pool-factor", "0.3", "--overflow-policy", "skip")
     assert code == 1
     assert "the skipped step changed parameters or state" in out.splitlines()[-1]
@@ -281,105 +286,133 @@ def test_cuda_requested_without_cuda(capsys):
     assert "--device cuda" in capsys.readouterr().err
 
 
-# -- routing and the capacity-buffer autograd functions ----------------------------------------
+# -- the verdict compares what the rank sends upstream -----------------------------------------
 
 
-def test_route_fills_expert_segments_in_choice_order():
-    generator = torch.Generator().manual_seed(3)
-    tokens, experts, topk, capacity = 40, 4, 2, 12
-    ids = torch.stack([torch.randperm(experts, generator=generator)[:topk] for _ in range(tokens)])
-    routing = route(ids, experts, capacity)
-    counts = torch.bincount(ids.reshape(-1), minlength=experts)
-    assert torch.equal(routing.live_rows, counts.clamp(max=capacity))
-    kept = routing.slot[routing.keep]
-    assert kept.unique().numel() == kept.numel()  # no two assignments share a row
-    assert int(routing.row_live.sum()) == kept.numel()
-    for t, k in routing.keep.nonzero().tolist():
-        row = int(routing.slot[t, k])
-        assert routing.row_live[row]
-        assert (int(routing.row_token[row]), int(routing.row_choice[row])) == (t, k)
-        assert row // capacity == ids[t, k]
-    # First choices have priority: a dropped first choice implies a full expert of first choices.
-    for t in (~routing.keep[:, 0]).nonzero().flatten().tolist():
-        expert = int(ids[t, 0])
-        assert int((ids[:, 0] == expert).sum()) > capacity
+def outcome(grad=1.0, sent=1.0):
+    return StepOutcome(action="ok", loss=torch.tensor(2.0), grads={"w": torch.tensor([grad])},
+                       sent_grads={(0, 1): torch.tensor([sent])}, peak_bytes=0)
 
 
-def _masked_reference(x, w1, w2, probs, routing):
-    """The MoE block with plain autograd ops (no paging), for gradient comparison."""
-    rows = torch.where(routing.row_live[:, None], x[routing.row_token], 0)
-    segs = routing.segments
-    act = torch.cat(
-        [torch.nn.functional.gelu(rows[s : s + n] @ w1[e]) for e, (s, n) in enumerate(segs)]
-    )
-    y = torch.cat([act[s : s + n] @ w2[e] for e, (s, n) in enumerate(segs)])
-    picked = y[routing.slot]
-    return torch.where(routing.keep[..., None], picked * probs[..., None], 0).sum(1)
+def test_compare_reports_sent_input_gradients():
+    assert compare(1, outcome(), outcome()) == []
+    assert compare(1, outcome(), outcome(grad=3.0)) == ["step 1: 1 gradient(s) differ (w)"]
+    assert compare(2, outcome(), outcome(sent=3.0)) == [
+        "step 2: 1 sent input gradient(s) differ ((0, 1))"
+    ]
 
 
-def test_autograd_functions_match_plain_autograd():
-    generator = torch.Generator().manual_seed(5)
-    tokens, hidden, ffn, experts, topk = 24, 8, 16, 4, 2
-    x = torch.randn(tokens, hidden, generator=generator, dtype=torch.float64, requires_grad=True)
-    w1 = torch.randn(
-        experts, hidden, ffn, generator=generator, dtype=torch.float64, requires_grad=True
-    )
-    w2 = torch.randn(
-        experts, ffn, hidden, generator=generator, dtype=torch.float64, requires_grad=True
-    )
-    probs = torch.rand(tokens, topk, generator=generator, dtype=torch.float64, requires_grad=True)
-    ids = torch.stack([torch.randperm(experts, generator=generator)[:topk] for _ in range(tokens)])
-    routing = route(ids, experts, capacity=8)  # some assignments are dropped
-    assert not bool(routing.keep.all())
-    grad_out = torch.randn(tokens, hidden, generator=generator, dtype=torch.float64)
+def test_a_wrong_gradient_sent_upstream_is_a_mismatch(tmp_path, capsys, monkeypatch):
+    """Loss and parameter gradients stay bitwise; only the input gradient a chunk sends to the
+    previous stage differs (as a wrong reload of a first layer's input would make it)."""
+    real_run_step = training.run_step
 
-    rows = Dispatch.apply(x, routing.slot, routing.keep, routing.row_token, routing.row_live)
-    y = ExpertMLP.apply(rows, w1, w2, routing, "loop", None)
-    out = Combine.apply(y, probs, routing, None)
-    got = torch.autograd.grad(out, (x, w1, w2, probs), grad_out)
-    want_out = _masked_reference(x, w1, w2, probs, routing)
-    want = torch.autograd.grad(want_out, (x, w1, w2, probs), grad_out)
-    torch.testing.assert_close(out, want_out)
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w)
+    def run_step(chunks, ops, context, *args, **kwargs):
+        run = real_run_step(chunks, ops, context, *args, **kwargs)
+        if context.engine is not None and context.engine.steps == 2:  # the paged run, step 2
+            key = min(run.sent_grads)
+            run.sent_grads[key] = run.sent_grads[key] * 2
+        return run
+
+    monkeypatch.setattr(training, "run_step", run_step)
+    code, out = run_cli(tmp_path, capsys, "--steps", "2")
+    rows = table_rows(out)
+    assert all(r["loss control"] == r["loss paged"] for r in rows)
+    assert all(r["grad norm control"] == r["grad norm paged"] for r in rows)
+    assert code == 1
+    last = out.splitlines()[-1]
+    assert last == "parity: MISMATCH step 2: 1 sent input gradient(s) differ ((0, 0))"
 
 
-def test_grouped_mm_paths_agree():
-    generator = torch.Generator().manual_seed(7)
-    segments = tuple((e * 16, 16) for e in range(3))
-    x = torch.randn(48, 8, generator=generator)
-    w = torch.randn(3, 8, 24, generator=generator)
-    grad = torch.randn(48, 24, generator=generator)
-    torch.testing.assert_close(
-        grouped_mm(x, w, segments, "grouped_mm"), grouped_mm(x, w, segments, "loop")
-    )
-    torch.testing.assert_close(
-        grouped_weight_grad(x, grad, segments, "grouped_mm"),
-        grouped_weight_grad(x, grad, segments, "loop"),
-    )
-    torch.testing.assert_close(grouped_mm(x, w, segments, "loop")[16:32], x[16:32] @ w[1])
+# -- output as the run goes, and --plot ---------------------------------------------------------
 
 
-def test_model_is_deterministic_and_seeded():
-    cfg = TinyMoEConfig(hidden=16, ffn=32, layers=1, experts=4)
-    tokens, targets = synthetic_batches(cfg.vocab, 2, 16, 1, seed=1)[0]
-    a, b, c = TinyMoE(cfg, seed=1), TinyMoE(cfg, seed=1), TinyMoE(cfg, seed=2)
-    assert torch.equal(a(tokens, targets), b(tokens, targets))
-    assert not torch.equal(a.layers[0].moe.w1, c.layers[0].moe.w1)
+class Stdout:
+    """A stdout that logs writes and flushes next to the steps the runs take."""
+
+    def __init__(self, events):
+        self.events = events
+
+    def write(self, text):
+        self.events.append(("write", text))
+        return len(text)
+
+    def flush(self):
+        self.events.append(("flush", None))
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_forward_is_sync_free(tmp_path):
-    cfg = TinyMoEConfig(hidden=64, ffn=128, layers=2, experts=8)
-    model = TinyMoE(cfg).cuda().bfloat16()
-    tokens, targets = (t.cuda() for t in synthetic_batches(cfg.vocab, 2, 64, 1, seed=0)[0])
-    model(tokens, targets)  # warm-up (lazy initialization may sync)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        model(tokens, targets)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+def test_each_row_is_printed_and_flushed_as_its_step_finishes(tmp_path, monkeypatch):
+    events = []
+    real_step = training.PagedRun.step
+
+    def step(self, inputs):  # a step the test can see start (a slow step would look the same)
+        events.append(("step", len([e for e in events if e[0] == "step"]) + 1))
+        return real_step(self, inputs)
+
+    monkeypatch.setattr(training.PagedRun, "step", step)
+    monkeypatch.setattr(sys, "stdout", Stdout(events))
+    args = demo_args(tmp_path)
+    assert args.func(args) == 0
+    steps = [i for i, e in enumerate(events) if e[0] == "step"]
+    assert len(steps) == 3
+
+    def row_of(step):
+        rows = [i for i, (kind, text) in enumerate(events)
+                if kind == "write" and text.split("|")[0].strip() == str(step)]
+        assert len(rows) == 1, f"step {step}: {len(rows)} rows"
+        return rows[0]
+
+    for step, start in enumerate(steps, 1):
+        row, end = row_of(step), steps[step] if step < len(steps) else len(events)
+        assert start < row < end, f"step {step}'s row was not written before the next step"
+        flushes = [i for i in range(row, end) if events[i][0] == "flush"]
+        assert flushes, f"step {step}'s row was not flushed before the next step"
+    assert all(text.split("|")[0].strip() != "step" for kind, text in events[: steps[0]]
+               if kind == "write")  # the header comes with step 1's row, after calibration
+    plot_line = next(i for i, (k, t) in enumerate(events) if k == "write" and t.startswith("plot"))
+    assert plot_line > row_of(3)
+
+
+def deny_writes_to(monkeypatch, denied):
+    real_access = os.access
+
+    def access(path, mode, *args, **kwargs):
+        if mode & os.W_OK and os.path.realpath(path) == os.path.realpath(denied):
+            return False
+        return real_access(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(os, "access", access)
+
+
+@pytest.mark.parametrize("problem", ["missing directory", "not writable", "not a png"])
+def test_plot_is_checked_before_anything_runs(tmp_path, capsys, monkeypatch, problem):
+    plot = {
+        "missing directory": tmp_path / "nowhere" / "p.png",
+        "not writable": tmp_path / "locked" / "p.png",
+        "not a png": tmp_path / "p.jpg",
+    }[problem]
+    if problem == "not writable":
+        plot.parent.mkdir()
+        if os.geteuid() == 0:  # root ignores permission bits: make os.access say no
+            deny_writes_to(monkeypatch, plot.parent)
+        else:
+            plot.parent.chmod(0o500)
+    monkeypatch.setattr(demo_cli, "run_demo", lambda *a, **k: pytest.fail("training ran"))
+    args = build_parser().parse_args(["demo", *SMALL, "--plot", str(plot)])
+    assert args.func(args) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert err.startswith("error: --plot") and "\n" not in err and captured.out == ""
+    assert not plot.exists()
+
+
+def test_a_plot_name_without_suffix_gets_png_and_the_printed_path_is_the_file(tmp_path, capsys):
+    code, out = run_cli(tmp_path, capsys, "--steps", "1", "--plot", str(tmp_path / "memory"))
+    assert code == 0, out
+    printed = next(line for line in out.splitlines() if line.startswith("plot: "))[6:]
+    assert printed == str((tmp_path / "memory.png").resolve())
+    assert open(printed, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    assert not (tmp_path / "memory").exists()
 
 
 @pytest.mark.gpu

@@ -1,8 +1,9 @@
 """Run one pipeline rank's schedule in one process, and a synthetic MoE layer stack to run.
 
 :func:`run_schedule` takes the rank's model chunks (each a list of layers called as
-``layer(x, context)``), an op list (:class:`Op`, e.g. from :mod:`megatron_paging.mcore.schedules`)
-and a :class:`~megatron_paging.paging.PagingContext`. Activations from the previous stage and
+``layer(x, context)``), an op list (:class:`~megatron_paging.schedule.Op`, e.g. from
+:mod:`megatron_paging.mcore.schedules`) and a :class:`~megatron_paging.paging.PagingContext`, and
+runs one step. Activations from the previous stage and
 gradients from the next one are synthetic (seeded per chunk and microbatch). Every layer is its
 own autograd island (input detached), so forward and backward of different microbatches can
 interleave layer by layer, as Megatron-Core's combined 1F1B and DualPipeV's overlapped F/B do.
@@ -15,104 +16,19 @@ can defer its weight gradients. Nothing here imports megatron.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from megatron_paging.paging import PagingContext
-
-OP_KINDS = ("F", "B", "W")
-
-
-class Op(NamedTuple):
-    """One compute op of a rank's schedule.
-
-    kind: ``F`` forward, ``B`` backward, ``W`` deferred weight gradient.
-    defers_wgrad: on a ``B``: its weight gradient runs in a later ``W`` op of the same
-        (chunk, microbatch).
-    overlap: on an ``F``: runs interleaved layer by layer with the next op (a ``B``).
-    """
-
-    kind: str
-    chunk: int
-    microbatch: int
-    defers_wgrad: bool = False
-    overlap: bool = False
-
-    def __repr__(self) -> str:
-        extra = ("/I" if self.defers_wgrad else "") + ("+" if self.overlap else "")
-        return f"{self.kind}{self.chunk}.{self.microbatch}{extra}"
-
-
-def check_ops(ops: Sequence[Op]) -> None:
-    """Each (chunk, microbatch) runs F, then B, then W iff its B deferred; overlap pairs F+B."""
-    state: dict[tuple[int, int], str] = {}
-    for i, op in enumerate(ops):
-        if op.kind not in OP_KINDS:
-            raise ValueError(f"op {i}: kind must be one of {OP_KINDS}, got {op.kind!r}")
-        key, seen = (op.chunk, op.microbatch), state.get((op.chunk, op.microbatch), "")
-        expected = {"F": "", "B": "F", "W": "FI"}[op.kind]
-        if seen != expected:
-            raise ValueError(f"op {i} ({op!r}) comes after {seen or 'nothing'} for {key}")
-        state[key] = seen + ("I" if op.kind == "B" and op.defers_wgrad else op.kind)
-        if op.overlap and (op.kind != "F" or i + 1 >= len(ops) or ops[i + 1].kind != "B"):
-            raise ValueError(f"op {i} ({op!r}): overlap needs an F followed by a B")
-    unfinished = [k for k, v in state.items() if v not in ("FB", "FIW")]
-    if unfinished:
-        raise ValueError(f"(chunk, microbatch) pairs never finished: {unfinished}")
+from megatron_paging.schedule import Op, check_ops, drive_ops
 
 
 def _seeded(seed: int, chunk: int, microbatch: int, salt: int) -> torch.Generator:
     mixed = seed * 1_000_003 + chunk * 10_007 + microbatch * 101 + salt
     return torch.Generator().manual_seed(mixed)
-
-
-def drive_ops(
-    ops: Sequence[Op],
-    forward_steps: Callable[[Op], Iterator[None]],
-    backward_steps: Callable[[Op], Iterator[None]],
-    layers_per_chunk: Sequence[int],
-    run_wgrad: Callable[[Op], None],
-    prefetch: Callable[[Op], None] | None = None,
-    on_op: Callable[[int, Op], None] | None = None,
-) -> None:
-    """Execute one rank's op list with per-layer step generators.
-
-    ``forward_steps(op)`` / ``backward_steps(op)`` yield once per layer. An overlapped F+B pair
-    (combined 1F1B, DualPipeV) advances both layer by layer, then runs each to completion so
-    code after a generator's last yield still executes. Before each op, ``prefetch`` is offered
-    the op(s) that run next, so their reloads can start during this one.
-    """
-    i = 0
-    while i < len(ops):
-        op = ops[i]
-        if on_op is not None:
-            on_op(i, op)
-        span = 2 if op.overlap else 1
-        if prefetch is not None:
-            for upcoming in ops[i + 1 : i + 1 + span]:
-                prefetch(upcoming)
-        if op.overlap:
-            partner = ops[i + 1]
-            f_steps, b_steps = forward_steps(op), backward_steps(partner)
-            for _ in range(max(layers_per_chunk[op.chunk], layers_per_chunk[partner.chunk])):
-                next(f_steps, None)
-                next(b_steps, None)
-            for steps in (f_steps, b_steps):
-                for _ in steps:
-                    pass
-        elif op.kind == "F":
-            for _ in forward_steps(op):
-                pass
-        elif op.kind == "B":
-            for _ in backward_steps(op):
-                pass
-        else:
-            run_wgrad(op)
-        i += span
 
 
 def run_schedule(
@@ -127,12 +43,14 @@ def run_schedule(
     on_op: Callable[[int, Op], None] | None = None,
     make_input: Callable[[int, int, int], torch.Tensor] | None = None,
 ) -> int:
-    """Run ``ops`` on ``chunks``; returns ``context.finish()`` (records never reloaded).
+    """Run ``ops`` on ``chunks`` as one step (``context.begin_step()`` ... ``context.finish()``);
+    returns the records never reloaded.
 
     ``make_input(chunk, microbatch, salt)`` overrides the seeded synthetic tensors (salt 1: the
     chunk's input activation, salt 2: its output gradient), e.g. to pre-generate them on a GPU.
     """
     check_ops(ops)
+    context.begin_step()
     saved: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def synthetic(chunk: int, microbatch: int, salt: int) -> torch.Tensor:
@@ -293,10 +211,7 @@ def parameter_grads(chunks: Sequence[Sequence[nn.Module]]) -> dict[str, torch.Te
 
 __all__ = [
     "LiveRowsLinear",
-    "OP_KINDS",
-    "Op",
     "SyntheticMoELayer",
-    "check_ops",
     "parameter_grads",
     "run_schedule",
     "synthetic_chunks",

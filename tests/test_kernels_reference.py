@@ -24,6 +24,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from cuda_twin import needs_sm90, on_gpu, require_bulk
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from model_ring import DEVICE, ModelFlags, ModelPool, ModelRecord, pages_for
@@ -152,18 +153,20 @@ def test_pools_of_one_context_share_sticky_flags(data):
     assert [p.free_pages() for p in pools] == [(s.num_cuda_pages, s.num_host_pages) for s in specs]
 
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("backend", ["reference", "cuda"])
+@on_gpu
+@pytest.mark.parametrize(
+    "backend", ["reference", "cuda", "tile", pytest.param("bulk", marks=needs_sm90)]
+)
 @settings(max_examples=300)
 @given(single_pool_scenarios(), st.data())
 def test_cuda_pool_matches_model(backend, scenario, data):
-    """The same oracle on a CUDA pool (pinned host tier); the CUDA kernels with tiny grids too,
-    so their grid-stride loops wrap. Not part of the CPU example budget."""
-    max_ctas = data.draw(st.sampled_from([None, 1, 2, 7])) if backend == "cuda" else None
+    """The same oracle on a CUDA pool (pinned host tier), through the reference and both CUDA
+    copy paths (the bulk one forced even for unaligned rows and the host tier, which it moves
+    cooperatively); the CUDA kernels with tiny grids too, so their grid-stride loops wrap. Not
+    part of the CPU example budget."""
+    if backend == "bulk":
+        require_bulk()
+    max_ctas = data.draw(st.sampled_from([None, 1, 2, 7])) if backend != "reference" else None
     harness = single_pool_harness(
         scenario[0], scenario[1], "cuda", backend=backend, max_ctas=max_ctas
     )

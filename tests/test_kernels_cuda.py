@@ -1,7 +1,10 @@
-"""The page-tile CUDA kernels against the reference and against Megatron-Core's Triton kernels.
+"""The CUDA kernels on both copy paths (backends ``tile`` and ``bulk``) against the reference and
+against Megatron-Core's Triton kernels; and the path rule (``cuda_ops.choose_path``).
 
 Every comparison is byte-exact: pool payload (both tiers), rings, head/tail, flags, page records,
-spill flags and reload destinations, which start poisoned so that a stray write shows.
+spill flags and reload destinations, which start poisoned so that a stray write shows. The bulk
+path is forced here even where ``choose_path`` would not pick it (unaligned rows, tiny records,
+the host tier): it must stay byte-exact there too.
 """
 
 from __future__ import annotations
@@ -10,114 +13,41 @@ import random
 
 import pytest
 import torch
+from cuda_twin import (
+    BULK_TILE,
+    DTYPES,
+    POISON,
+    Twin,
+    as_bytes,
+    assert_same_pool,
+    assert_same_record,
+    live_row_mask,
+    make_pool,
+    needs_sm90,
+    on_gpu,
+    poisoned,
+    random_rows,
+    random_segments,
+    require_bulk,
+)
 
 from megatron_paging import kernels
+from megatron_paging.kernels import cuda_ops
 from megatron_paging.pool import PagePool
 from megatron_paging.record import PageRecord
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
 
-POISON = 0xA5
-DTYPES = [
-    torch.bfloat16,
-    torch.float16,
-    torch.float32,
-    torch.float8_e4m3fn,
-    torch.float8_e5m2,
-    torch.uint8,
-]
+@pytest.fixture(params=["tile", pytest.param("bulk", marks=needs_sm90)])
+def path(request) -> str:
+    """The kernel backend that forces one copy path."""
+    if request.param == "bulk":
+        require_bulk()
+    return request.param
 
 
-def make_pool(row_bytes: int, page_size: int, cuda_pages: int, host_pages: int) -> PagePool:
-    pool = PagePool(row_bytes, page_size, cuda_pages, host_pages, device="cuda")
-    pool.cuda_pages.fill_(POISON)
-    pool.host_pages.fill_(POISON)
-    return pool
-
-
-def random_rows(rows: int, row_bytes: int, dtype: torch.dtype, gen: torch.Generator):
-    data = torch.randint(0, 256, (rows, row_bytes), dtype=torch.uint8, device="cuda", generator=gen)
-    return data.view(dtype)
-
-
-def poisoned(rows: int, row_bytes: int, dtype: torch.dtype) -> torch.Tensor:
-    return torch.full((rows, row_bytes), POISON, dtype=torch.uint8, device="cuda").view(dtype)
-
-
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.uint8)
-
-
-def assert_same_pool(ref: PagePool, got: PagePool) -> None:
-    torch.cuda.synchronize()
-    for name in ("free_list_head", "free_list_tail", "free_list_cuda", "free_list_host"):
-        assert torch.equal(getattr(ref, name), getattr(got, name)), name
-    assert torch.equal(ref.flags.values, got.flags.values), "flags"
-    assert torch.equal(ref.cuda_pages, got.cuda_pages), "device tier payload"
-    assert torch.equal(ref.host_pages, got.host_pages), "host tier payload"
-
-
-def assert_same_record(ref: PageRecord, got: PageRecord) -> None:
-    assert torch.equal(ref.page_record, got.page_record), "page_record"
-    assert torch.equal(ref.spilled_to_host, got.spilled_to_host), "spilled_to_host"
-
-
-def live_row_mask(record: PageRecord, live: list[int]) -> torch.Tensor:
-    mask = torch.zeros(record.capacity_rows, dtype=torch.bool)
-    for start, rows, n in zip(record.segment_starts, record.segment_rows, live, strict=True):
-        mask[start : start + min(max(n, 0), rows)] = True
-    return mask.cuda()
-
-
-class Twin:
-    """The same pool and records twice: one driven by the reference, one by the CUDA kernels."""
-
-    def __init__(self, row_bytes, page_size, cuda_pages, host_pages, max_ctas=None):
-        self.row_bytes, self.page_size, self.max_ctas = row_bytes, page_size, max_ctas
-        self.ref = make_pool(row_bytes, page_size, cuda_pages, host_pages)
-        self.got = make_pool(row_bytes, page_size, cuda_pages, host_pages)
-
-    def records(self, capacity, live, segments=None):
-        live_t = torch.tensor(live, dtype=torch.int64, device="cuda")
-        return tuple(
-            PageRecord.new(capacity, self.row_bytes, self.page_size, live_t.clone(), segments)
-            for _ in range(2)
-        )
-
-    def stash(self, src, recs):
-        kernels.stash(src, recs[0], self.ref, backend="reference")
-        kernels.stash(src, recs[1], self.got, backend="cuda", max_ctas=self.max_ctas)
-        assert_same_pool(self.ref, self.got)
-        assert_same_record(*recs)
-
-    def reload(self, recs, dtype, live):
-        dsts = [poisoned(recs[0].capacity_rows, self.row_bytes, torch.uint8).view(dtype)]
-        dsts.append(dsts[0].clone())
-        kernels.reload(dsts[0], recs[0], self.ref, backend="reference")
-        kernels.reload(dsts[1], recs[1], self.got, backend="cuda", max_ctas=self.max_ctas)
-        assert_same_pool(self.ref, self.got)
-        assert torch.equal(as_bytes(dsts[0]), as_bytes(dsts[1])), "reload destination"
-        # Independently of the reference: rows outside the live prefixes stay poisoned.
-        outside = ~live_row_mask(recs[1], live)
-        assert bool((dsts[1].view(torch.uint8)[outside] == POISON).all())
-        return dsts[1]
-
-
-def random_segments(rng: random.Random):
-    segments, row = [], 0
-    for _ in range(rng.randint(1, 4)):
-        row += rng.randint(0, 5)
-        rows = rng.randint(0, 150)
-        segments.append((row, rows))
-        row += rows
-    return segments, row + rng.randint(0, 5)
-
-
+@on_gpu
 @pytest.mark.parametrize("seed", range(24))
-def test_matches_reference_random(seed):
+def test_matches_reference_random(path, seed):
     rng = random.Random(seed)
     gen = torch.Generator(device="cuda").manual_seed(seed)
     dtype = rng.choice(DTYPES)
@@ -127,13 +57,9 @@ def test_matches_reference_random(seed):
     segments, capacity = random_segments(rng)
     capacity = max(capacity, 1)
     full_pages = sum(-(-rows // page_size) for _, rows in segments)
-    twin = Twin(
-        row_bytes,
-        page_size,
-        cuda_pages=rng.randint(0, 2 * full_pages + 1),
-        host_pages=rng.choice([0, rng.randint(0, 2 * full_pages + 1)]),
-        max_ctas=rng.choice([None, 1, 3, 64]),
-    )
+    twin = Twin(path, row_bytes, page_size, cuda_pages=rng.randint(0, 2 * full_pages + 1),
+                host_pages=rng.choice([0, rng.randint(0, 2 * full_pages + 1)]),
+                max_ctas=rng.choice([None, 1, 3, 64]))
     stashed = []
     for _ in range(rng.randint(3, 6)):
         live = [rng.randint(0, rows) for _, rows in segments]
@@ -150,6 +76,7 @@ def test_matches_reference_random(seed):
         twin.reload(recs, dtype, live)
 
 
+@on_gpu
 @pytest.mark.parametrize(
     ("dtype", "hidden"),
     [
@@ -162,35 +89,36 @@ def test_matches_reference_random(seed):
         (torch.float8_e5m2, 4096),
         (torch.float16, 1000),
         (torch.float32, 333),
+        (torch.bfloat16, 7169),  # 14338-byte rows: row_bytes % 16 == 2
+        (torch.uint8, 1000),  # % 16 == 8
+        (torch.float32, 25),  # % 16 == 4
     ],
 )
-def test_round_trip_row_sizes(dtype, hidden):
+def test_round_trip_row_sizes(path, dtype, hidden):
+    """Unaligned row byte counts included: the forced bulk path moves them byte-exactly."""
     gen = torch.Generator(device="cuda").manual_seed(hidden)
     row_bytes = hidden * torch.empty(0, dtype=dtype).element_size()
     segments = [(0, 130), (133, 64), (200, 1), (201, 70)]
-    live = [129, 64, 0, 70]
-    twin = Twin(row_bytes, 64, cuda_pages=12, host_pages=0)
+    twin = Twin(path, row_bytes, 64, cuda_pages=12, host_pages=0)
     src = random_rows(271, row_bytes, torch.uint8, gen).view(dtype).reshape(271, hidden)
-    recs = twin.records(271, live, segments)
-    twin.stash(src, recs)
-    dst = twin.reload(recs, dtype, live)
-    inside = live_row_mask(recs[1], live)
-    assert torch.equal(dst.view(torch.uint8)[inside], src.view(torch.uint8)[inside])
+    twin.round_trip(src, 271, [129, 64, 0, 70], segments, dtype)
 
 
-@pytest.mark.parametrize("offset", [1, 2, 4, 8, 13])
-def test_misaligned_buffers(offset):
+@on_gpu
+@pytest.mark.parametrize("offset", [1, 2, 4, 8, 13, 16])
+@pytest.mark.parametrize("row_bytes", [224, 100])
+def test_misaligned_buffers(path, offset, row_bytes):
     """Views at odd byte offsets take the narrow copy paths; results stay byte-exact."""
     gen = torch.Generator(device="cuda").manual_seed(offset)
-    row_bytes, capacity = 224, 300
+    capacity = 300
     storage = random_rows(capacity * row_bytes + 64, 1, torch.uint8, gen).reshape(-1)
     src = storage[offset : offset + capacity * row_bytes].view(capacity, row_bytes)
-    twin = Twin(row_bytes, 16, cuda_pages=40, host_pages=0)
+    twin = Twin(path, row_bytes, 16, cuda_pages=40, host_pages=0)
     recs = twin.records(capacity, [250, 30], [(0, 260), (260, 40)])
     twin.stash(src, recs)
     out = torch.full((capacity * row_bytes + 64,), POISON, dtype=torch.uint8, device="cuda")
     dst = out[offset : offset + capacity * row_bytes].view(capacity, row_bytes)
-    kernels.reload(dst, recs[1], twin.got, backend="cuda")
+    kernels.reload(dst, recs[1], twin.got, backend=path)
     torch.cuda.synchronize()
     assert torch.equal(dst[:250], src[:250]) and torch.equal(dst[260:290], src[260:290])
     assert bool((dst[250:260] == POISON).all()) and bool((dst[290:] == POISON).all())
@@ -199,25 +127,31 @@ def test_misaligned_buffers(offset):
     )
 
 
-def test_host_spill_and_back():
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    twin = Twin(row_bytes=5760, page_size=64, cuda_pages=4, host_pages=10)
-    src = random_rows(640, 5760, torch.uint8, gen).view(torch.bfloat16)
+@on_gpu
+@pytest.mark.parametrize("row_bytes", [5760, 4096, 14338])
+def test_host_spill_and_back(path, row_bytes):
+    """Multi-tile records on both tiers of one pool: the bulk path copies the device tier's
+    pages with the copy engine and the pinned host tier's cooperatively."""
+    gen = torch.Generator(device="cuda").manual_seed(row_bytes)
+    twin = Twin(path, row_bytes, page_size=64, cuda_pages=4, host_pages=10)
+    src = random_rows(640, row_bytes, torch.uint8, gen).view(torch.bfloat16)
     small = twin.records(640, [200])  # 4 pages: the device tier
     big = twin.records(640, [600])  # 10 pages: only the host tier has room
     twin.stash(src, small)
     twin.stash(src, big)
     assert big[1].spilled_to_host.item() == 1 and small[1].spilled_to_host.item() == 0
     assert twin.got.flags.read() == {"overflow": False, "host_spill": True, "invalid_live": False}
+    assert bool((twin.got.host_pages != POISON).any()), "nothing reached the host tier"
     for recs, live in ((small, [200]), (big, [600])):
         dst = twin.reload(recs, torch.bfloat16, live)
         assert torch.equal(as_bytes(dst[: live[0]]), as_bytes(src[: live[0]]))
     assert twin.got.free_pages() == (4, 10)
 
 
-def test_overflow_is_sticky():
+@on_gpu
+def test_overflow_is_sticky(path):
     gen = torch.Generator(device="cuda").manual_seed(1)
-    twin = Twin(row_bytes=224, page_size=64, cuda_pages=3, host_pages=2)
+    twin = Twin(path, row_bytes=224, page_size=64, cuda_pages=3, host_pages=2)
     src = random_rows(512, 224, torch.uint8, gen)
     first = twin.records(512, [100])  # 2 pages on the device tier
     twin.stash(src, first)
@@ -229,13 +163,14 @@ def test_overflow_is_sticky():
     tiny = twin.records(512, [1])  # would fit, but overflow is sticky
     twin.stash(src, tiny)
     assert tiny[1].spilled_to_host.item() == 0 and int(tiny[1].page_record.abs().sum()) == 0
-    twin.reload(first, torch.uint8, [100])  # a no-op: the destination stays poisoned
+    twin.reload(first, torch.uint8, [100])  # zeroes its live rows, copies and recycles nothing
     assert torch.equal(twin.got.free_list_head, rings[0])
     assert torch.equal(twin.got.free_list_tail, rings[1])
 
 
-def test_invalid_live_count_sets_flags_and_copies_nothing():
-    twin = Twin(row_bytes=64, page_size=4, cuda_pages=20, host_pages=0)
+@on_gpu
+def test_invalid_live_count_sets_flags_and_copies_nothing(path):
+    twin = Twin(path, row_bytes=64, page_size=4, cuda_pages=20, host_pages=0)
     src = random_rows(40, 64, torch.uint8, torch.Generator(device="cuda").manual_seed(2))
     recs = twin.records(40, [5, 21], [(0, 20), (20, 20)])  # 21 > 20 rows
     twin.stash(src, recs)
@@ -243,7 +178,48 @@ def test_invalid_live_count_sets_flags_and_copies_nothing():
     assert bool((twin.got.cuda_pages == POISON).all())
 
 
-def test_pool_over_2_31_elements():
+@on_gpu
+@pytest.mark.parametrize(
+    ("capacity", "page_size", "live", "segments"),
+    [
+        (1, 1, [0], None), (1, 1, [1], None), (1, 64, [1], None), (64, 64, [0], None),
+        (64, 64, [1], None), (200, 16, [0, 1, 0], [(0, 50), (50, 100), (150, 50)]),
+        (200, 16, [1, 1, 1], [(0, 50), (50, 100), (150, 50)]), (10, 4, [0, 0], [(2, 0), (9, 0)]),
+    ],
+)
+@pytest.mark.parametrize("row_bytes", [16, 14336, 7])
+def test_tiny_records(path, capacity, page_size, live, segments, row_bytes):
+    """0 and 1 live rows: one partial tile or none at all, on both tiers."""
+    gen = torch.Generator(device="cuda").manual_seed(capacity)
+    for host in (False, True):  # device tier; then a full device tier: the host tier takes it
+        twin = Twin(path, row_bytes, page_size, cuda_pages=0 if host else 4, host_pages=4)
+        src = random_rows(capacity, row_bytes, torch.uint8, gen)
+        recs = twin.round_trip(src, capacity, live, segments)
+        pages = sum(1 for n in live if n)
+        assert recs[1].spilled_to_host.item() == int(host and pages > 0)
+        assert twin.got.free_pages() == ((0, 4) if host else (4, 4))
+
+
+@on_gpu
+@pytest.mark.parametrize("tiles", [1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 40])
+@pytest.mark.parametrize("max_ctas", [1, 3])
+def test_tiles_per_cta_around_the_stage_count(path, tiles, max_ctas):
+    """One page = one 32 KiB bulk tile: with one CTA its pipeline sees fewer, as many and more
+    tiles than its 6 stages (and its 4 loads ahead); with 3 CTAs each sees a third. The last
+    page is partial, so the last tile is short."""
+    row_bytes, page_size = 512, 64
+    assert page_size * row_bytes == BULK_TILE
+    live = tiles * page_size - 17
+    gen = torch.Generator(device="cuda").manual_seed(tiles)
+    twin = Twin(path, row_bytes, page_size, cuda_pages=tiles + 3, host_pages=0, max_ctas=max_ctas)
+    capacity = (tiles + 1) * page_size
+    src = random_rows(capacity, row_bytes, torch.uint8, gen)
+    twin.round_trip(src, capacity, [live])
+    twin.round_trip(src, capacity, [live])  # again, on a ring that has moved on
+
+
+@on_gpu
+def test_pool_over_2_31_elements(path):
     """A 2.3 GB device tier: pages at its top and source rows past 2^31 bytes."""
     free, _ = torch.cuda.mem_get_info()
     if free < 16 * 2**30:
@@ -259,7 +235,7 @@ def test_pool_over_2_31_elements():
     record = PageRecord.new(
         capacity, row_bytes, page_size, torch.tensor(live, device="cuda"), segments
     )
-    kernels.stash(src, record, pool, backend="cuda")
+    kernels.stash(src, record, pool, backend=path)
     torch.cuda.synchronize()
     assert int(record.page_record.max()) == num_pages - 1
     assert int(record.page_record.min()) == num_pages - record.max_pages
@@ -276,7 +252,7 @@ def test_pool_over_2_31_elements():
     assert torch.equal(pool.cuda_pages[pool_rows], src[src_rows])
     del src_rows
     dst = torch.full_like(src, POISON)
-    kernels.reload(dst, record, pool, backend="cuda")
+    kernels.reload(dst, record, pool, backend=path)
     torch.cuda.synchronize()
     mask = live_row_mask(record, live)
     assert torch.equal(dst[capacity - 10_000 :], src[capacity - 10_000 :])
@@ -285,32 +261,24 @@ def test_pool_over_2_31_elements():
     assert pool.free_pages() == (num_pages, 0)
 
 
-def _graph_case(max_ctas, host_pages):
+def _graph_case(backend, max_ctas, host_pages):
     row_bytes, page_size, capacity = 224, 16, 200
     segments = [(0, 100), (120, 80)]
-    twin = Twin(
-        row_bytes,
-        page_size,
-        cuda_pages=4 if host_pages else 40,
-        host_pages=host_pages,
-        max_ctas=max_ctas,
-    )
+    twin = Twin(backend, row_bytes, page_size, cuda_pages=4 if host_pages else 40,
+                host_pages=host_pages, max_ctas=max_ctas)
     gen = torch.Generator(device="cuda").manual_seed(max_ctas)
     src = random_rows(capacity, row_bytes, torch.uint8, gen)
     recs = twin.records(capacity, [10, 10], segments)
-    dst_ref, dst_got = (
-        poisoned(capacity, row_bytes, torch.uint8),
-        poisoned(capacity, row_bytes, torch.uint8),
-    )
-    # Eager warm-up: builds the extension and allocates the pool's completion counter.
+    dst_ref, dst_got = (poisoned(capacity, row_bytes, torch.uint8) for _ in range(2))
+    # Eager warm-up: builds the extension, makes the pool and layout handles.
     twin.stash(src, recs)
     twin.reload(recs, torch.uint8, [10, 10])
 
     stash_graph, reload_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
     with torch.cuda.graph(stash_graph):
-        kernels.stash(src, recs[1], twin.got, backend="cuda", max_ctas=max_ctas)
+        kernels.stash(src, recs[1], twin.got, backend=backend, max_ctas=max_ctas)
     with torch.cuda.graph(reload_graph):
-        kernels.reload(dst_got, recs[1], twin.got, backend="cuda", max_ctas=max_ctas)
+        kernels.reload(dst_got, recs[1], twin.got, backend=backend, max_ctas=max_ctas)
 
     rng = random.Random(max_ctas)
     for step in range(8):
@@ -333,35 +301,30 @@ def _graph_case(max_ctas, host_pages):
     return twin
 
 
+@on_gpu
 @pytest.mark.parametrize("max_ctas", [1, 7, 64, 2048])
-def test_cuda_graph_replay_with_changing_live_counts(max_ctas):
-    twin = _graph_case(max_ctas, host_pages=0)
+def test_cuda_graph_replay_with_changing_live_counts(path, max_ctas):
+    twin = _graph_case(path, max_ctas, host_pages=0)
     assert not twin.got.flags.read()["overflow"]
 
 
-def test_cuda_graph_replay_with_host_spill():
-    twin = _graph_case(64, host_pages=20)
+@on_gpu
+def test_cuda_graph_replay_with_host_spill(path):
+    twin = _graph_case(path, 64, host_pages=20)
     assert twin.got.flags.read()["host_spill"]
 
 
+@on_gpu
 @pytest.mark.parametrize(("dtype", "hidden"), [(torch.bfloat16, 2880), (torch.uint8, 224)])
-def test_matches_megatron_core_triton(dtype, hidden):
+def test_matches_megatron_core_triton(path, dtype, hidden):
     """Same inputs through MCore 0.19.2's PagedTensor/PagedStashBuffer and through ours."""
     mcore = pytest.importorskip("megatron.core.transformer.moe.paged_stash")
     page_size, max_tokens = 64, 1000
     row_bytes = hidden * torch.empty(0, dtype=dtype).element_size()
     overflow = torch.zeros(1, dtype=torch.int64, device="cuda")
     host_spill = torch.zeros(1, dtype=torch.int64, device="cuda")
-    buf = mcore.PagedStashBuffer(
-        1500,
-        hidden,
-        page_size,
-        torch.device("cuda"),
-        overflow,
-        host_spill,
-        dtype,
-        num_tokens_host=1300,
-    )
+    buf = mcore.PagedStashBuffer(1500, hidden, page_size, torch.device("cuda"), overflow,
+                                 host_spill, dtype, num_tokens_host=1300)
     buf.cuda_buffer.view(torch.uint8).fill_(POISON)
     buf.host_buffer.view(torch.uint8).fill_(POISON)
     pool = make_pool(row_bytes, page_size, buf.num_cuda_pages, buf.num_host_pages)
@@ -369,10 +332,8 @@ def test_matches_megatron_core_triton(dtype, hidden):
 
     def compare(theirs=None, ours=None):
         torch.cuda.synchronize()
-        assert torch.equal(buf.free_list_head, pool.free_list_head)
-        assert torch.equal(buf.free_list_tail, pool.free_list_tail)
-        assert torch.equal(buf.free_list_cuda, pool.free_list_cuda)
-        assert torch.equal(buf.free_list_host, pool.free_list_host)
+        for name in ("free_list_head", "free_list_tail", "free_list_cuda", "free_list_host"):
+            assert torch.equal(getattr(buf, name), getattr(pool, name)), name
         assert torch.equal(overflow, pool.flags.overflow)
         assert torch.equal(host_spill, pool.flags.host_spill)
         assert torch.equal(buf.cuda_buffer.view(torch.uint8), pool.cuda_pages)
@@ -389,16 +350,12 @@ def test_matches_megatron_core_triton(dtype, hidden):
         if step is not None:
             count = torch.tensor([step], dtype=torch.int64, device="cuda")
             src = random_rows(max_tokens, row_bytes, torch.uint8, gen).view(dtype)
-            theirs = mcore.PagedTensor(
-                src.clone(),
-                num_tokens_tensor=count.clone(),
-                max_num_tokens=max_tokens,
-                hidden_size=hidden,
-                page_size=page_size,
-            )
+            theirs = mcore.PagedTensor(src.clone(), num_tokens_tensor=count.clone(),
+                                       max_num_tokens=max_tokens, hidden_size=hidden,
+                                       page_size=page_size)
             theirs.offload_to_stash(buf)
             ours = PageRecord.new(max_tokens, row_bytes, page_size, count.clone())
-            kernels.stash(src, ours, pool, backend="cuda")
+            kernels.stash(src, ours, pool, backend=path)
             compare(theirs, ours)
             stashed.append((theirs, ours))
         elif stashed:
@@ -406,7 +363,7 @@ def test_matches_megatron_core_triton(dtype, hidden):
             theirs._tensor = poisoned(max_tokens, row_bytes, torch.uint8).view(dtype)
             theirs.reload_from_stash(buf)
             dst = poisoned(max_tokens, row_bytes, torch.uint8).view(dtype)
-            kernels.reload(dst, ours, pool, backend="cuda")
+            kernels.reload(dst, ours, pool, backend=path)
             compare()
             expected = as_bytes(theirs._tensor).clone()
             if overflow.item():
@@ -416,3 +373,72 @@ def test_matches_megatron_core_triton(dtype, hidden):
                 expected.view(max_tokens, -1)[:live] = 0
             assert torch.equal(expected, as_bytes(dst))
     assert bool(overflow.item()) and bool(host_spill.item())
+
+
+# ----------------------------------------------------------------------------- the path rule
+
+
+def _rule_case(row_bytes, rows, offset=0):
+    storage = torch.zeros(rows * row_bytes + 16, dtype=torch.uint8)
+    tensor = storage[offset : offset + rows * row_bytes]
+    return tensor, PageRecord.new(rows, row_bytes, 64, torch.tensor(1))
+
+
+MIN_ROWS_16 = cuda_ops.BULK_MIN_CAPACITY_BYTES // 16
+RULE_CASES = [  # (row_bytes, rows, byte offset, bulk when supported)
+    (16, MIN_ROWS_16, 0, True), (16, MIN_ROWS_16 - 1, 0, False),  # the minimum capacity
+    (14336, 128, 0, True), (14336, 128, 16, True), (14336, 128, 8, False),  # buffer alignment
+    (14338, 128, 0, False), (224, 8192, 0, True), (224, 4096, 0, False), (7, 1 << 20, 0, False),
+]
+
+
+@pytest.mark.parametrize(("row_bytes", "rows", "offset", "bulk"), RULE_CASES)
+@pytest.mark.parametrize("supported", [True, False])
+def test_choose_path_follows_the_documented_rule(monkeypatch, row_bytes, rows, offset, bulk,
+                                                 supported):
+    """CPU: the GPU's answer to ``bulk_supported`` stubbed; the rule is host-static."""
+    monkeypatch.setattr(cuda_ops, "bulk_supported", lambda index: supported)
+    tensor, record = _rule_case(row_bytes, rows, offset)
+    assert tensor.data_ptr() % 16 == offset % 16
+    expected = cuda_ops.BULK if bulk and supported else cuda_ops.TILE
+    assert cuda_ops.choose_path(tensor, record) == expected
+    assert cuda_ops.choose_path(tensor, record, "auto") == expected
+    assert cuda_ops.choose_path(tensor, record, "tile") == cuda_ops.TILE  # forced
+    if supported:
+        assert cuda_ops.choose_path(tensor, record, "bulk") == cuda_ops.BULK  # forced, any rows
+    else:
+        with pytest.raises(ValueError, match="bulk copy path needs an sm90"):
+            cuda_ops.choose_path(tensor, record, "bulk")
+
+
+@on_gpu
+def test_choose_path_on_this_gpu():
+    """The real ``bulk_supported``: sm90 yes, older no (newer: as its shared memory allows)."""
+    index = torch.cuda.current_device()
+    major = torch.cuda.get_device_capability(index)[0]
+    supported = cuda_ops.bulk_supported(index)
+    assert supported is (major >= 9) if major <= 9 else isinstance(supported, bool)
+    storage = torch.empty(128 * 14336 + 16, dtype=torch.uint8, device="cuda")
+    record = PageRecord.new(128, 14336, 64, torch.tensor(1, device="cuda"))
+    bulk_if_supported = cuda_ops.BULK if supported else cuda_ops.TILE
+    assert cuda_ops.choose_path(storage[: 128 * 14336], record) == bulk_if_supported
+    assert cuda_ops.choose_path(storage[8 : 8 + 128 * 14336], record) == cuda_ops.TILE
+    small = PageRecord.new(16, 14336, 64, torch.tensor(1, device="cuda"))
+    assert cuda_ops.choose_path(storage[: 16 * 14336], small) == cuda_ops.TILE
+
+
+@on_gpu
+@pytest.mark.parametrize(("row_bytes", "expected"), [(14336, "bulk"), (14338, "tile")])
+def test_auto_backend_takes_the_chosen_path_byte_exactly(monkeypatch, row_bytes, expected):
+    """Backend ``cuda``: the path the rule picks for each launch, same bytes as the reference."""
+    if expected == "bulk" and not cuda_ops.bulk_supported(torch.cuda.current_device()):
+        expected = "tile"
+    chosen, real = [], cuda_ops.choose_path
+    monkeypatch.setattr(cuda_ops, "choose_path",
+                        lambda *args: chosen.append(real(*args)) or chosen[-1])
+    gen = torch.Generator(device="cuda").manual_seed(row_bytes)
+    twin = Twin("cuda", row_bytes, 64, cuda_pages=6, host_pages=4)
+    src = random_rows(320, row_bytes, torch.uint8, gen)
+    twin.round_trip(src, 320, [300])  # 5 pages: the device tier
+    twin.round_trip(src, 320, [300], [(0, 310)])
+    assert chosen == [cuda_ops.PATHS[expected]] * 4

@@ -1,0 +1,153 @@
+"""What every benchmark shares: CUDA-event timing, the result header, JSON + PNG output.
+
+Every result file carries the GPU name, the date and the commit it measured (``GIT_COMMIT``
+where ``.git`` does not travel), so a number quoted anywhere can be traced to its run.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from megatron_paging.env import git_commit
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def gbps(nbytes: int, ms: float) -> float:
+    return nbytes / (ms * 1e-3) / 1e9
+
+
+class CudaTimer:
+    """Median milliseconds of ``fn`` over ``reps`` calls, each after ``setup`` and an L2 flush
+    (``triton.testing.do_bench``'s method; ``setup`` runs before the start event, untimed)."""
+
+    def __init__(self, reps: int = 30, warmup: int = 3):
+        self.reps, self.warmup = reps, warmup
+        self.flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+
+    def samples(self, fn: Callable[[], object], setup: Callable[[], object] | None = None):
+        for _ in range(self.warmup):  # JIT compiles, allocator, handles
+            if setup:
+                setup()
+            fn()
+        events = []
+        for _ in range(self.reps):
+            if setup:
+                setup()
+            self.flush.zero_()  # also keeps the GPU busy while the host enqueues fn
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            events.append((start, end))
+        torch.cuda.synchronize()
+        return [s.elapsed_time(e) for s, e in events]
+
+    def __call__(self, fn, setup=None) -> float:
+        return statistics.median(self.samples(fn, setup))
+
+
+def spread(values: list[float]) -> dict:
+    """Median, min, max and the relative half-range of repeated measurements."""
+    median = statistics.median(values)
+    return {
+        "median": median,
+        "min": min(values),
+        "max": max(values),
+        "relative_spread": (max(values) - min(values)) / (2 * median) if median else None,
+    }
+
+
+def header(benchmark: str, **extra) -> dict:
+    """The fields every result file starts with."""
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return {
+        "benchmark": benchmark,
+        "gpu": gpu,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "torch": torch.__version__,
+        **extra,
+    }
+
+
+def default_out(benchmark: str) -> Path:
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
+    return RESULTS / f"{benchmark}_{gpu.replace(' ', '_').lower()}.json"
+
+
+def write(result: dict, out: Path, plot: Callable[[object], None] | None = None) -> None:
+    """``result`` as JSON at ``out``; ``plot(axes_factory)`` draws the PNG beside it."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    written = [str(out)]
+    if plot is not None:
+        png = out.with_suffix(".png")
+        plot(png)
+        written.append(str(png))
+    print("wrote " + " and ".join(written), flush=True)
+
+
+def figure(width: float = 9, height: float = 4.5):
+    """A matplotlib figure on the Agg canvas (no pyplot, no global backend switch)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=120)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def gpu_busy(step: Callable[[], object]) -> dict:
+    """GPU-busy time (union of kernel intervals) and the paging kernels' own time, one step."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
+        kernels = [
+            (e.time_range.start, e.time_range.end, e.name)
+            for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > 0
+        ]
+    except Exception as error:  # noqa: BLE001 - profiling is a diagnostic, never fatal
+        return {"gpu_busy_error": repr(error)}
+    if not kernels:
+        return {"gpu_busy_error": "the profiler saw no CUDA kernels"}
+    busy, end = 0.0, float("-inf")
+    for start, stop, _ in sorted(kernels):
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    paging = sum(
+        stop - start
+        for start, stop, name in kernels
+        if "megatron_paging" in name or "tile_kernel" in name or "bulk_kernel" in name
+    )
+    return {"gpu_busy_ms": busy / 1e3, "paging_kernel_ms": paging / 1e3,
+            "kernels_per_step": len(kernels)}
+
+
+def host_profile(step: Callable[[], object], top: int = 25) -> list[str]:
+    """cProfile of one step's host work (by tottime)."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    step()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    return [line for line in text.getvalue().splitlines() if line.strip()]
+
+
+__all__ = ["CudaTimer", "RESULTS", "default_out", "figure", "gbps", "gpu_busy", "header",
+           "host_profile", "spread", "write"]

@@ -1,0 +1,170 @@
+"""PagingConfig: every paging option, typed and validated once, where it enters the program.
+
+The boundaries that build one — Megatron's flags (:mod:`megatron_paging.mcore.flags`), the
+demo's command line and the Python API — catch :class:`ConfigError` and report it in their own
+words (the flag or variable that holds the bad value, one line). Everything below the boundary
+(engine, scheduler, calibration, kernels) trusts the config it is given.
+
+``MEGATRON_PAGING_MAX_CTAS`` is read here, through :func:`max_ctas_from_env`, when a config is
+built for a run — never at import, so ``--help`` and ``megatron-paging info`` work with a bad
+value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+MAX_CTAS_ENV = "MEGATRON_PAGING_MAX_CTAS"
+DEFAULT_MAX_CTAS = 2048
+
+
+class ConfigError(ValueError):
+    """One bad option: ``field`` names it (a config field or an environment variable)."""
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(f"{field} {problem}")
+        self.field = field
+        self.problem = problem
+
+    def renamed(self, names: Mapping[str, str]) -> ConfigError:
+        """The same error under the name a boundary uses for the field (e.g. its flag)."""
+        return ConfigError(names.get(self.field, self.field), self.problem)
+
+
+def positive_int(field: str, value) -> int:
+    """``value`` if it is an int > 0 (not a bool), else ConfigError naming ``field``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(field, f"must be a positive integer, got {value!r}")
+    return value
+
+
+def non_negative_int(field: str, value) -> int:
+    """``value`` if it is an int >= 0 (not a bool), else ConfigError naming ``field``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(field, f"must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _number(field: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(field, f"must be a finite number, got {value!r}")
+    return float(value)
+
+
+def max_ctas_from_env(environ: Mapping[str, str] | None = None) -> int | None:
+    """``MEGATRON_PAGING_MAX_CTAS`` as a positive int, None when unset; ConfigError if bad."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get(MAX_CTAS_ENV)
+    if raw is None:
+        return None
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ConfigError(
+            MAX_CTAS_ENV,
+            f"must be a positive integer (it bounds the copy kernels' grid), got {raw!r}",
+        )
+    return value
+
+
+def kernel_backend_choices() -> tuple[str, ...]:
+    """``auto`` and every registered kernel backend (:data:`megatron_paging.kernels.REGISTRY`)."""
+    from megatron_paging.kernels import REGISTRY  # the registry imports this module
+
+    return ("auto", *REGISTRY)
+
+
+def overflow_policy_choices() -> tuple[str, ...]:
+    """Every overflow policy (:data:`megatron_paging.overflow.POLICIES`)."""
+    from megatron_paging.overflow import POLICIES  # it imports this module
+
+    return tuple(POLICIES)
+
+
+@dataclass(frozen=True)
+class PagingConfig:
+    """What a paging run does. Field by field (docs/mcore.md lists the flags that set them):
+
+    page_size: rows per page.
+    cuda_factor: device tier = ``|cuda_factor|`` x the calibrated peak rows in flight.
+        Megatron-Core's sign convention: positive sizes from the dispatcher's average-token
+        hint (``avg_num_tokens``) where records carry one, else from the measured peak;
+        negative always from the measured peak. Must not be 0.
+    host_factor: pinned host tier, same convention; 0 = no host tier.
+    kernel_backend: ``auto`` (CUDA kernels on CUDA tensors, else the reference), ``cuda``
+        (the CUDA kernels, bulk or tile path chosen per record), ``tile``, ``bulk`` (one
+        path forced), ``reference`` (pure torch).
+    max_ctas: grid bound of the copy kernels (None: ``MEGATRON_PAGING_MAX_CTAS``, else 2048).
+    prefetch_distance: paged layers reloaded ahead of the one whose backward starts.
+    overlap: False runs stash and reload on the compute stream (the no-overlap control).
+    overflow_policy: ``rerun``, ``skip`` or ``grow`` (docs/overflow.md).
+    growth_factor: device-tier multiplier of the ``grow`` policy.
+    """
+
+    page_size: int = 64
+    cuda_factor: float = 1.10
+    host_factor: float = 0.0
+    kernel_backend: str = "auto"
+    max_ctas: int | None = None
+    prefetch_distance: int = 1
+    overlap: bool = True
+    overflow_policy: str = "rerun"
+    growth_factor: float = 1.5
+
+    def __post_init__(self):
+        positive_int("page_size", self.page_size)
+        if _number("cuda_factor", self.cuda_factor) == 0:
+            raise ConfigError("cuda_factor", "must be non-zero (it sizes the device page tier)")
+        _number("host_factor", self.host_factor)
+        if self.kernel_backend not in kernel_backend_choices():
+            raise ConfigError(
+                "kernel_backend",
+                f"must be one of {kernel_backend_choices()}, got {self.kernel_backend!r}",
+            )
+        if self.max_ctas is not None:
+            positive_int("max_ctas", self.max_ctas)
+        non_negative_int("prefetch_distance", self.prefetch_distance)
+        if not isinstance(self.overlap, bool):
+            raise ConfigError("overlap", f"must be True or False, got {self.overlap!r}")
+        if self.overflow_policy not in overflow_policy_choices():
+            raise ConfigError(
+                "overflow_policy",
+                f"must be one of {overflow_policy_choices()}, got {self.overflow_policy!r}",
+            )
+        if _number("growth_factor", self.growth_factor) <= 1:
+            raise ConfigError("growth_factor", f"must be > 1, got {self.growth_factor!r}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **fields) -> PagingConfig:
+        """A config whose unset ``max_ctas`` comes from ``MEGATRON_PAGING_MAX_CTAS``."""
+        if fields.get("max_ctas") is None:
+            fields["max_ctas"] = max_ctas_from_env(environ)
+        return cls(**fields)
+
+    def replace(self, **changes) -> PagingConfig:
+        """A copy with ``changes`` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def grid_bound(self) -> int:
+        """The grid bound the copy kernels use."""
+        return DEFAULT_MAX_CTAS if self.max_ctas is None else self.max_ctas
+
+
+__all__ = [
+    "ConfigError",
+    "DEFAULT_MAX_CTAS",
+    "MAX_CTAS_ENV",
+    "PagingConfig",
+    "kernel_backend_choices",
+    "max_ctas_from_env",
+    "non_negative_int",
+    "overflow_policy_choices",
+    "positive_int",
+]

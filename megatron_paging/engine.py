@@ -1,0 +1,227 @@
+"""PagingEngine: the one step life cycle of a paging run, model-agnostic.
+
+Every driver — Megatron-Core's adapter (:mod:`megatron_paging.mcore.api`), the demo, the
+benchmarks — runs each forward-backward between ``begin_step`` and ``end_step``; the saved-tensor
+hook (:class:`megatron_paging.paging.PagingContext`) gets the step's
+:class:`~megatron_paging.scheduler.PagingScheduler` from :meth:`PagingEngine.scheduler_for`.
+
+=============  ==================================================================================
+mode           what a step does
+=============  ==================================================================================
+``calibrate``  the first paging step: no pool exists; records are parked as compact copies of
+               their live rows (:class:`~megatron_paging.calibration.Calibrator`, host reads
+               allowed) and the peak in flight is measured. ``end_step`` sizes the pools
+               (and makes the kernels' pool handles), so the next step allocates nothing.
+``paged``      later steps: ``begin_step`` resets rings and flags in place (no allocation),
+               records go through the pools.
+``off``        ``begin_step(paging=False)`` (an unpaged rerun, an evaluation): nothing is paged.
+=============  ==================================================================================
+
+CUDA graphs: ``begin_step`` and ``end_step`` of a ``paged`` step are sync-free and allocate
+nothing, so a capture may sit between them and include them (the reset is then part of the
+graph, and ``end_step`` joins the paging stream back into the capture stream). What cannot be
+captured is refused with :class:`CaptureError`: a calibration step, or a capture that begins
+while the previous step is still open. Other records (the offloading backend's) join the same
+step through :meth:`scheduler_for`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from megatron_paging import kernels
+from megatron_paging.calibration import Calibrator
+from megatron_paging.config import ConfigError, PagingConfig
+from megatron_paging.pool import PagePools, PagingFlags
+from megatron_paging.scheduler import PagingScheduler
+from megatron_paging.streams import CpuStreamBackend, CudaStreamBackend
+
+logger = logging.getLogger(__name__)
+
+OFF, CALIBRATE, PAGED = "off", "calibrate", "paged"
+
+
+class CaptureError(RuntimeError):
+    """A CUDA-graph capture reached paging work that cannot be captured."""
+
+
+def _cuda_capturing() -> bool:
+    # Without an initialized CUDA context nothing can be capturing (and asking would init one).
+    return torch.cuda.is_available() and torch.cuda.is_initialized() and (
+        torch.cuda.is_current_stream_capturing()
+    )
+
+
+class PagingEngine:
+    """Calibrate on the first paging step, then page every step through pools.
+
+    Args:
+        config: the run's options (trusted: validated where it was built).
+        stream_backend: the stream backend for every device (tests, instrumentation); default
+            one :class:`~megatron_paging.streams.CudaStreamBackend` per CUDA device (one
+            high-priority paging stream each) and a CPU backend for CPU tensors.
+        pools: pools to page through from the first step on (no calibration): tests and
+            benchmarks that size pools themselves.
+    """
+
+    def __init__(self, config: PagingConfig | None = None, stream_backend=None,
+                 pools: PagePools | None = None):
+        self.config = PagingConfig() if config is None else config
+        self._stream_backend = stream_backend
+        self._backends: dict[torch.device, object] = {}
+        self.mode = OFF  # of the running step, or of the last one once it ended
+        self.step_open = False
+        self.calibrator: Calibrator | None = None
+        self.pools: PagePools | None = None
+        self.scheduler: PagingScheduler | None = None
+        self._device: torch.device | None = None  # where the records of the run live
+        if pools is not None:
+            if pools.page_size != self.config.page_size:
+                raise ConfigError(
+                    "page_size", f"is {self.config.page_size} but the pools' is {pools.page_size}"
+                )
+            self._set_pools(pools)
+            self._device = pools.device
+        self._layouts: dict = {}  # record layouts, validated once per run
+        self.steps = 0  # paging steps begun in Python (calibration and graph captures included)
+        self.replays = 0  # graph calls that ran a captured paged step (capture calls replay too)
+        self.unreloaded_records = 0  # records a finished step never reloaded (should stay 0)
+
+    # -- configuration -------------------------------------------------------------------
+    def configure(self, config: PagingConfig) -> None:
+        """Use ``config`` from the next step on. The page size is fixed once pools exist."""
+        if self.pools is not None and config.page_size != self.pools.page_size:
+            raise ConfigError(
+                "page_size",
+                f"changed from {self.pools.page_size} to {config.page_size} after the pools "
+                "were sized",
+            )
+        if config.page_size != self.config.page_size:
+            self._layouts.clear()
+        self.config = config
+
+    # -- step life cycle -----------------------------------------------------------------
+    def begin_step(self, paging: bool = True) -> None:
+        """Start a forward-backward: calibrate (first paging step) or reset rings and flags."""
+        capturing = self.capturing()
+        if self.step_open:
+            if capturing:
+                raise CaptureError(
+                    "paging: a CUDA-graph capture began while the previous step was still open "
+                    "(end every forward-backward with end_step(); install() does it for "
+                    "Megatron's forward_backward_func)"
+                )
+            self.end_step()  # drivers that never end a step explicitly
+        if paging and self.pools is None and capturing:  # refused before any state changes
+            raise CaptureError(
+                "paging: a CUDA-graph capture began before the page pools were calibrated; "
+                "the first paging step must run eagerly (with --cuda-graph-impl "
+                "full_iteration, --cuda-graph-warmup-steps must be >= 1)"
+            )
+        self.mode = OFF
+        self.step_open = True
+        if not paging:
+            return
+        if self.pools is None:
+            self.calibrator = Calibrator()
+            self.mode = CALIBRATE
+        else:
+            self.pools.reset()
+            self.mode = PAGED
+        self.steps += 1
+
+    def end_step(self) -> int:
+        """Join the paging stream; after calibration, size the pools. Returns the records the
+        step never reloaded (0 in a complete step; they are also logged and counted).
+
+        The step's scheduler is dropped even when ``finish()`` raises (an exception inside a
+        layer left a slot open), so the next step starts clean; a calibration that did not
+        finish is discarded and repeated.
+        """
+        scheduler, self.scheduler = self.scheduler, None
+        calibrating = self.step_open and self.mode == CALIBRATE
+        calibrator, self.calibrator = self.calibrator, None
+        self.step_open = False
+        unreloaded = scheduler.finish() if scheduler is not None else 0
+        if unreloaded:
+            self.unreloaded_records += unreloaded
+            logger.warning(
+                "paging: %d record(s) of step %d were never reloaded (their pages stayed in use "
+                "for the step); a saved tensor was dropped without its backward running",
+                unreloaded,
+                self.steps,
+            )
+        if calibrating and calibrator.peak_rows:
+            self._set_pools(calibrator.size_pools(self.config, self._device))
+        return unreloaded
+
+    def note_replayed_step(self) -> None:
+        """A CUDA graph replayed a captured step (no Python ran). If the step paged (pools exist:
+        a capture never calibrates), the replay reset the rings and set the flags, so
+        :attr:`flags` are that step's; without pools the graph paged nothing."""
+        if self.pools is None:
+            self.mode = OFF
+            return
+        self.mode = PAGED
+        self.replays += 1
+
+    def capturing(self) -> bool:
+        """Whether the current stream is being captured into a CUDA graph."""
+        if self._stream_backend is not None:
+            return self._stream_backend.capturing()
+        return _cuda_capturing()
+
+    # -- pools -----------------------------------------------------------------------------
+    def grow(self, factor: float) -> None:
+        """Replace the pools by ones with ``factor`` times the device tier (between steps)."""
+        if self.pools is None:
+            logger.info("paging: nothing to grow (no pools yet)")
+            return
+        self._set_pools(self.pools.grown(factor))
+
+    def release_pools(self) -> None:
+        """Drop the pools; the next paging step calibrates again."""
+        self.end_step()
+        self.pools = None
+
+    def _set_pools(self, pools: PagePools) -> None:
+        kernels.prepare(pools, self.config.kernel_backend)  # outside any capture
+        self.pools = pools
+
+    @property
+    def flags(self) -> PagingFlags | None:
+        """The sticky device flags of the running (or last) step, if it paged through pools."""
+        return self.pools.flags if self.pools is not None and self.mode == PAGED else None
+
+    # -- the step's scheduler --------------------------------------------------------------
+    def scheduler_for(self, device: torch.device) -> PagingScheduler:
+        """The running step's scheduler (made on first use, for ``device``'s stream backend)."""
+        scheduler = self.scheduler
+        if scheduler is not None:
+            return scheduler
+        if not self.step_open or self.mode == OFF:
+            raise RuntimeError("paging: no paging step is running (call begin_step first)")
+        if self._device is None:
+            self._device = torch.device(device)
+        backend = self._stream_backend
+        if backend is None:
+            backend = self._backends.get(self._device)
+            if backend is None:
+                backend = self._backends[self._device] = (
+                    CudaStreamBackend(self._device)
+                    if self._device.type == "cuda"
+                    else CpuStreamBackend()
+                )
+        self.scheduler = PagingScheduler(
+            backend,
+            pools=self.pools if self.mode == PAGED else None,
+            parker=self.calibrator if self.mode == CALIBRATE else None,
+            config=self.config,
+            layout_cache=self._layouts,
+        )
+        return self.scheduler
+
+
+__all__ = ["CALIBRATE", "CaptureError", "OFF", "PAGED", "PagingEngine"]

@@ -1,0 +1,421 @@
+// The bulk-copy path (sm90+): one thread per CTA moves each tile with the copy engine,
+// global -> shared (cp.async.bulk, completing on an mbarrier) then shared -> global (a bulk_group
+// store), through a ring of shared-memory stages. Same plan, tile resolution, record/recycle
+// writes and commit as the tile path (paging_tile.cu), so the same bytes land in the same places;
+// semantics: kernels/reference.py.
+//
+// Why: the tile path needs 4 CTAs x 256 threads per SM issuing 16-byte loads to keep enough
+// bytes in flight; here one thread keeps kLoadsAhead tiles of loads in flight, so one CTA
+// per SM reaches the copy rate, and the other 255 threads only help with the plan (and, for a
+// stash, the zeroing of unfilled record slots) and then sleep at the commit barrier, leaving
+// issue slots to whatever compute kernel shares the SM.
+//
+// Tiles the copy engine may not take go through the cooperative copy of the tile path instead,
+// decided per tile and uniformly across the CTA: host-tier pages (bulk copies to mapped pinned
+// memory are not guaranteed), the zero fill of a reload after an overflow, and any tile whose
+// addresses or size are not multiples of 16 bytes (the host dispatch should never send one).
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdint>
+
+#include "paging.h"
+#include "paging_device.cuh"
+
+// The copy-engine instructions exist from sm_90 on; for older targets the kernel compiles to the
+// cooperative copy alone (correct, just slow), so this file builds for any architecture.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define MEGATRON_PAGING_BULK_ARCH 1
+#else
+#define MEGATRON_PAGING_BULK_ARCH 0
+#endif
+
+namespace megatron_paging {
+namespace {
+
+using device::Decision;
+using device::PagingArgs;
+using device::Plan;
+using device::Segments;
+
+// A pipeline configuration: tile bytes, shared-memory stages, loads issued ahead of the oldest
+// store. 32 KiB x 6 stages (192 KiB of dynamic shared memory, + at most ~16.5 KiB static for the
+// 1024-segment plan, under the 227 KiB a block may opt into: one CTA per SM) keeps 4 loads =
+// 128 KiB in flight; a 64-row page of a bf16 h7168 activation (896 KiB) is exactly 28 tiles. The
+// other configurations trade tile size for stages at the same shared memory (more, smaller
+// copies in flight: better for small pages such as 224-byte rows); the benchmark measures all of
+// them (docs/kernels.md) and CopyPath::kBulk names the default.
+template <int kTileKiB, int kStagesN, int kAheadN>
+struct BulkConfig {
+  static constexpr int64_t kTileBytes = int64_t{kTileKiB} * 1024;
+  static constexpr int kStages = kStagesN;
+  // Loads issued ahead of the oldest store. The remaining stages give each store time to finish
+  // reading shared memory before its stage is refilled.
+  static constexpr int kLoadsAhead = kAheadN;
+  // Store groups that may still be reading shared memory when a stage is refilled: with
+  // kLoadsAhead loads pending, the store of the tile that last used the stage is followed by
+  // exactly this many younger stores (see BulkPipe::push).
+  static constexpr int kStoresReading = kStages - kLoadsAhead - 1;
+  static constexpr size_t kSmemBytes = size_t{kStages} * kTileBytes;
+  static_assert(kLoadsAhead >= 1 && kLoadsAhead <= kStages - 1,
+                "a stage must be free for the next load while kLoadsAhead loads are pending");
+  static_assert(kStoresReading >= 0, "the stage count covers the loads ahead");
+  static_assert(kTileBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
+  static_assert(kTileBytes < (1 << 20), "an mbarrier transaction count is below 2^20 bytes");
+  static_assert(kSmemBytes <= 192 * 1024, "the stage ring fits next to the static plan");
+};
+using BulkDefault = BulkConfig<32, 6, 4>;
+using BulkSmallTiles = BulkConfig<16, 12, 9>;
+using BulkTinyTiles = BulkConfig<8, 24, 20>;
+// The largest ring of all configurations (bulk_supported checks the device can give it).
+constexpr size_t kBulkMaxSmemBytes = 192 * 1024;
+
+constexpr int kThreads = 256;
+constexpr int kUnroll = 4;  // the cooperative fallback's loads in flight per thread
+
+static_assert(kThreads >= device::kPlanThreads, "the plan needs kPlanThreads threads");
+
+// Thread 0's bookkeeping in shared memory: the mbarrier of each stage, and where each loaded
+// stage goes once its load has landed. Only thread 0 ever touches it.
+template <typename C>
+struct BulkRing {
+  uint64_t bar[C::kStages];
+  uint8_t* dst[C::kStages];
+  uint32_t bytes[C::kStages];
+};
+
+#if MEGATRON_PAGING_BULK_ARCH
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+#endif
+
+__device__ __forceinline__ bool aligned16(const void* p) {
+  return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
+}
+
+// The single-thread pipeline. Stages are used round-robin in tile order, loads and stores alike,
+// so the stage a store reads is the oldest pending load's, and a stage's mbarrier completes one
+// phase per load: its parity flips each time the ring wraps. Everything is in tile order, so no
+// per-stage phase array is needed, only the parity of the next stage to be stored.
+template <typename C>
+struct BulkPipe {
+  BulkRing<C>* ring;
+  uint8_t* stages;
+  int load_stage;      // stage the next load goes to
+  int store_stage;     // stage of the oldest load not yet stored
+  uint32_t store_parity;  // phase parity that store_stage's current load completes
+  int pending;         // loads issued and not yet stored (<= kLoadsAhead between pushes)
+  bool wrapped;        // every stage has held a load, so a refill must wait for the stage's store
+
+  __device__ void init(BulkRing<C>* r, uint8_t* s) {
+    ring = r;
+    stages = s;
+    load_stage = 0;
+    store_stage = 0;
+    store_parity = 0;
+    pending = 0;
+    wrapped = false;
+#if MEGATRON_PAGING_BULK_ARCH
+    for (int i = 0; i < C::kStages; ++i) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(&ring->bar[i]))
+                   : "memory");
+    }
+    // The copy engine (async proxy) updates these barriers: the initialization must be visible
+    // to it before the first bulk load names one. Only this thread uses them, so no CTA barrier.
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+  }
+
+  // Move one tile: n bytes, 16-byte aligned on both sides, n <= C::kTileBytes.
+  __device__ void push(uint8_t* dst, const uint8_t* src, uint32_t n) {
+#if MEGATRON_PAGING_BULK_ARCH
+    const int s = load_stage;
+    if (wrapped) {
+      // The stage last held tile b - kStages (b = this tile's bulk index). Its store was
+      // issued, and since then exactly kStoresReading younger stores: kLoadsAhead loads are
+      // pending between pushes, so stores 0 .. b - kLoadsAhead - 1 have been issued.
+      asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(C::kStoresReading) : "memory");
+    }
+    const uint32_t bar = smem_u32(&ring->bar[s]);
+    const uint32_t stage = smem_u32(stages + s * C::kTileBytes);
+    ring->dst[s] = dst;
+    ring->bytes[s] = n;
+    // The barrier expects one arrival: ours, which carries the n expected bytes in the same
+    // instruction, so the phase cannot complete before every byte of this load has landed.
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(n)
+                 : "memory");
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+        ::"r"(stage), "l"(src), "r"(n), "r"(bar)
+        : "memory");
+    load_stage = s + 1 == C::kStages ? 0 : s + 1;
+    wrapped |= load_stage == 0;
+    if (++pending > C::kLoadsAhead) store_oldest();
+#else
+    (void)dst;
+    (void)src;
+    (void)n;
+#endif
+  }
+
+  // Wait for the oldest pending load and send its stage to global memory.
+  __device__ void store_oldest() {
+#if MEGATRON_PAGING_BULK_ARCH
+    const int s = store_stage;
+    const uint32_t bar = smem_u32(&ring->bar[s]);
+    uint32_t done = 0;
+    // try_wait suspends the thread for a while inside the instruction, so this loop does not
+    // spin hot; it ends because the load was issued and its bytes always arrive (a faulting
+    // address aborts the kernel instead).
+    do {
+      asm volatile(
+          "{\n\t.reg .pred p;\n\t"
+          "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+          "selp.b32 %0, 1, 0, p;\n\t}"
+          : "=r"(done)
+          : "r"(bar), "r"(store_parity)
+          : "memory");
+    } while (done == 0);
+    // The bytes were written by the copy engine and are read by it again, ordered only through
+    // this thread's observation of the phase. Completion already implies a proxy fence towards
+    // this thread; the explicit fence makes the hand-back to the async proxy explicit too
+    // instead of relying on that reading of the memory model (one fence per tile is cheap).
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(ring->dst[s]),
+                 "r"(smem_u32(stages + s * C::kTileBytes)), "r"(ring->bytes[s])
+                 : "memory");
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    store_stage = s + 1 == C::kStages ? 0 : s + 1;
+    store_parity ^= store_stage == 0 ? 1u : 0u;
+    --pending;
+#endif
+  }
+
+  // Issue the stores of every load still pending (the writes may still be in flight after).
+  __device__ void drain() {
+    while (pending > 0) store_oldest();
+  }
+
+  // Wait until every bulk store has written global memory. Must precede the commit and the exit.
+  __device__ void finish() {
+#if MEGATRON_PAGING_BULK_ARCH
+    // Not .read: the writes themselves must be complete, for two reasons. (1) The CTA's shared
+    // memory may not be released while a store still reads it. (2) The commit publishes the ring
+    // counters as soon as the last CTA arrives; after this wait the payload is performed, and the
+    // commit's __syncthreads + __threadfence + atomicAdd then order it before the counters at
+    // GPU scope. The proxy fence makes that ordering explicit for writes made through the async
+    // proxy (PTX already gives completed async writes an implicit proxy fence; one instruction
+    // per CTA buys not depending on that). Later kernels on the stream would see the payload
+    // through the kernel boundary anyway; this keeps the counters from ever running ahead of
+    // the bytes for any observer of the counters.
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+#endif
+  }
+};
+
+// Warp 0 alone walks the CTA's tiles when every tile may use the copy engine: its 32 lanes
+// resolve 32 consecutive tiles at once (their page-id loads in flight together, each lane writing
+// its tile's page record / recycling its page), then lane 0 issues their bulk copies. Consecutive
+// tiles mostly share a page, so the page-id loads of a batch mostly hit one address.
+template <bool kReload, int N, typename C>
+__device__ void walk_tiles_solo(const PagingArgs& a, const Segments<N>& seg, const Plan<N>& plan,
+                                const Decision& d, BulkPipe<C>& pipe, int64_t begin,
+                                int64_t end) {
+  const int lane = threadIdx.x & 31;
+  for (int64_t base = begin; base < end; base += 32) {
+    device::Tile tile{nullptr, nullptr, 0};
+    if (base + lane < end) {
+      tile = device::resolve_tile<kReload>(a, seg, plan, d, base + lane, true);
+    }
+    const int64_t left = end - base;
+    const int count = left < 32 ? static_cast<int>(left) : 32;
+    const auto my_user = reinterpret_cast<unsigned long long>(tile.user);
+    const auto my_paged = reinterpret_cast<unsigned long long>(tile.paged);
+    const auto my_bytes = static_cast<long long>(tile.bytes);
+    for (int j = 0; j < count; ++j) {
+      const unsigned long long user = __shfl_sync(0xffffffffu, my_user, j);
+      const unsigned long long paged = __shfl_sync(0xffffffffu, my_paged, j);
+      const long long bytes = __shfl_sync(0xffffffffu, my_bytes, j);
+      if (lane != 0 || bytes == 0) continue;
+      uint8_t* const u = reinterpret_cast<uint8_t*>(user);
+      uint8_t* const p = reinterpret_cast<uint8_t*>(paged);
+      pipe.push(kReload ? u : p, kReload ? p : u, static_cast<uint32_t>(bytes));
+    }
+  }
+}
+
+template <bool kReload, int N, typename C>
+__global__ void __launch_bounds__(kThreads, 1)
+    bulk_kernel(const __grid_constant__ PagingArgs a, const __grid_constant__ Segments<N> seg) {
+  const device::RingState state = device::read_state<kReload>(a);
+
+  __shared__ Plan<N> plan;
+  __shared__ BulkRing<C> bulk_ring;
+  extern __shared__ __align__(128) uint8_t bulk_stages[];
+
+  const bool issuer = threadIdx.x == 0;
+  BulkPipe<C> pipe;
+  // Before the plan: the barrier inside make_plan is not needed for the mbarriers (only this
+  // thread uses them), but their initialization then overlaps the plan's loads.
+  if (issuer) pipe.init(&bulk_ring, bulk_stages);
+
+  device::make_plan(a, seg, plan);
+  const Decision d = device::decide<kReload>(a, plan, state);
+
+  // Uniform across the CTA (d is): whether tiles may use the copy engine at all. The stage base
+  // is 128-byte aligned by declaration; checking it costs nothing and keeps a surprise there
+  // from becoming a faulting bulk copy.
+  const bool bulk_tier =
+      MEGATRON_PAGING_BULK_ARCH && d.active && d.tier == 0 && aligned16(bulk_stages);
+  // Launch-wide alignment implies every tile's alignment: a tile starts at user + row * rb + lo
+  // and at pages + page_id * page_size * rb + lo, with lo a multiple of tile_bytes, and ends at
+  // min(lo + tile_bytes, rows * rb); all multiples of 16 when the bases, rb and tile_bytes are.
+  // Then warp 0 alone walks the tiles and the other threads skip straight to the stash's slot
+  // zeroing and the commit barrier.
+  const bool solo = bulk_tier && aligned16(a.user) && aligned16(a.pool.pages[0]) &&
+                    (a.pool.row_bytes & 15) == 0 && (a.tile_bytes & 15) == 0 &&
+                    a.tile_bytes <= C::kTileBytes;
+  const int64_t tiles = plan.total_pages * a.tiles_per_page;
+
+  if (solo) {
+    // A contiguous range of tiles per CTA: consecutive tiles share pages (one page-id load per
+    // page) and both sides are read and written in long sequential runs.
+    const int64_t per_cta = (tiles + gridDim.x - 1) / gridDim.x;
+    const int64_t begin = min(tiles, int64_t{blockIdx.x} * per_cta);
+    const int64_t end = min(tiles, begin + per_cta);
+    if (threadIdx.x < 32) walk_tiles_solo<kReload>(a, seg, plan, d, pipe, begin, end);
+  } else if (d.active || d.zero_fill) {
+    for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+      // Every tile of this CTA goes through here exactly once per thread, so thread 0 writes
+      // each page record / recycles each page exactly once, whatever moves the bytes.
+      const device::Tile tile = device::resolve_tile<kReload>(a, seg, plan, d, t, issuer);
+      if (tile.bytes == 0) continue;
+      uint8_t* const dst = kReload ? tile.user : tile.paged;
+      const uint8_t* const src = kReload ? tile.paged : tile.user;
+      const bool bulk_ok = bulk_tier && aligned16(tile.user) && aligned16(tile.paged) &&
+                           (tile.bytes & 15) == 0 && tile.bytes <= C::kTileBytes;
+      if (bulk_ok) {
+        if (issuer) pipe.push(dst, src, static_cast<uint32_t>(tile.bytes));
+        continue;
+      }
+      // Host tier, reload zero fill, unaligned tile: the whole CTA cooperates, exactly as the
+      // tile path does. No CTA barrier is involved, so thread 0 being behind in its pipeline
+      // only delays its own share.
+      const int n = static_cast<int>(tile.bytes);
+      if (kReload && !d.active) {
+        device::zero_range(tile.user, n);
+      } else {
+        device::copy_range<kThreads, kUnroll>(dst, src, n);
+      }
+    }
+  }
+  if (issuer) pipe.drain();
+  // The slot zeroing overlaps the last stores' writes; it touches only page_record.
+  if constexpr (!kReload) device::zero_unfilled_slots(a, seg, plan, d);
+  if (issuer) pipe.finish();
+  device::commit<kReload>(a, d);
+}
+
+// Raise the kernel's dynamic shared-memory limit once per device (the attribute belongs to the
+// kernel's per-device module). Not a stream operation, so also legal under graph capture.
+template <bool kReload, int N, typename C>
+cudaError_t allow_bulk_smem(int device) {
+  constexpr int kDevices = 64;
+  static std::atomic<bool> done[kDevices] = {};
+  const bool cacheable = device >= 0 && device < kDevices;
+  if (cacheable && done[device].load(std::memory_order_relaxed)) return cudaSuccess;
+  const cudaError_t err = cudaFuncSetAttribute(
+      bulk_kernel<kReload, N, C>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+      static_cast<int>(C::kSmemBytes));
+  if (err == cudaSuccess && cacheable) done[device].store(true, std::memory_order_relaxed);
+  return err;
+}
+
+template <bool kReload, int N, typename C>
+cudaError_t launch_bulk_with(const CopyLaunch& launch, cudaStream_t stream) {
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (!bulk_supported(device)) return cudaErrorNotSupported;
+  // Before the occupancy query: without the raised limit it would count 0 CTAs per SM.
+  err = allow_bulk_smem<kReload, N, C>(device);
+  if (err != cudaSuccess) return err;
+  const PagingArgs args = device::make_args(launch, C::kTileBytes);
+  const Segments<N> seg = device::make_segments<N>(launch.layout);
+  int64_t resident = 0;
+  err = device::resident_ctas<bulk_kernel<kReload, N, C>>(kThreads, C::kSmemBytes, &resident);
+  if (err != cudaSuccess) return err;
+  const int64_t grid = device::grid_size(launch, args, kThreads, resident);
+  bulk_kernel<kReload, N, C>
+      <<<static_cast<unsigned int>(grid), kThreads, C::kSmemBytes, stream>>>(args, seg);
+  return cudaGetLastError();
+}
+
+template <int N, typename C>
+cudaError_t launch_bulk_n(const CopyLaunch& launch, cudaStream_t stream) {
+  return launch.reload ? launch_bulk_with<true, N, C>(launch, stream)
+                       : launch_bulk_with<false, N, C>(launch, stream);
+}
+
+template <typename C>
+cudaError_t launch_bulk_config(const CopyLaunch& launch, cudaStream_t stream) {
+  if (launch.layout.num_segments <= kFewSegments) {
+    return launch_bulk_n<kFewSegments, C>(launch, stream);
+  }
+  return launch_bulk_n<kMaxSegments, C>(launch, stream);
+}
+
+}  // namespace
+
+cudaError_t launch_bulk(const CopyLaunch& launch, cudaStream_t stream) {
+  switch (launch.path) {
+    case CopyPath::kBulkSmallTiles:
+      return launch_bulk_config<BulkSmallTiles>(launch, stream);
+    case CopyPath::kBulkTinyTiles:
+      return launch_bulk_config<BulkTinyTiles>(launch, stream);
+    default:
+      return launch_bulk_config<BulkDefault>(launch, stream);
+  }
+}
+
+bool bulk_supported(int device) {
+  constexpr int kDevices = 64;
+  // 0: not asked yet, 1: no, 2: yes.
+  static std::atomic<int> cached[kDevices] = {};
+  const bool cacheable = device >= 0 && device < kDevices;
+  if (cacheable) {
+    const int c = cached[device].load(std::memory_order_relaxed);
+    if (c != 0) return c == 2;
+  }
+  // Compute capability alone is not enough: some sm_12x parts (and future small ones) let a
+  // block opt into only ~99 KiB of shared memory, less than the stage ring needs; there the
+  // answer is no and the caller keeps the tile path.
+  int major = 0;
+  int optin = 0;
+  cudaFuncAttributes attr{};
+  cudaError_t err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  if (err == cudaSuccess) {
+    err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  }
+  // The largest static shared memory of the four instantiations (the 1024-segment plan).
+  if (err == cudaSuccess) {
+    err = cudaFuncGetAttributes(&attr, bulk_kernel<false, kMaxSegments, BulkDefault>);
+  }
+  if (err != cudaSuccess) {
+    // Not cached (the device may be usable later), and the error the query recorded is cleared
+    // so that the next launch's cudaGetLastError, which reports that launch, does not return it.
+    (void)cudaGetLastError();
+    return false;
+  }
+  const bool ok =
+      major >= 9 && attr.sharedSizeBytes + kBulkMaxSmemBytes <= static_cast<size_t>(optin);
+  if (cacheable) cached[device].store(ok ? 2 : 1, std::memory_order_relaxed);
+  return ok;
+}
+
+}  // namespace megatron_paging
+
+#undef MEGATRON_PAGING_BULK_ARCH

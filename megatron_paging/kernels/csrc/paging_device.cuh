@@ -1,0 +1,411 @@
+// Device-side pieces shared by both copy paths (paging_tile.cu, paging_bulk.cu).
+//
+// A page holds page_size consecutive rows and a segment's live prefix is contiguous in the user
+// buffer, so the live rows of one page slot are one contiguous byte range on both sides. A tile is
+// (page slot, byte range inside that page): the page id is resolved once per tile and only the
+// tile at byte 0 of a page writes the page record (stash) or hands the page back to the ring
+// (reload).
+//
+// One launch does everything: every CTA computes the same plan from read-only state (flags,
+// freelist head/tail, live counts), copies its tiles (grid-stride), then the last CTA to finish
+// (counted on a per-pool int32 in device memory, which it resets to 0) commits head/tail and
+// flags. Nothing a CTA reads is written before every CTA has arrived, so no CTA sees a half-
+// committed state, and no host read is needed: the launch is CUDA-graph capturable.
+
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "paging.h"
+
+namespace megatron_paging {
+namespace device {
+
+constexpr int kPlanThreads = 256;  // threads that compute the plan (every kernel has >= this many)
+
+template <int N>
+struct Segments {
+  int64_t start[N];        // first user-buffer row of each segment
+  int64_t rows[N];         // static capacity rows of each segment
+  int64_t slot_offset[N];  // first page_record slot of each segment
+};
+
+// The kernel parameter block: a CopyLaunch with the host arrays moved into Segments<N>.
+struct PagingArgs {
+  uint8_t* user;
+  const int64_t* live_rows;
+  int64_t* page_record;
+  int64_t record_slots;
+  int64_t max_slots;
+  int64_t* spilled_to_host;
+  PoolView pool;
+  int64_t tile_bytes;      // bytes per tile (the path's tile size, at most one page)
+  int64_t tiles_per_page;
+  int num_segments;
+};
+
+// Per-CTA copy of the launch plan. copy_rows is the live count clamped to [0, segment rows]:
+// stash copies nothing when any count is invalid, while reload (like the reference) copies the
+// clamped rows and recycles no pages.
+template <int N>
+struct Plan {
+  int64_t copy_rows[N];
+  int64_t page_prefix[N];  // exclusive prefix of ceil(copy_rows / page_size) in record order
+  int64_t total_pages;
+  int invalid;
+};
+
+// What every CTA decided from the plan and the ring/flag state read at launch.
+struct Decision {
+  int tier;            // 0 = device tier, 1 = host tier
+  bool active;         // pages move (stash: a tier has room; reload: the record is intact)
+  bool use_host;       // stash: the record spills to the host tier
+  bool new_overflow;   // stash: this launch sets the overflow flag
+  bool zero_fill;      // reload after an overflow: zero the record's live rows
+  bool invalid;        // a live count was outside [0, segment rows]
+  int64_t ring_start;  // first ring position popped (stash) or pushed (reload)
+  int64_t ring_pages;  // pages popped or pushed
+};
+
+// One tile, resolved: where its bytes are on both sides.
+struct Tile {
+  uint8_t* user;
+  uint8_t* paged;
+  int64_t bytes;  // 0: nothing to move for this tile
+};
+
+template <int N>
+__device__ void make_plan(const PagingArgs& a, const Segments<N>& seg, Plan<N>& plan) {
+  __shared__ int64_t warp_sums[kPlanThreads / 32];
+  const int64_t ps = a.pool.page_size;
+  const bool planner = threadIdx.x < kPlanThreads;
+  const int per_thread = (a.num_segments + kPlanThreads - 1) / kPlanThreads;
+  const int first = planner ? threadIdx.x * per_thread : a.num_segments;
+  const int last = min(a.num_segments, first + per_thread);
+  int64_t my_pages = 0;
+  int bad = 0;
+  for (int s = first; s < last; ++s) {
+    const int64_t live = a.live_rows[s];
+    bad |= (live < 0) | (live > seg.rows[s]);
+    const int64_t rows = min(max(live, int64_t{0}), seg.rows[s]);
+    plan.copy_rows[s] = rows;
+    my_pages += (rows + ps - 1) / ps;
+  }
+  // Block-wide exclusive scan of my_pages over the planner threads: warp shuffles, then the
+  // warp totals. Threads past kPlanThreads take part in the barriers only.
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  int64_t inclusive = my_pages;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int64_t v = __shfl_up_sync(0xffffffffu, inclusive, d);
+    if (lane >= d) inclusive += v;
+  }
+  if (planner && lane == 31) warp_sums[warp] = inclusive;
+  const int any_bad = __syncthreads_or(bad);
+  if (planner) {
+    int64_t before = 0;
+    int64_t total = 0;
+#pragma unroll
+    for (int w = 0; w < kPlanThreads / 32; ++w) {
+      const int64_t v = warp_sums[w];
+      before += (w < warp) ? v : 0;
+      total += v;
+    }
+    int64_t running = before + inclusive - my_pages;
+    for (int s = first; s < last; ++s) {
+      plan.page_prefix[s] = running;
+      running += (plan.copy_rows[s] + ps - 1) / ps;
+    }
+    if (threadIdx.x == 0) {
+      plan.total_pages = total;
+      plan.invalid = any_bad;
+    }
+  }
+  __syncthreads();
+}
+
+// The ring and flag state a launch decides from. Read first thing in every kernel, so that the
+// loads' latency overlaps the live-count loads of the plan; nothing writes it before commit().
+struct RingState {
+  int64_t overflow;
+  int64_t head[2];
+  int64_t tail[2];
+  int64_t spilled;  // reload: the record's spilled_to_host
+};
+
+template <bool kReload>
+__device__ __forceinline__ RingState read_state(const PagingArgs& a) {
+  return RingState{a.pool.flags[0],
+                   {a.pool.head[0], a.pool.head[1]},
+                   {a.pool.tail[0], a.pool.tail[1]},
+                   kReload ? a.spilled_to_host[0] : 0};
+}
+
+// Where the record goes (stash) or comes from (reload), from state read before any write.
+template <bool kReload, int N>
+__device__ Decision decide(const PagingArgs& a, const Plan<N>& plan, const RingState& r) {
+  const int64_t overflow = r.overflow;
+  const int64_t* const head = r.head;
+  const int64_t* const tail = r.tail;
+  const int64_t spilled = r.spilled;
+  Decision d{};
+  d.invalid = plan.invalid != 0;
+  // Pages popped (stash) or pushed (reload): none when a live count is invalid.
+  d.ring_pages = d.invalid ? 0 : plan.total_pages;
+  const bool has_host = a.pool.num_pages[1] > 0;
+  if constexpr (!kReload) {
+    const bool ok = overflow == 0 && !d.invalid;
+    const bool use_cuda = ok && tail[0] - head[0] >= d.ring_pages;
+    d.use_host = ok && !use_cuda && has_host && tail[1] - head[1] >= d.ring_pages;
+    d.new_overflow = (overflow == 0 && !use_cuda && !d.use_host) || d.invalid;
+    d.active = use_cuda || d.use_host;
+    d.tier = d.use_host ? 1 : 0;
+    d.ring_start = d.use_host ? head[1] : head[0];
+  } else {
+    const bool from_host = spilled == 1;
+    d.active = overflow == 0 && (!from_host || has_host);
+    d.tier = from_host ? 1 : 0;
+    d.ring_start = from_host ? tail[1] : tail[0];
+    // After an overflow the step is discarded, but its backward still runs: a reload zeroes its
+    // live rows so that uninitialized memory (NaN) never reaches Megatron's gradient NaN check.
+    d.zero_fill = overflow != 0;
+  }
+  return d;
+}
+
+// Last index s in [0, n) with keys[s] <= x, for non-decreasing keys with keys[0] <= x. Empty
+// segments share their key with the next one, so "last" lands on the segment that owns x.
+__device__ __forceinline__ int last_at_or_below(const int64_t* keys, int n, int64_t x) {
+  int lo = 0;
+  int hi = n;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) >> 1;
+    if (keys[mid] <= x) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
+// Tile t of the launch (t < total_pages * tiles_per_page): resolve its page, let its page's first
+// tile write the page record (stash) or recycle the page (reload), and return its byte ranges.
+// `record_writer` is the one thread of the CTA that may write metadata.
+template <bool kReload, int N>
+__device__ __forceinline__ Tile resolve_tile(const PagingArgs& a, const Segments<N>& seg,
+                                             const Plan<N>& plan, const Decision& d, int64_t t,
+                                             bool record_writer) {
+  const int64_t ps = a.pool.page_size;
+  const int64_t rb = a.pool.row_bytes;
+  const int64_t cap = max(a.pool.capacity[d.tier], int64_t{1});
+  int64_t* const ring = a.pool.ring[d.tier];
+  const int64_t g = t / a.tiles_per_page;  // page index in record order
+  const int64_t k = t - g * a.tiles_per_page;
+  const int s = last_at_or_below(plan.page_prefix, a.num_segments, g);
+  const int64_t j = g - plan.page_prefix[s];
+  const int64_t slot = seg.slot_offset[s] + j;
+  int64_t page_id = 0;
+  if constexpr (!kReload) {
+    page_id = ring[(d.ring_start + g) % cap];
+    if (k == 0 && record_writer) a.page_record[slot] = page_id;
+  } else if (d.active) {
+    page_id = a.page_record[slot];
+    if (k == 0 && record_writer && !d.invalid) ring[(d.ring_start + g) % cap] = page_id;
+  }
+  Tile tile{nullptr, nullptr, 0};
+  // A corrupt ring or record must not turn into a wild write.
+  if (d.active && (page_id < 0 || page_id >= a.pool.num_pages[d.tier])) return tile;
+  const int64_t rows_here = min(ps, plan.copy_rows[s] - j * ps);
+  const int64_t lo = k * a.tile_bytes;
+  const int64_t hi = min(lo + a.tile_bytes, rows_here * rb);
+  if (lo >= hi) return tile;
+  tile.user = a.user + (seg.start[s] + j * ps) * rb + lo;
+  tile.paged = a.pool.pages[d.tier] + page_id * ps * rb + lo;
+  tile.bytes = hi - lo;
+  return tile;
+}
+
+// Stash: page_record slots that received no page hold 0 (the tiles wrote the others).
+template <int N>
+__device__ void zero_unfilled_slots(const PagingArgs& a, const Segments<N>& seg,
+                                    const Plan<N>& plan, const Decision& d) {
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
+  for (int64_t q = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; q < a.record_slots;
+       q += stride) {
+    bool filled = false;
+    if (d.active && q < a.max_slots) {
+      const int s = last_at_or_below(seg.slot_offset, a.num_segments, q);
+      filled = q - seg.slot_offset[s] <
+               (plan.copy_rows[s] + a.pool.page_size - 1) / a.pool.page_size;
+    }
+    if (!filled) a.page_record[q] = 0;
+  }
+}
+
+// Commit: the last CTA to arrive publishes the new ring counter and flags. Every thread of the
+// CTA must call it after its own writes are issued.
+template <bool kReload>
+__device__ void commit(const PagingArgs& a, const Decision& d) {
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  __threadfence();
+  const unsigned int arrived = atomicAdd(a.pool.done_counter, 1u);
+  if (arrived != gridDim.x - 1) return;
+  if constexpr (!kReload) {
+    if (d.active) a.pool.head[d.tier] = d.ring_start + d.ring_pages;
+    a.spilled_to_host[0] = (d.use_host || d.new_overflow) ? 1 : 0;
+    // Atomic: the flags are shared by every pool of a paging context.
+    auto* flags = reinterpret_cast<unsigned long long*>(a.pool.flags);
+    if (d.new_overflow) atomicOr(flags + 0, 1ull);
+    if (d.use_host) atomicOr(flags + 1, 1ull);
+    if (d.invalid) atomicOr(flags + 2, 1ull);
+  } else {
+    if (d.active) a.pool.tail[d.tier] = d.ring_start + d.ring_pages;
+  }
+  *a.pool.done_counter = 0u;
+}
+
+// ---- CTA-cooperative byte movement (the tile path; the bulk path uses it for the host tier) --
+
+// Indices are 32-bit: a tile is small (the 64-bit part is the tile's base). kThreads must be the
+// CTA size.
+template <int kThreads, int kUnroll, typename Word>
+__device__ __forceinline__ void copy_words(Word* __restrict__ dst, const Word* __restrict__ src,
+                                           int n) {
+  constexpr int threads = kThreads;
+  for (int base = threadIdx.x; base < n; base += kUnroll * threads) {
+    Word v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (base + u * threads < n) v[u] = src[base + u * threads];
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (base + u * threads < n) dst[base + u * threads] = v[u];
+    }
+  }
+}
+
+// CTA-cooperative copy of n bytes. The word width is the widest power of two (<= 16) that
+// divides the distance between the two pointers; leading bytes up to the destination's word
+// alignment and the trailing remainder go byte by byte, so any row byte count and any base
+// offset work, and nothing outside [dst, dst + n) is written.
+template <int kThreads, int kUnroll>
+__device__ __forceinline__ void copy_range(uint8_t* dst, const uint8_t* src, int n) {
+  const uintptr_t da = reinterpret_cast<uintptr_t>(dst);
+  const unsigned rel = static_cast<unsigned>((reinterpret_cast<uintptr_t>(src) - da) & 15u);
+  const int w = rel == 0 ? 16 : (rel & 7u) == 0 ? 8 : (rel & 3u) == 0 ? 4 : (rel & 1u) == 0 ? 2 : 1;
+  const int lead = min(n, static_cast<int>((w - (da & (w - 1))) & (w - 1)));
+  if (static_cast<int>(threadIdx.x) < lead) dst[threadIdx.x] = src[threadIdx.x];
+  const int words = (n - lead) / w;
+  uint8_t* dst_body = dst + lead;
+  const uint8_t* src_body = src + lead;
+  switch (w) {
+    case 16:
+      copy_words<kThreads, kUnroll>(reinterpret_cast<uint4*>(dst_body),
+                          reinterpret_cast<const uint4*>(src_body), words);
+      break;
+    case 8:
+      copy_words<kThreads, kUnroll>(reinterpret_cast<uint2*>(dst_body),
+                          reinterpret_cast<const uint2*>(src_body), words);
+      break;
+    case 4:
+      copy_words<kThreads, kUnroll>(reinterpret_cast<uint32_t*>(dst_body),
+                          reinterpret_cast<const uint32_t*>(src_body), words);
+      break;
+    case 2:
+      copy_words<kThreads, kUnroll>(reinterpret_cast<uint16_t*>(dst_body),
+                          reinterpret_cast<const uint16_t*>(src_body), words);
+      break;
+    default:
+      copy_words<kThreads, kUnroll>(dst_body, src_body, words);
+      break;
+  }
+  const int done = lead + words * w;
+  if (static_cast<int>(threadIdx.x) < n - done) dst[done + threadIdx.x] = src[done + threadIdx.x];
+}
+
+// CTA-cooperative zeroing of n bytes (16-byte stores between byte-wise edges).
+__device__ __forceinline__ void zero_range(uint8_t* dst, int n) {
+  const uintptr_t da = reinterpret_cast<uintptr_t>(dst);
+  const int lead = min(n, static_cast<int>((16u - (da & 15u)) & 15u));
+  if (static_cast<int>(threadIdx.x) < lead) dst[threadIdx.x] = 0;
+  const int words = (n - lead) / 16;
+  uint4* body = reinterpret_cast<uint4*>(dst + lead);
+  for (int i = threadIdx.x; i < words; i += blockDim.x) body[i] = make_uint4(0u, 0u, 0u, 0u);
+  const int done = lead + words * 16;
+  if (static_cast<int>(threadIdx.x) < n - done) dst[done + threadIdx.x] = 0;
+}
+
+// ---- host side: the parameter blocks and the grid ---------------------------------------------
+
+inline PagingArgs make_args(const CopyLaunch& launch, int64_t tile_bytes) {
+  PagingArgs args{};
+  args.user = launch.user;
+  args.live_rows = launch.live_rows;
+  args.page_record = launch.page_record;
+  args.record_slots = launch.record_slots;
+  args.max_slots = launch.layout.max_slots;
+  args.spilled_to_host = launch.spilled_to_host;
+  args.pool = launch.pool;
+  const int64_t page_bytes = launch.pool.page_size * launch.pool.row_bytes;
+  args.tile_bytes = std::min(tile_bytes, page_bytes);
+  args.tiles_per_page = (page_bytes + args.tile_bytes - 1) / args.tile_bytes;
+  args.num_segments = launch.layout.num_segments;
+  return args;
+}
+
+template <int N>
+Segments<N> make_segments(const LayoutView& layout) {
+  Segments<N> seg{};
+  for (int s = 0; s < layout.num_segments; ++s) {
+    seg.start[s] = layout.start[s];
+    seg.rows[s] = layout.rows[s];
+    seg.slot_offset[s] = layout.slot_offset[s];
+  }
+  return seg;
+}
+
+// CTAs that fit on the device at once for kKernel (cached per kernel and device: the occupancy
+// query costs microseconds and every launch needs it). Keyed on the kernel itself, not its type:
+// every kernel of both paths has the same type. A persistent grid: more CTAs would only queue
+// behind the resident ones.
+template <auto kKernel>
+cudaError_t resident_ctas(int threads, size_t smem, int64_t* out) {
+  constexpr int kDevices = 64;
+  static int64_t cached[kDevices] = {};
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (device >= 0 && device < kDevices && cached[device] > 0) {
+    *out = cached[device];
+    return cudaSuccess;
+  }
+  int sms = 0;
+  int per_sm = 0;
+  err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess) {
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, threads, smem);
+  }
+  if (err != cudaSuccess) return err;
+  *out = std::max<int64_t>(int64_t{sms} * per_sm, 1);
+  if (device >= 0 && device < kDevices) cached[device] = *out;
+  return cudaSuccess;
+}
+
+// The grid never exceeds max_ctas, the tiles a full record could need (or, for a stash, the
+// blocks that zero its page record), or what fits on the device at once.
+inline int64_t grid_size(const CopyLaunch& launch, const PagingArgs& args, int threads,
+                         int64_t resident) {
+  const int64_t zero_blocks = launch.reload ? 0 : (args.record_slots + threads - 1) / threads;
+  const int64_t work = std::max(args.max_slots * args.tiles_per_page, zero_blocks);
+  return std::max<int64_t>(1, std::min({int64_t{launch.max_ctas}, work, resident}));
+}
+
+}  // namespace device
+}  // namespace megatron_paging

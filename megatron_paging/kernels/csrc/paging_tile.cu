@@ -1,0 +1,91 @@
+// The page-tile path: every CTA copies its tiles with 16-byte vector loads and stores (any row
+// byte count, any alignment, either tier). DESIGN.md section 4; semantics: kernels/reference.py.
+// Also holds launch_copy, the one entry point that picks a path.
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "paging.h"
+#include "paging_device.cuh"
+
+namespace megatron_paging {
+namespace {
+
+using device::Decision;
+using device::PagingArgs;
+using device::Plan;
+using device::Segments;
+
+constexpr int kThreads = 256;
+constexpr int kUnroll = 4;  // independent 16-byte loads in flight per thread before the stores
+constexpr int64_t kTileBytes = int64_t{kThreads} * 16 * kUnroll;  // 16 KiB
+// 4 x 256 threads per SM keep 64 KiB of loads in flight per SM.
+constexpr int kMinCtasPerSm = 4;
+static_assert(kThreads >= device::kPlanThreads, "the plan needs kPlanThreads threads");
+
+template <bool kReload, int N>
+__global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
+    tile_kernel(const __grid_constant__ PagingArgs a, const __grid_constant__ Segments<N> seg) {
+  const device::RingState state = device::read_state<kReload>(a);
+
+  __shared__ Plan<N> plan;
+  device::make_plan(a, seg, plan);
+  const Decision d = device::decide<kReload>(a, plan, state);
+
+  if (d.active || d.zero_fill) {
+    const int64_t tiles = plan.total_pages * a.tiles_per_page;
+    for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+      const device::Tile tile =
+          device::resolve_tile<kReload>(a, seg, plan, d, t, threadIdx.x == 0);
+      if (tile.bytes == 0) continue;
+      const int n = static_cast<int>(tile.bytes);
+      if constexpr (kReload) {
+        if (d.active) {
+          device::copy_range<kThreads, kUnroll>(tile.user, tile.paged, n);
+        } else {
+          device::zero_range(tile.user, n);
+        }
+      } else {
+        device::copy_range<kThreads, kUnroll>(tile.paged, tile.user, n);
+      }
+    }
+  }
+  if constexpr (!kReload) device::zero_unfilled_slots(a, seg, plan, d);
+  device::commit<kReload>(a, d);
+}
+
+template <int N>
+cudaError_t launch_tile_with(const CopyLaunch& launch, cudaStream_t stream) {
+  const PagingArgs args = device::make_args(launch, kTileBytes);
+  const Segments<N> seg = device::make_segments<N>(launch.layout);
+  auto kernel = launch.reload ? tile_kernel<true, N> : tile_kernel<false, N>;
+  int64_t resident = 0;
+  cudaError_t err = launch.reload
+                        ? device::resident_ctas<tile_kernel<true, N>>(kThreads, 0, &resident)
+                        : device::resident_ctas<tile_kernel<false, N>>(kThreads, 0, &resident);
+  if (err != cudaSuccess) return err;
+  const int64_t grid = device::grid_size(launch, args, kThreads, resident);
+  kernel<<<static_cast<unsigned int>(grid), kThreads, 0, stream>>>(args, seg);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_tile(const CopyLaunch& launch, cudaStream_t stream) {
+  if (launch.layout.num_segments <= kFewSegments) {
+    return launch_tile_with<kFewSegments>(launch, stream);
+  }
+  return launch_tile_with<kMaxSegments>(launch, stream);
+}
+
+cudaError_t launch_copy(const CopyLaunch& launch, cudaStream_t stream) {
+  const int segments = launch.layout.num_segments;
+  if (segments < 1 || segments > kMaxSegments || launch.max_ctas < 1) {
+    return cudaErrorInvalidValue;
+  }
+  if (launch.path == CopyPath::kTile) return launch_tile(launch, stream);
+  return launch_bulk(launch, stream);
+}
+
+}  // namespace megatron_paging

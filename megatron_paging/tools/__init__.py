@@ -1,0 +1,6 @@
+"""Simulators and diagnostics outside the paging runtime (the runtime never imports them).
+
+* :mod:`.pipeline_sim` — one pipeline rank's schedule run in one process over a synthetic MoE
+  layer stack, for tests and the scheduler benchmark.
+* :mod:`.memory_trace` — what is allocated at a step's memory peak, from an allocator trace.
+"""

@@ -1,0 +1,185 @@
+"""GPU: the example trains a small GPT-MoE under torchrun, paged and unpaged, with bitwise equal
+losses (deterministic mode, same seeds, same static capacity); eagerly and under Megatron's
+full-iteration CUDA graphs; and every overflow policy handles a forced overflow."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = (
+    "--num-layers 2 --hidden-size 256 --num-attention-heads 4 --ffn-hidden-size 512 "
+    "--num-experts 4 --moe-ffn-hidden-size 256 --seq-length 256 --max-position-embeddings 256 "
+    "--global-batch-size 4 --vocab-size 1024 --train-iters 3 --deterministic-mode"
+).split()
+MICROBATCHES = 4
+# Full-iteration graphs: 3 eager warm-up steps (step 1 calibrates), capture at step 4, replays.
+GRAPH_STEPS = 20
+GRAPHS = (
+    "--cuda-graph-impl", "full_iteration", "--cuda-graph-warmup-steps", "3",
+    "--no-check-for-nan-in-loss-and-grad", "--train-iters", str(GRAPH_STEPS),
+)  # fmt: skip
+EAGER_LONG = ("--no-check-for-nan-in-loss-and-grad", "--train-iters", str(GRAPH_STEPS))
+CAPTURE_LINE = "Capture CUDA graph for training"
+REPORT = re.compile(r"paging-example rank 0: (.*)")
+KERNELS = re.compile(r"paging-example kernels iteration=(\d+) count=(\d+)")
+
+
+def _train(
+    tmp_path: Path, paged: bool, nproc: int = 1, extra: tuple[str, ...] = (), env_extra=None
+) -> tuple[list[str], str]:
+    pytest.importorskip("megatron.training")
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    loss_log = tmp_path / ("paged" if paged else "unpaged")
+    env = {
+        **os.environ,
+        "PAGED": "1" if paged else "0",
+        "NPROC": str(nproc),
+        "PYTHON": sys.executable,
+        "MEGATRON_PAGING_LOSS_LOG": str(loss_log),
+        "NCCL_NVLS_ENABLE": "0",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+        **(env_extra or {}),
+    }
+    result = subprocess.run(
+        ["bash", str(ROOT / "examples" / "run_pretrain_1gpu.sh"), *SMALL, *extra],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log[-4000:]
+    # Every rank that computes a loss (the last pipeline stage; every rank with EP) logs it:
+    # one line per microbatch of the step's final result (a rerun replaces its attempt).
+    losses = []
+    for rank_file in sorted(tmp_path.glob(f"{loss_log.name}.rank*")):
+        losses += rank_file.read_text().split()[::2]
+    return losses, log
+
+
+def _report(log: str) -> dict[str, str]:
+    fields = {}
+    for match in REPORT.finditer(log):
+        fields = dict(kv.split("=", 1) for kv in match.group(1).split())
+    return fields
+
+
+@pytest.fixture(scope="module")
+def eager_unpaged_long(tmp_path_factory):
+    """The eager unpaged control of the long runs (graphs, forced overflow), trained once."""
+    losses, _ = _train(tmp_path_factory.mktemp("eager_unpaged"), paged=False, extra=EAGER_LONG)
+    assert len(losses) == GRAPH_STEPS * MICROBATCHES
+    return losses
+
+
+def test_example_trains_paged_bitwise_equal_to_unpaged(tmp_path):
+    unpaged, _ = _train(tmp_path, paged=False)
+    paged, log = _train(tmp_path, paged=True)
+    assert "megatron-paging installed" in log
+    assert _report(log)["paging_mode"] == "paged"  # calibrated, then paged through pools
+    assert len(unpaged) == 3 * MICROBATCHES
+    assert all(float.fromhex(v) == float.fromhex(v) for v in unpaged)  # no NaN
+    assert paged == unpaged
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2,
+    reason=f"needs 2 CUDA devices, found {torch.cuda.device_count()}",
+)
+@pytest.mark.parametrize(
+    "extra",
+    [
+        pytest.param(("--expert-model-parallel-size", "2"), id="ep2"),
+        # Several microbatches in flight per rank: where paging saves memory.
+        pytest.param(("--pipeline-model-parallel-size", "2"), id="pp2"),
+    ],
+)
+def test_example_two_gpus_paged_bitwise_equal_to_unpaged(tmp_path, extra):
+    unpaged, _ = _train(tmp_path, paged=False, nproc=2, extra=extra)
+    paged, log = _train(tmp_path, paged=True, nproc=2, extra=extra)
+    assert _report(log)["paging_mode"] == "paged"
+    assert unpaged and paged == unpaged
+
+
+# -- full-iteration CUDA graphs (docs/mcore.md, "CUDA graphs") ----------------------------------
+
+
+def test_example_graphed_paged_equals_graphed_unpaged_and_eager(tmp_path, eager_unpaged_long):
+    counts = {"MEGATRON_PAGING_KERNEL_COUNT_ITERS": "8,9,15"}
+    graphed_unpaged, log_u = _train(tmp_path / "gu", paged=False, extra=GRAPHS, env_extra=counts)
+    graphed_paged, log_p = _train(tmp_path / "gp", paged=True, extra=GRAPHS, env_extra=counts)
+    for log in (log_u, log_p):
+        assert log.count(CAPTURE_LINE) == 1  # captured once ...
+    report = _report(log_p)
+    # ... and replayed at every later step: the capture call and the 16 steps after it.
+    assert report["graph_replays"] == str(GRAPH_STEPS - 3)
+    assert report["paging_mode"] == "paged"
+    assert report["overflow_actions"] == f"ok:{GRAPH_STEPS}"  # no step overflowed
+    # Every replay launches the same kernels (the paging kernels included).
+    paged_counts = {int(i): int(n) for i, n in KERNELS.findall(log_p)}
+    unpaged_counts = {int(i): int(n) for i, n in KERNELS.findall(log_u)}
+    assert len(set(paged_counts.values())) == 1 and len(paged_counts) == 3, paged_counts
+    assert len(set(unpaged_counts.values())) == 1 and len(unpaged_counts) == 3, unpaged_counts
+    assert graphed_paged == graphed_unpaged == eager_unpaged_long
+
+
+SMALL_POOL = ("--moe-paged-stash-buffer-size-factor-cuda", "0.3")
+
+
+def test_example_graphed_forced_overflow_rerun_is_bitwise_equal(tmp_path, eager_unpaged_long):
+    paged, log = _train(
+        tmp_path, paged=True, extra=(*GRAPHS, *SMALL_POOL, "--paging-overflow-policy", "rerun")
+    )
+    assert "page pool overflow" in log and "policy 'rerun'" in log
+    assert log.count(CAPTURE_LINE) == 1  # the rerun runs eagerly and keeps the graph
+    report = _report(log)
+    # Every paged step overflowed (step 1 calibrates and cannot).
+    assert report["overflow_actions"] == f"ok:1,rerun:{GRAPH_STEPS - 1}"
+    assert paged == eager_unpaged_long
+
+
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphs"])
+@pytest.mark.parametrize("policy", ["skip", "grow"])
+def test_example_forced_overflow_skip_and_grow(tmp_path, policy, graphed):
+    iters = GRAPHS if graphed else ("--train-iters", "8", "--no-check-for-nan-in-loss-and-grad")
+    paged, log = _train(
+        tmp_path, paged=True, extra=(*iters, *SMALL_POOL, "--paging-overflow-policy", policy)
+    )
+    actions = dict(kv.split(":") for kv in _report(log)["overflow_actions"].split(","))
+    assert f"policy '{policy}'" in log and int(actions[policy]) >= 1
+    assert all(float.fromhex(v) == float.fromhex(v) for v in paged)  # nothing became NaN
+    if policy == "skip":
+        assert int(actions["skip"]) == len(paged) // MICROBATCHES - 1  # all but calibration
+        if graphed:
+            assert log.count(CAPTURE_LINE) == 1
+    else:
+        assert "grew pool" in log
+        # 0.3 x 1.5^k reaches the peak after a few steps; later steps no longer overflow.
+        assert int(actions["grow"]) < 5 and int(actions["ok"]) >= 1
+        if graphed:  # every growth dropped the graph; it was captured again after warm-up
+            assert log.count(CAPTURE_LINE) == int(actions["grow"]) + 1
+
+
+def test_example_forced_overflow_rerun_is_bitwise_equal_to_unpaged(tmp_path):
+    unpaged, _ = _train(tmp_path, paged=False)
+    paged, log = _train(
+        tmp_path, paged=True, extra=(*SMALL_POOL, "--paging-overflow-policy", "rerun")
+    )
+    assert "page pool overflow" in log and "policy 'rerun'" in log
+    # Each step logs its final result (the rerun's), so the whole run equals the control.
+    assert paged == unpaged

@@ -1,0 +1,328 @@
+"""PagingContext, the one saved-tensor hook: marks, pack_marked, commits, the disabled context,
+deferred weight gradients; and the scheduler's reload edge cases it relies on."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from megatron_paging.config import PagingConfig
+from megatron_paging.engine import PagingEngine
+from megatron_paging.paging import PagingContext
+from megatron_paging.pool import PagePools
+from megatron_paging.scheduler import PagingScheduler
+from megatron_paging.streams import CpuStreamBackend
+
+ROWS, WIDTH, PAGE = 16, 8, 4
+ROW_BYTES, PAGES = WIDTH * 4, 16 * ROWS // PAGE
+CONFIG = PagingConfig(page_size=PAGE, kernel_backend="reference")
+
+
+def make_pools() -> PagePools:
+    pools = PagePools(PAGE)
+    pools.add(ROW_BYTES, cuda_rows=PAGES * PAGE)
+    return pools
+
+
+def paged(backend=None):
+    """A context over an engine that pages through roomy pools from its first step."""
+    backend = backend or CpuStreamBackend()
+    pools = make_pools()
+    return PagingContext(PagingEngine(CONFIG, stream_backend=backend, pools=pools)), backend, pools
+
+
+def stashed(backend):
+    return [e.info["record"] for e in backend.entries("launch", "stash")]
+
+
+class _Square(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return 2 * x * grad
+
+
+def test_marks_are_matched_by_identity_before_or_after_the_saving_op():
+    w = torch.randn(WIDTH, WIDTH, requires_grad=True)
+    x = torch.randn(ROWS, WIDTH)
+
+    def step(context):
+        context.begin_step()
+        with context.forward(0, 0):
+            a = context.group_start(x, 0) @ w
+            b, twin = a * 3, a.clone()  # twin: equal to a, another object
+            context.mark(a, torch.tensor(ROWS))  # marked before autograd saves it ...
+            y = _Square.apply(a) + _Square.apply(b) + _Square.apply(twin)
+            context.mark(b, torch.tensor(ROWS))  # ... or after, until the commit
+            y = context.group_commit(y)
+        y.sum().backward()
+        grad, w.grad = w.grad, None
+        assert context.finish() == 0
+        return grad
+
+    control = step(PagingContext(None))
+    context, backend, pools = paged()
+    assert torch.equal(step(context), control)
+    assert stashed(backend) == [0, 1]  # a and b; twin passed through untouched
+    assert len(backend.entries("launch", "reload")) == 2
+    assert pools[ROW_BYTES].free_pages()[0] == PAGES
+
+
+def test_pack_marked_capacity_rows_annotations_private_live_rows_and_dedupe():
+    context, backend, pools = paged()
+    t = torch.randn(2 * ROWS, WIDTH // 2, requires_grad=True)  # ROWS capacity rows of 32 bytes
+    u = torch.randn(ROWS, WIDTH, requires_grad=True)
+    private, shared = torch.tensor([6]), torch.tensor([5])
+    kept = []
+
+    def pack(tensor):
+        if tensor is t:  # saved twice by t * t: one record, one stash
+            kept.append(context.pack_marked(tensor, private, ROWS, {"avg_rows": 3}, True))
+        elif tensor is u:
+            kept.append(context.pack_marked(tensor, shared, annotations={"name": "fc1"}))
+        else:
+            return tensor
+        return kept[-1]
+
+    context.begin_step()
+    context.open_slot(2, 1, 4, "cpu")
+    with context.hooks(pack):
+        y = (t * t).sum() + _Square.apply(u).sum()
+    y = context.group_commit(y)
+    shared.fill_(0)  # the dispatcher's count for the next microbatch: u's record kept a copy
+    assert len(kept) == 3 and stashed(backend) == [0, 1]
+    (t_a, t_b, u_a) = kept
+    assert t_a.handle is t_b.handle and u_a.handle is not t_a.handle
+    t_record, u_record = t_a.handle.record, u_a.handle.record
+    assert (t_record.capacity_rows, t_record.row_bytes) == (ROWS, ROW_BYTES)
+    assert t_record.annotations == dict(chunk=2, layer=1, microbatch=4, wgrad_only=False,
+                                        avg_rows=3)
+    assert u_record.annotations["name"] == "fc1" and "avg_rows" not in u_record.annotations
+    assert t_record.live_rows.data_ptr() == private.data_ptr()  # private: no snapshot
+    assert u_record.live_rows.tolist() == [5]  # snapshot taken at save
+    y.backward()
+    assert torch.equal(context.unpack(t_a), context.unpack(t_b))  # one reloaded tensor
+    assert torch.equal(t.grad[:12], 2 * t[:12].detach())  # 6 live rows = 12 half rows
+    assert torch.equal(u.grad[:5], 2 * u[:5].detach())  # the snapshot's 5, not the 0 written
+    assert context.finish() == 0 and pools[ROW_BYTES].free_pages()[0] == PAGES
+
+
+@pytest.mark.parametrize("saved_as", ["copy", "view", "row_slice", "nothing", "itself"])
+def test_a_mark_autograd_does_not_save_is_an_error_at_commit(saved_as):
+    context, _, _ = paged()
+    context.begin_step()
+    w = torch.randn(WIDTH, WIDTH, requires_grad=True)
+    with context.forward(1, 2):
+        x = context.group_start(torch.randn(ROWS, WIDTH), layer=0)
+        buffer = x @ w
+        context.mark(buffer, torch.tensor(ROWS // 2))
+        saved = {
+            "copy": buffer.clone(),
+            "view": buffer.view(-1, 4),
+            "row_slice": buffer[1:],
+            "nothing": buffer.detach(),
+            "itself": buffer,
+        }[saved_as]
+        y = _Square.apply(saved) if saved_as != "nothing" else saved * 2
+        if saved_as == "itself":
+            y = context.group_commit(y)
+            assert context.finish() == 1  # paged, never reloaded
+            return
+        with pytest.raises(RuntimeError) as error:
+            context.group_commit(y)
+    message = str(error.value)
+    assert "chunk 1 layer 0 microbatch 2" in message
+    assert f"shape {(ROWS, WIDTH)}" in message and "torch.float32" in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("how", ["no engine", "paging=False"])
+def test_a_disabled_context_pages_nothing_but_keeps_deferred_wgrads(how):
+    backend = CpuStreamBackend()
+    context = PagingContext(None) if how == "no engine" else paged(backend)[0]
+    context.begin_step(paging=False)
+    assert not context.enabled and isinstance(context.hooks(), contextlib.nullcontext)
+    x = torch.randn(ROWS, WIDTH, requires_grad=True)
+    with context.forward(0, 0):
+        start = context.group_start(x, 0)
+        buffer = start * 2
+        assert start is x and context.mark(buffer, torch.tensor(3)) is buffer
+        y = _Square.apply(buffer)
+        assert context.group_commit(y) is y
+    context.open_slot(0, 1, 0, "cpu")
+    y.sum().backward()
+    assert torch.equal(x.grad, 8 * x.detach())
+    assert context.scheduler is None and backend.log == []
+    ran = []
+    with context.backward(0, 0, defer_wgrad=True):
+        context.defer_wgrad(lambda: ran.append("w"))
+    assert ran == []
+    context.run_wgrad(0, 0)
+    assert ran == ["w"] and context.finish() == 0
+
+
+def test_group_commit_outside_autograd_commits_the_slot():
+    context, backend, pools = paged()
+    context.begin_step()
+    buffer = torch.randn(ROWS, WIDTH)
+    context.open_slot(0, 0, 0, "cpu")
+    saved = context.pack_marked(buffer, torch.tensor(ROWS))  # as a custom function's hook does
+    with torch.no_grad():
+        out = buffer.sum()
+        assert context.group_commit(out) is out  # no autograd node: committed directly
+    assert stashed(backend) == [0]
+    context.open_slot(0, 1, 0, "cpu")  # the previous slot is closed
+    assert context.group_commit(buffer) is buffer  # needs no grad: committed directly
+    assert torch.equal(context.unpack(saved), buffer)  # nobody prefetched: a demand reload
+    assert [e.info["reason"] for e in backend.entries("launch", "reload")] == ["demand"]
+    assert context.finish() == 0 and pools[ROW_BYTES].free_pages()[0] == PAGES
+
+
+class _Deferring(torch.autograd.Function):
+    """Identity whose weight gradient (a log entry) is deferred when the backward defers."""
+
+    @staticmethod
+    def forward(ctx, x, context, log, tag):
+        ctx.context, ctx.log, ctx.tag = context, log, tag
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        wgrad = lambda log=ctx.log, tag=ctx.tag: log.append(tag)
+        if ctx.context.wgrad_deferred:
+            ctx.context.defer_wgrad(wgrad)
+        else:
+            wgrad()
+        return grad, None, None, None
+
+
+def test_deferred_wgrads_run_at_their_w_op_slot_by_slot():
+    context, backend, _ = paged()
+    context.begin_step()
+    with pytest.raises(RuntimeError, match="defer_wgrad"):
+        context.defer_wgrad(lambda: None)
+    log, outputs = [], {}
+    for mb in (0, 1):
+        x = torch.randn(4, 4, requires_grad=True)
+        with context.forward(0, mb):
+            for layer in range(3):
+                x = context.group_start(x, layer)
+                x = context.group_commit(_Deferring.apply(x * 1, context, log, (mb, layer)))
+        outputs[mb] = x
+    with context.backward(0, 0, defer_wgrad=True):
+        assert context.wgrad_deferred
+        outputs[0].sum().backward()
+    assert log == [] and not context.wgrad_deferred
+    with context.backward(0, 1):  # not deferred: wgrads run inside the backward
+        outputs[1].sum().backward()
+    assert log == [(1, 2), (1, 1), (1, 0)]
+    context.run_wgrad(1, 1)  # nothing deferred there
+    context.run_wgrad(0, 0)
+    assert log[3:] == [(0, 2), (0, 1), (0, 0)]
+    starts = [e.info["layer"] for e in backend.entries("note", "wgrad-slot-start")]
+    assert starts == [2, 1, 0]  # one wgrad slot start per layer, top down
+    assert context.finish() == 0
+
+
+@pytest.mark.parametrize("engine", [False, True])
+def test_finish_raises_for_deferred_wgrads_that_never_ran(engine):
+    context = paged()[0] if engine else PagingContext(None)
+    context.begin_step()
+    for key in ((2, 3), (1, 0)):
+        with context.backward(*key, defer_wgrad=True):
+            context.defer_wgrad(lambda: None)
+    with pytest.raises(RuntimeError, match=r"never ran for \[\(1, 0\), \(2, 3\)\]") as error:
+        context.finish()
+    assert "\n" not in str(error.value)
+    context.begin_step()  # the bookkeeping was reset: the next step starts clean
+    context.run_wgrad(1, 0)
+    assert context.finish() == 0
+
+
+def test_slot_errors():
+    context, _, _ = paged()
+    context.begin_step()
+    x = torch.randn(4, 4)
+    with pytest.raises(RuntimeError, match="outside `with context.forward"):
+        context.group_start(x, 0)
+    with pytest.raises(RuntimeError, match="without a group_start"):
+        context.commit_slot()
+    assert context.group_commit(x) is x  # no open slot: nothing to commit
+    with context.forward(0, 0), pytest.raises(RuntimeError, match="nested"):
+        with context.forward(0, 1):
+            pass
+    with pytest.raises(TypeError, match="live_rows must be a tensor"):
+        context.open_slot(0, 0, 0, "cpu")
+        context.mark(x, 3)
+    assert context.unpack(x) is x  # not something pack() made: returned as is
+
+
+# -- the scheduler under the hook: unpack before commit, reload lifetimes ---------------------
+
+
+def paged_scheduler(backend=None) -> PagingScheduler:
+    return PagingScheduler(backend or CpuStreamBackend(), make_pools(), config=CONFIG)
+
+
+def test_unpack_before_commit_returns_the_unstashed_source():
+    """A record unpacked while its slot is still open was never stashed: no reload, its source."""
+    scheduler = paged_scheduler()
+    source = torch.randn(ROWS, WIDTH)
+    scheduler.open_slot(0, 0, 0)
+    handle = scheduler.save(source, torch.tensor(5))
+    early = scheduler.unpack(handle)
+    assert torch.equal(early, source)
+    assert scheduler.pools[ROW_BYTES].free_pages() == (PAGES, 0)  # nothing stashed
+    scheduler.commit()
+    scheduler.backward_slot_start(0, 0, 0)
+    late = scheduler.unpack(handle)
+    assert torch.equal(late[:5], source[:5])
+    assert scheduler.finish() == 0
+
+
+def stashed_and_prefetched(backend) -> tuple[PagingScheduler, object, torch.Tensor]:
+    scheduler = paged_scheduler(backend)
+    source = torch.randn(ROWS, WIDTH)
+    scheduler.open_slot(0, 0, 0)
+    handle = scheduler.save(source, torch.tensor(9))
+    scheduler.commit()
+    scheduler.backward_slot_start(0, 0, 0)  # reloads the slot on the paging stream
+    return scheduler, handle, source
+
+
+def test_a_reload_destination_is_kept_alive_for_the_paging_stream():
+    """Autograd may drop a prefetched tensor unread: the paging stream's write must pin it."""
+    backend = CpuStreamBackend()
+    scheduler, handle, source = stashed_and_prefetched(backend)
+    kept = backend.entries(op="keep_alive")
+    assert [e.stream for e in kept] == ["paging"]
+    assert torch.equal(scheduler.unpack(handle)[:9], source[:9])
+    assert len(backend.entries(op="keep_alive")) == 1  # consumed where it was allocated
+    assert scheduler.finish() == 0
+
+
+class SwitchingBackend(CpuStreamBackend):
+    """CPU backend whose 'current stream' can be switched, as EP comm-overlap streams do."""
+
+    def __init__(self):
+        super().__init__()
+        self.current = "compute"
+
+    def compute_stream(self) -> str:
+        return self.current
+
+
+def test_a_reload_consumed_on_another_stream_is_kept_alive_for_it():
+    backend = SwitchingBackend()
+    scheduler, handle, _ = stashed_and_prefetched(backend)
+    backend.current = "side"
+    scheduler.unpack(handle)
+    assert [e.stream for e in backend.entries(op="keep_alive")] == ["paging", "side"]
+    assert scheduler.finish() == 0
