@@ -44,20 +44,17 @@ def _apply(marks):
 
 
 @_apply(needs_build)
-def test_extension_builds_for_sm90_and_registers_the_op_and_classes(extension):
-    assert extension.is_file() and extension.parent == build.build_directory("9.0")
-    schema = str(torch.ops.megatron_paging.copy.default._schema)
-    assert schema == (
-        "megatron_paging::copy(Tensor(a!) user, "
-        "__torch__.torch.classes.megatron_paging.Pool pool, "
-        "__torch__.torch.classes.megatron_paging.Layout layout, Tensor live_rows, "
-        "Tensor(b!) page_record, Tensor(c!) spilled_to_host, bool reload, int path, "
-        "int max_ctas) -> ()"
-    )
-    bulk = str(torch.ops.megatron_paging.bulk_supported.default._schema)
-    assert bulk == "megatron_paging::bulk_supported(int device) -> bool"
-    assert torch.classes.megatron_paging.Pool is not None
-    assert torch.classes.megatron_paging.Layout is not None
+def test_extension_builds_for_sm90_and_exposes_copy_and_the_handles(extension):
+    library = build.library_path(extension)
+    assert library.is_file() and library.parent == build.build_directory("9.0")
+    assert extension.__name__ == build.EXTENSION_NAME
+    for name in ("copy", "bulk_supported", "Pool", "Layout", "max_segments"):
+        assert hasattr(extension, name), name
+    assert extension.max_segments() == 1024
+    # The launch's keyword names are the documented ones (positional order used by cuda_ops).
+    doc = extension.copy.__doc__
+    assert "copy(reload: bool, user: torch.Tensor, pool:" in doc
+    assert "spilled_to_host: torch.Tensor, path:" in doc and ", max_ctas:" in doc
 
 
 @_apply(needs_build)
@@ -89,14 +86,14 @@ def test_layout_handles_of_valid_layouts_are_accepted(extension, segments):
 )
 def test_layout_class_refuses_bad_tables(extension, args, words):
     with pytest.raises(RuntimeError, match=words):
-        torch.classes.megatron_paging.Layout(*args)
+        extension.Layout(*args)
 
 
 @_apply(needs_build)
 def test_pool_class_needs_a_cuda_pool(extension):
     pool = PagePool(8, 4, 2)
     with pytest.raises(RuntimeError, match="cuda_pages must be a CUDA tensor"):
-        torch.classes.megatron_paging.Pool(
+        extension.Pool(
             pool.cuda_pages, pool.host_pages, pool.free_list_cuda, pool.free_list_host,
             pool.free_list_head, pool.free_list_tail, pool.free_list_capacity,
             pool.flags.values, pool.kernel_done_counter, 4, 8,
@@ -161,7 +158,7 @@ def no_extension(monkeypatch):
     def refuse():
         raise AssertionError("the extension was asked for")
 
-    monkeypatch.setattr(cuda_ops, "_library", refuse)
+    monkeypatch.setattr(cuda_ops, "library", refuse)
 
 
 def test_cuda_wrapper_rejects_a_cpu_pool(no_extension):

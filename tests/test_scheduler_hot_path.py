@@ -360,13 +360,13 @@ class FakeExtension:
         self.Pool = lambda *args: self.pools.append(args) or ("pool", len(self.pools))
         self.Layout = lambda *args: self.layouts.append(args) or ("layout", len(self.layouts))
 
-    def op(self, *args):
+    def copy(self, *args):
         self.calls.append(args)
 
 
 def test_cuda_wrapper_passes_cached_handles_without_new_tensors(monkeypatch):
     fake = FakeExtension()
-    monkeypatch.setattr(cuda_ops, "_library", lambda: (fake.op, fake))
+    monkeypatch.setattr(cuda_ops, "library", lambda: fake)
     pool = make_pools()[HIDDEN * 4]
     record = PageRecord.new(ROWS, HIDDEN * 4, PAGE, torch.tensor([5]))
     other = record.layout.new_record(torch.tensor([2]))  # same layout, another record
@@ -391,7 +391,7 @@ def test_cuda_wrapper_passes_cached_handles_without_new_tensors(monkeypatch):
     for call, (reload, rec, max_ctas) in zip(
         fake.calls, [(False, record, 7), (True, record, 7), (False, other, 3)], strict=True
     ):
-        assert call[0] is rows and call[1] is handle and call[2] is rec.layout.kernel_handle
-        assert call[3] is rec.live_rows and call[4] is rec.page_record
-        assert call[5] is rec.spilled_to_host
-        assert call[6:] == (reload, cuda_ops.TILE, max_ctas)
+        assert call[0] is reload and call[1] is rows and call[2] is handle
+        assert call[3] is rec.layout.kernel_handle and call[4] is rec.live_rows
+        assert call[5] is rec.page_record and call[6] is rec.spilled_to_host
+        assert call[7:] == (cuda_ops.TILE, max_ctas)

@@ -1,8 +1,8 @@
 """JIT build of the CUDA paging kernels (``csrc/``) with ``torch.utils.cpp_extension``.
 
-The extension registers the torch operator ``megatron_paging::copy`` and the handle classes
-``torch.classes.megatron_paging.Pool`` / ``Layout`` when it is loaded. It is built with ninja
-into :func:`megatron_paging.env.extension_cache_dir`, one folder per target architecture, and
+The extension is a Python module (``megatron_paging_kernels``: ``copy``, the handle classes
+``Pool`` / ``Layout``, ``bulk_supported``). It is built with ninja into
+:func:`megatron_paging.env.extension_cache_dir`, one folder per target architecture, and
 rebuilt only when a source, a header or a flag changes.
 
 ``python -m megatron_paging.kernels.build --arch 9.0 --verbose`` compiles for sm_90 without a GPU
@@ -108,11 +108,10 @@ def _headers_digest() -> str:
     return digest.hexdigest()[:16]
 
 
-def load(arch: str | None = None, verbose: bool = False) -> Path:
-    """Build (if needed) and load the extension; return the path of the shared library.
+def load(arch: str | None = None, verbose: bool = False):
+    """Build (if needed) and import the extension module; it needs no GPU to load.
 
-    Loading registers ``torch.ops.megatron_paging.copy`` and the handle classes; it needs no
-    GPU.
+    ``library_path(module)`` is where its shared library is.
     """
     arch = resolve_arch(arch)
     _check_toolchain()
@@ -122,7 +121,7 @@ def load(arch: str | None = None, verbose: bool = False) -> Path:
     build_dir.mkdir(parents=True, exist_ok=True)
     cc = arch.replace(".", "")
     try:
-        cpp_extension.load(
+        module = cpp_extension.load(
             name=EXTENSION_NAME,
             sources=[str(s) for s in SOURCES],
             # Our own -gencode keeps torch from adding its arch list and makes the arch part
@@ -139,17 +138,22 @@ def load(arch: str | None = None, verbose: bool = False) -> Path:
             ],
             extra_cflags=["-O2", "-std=c++17", f"-DMEGATRON_PAGING_HEADERS={_headers_digest()}"],
             build_directory=str(build_dir),
-            is_python_module=False,
+            is_python_module=True,
             verbose=verbose,
         )
     except Exception as exc:  # noqa: BLE001 - re-raised with the build folder named
         raise BuildError(
             f"building {EXTENSION_NAME} for sm_{cc} in {build_dir} failed: {exc}"
         ) from exc
-    libraries = sorted(build_dir.glob(f"{EXTENSION_NAME}*.so"), key=lambda p: p.stat().st_mtime)
-    if not libraries:
+    if not library_path(module).is_file():
         raise BuildError(f"the build finished but left no {EXTENSION_NAME}*.so in {build_dir}")
-    return libraries[-1]
+    sys.modules[EXTENSION_NAME] = module  # torch imports it without registering it
+    return module
+
+
+def library_path(module) -> Path:
+    """The shared library a loaded extension module came from."""
+    return Path(module.__file__)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,11 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verbose", action="store_true", help="show the compiler commands")
     args = parser.parse_args(argv)
     try:
-        library = load(args.arch, args.verbose)
+        module = load(args.arch, args.verbose)
     except BuildError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    print(library)
+    print(library_path(module))
     return 0
 
 

@@ -1,10 +1,11 @@
-"""Thin wrapper over the CUDA paging kernels (``csrc/``): handles, the path rule, one op call.
+"""Thin wrapper over the CUDA paging kernels (``csrc/``): handles, the path rule, one call.
 
-The extension (built and loaded on first use) provides ``torch.ops.megatron_paging.copy`` and
-two handle classes. A pool's handle (its tensors' device pointers, the host tier's mapped
-address) and a record layout's handle (its segment table) are made once and cached on the
-pool / layout object, so a launch passes five tensors-or-handles and three ints. Make pool
-handles before a CUDA-graph capture (:func:`prepare`; the engine does it when it sizes pools).
+The extension module (built and imported on first use) provides ``copy`` and two handle
+classes. A pool's handle (its tensors' device pointers, the host tier's mapped address) and a
+record layout's handle (its segment table) are made once and cached on the pool / layout object,
+so a launch passes the user buffer, two handles, the record's three tensors and three ints. Make
+pool handles before a CUDA-graph capture (:func:`prepare`; the engine does it when it sizes
+pools).
 
 Path rule (:func:`choose_path`), per record, from host-static facts only:
 
@@ -24,6 +25,7 @@ stashes and reloads of one pool must be ordered on one stream (the freelists nee
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 
@@ -42,22 +44,18 @@ BULK_ALIGN = 16
 
 
 @functools.cache
-def _library():
-    """``(copy op, handle classes)``, building and loading the extension on first use."""
-    try:
-        return torch.ops.megatron_paging.copy.default, torch.classes.megatron_paging
-    except (AttributeError, RuntimeError):
-        from megatron_paging.kernels import build
+def library():
+    """The extension module: the one already imported (e.g. built for an explicit arch), else
+    built (if needed) for the current GPU and imported."""
+    from megatron_paging.kernels import build
 
-        build.load()
-        return torch.ops.megatron_paging.copy.default, torch.classes.megatron_paging
+    return sys.modules.get(build.EXTENSION_NAME) or build.load()
 
 
 @functools.cache
 def bulk_supported(device_index: int) -> bool:
     """Whether the bulk path runs on CUDA device ``device_index`` (sm90 or newer)."""
-    _library()
-    return bool(torch.ops.megatron_paging.bulk_supported(device_index))
+    return bool(library().bulk_supported(device_index))
 
 
 def pool_handle(pool: PagePool):
@@ -66,7 +64,7 @@ def pool_handle(pool: PagePool):
     if handle is None:
         if pool.device.type != "cuda":
             raise ValueError(f"the CUDA paging kernels need a CUDA pool, got one on {pool.device}")
-        handle = pool.kernel_handle = _library()[1].Pool(
+        handle = pool.kernel_handle = library().Pool(
             pool.cuda_pages, pool.host_pages, pool.free_list_cuda, pool.free_list_host,
             pool.free_list_head, pool.free_list_tail, pool.free_list_capacity,
             pool.flags.values, pool.kernel_done_counter, pool.page_size, pool.row_bytes,
@@ -77,7 +75,7 @@ def pool_handle(pool: PagePool):
 def layout_handle(layout: RecordLayout):
     handle = layout.kernel_handle
     if handle is None:
-        handle = layout.kernel_handle = _library()[1].Layout(
+        handle = layout.kernel_handle = library().Layout(
             layout.capacity_rows, layout.row_bytes, layout.page_size,
             list(layout.segment_starts), list(layout.segment_rows), list(layout.slot_offsets),
         )
@@ -124,12 +122,11 @@ def copy(reload: bool, tensor, record: PageRecord, pool: PagePool, max_ctas: int
     check_args(tensor, record, pool, "reload destination" if reload else "stash source")
     if isinstance(max_ctas, bool) or not isinstance(max_ctas, int) or max_ctas <= 0:
         raise ValueError(f"max_ctas must be a positive integer, got {max_ctas!r}")
-    op = _library()[0]
-    # The user buffer goes as it is (any dtype): the operator checks its byte size.
-    op(tensor, pool_handle(pool), layout_handle(record.layout), record.live_rows,
-       record.page_record, record.spilled_to_host, reload, choose_path(tensor, record, path),
-       max_ctas)
+    # The user buffer goes as it is (any dtype): the extension checks its byte size.
+    library().copy(reload, tensor, pool_handle(pool), layout_handle(record.layout),
+                   record.live_rows, record.page_record, record.spilled_to_host,
+                   choose_path(tensor, record, path), max_ctas)
 
 
 __all__ = ["BULK", "BULK_MIN_CAPACITY_BYTES", "PATHS", "TILE", "bulk_supported", "choose_path",
-           "copy", "layout_handle", "pool_handle", "prepare"]
+           "copy", "layout_handle", "library", "pool_handle", "prepare"]

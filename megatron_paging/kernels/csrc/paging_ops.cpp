@@ -1,23 +1,22 @@
-// torch bindings of the paging kernels: two custom classes that hold what never changes per
-// launch, and one operator per launch.
+// Python bindings of the paging kernels (the extension module megatron_paging_kernels): two
+// classes that hold what never changes per launch, and one function per launch.
 //
-//   torch.classes.megatron_paging.Pool    - a pool's tensors, checked once; their device
-//                                           pointers (the host tier's mapped address too)
-//   torch.classes.megatron_paging.Layout  - a record layout's segment table, checked once
-//   torch.ops.megatron_paging.copy        - one stash or reload of one record
+//   Pool    - a pool's tensors, checked once; their device pointers (the host tier's mapped
+//             address too)
+//   Layout  - a record layout's segment table, checked once
+//   copy    - one stash or reload of one record
 //
-// A launch then costs one operator call with a few arguments and a handful of cheap checks
-// (device, dtype, size): no pointer queries, no segment validation, no device attribute reads
-// (the launcher caches those). No device value is read, so launches are CUDA-graph capturable.
-// The pool's tensors are written through the Pool handle, which the schema cannot express: the
-// operator is not functionalizable (nothing here runs under torch.compile).
+// A launch then costs one pybind11 call with a few arguments (pybind11 objects and tensors
+// convert in a fraction of a microsecond, unlike torch.ops arguments) and a handful of cheap
+// checks (device, dtype, size): no pointer queries, no segment validation, no device attribute
+// reads (the launcher caches those). No device value is read, so launches are CUDA-graph
+// capturable. The kernels write the pool's tensors through the Pool handle and the record's
+// through its tensors; nothing here runs under torch.compile.
 
-#include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
-#include <torch/custom_class.h>
-#include <torch/library.h>
+#include <torch/extension.h>
 
 #include <cstdint>
 #include <vector>
@@ -57,7 +56,7 @@ uint8_t* mapped_host_pages(const at::Tensor& host_pages) {
   return static_cast<uint8_t*>(attr.devicePointer);
 }
 
-struct Pool : torch::CustomClassHolder {
+struct Pool {
   // Held so the pointers in `view` stay valid for the handle's life.
   std::vector<at::Tensor> tensors;
   at::Device device;
@@ -110,7 +109,7 @@ struct Pool : torch::CustomClassHolder {
   }
 };
 
-struct Layout : torch::CustomClassHolder {
+struct Layout {
   int64_t capacity_rows;
   int64_t row_bytes;
   int64_t page_size;
@@ -154,10 +153,11 @@ struct Layout : torch::CustomClassHolder {
   }
 };
 
-void copy(const at::Tensor& user, const c10::intrusive_ptr<Pool>& pool,
-          const c10::intrusive_ptr<Layout>& layout, const at::Tensor& live_rows,
-          const at::Tensor& page_record, const at::Tensor& spilled_to_host, bool reload,
-          int64_t path, int64_t max_ctas) {
+void copy(bool reload, const at::Tensor& user, const Pool& pool_handle,
+          const Layout& layout_handle, const at::Tensor& live_rows, const at::Tensor& page_record,
+          const at::Tensor& spilled_to_host, int64_t path, int64_t max_ctas) {
+  const Pool* const pool = &pool_handle;
+  const Layout* const layout = &layout_handle;
   const at::Device& device = pool->device;
   TORCH_CHECK(layout->row_bytes == pool->view.row_bytes && layout->page_size == pool->view.page_size,
               "megatron_paging: the record's layout (row_bytes ", layout->row_bytes,
@@ -202,25 +202,25 @@ void copy(const at::Tensor& user, const c10::intrusive_ptr<Pool>& pool,
               " launch failed: ", cudaGetErrorString(err));
 }
 
-bool bulk_path_supported(int64_t device) { return bulk_supported(static_cast<int>(device)); }
-
 }  // namespace
-
-TORCH_LIBRARY(megatron_paging, m) {
-  m.class_<Pool>("Pool").def(
-      torch::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                  at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t>());
-  m.class_<Layout>("Layout").def(
-      torch::init<int64_t, int64_t, int64_t, std::vector<int64_t>, std::vector<int64_t>,
-                  std::vector<int64_t>>());
-  m.def(
-      "copy(Tensor(a!) user, __torch__.torch.classes.megatron_paging.Pool pool, "
-      "__torch__.torch.classes.megatron_paging.Layout layout, Tensor live_rows, "
-      "Tensor(b!) page_record, Tensor(c!) spilled_to_host, bool reload, int path, "
-      "int max_ctas) -> ()");
-  m.def("bulk_supported(int device) -> bool", &bulk_path_supported);
-}
-
-TORCH_LIBRARY_IMPL(megatron_paging, CUDA, m) { m.impl("copy", &copy); }
-
 }  // namespace megatron_paging
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using megatron_paging::Layout;
+  using megatron_paging::Pool;
+  m.doc() = "megatron-paging stash/reload kernels (see megatron_paging/kernels/cuda_ops.py)";
+  pybind11::class_<Pool>(m, "Pool")
+      .def(pybind11::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                          at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t>());
+  pybind11::class_<Layout>(m, "Layout")
+      .def(pybind11::init<int64_t, int64_t, int64_t, std::vector<int64_t>, std::vector<int64_t>,
+                          std::vector<int64_t>>());
+  m.def("copy", &megatron_paging::copy,
+        "One stash (reload=False) or reload of one record (one launch).",
+        pybind11::arg("reload"), pybind11::arg("user"), pybind11::arg("pool"),
+        pybind11::arg("layout"), pybind11::arg("live_rows"), pybind11::arg("page_record"),
+        pybind11::arg("spilled_to_host"), pybind11::arg("path"), pybind11::arg("max_ctas"));
+  m.def("bulk_supported", [](int device) { return megatron_paging::bulk_supported(device); },
+        "Whether the bulk path runs on CUDA device `device` (sm90+, enough shared memory).");
+  m.def("max_segments", []() { return megatron_paging::kMaxSegments; });
+}
