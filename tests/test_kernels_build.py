@@ -48,7 +48,7 @@ def test_extension_builds_for_sm90_and_exposes_copy_and_the_handles(extension):
     library = build.library_path(extension)
     assert library.is_file() and library.parent == build.build_directory("9.0")
     assert extension.__name__ == build.EXTENSION_NAME
-    for name in ("copy", "bulk_supported", "Pool", "Layout", "max_segments"):
+    for name in ("copy", "bulk_supported", "make_pool", "make_layout", "max_segments"):
         assert hasattr(extension, name), name
     assert extension.max_segments() == 1024
     # The launch's keyword names are the documented ones (positional order used by cuda_ops).
@@ -85,19 +85,20 @@ def test_layout_handles_of_valid_layouts_are_accepted(extension, segments):
     ids=["slot", "overlap", "past_end", "none", "too_many", "lengths", "capacity"],
 )
 def test_layout_class_refuses_bad_tables(extension, args, words):
-    with pytest.raises(RuntimeError, match=words):
-        extension.Layout(*args)
+    handle, problem = extension.make_layout(*args)
+    assert handle is None and re.search(words, problem), problem
+    assert problem.startswith("megatron_paging: ") and "\n" not in problem
 
 
 @_apply(needs_build)
 def test_pool_class_needs_a_cuda_pool(extension):
     pool = PagePool(8, 4, 2)
-    with pytest.raises(RuntimeError, match="cuda_pages must be a CUDA tensor"):
-        extension.Pool(
-            pool.cuda_pages, pool.host_pages, pool.free_list_cuda, pool.free_list_host,
-            pool.free_list_head, pool.free_list_tail, pool.free_list_capacity,
-            pool.flags.values, pool.kernel_done_counter, 4, 8,
-        )
+    handle, problem = extension.make_pool(
+        pool.cuda_pages, pool.host_pages, pool.free_list_cuda, pool.free_list_host,
+        pool.free_list_head, pool.free_list_tail, pool.free_list_capacity,
+        pool.flags.values, pool.kernel_done_counter, 4, 8,
+    )
+    assert handle is None and problem == "megatron_paging: cuda_pages must be a CUDA tensor"
 
 
 def test_header_and_wrapper_agree_on_the_paths_and_the_segment_limit():

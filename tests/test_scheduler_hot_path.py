@@ -357,11 +357,16 @@ class FakeExtension:
 
     def __init__(self):
         self.pools, self.layouts, self.calls = [], [], []
-        self.Pool = lambda *args: self.pools.append(args) or ("pool", len(self.pools))
-        self.Layout = lambda *args: self.layouts.append(args) or ("layout", len(self.layouts))
+        self.make_pool = lambda *args: (
+            self.pools.append(args) or ("pool", len(self.pools)), ""
+        )
+        self.make_layout = lambda *args: (
+            self.layouts.append(args) or ("layout", len(self.layouts)), ""
+        )
 
     def copy(self, *args):
         self.calls.append(args)
+        return ""
 
 
 def test_cuda_wrapper_passes_cached_handles_without_new_tensors(monkeypatch):

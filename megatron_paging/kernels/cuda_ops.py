@@ -64,21 +64,27 @@ def pool_handle(pool: PagePool):
     if handle is None:
         if pool.device.type != "cuda":
             raise ValueError(f"the CUDA paging kernels need a CUDA pool, got one on {pool.device}")
-        handle = pool.kernel_handle = library().Pool(
+        handle, problem = library().make_pool(
             pool.cuda_pages, pool.host_pages, pool.free_list_cuda, pool.free_list_host,
             pool.free_list_head, pool.free_list_tail, pool.free_list_capacity,
             pool.flags.values, pool.kernel_done_counter, pool.page_size, pool.row_bytes,
         )
+        if problem:
+            raise ValueError(problem)
+        pool.kernel_handle = handle
     return handle
 
 
 def layout_handle(layout: RecordLayout):
     handle = layout.kernel_handle
     if handle is None:
-        handle = layout.kernel_handle = library().Layout(
+        handle, problem = library().make_layout(
             layout.capacity_rows, layout.row_bytes, layout.page_size,
             list(layout.segment_starts), list(layout.segment_rows), list(layout.slot_offsets),
         )
+        if problem:
+            raise ValueError(problem)
+        layout.kernel_handle = handle
     return handle
 
 
@@ -122,10 +128,13 @@ def copy(reload: bool, tensor, record: PageRecord, pool: PagePool, max_ctas: int
     check_args(tensor, record, pool, "reload destination" if reload else "stash source")
     if isinstance(max_ctas, bool) or not isinstance(max_ctas, int) or max_ctas <= 0:
         raise ValueError(f"max_ctas must be a positive integer, got {max_ctas!r}")
-    # The user buffer goes as it is (any dtype): the extension checks its byte size.
-    library().copy(reload, tensor, pool_handle(pool), layout_handle(record.layout),
-                   record.live_rows, record.page_record, record.spilled_to_host,
-                   choose_path(tensor, record, path), max_ctas)
+    # The user buffer goes as it is (any dtype): the extension checks its byte size. It returns
+    # its problem instead of raising (no C++ exception crosses the extension).
+    problem = library().copy(reload, tensor, pool_handle(pool), layout_handle(record.layout),
+                             record.live_rows, record.page_record, record.spilled_to_host,
+                             choose_path(tensor, record, path), max_ctas)
+    if problem:
+        raise RuntimeError(problem)
 
 
 __all__ = ["BULK", "BULK_MIN_CAPACITY_BYTES", "PATHS", "TILE", "bulk_supported", "choose_path",

@@ -12,6 +12,10 @@
 // reads (the launcher caches those). No device value is read, so launches are CUDA-graph
 // capturable. The kernels write the pool's tensors through the Pool handle and the record's
 // through its tensors; nothing here runs under torch.compile.
+//
+// No C++ exception leaves this file: every check returns its message ("" = fine) and the Python
+// wrapper raises it. (A C++ exception unwinding through this extension crashed the process on
+// the lent GPU machine's toolchain, while the same build passed on the development machine.)
 
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -19,6 +23,8 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "paging.h"
@@ -26,75 +32,94 @@
 namespace megatron_paging {
 namespace {
 
-void check_on(const at::Tensor& t, const char* name, const at::Device& device,
-              at::ScalarType dtype) {
-  TORCH_CHECK(t.device() == device, "megatron_paging: ", name, " is on ", t.device(),
-              " but the pool is on ", device);
-  TORCH_CHECK(t.scalar_type() == dtype, "megatron_paging: ", name, " must be ",
-              c10::toString(dtype), ", got ", t.scalar_type());
-  TORCH_CHECK(t.is_contiguous(), "megatron_paging: ", name, " must be contiguous");
+// Return the message (never throw) when a requirement does not hold.
+#define PAGING_REQUIRE(cond, ...) \
+  do {                            \
+    if (!(cond)) return c10::str("megatron_paging: ", __VA_ARGS__); \
+  } while (0)
+#define PAGING_FORWARD(expr)              \
+  do {                                    \
+    std::string paging_error_ = (expr);   \
+    if (!paging_error_.empty()) return paging_error_; \
+  } while (0)
+
+std::string check_on(const at::Tensor& t, const char* name, const at::Device& device,
+                     at::ScalarType dtype) {
+  PAGING_REQUIRE(t.device() == device, name, " is on ", t.device(), " but the pool is on ",
+                 device);
+  PAGING_REQUIRE(t.scalar_type() == dtype, name, " must be ", c10::toString(dtype), ", got ",
+                 t.scalar_type());
+  PAGING_REQUIRE(t.is_contiguous(), name, " must be contiguous");
+  return {};
 }
 
-void check_rows(const at::Tensor& t, const char* name, int64_t row_bytes, int64_t page_size) {
-  TORCH_CHECK(t.dim() == 2 && t.size(1) == row_bytes, "megatron_paging: ", name,
-              " must be [rows, ", row_bytes, "] bytes, got ", t.sizes());
-  TORCH_CHECK(t.size(0) % page_size == 0, "megatron_paging: ", name, " has ", t.size(0),
-              " rows, not a multiple of page_size ", page_size);
+std::string check_rows(const at::Tensor& t, const char* name, int64_t row_bytes,
+                       int64_t page_size) {
+  PAGING_REQUIRE(t.dim() == 2 && t.size(1) == row_bytes, name, " must be [rows, ", row_bytes,
+                 "] bytes, got ", t.sizes());
+  PAGING_REQUIRE(t.size(0) % page_size == 0, name, " has ", t.size(0),
+                 " rows, not a multiple of page_size ", page_size);
+  return {};
 }
 
 // The device address of pinned host memory (null for a pool without a host tier). Asked of the
 // runtime once per pool, which also proves the memory is pinned and mapped.
-uint8_t* mapped_host_pages(const at::Tensor& host_pages) {
-  if (host_pages.numel() == 0) return nullptr;
-  TORCH_CHECK(host_pages.device().is_cpu(), "megatron_paging: host_pages must be a CPU tensor");
+std::string mapped_host_pages(const at::Tensor& host_pages, uint8_t** out) {
+  *out = nullptr;
+  if (host_pages.numel() == 0) return {};
+  PAGING_REQUIRE(host_pages.device().is_cpu(), "host_pages must be a CPU tensor");
   cudaPointerAttributes attr{};
   const cudaError_t err = cudaPointerGetAttributes(&attr, host_pages.data_ptr());
-  TORCH_CHECK(err == cudaSuccess && attr.type == cudaMemoryTypeHost && attr.devicePointer,
-              "megatron_paging: host_pages must be pinned host memory mapped into the device "
-              "address space (allocate it with pin_memory=True); cudaPointerGetAttributes: ",
-              cudaGetErrorString(err));
-  return static_cast<uint8_t*>(attr.devicePointer);
+  if (err != cudaSuccess) (void)cudaGetLastError();  // not a launch error: do not leave it set
+  PAGING_REQUIRE(err == cudaSuccess && attr.type == cudaMemoryTypeHost && attr.devicePointer,
+                 "host_pages must be pinned host memory mapped into the device address space "
+                 "(allocate it with pin_memory=True); cudaPointerGetAttributes: ",
+                 cudaGetErrorString(err));
+  *out = static_cast<uint8_t*>(attr.devicePointer);
+  return {};
 }
 
 struct Pool {
   // Held so the pointers in `view` stay valid for the handle's life.
   std::vector<at::Tensor> tensors;
-  at::Device device;
+  at::Device device{at::kCPU};
   PoolView view{};
 
-  Pool(at::Tensor cuda_pages, at::Tensor host_pages, at::Tensor free_list_cuda,
-       at::Tensor free_list_host, at::Tensor head, at::Tensor tail, at::Tensor capacity,
-       at::Tensor flags, at::Tensor done_counter, int64_t page_size, int64_t row_bytes)
-      : device(cuda_pages.device()) {
-    TORCH_CHECK(cuda_pages.is_cuda(), "megatron_paging: cuda_pages must be a CUDA tensor");
-    TORCH_CHECK(row_bytes > 0, "megatron_paging: row_bytes must be positive, got ", row_bytes);
-    TORCH_CHECK(page_size > 0, "megatron_paging: page_size must be positive, got ", page_size);
-    check_on(cuda_pages, "cuda_pages", device, at::kByte);
-    check_rows(cuda_pages, "cuda_pages", row_bytes, page_size);
-    TORCH_CHECK(host_pages.scalar_type() == at::kByte && host_pages.is_contiguous(),
-                "megatron_paging: host_pages must be a contiguous uint8 tensor");
-    check_rows(host_pages, "host_pages", row_bytes, page_size);
-    check_on(free_list_cuda, "free_list_cuda", device, at::kLong);
-    check_on(free_list_host, "free_list_host", device, at::kLong);
-    check_on(head, "free_list_head", device, at::kLong);
-    check_on(tail, "free_list_tail", device, at::kLong);
-    check_on(capacity, "free_list_capacity", device, at::kLong);
-    check_on(flags, "flags", device, at::kLong);
-    check_on(done_counter, "done_counter", device, at::kInt);
-    TORCH_CHECK(head.numel() == 2 && tail.numel() == 2 && capacity.numel() == 2,
-                "megatron_paging: free_list_head/tail/capacity must hold 2 entries (device, host)");
-    TORCH_CHECK(flags.numel() == 3,
-                "megatron_paging: flags must hold 3 entries (overflow, host_spill, invalid_live)");
-    TORCH_CHECK(done_counter.numel() >= 1, "megatron_paging: done_counter must hold 1 entry");
+  // Checks the tensors and fills the handle; returns the first problem ("" = fine).
+  std::string init(at::Tensor cuda_pages, at::Tensor host_pages, at::Tensor free_list_cuda,
+                   at::Tensor free_list_host, at::Tensor head, at::Tensor tail,
+                   at::Tensor capacity, at::Tensor flags, at::Tensor done_counter,
+                   int64_t page_size, int64_t row_bytes) {
+    PAGING_REQUIRE(cuda_pages.is_cuda(), "cuda_pages must be a CUDA tensor");
+    device = cuda_pages.device();
+    PAGING_REQUIRE(row_bytes > 0, "row_bytes must be positive, got ", row_bytes);
+    PAGING_REQUIRE(page_size > 0, "page_size must be positive, got ", page_size);
+    PAGING_FORWARD(check_on(cuda_pages, "cuda_pages", device, at::kByte));
+    PAGING_FORWARD(check_rows(cuda_pages, "cuda_pages", row_bytes, page_size));
+    PAGING_REQUIRE(host_pages.scalar_type() == at::kByte && host_pages.is_contiguous(),
+                   "host_pages must be a contiguous uint8 tensor");
+    PAGING_FORWARD(check_rows(host_pages, "host_pages", row_bytes, page_size));
+    PAGING_FORWARD(check_on(free_list_cuda, "free_list_cuda", device, at::kLong));
+    PAGING_FORWARD(check_on(free_list_host, "free_list_host", device, at::kLong));
+    PAGING_FORWARD(check_on(head, "free_list_head", device, at::kLong));
+    PAGING_FORWARD(check_on(tail, "free_list_tail", device, at::kLong));
+    PAGING_FORWARD(check_on(capacity, "free_list_capacity", device, at::kLong));
+    PAGING_FORWARD(check_on(flags, "flags", device, at::kLong));
+    PAGING_FORWARD(check_on(done_counter, "done_counter", device, at::kInt));
+    PAGING_REQUIRE(head.numel() == 2 && tail.numel() == 2 && capacity.numel() == 2,
+                   "free_list_head/tail/capacity must hold 2 entries (device, host)");
+    PAGING_REQUIRE(flags.numel() == 3,
+                   "flags must hold 3 entries (overflow, host_spill, invalid_live)");
+    PAGING_REQUIRE(done_counter.numel() >= 1, "done_counter must hold 1 entry");
     view.num_pages[0] = cuda_pages.size(0) / page_size;
     view.num_pages[1] = host_pages.size(0) / page_size;
-    TORCH_CHECK(free_list_cuda.numel() >= view.num_pages[0], "megatron_paging: free_list_cuda has ",
-                free_list_cuda.numel(), " entries for ", view.num_pages[0], " pages");
-    TORCH_CHECK(free_list_host.numel() >= view.num_pages[1], "megatron_paging: free_list_host has ",
-                free_list_host.numel(), " entries for ", view.num_pages[1], " pages");
+    PAGING_REQUIRE(free_list_cuda.numel() >= view.num_pages[0], "free_list_cuda has ",
+                   free_list_cuda.numel(), " entries for ", view.num_pages[0], " pages");
+    PAGING_REQUIRE(free_list_host.numel() >= view.num_pages[1], "free_list_host has ",
+                   free_list_host.numel(), " entries for ", view.num_pages[1], " pages");
     const c10::cuda::CUDAGuard guard(device);
+    PAGING_FORWARD(mapped_host_pages(host_pages, &view.pages[1]));
     view.pages[0] = cuda_pages.data_ptr<uint8_t>();
-    view.pages[1] = mapped_host_pages(host_pages);
     view.ring[0] = free_list_cuda.data_ptr<int64_t>();
     view.ring[1] = free_list_host.data_ptr<int64_t>();
     view.head = head.data_ptr<int64_t>();
@@ -106,45 +131,50 @@ struct Pool {
     view.row_bytes = row_bytes;
     tensors = {cuda_pages, host_pages, free_list_cuda, free_list_host, head,
                tail,       capacity,   flags,          done_counter};
+    return {};
   }
 };
 
 struct Layout {
-  int64_t capacity_rows;
-  int64_t row_bytes;
-  int64_t page_size;
+  int64_t capacity_rows = 0;
+  int64_t row_bytes = 0;
+  int64_t page_size = 0;
   std::vector<int64_t> start;
   std::vector<int64_t> rows;
   std::vector<int64_t> slot_offset;
   int64_t max_slots = 0;
 
-  Layout(int64_t capacity_rows, int64_t row_bytes, int64_t page_size, std::vector<int64_t> start,
-         std::vector<int64_t> rows, std::vector<int64_t> slot_offset)
-      : capacity_rows(capacity_rows),
-        row_bytes(row_bytes),
-        page_size(page_size),
-        start(std::move(start)),
-        rows(std::move(rows)),
-        slot_offset(std::move(slot_offset)) {
-    const int64_t n = static_cast<int64_t>(this->rows.size());
-    TORCH_CHECK(capacity_rows > 0 && row_bytes > 0 && page_size > 0,
-                "megatron_paging: capacity_rows, row_bytes and page_size must be positive");
-    TORCH_CHECK(n >= 1 && n <= kMaxSegments, "megatron_paging: a record needs 1 to ",
-                kMaxSegments, " segments, got ", n);
-    TORCH_CHECK(static_cast<int64_t>(this->start.size()) == n &&
-                    static_cast<int64_t>(this->slot_offset.size()) == n,
-                "megatron_paging: segment_starts, segment_rows and slot_offsets differ in length");
+  // Checks the segment table and fills the handle; returns the first problem ("" = fine).
+  std::string init(int64_t capacity, int64_t row_size, int64_t page, std::vector<int64_t> starts,
+                   std::vector<int64_t> segment_rows, std::vector<int64_t> slot_offsets) {
+    const int64_t n = static_cast<int64_t>(segment_rows.size());
+    PAGING_REQUIRE(capacity > 0 && row_size > 0 && page > 0,
+                   "capacity_rows, row_bytes and page_size must be positive");
+    PAGING_REQUIRE(n >= 1 && n <= kMaxSegments, "a record needs 1 to ", kMaxSegments,
+                   " segments, got ", n);
+    PAGING_REQUIRE(static_cast<int64_t>(starts.size()) == n &&
+                       static_cast<int64_t>(slot_offsets.size()) == n,
+                   "segment_starts, segment_rows and slot_offsets differ in length");
     int64_t end = 0;
+    int64_t slots = 0;
     for (int64_t s = 0; s < n; ++s) {
-      TORCH_CHECK(this->start[s] >= end && this->rows[s] >= 0,
-                  "megatron_paging: segments must be sorted and disjoint (segment ", s, ")");
-      TORCH_CHECK(this->slot_offset[s] == max_slots, "megatron_paging: slot_offsets[", s,
-                  "] is ", this->slot_offset[s], ", expected ", max_slots);
-      end = this->start[s] + this->rows[s];
-      max_slots += (this->rows[s] + page_size - 1) / page_size;
+      PAGING_REQUIRE(starts[s] >= end && segment_rows[s] >= 0,
+                     "segments must be sorted and disjoint (segment ", s, ")");
+      PAGING_REQUIRE(slot_offsets[s] == slots, "slot_offsets[", s, "] is ", slot_offsets[s],
+                     ", expected ", slots);
+      end = starts[s] + segment_rows[s];
+      slots += (segment_rows[s] + page - 1) / page;
     }
-    TORCH_CHECK(end <= capacity_rows, "megatron_paging: segments end at row ", end,
-                " but the buffer has ", capacity_rows, " rows");
+    PAGING_REQUIRE(end <= capacity, "segments end at row ", end, " but the buffer has ",
+                   capacity, " rows");
+    capacity_rows = capacity;
+    row_bytes = row_size;
+    page_size = page;
+    start = std::move(starts);
+    rows = std::move(segment_rows);
+    slot_offset = std::move(slot_offsets);
+    max_slots = slots;
+    return {};
   }
 
   LayoutView view() const {
@@ -153,37 +183,33 @@ struct Layout {
   }
 };
 
-void copy(bool reload, const at::Tensor& user, const Pool& pool_handle,
-          const Layout& layout_handle, const at::Tensor& live_rows, const at::Tensor& page_record,
-          const at::Tensor& spilled_to_host, int64_t path, int64_t max_ctas) {
-  const Pool* const pool = &pool_handle;
-  const Layout* const layout = &layout_handle;
-  const at::Device& device = pool->device;
-  TORCH_CHECK(layout->row_bytes == pool->view.row_bytes && layout->page_size == pool->view.page_size,
-              "megatron_paging: the record's layout (row_bytes ", layout->row_bytes,
-              ", page_size ", layout->page_size, ") does not match the pool's (",
-              pool->view.row_bytes, ", ", pool->view.page_size, ")");
-  TORCH_CHECK(user.device() == device, "megatron_paging: the user buffer is on ", user.device(),
-              " but the pool is on ", device);
-  TORCH_CHECK(user.is_contiguous(), "megatron_paging: the user buffer must be contiguous");
-  TORCH_CHECK(static_cast<int64_t>(user.nbytes()) == layout->capacity_rows * layout->row_bytes,
-              "megatron_paging: the user buffer holds ", user.nbytes(), " bytes, the record ",
-              layout->capacity_rows * layout->row_bytes);
-  check_on(live_rows, "live_rows", device, at::kLong);
-  check_on(page_record, "page_record", device, at::kLong);
-  check_on(spilled_to_host, "spilled_to_host", device, at::kLong);
-  TORCH_CHECK(live_rows.numel() == static_cast<int64_t>(layout->rows.size()),
-              "megatron_paging: live_rows has ", live_rows.numel(), " entries for ",
-              layout->rows.size(), " segments");
-  TORCH_CHECK(page_record.numel() >= layout->max_slots, "megatron_paging: page_record has ",
-              page_record.numel(), " slots, the segments need ", layout->max_slots);
-  TORCH_CHECK(spilled_to_host.numel() == 1, "megatron_paging: spilled_to_host must hold 1 entry");
-  TORCH_CHECK(max_ctas > 0 && max_ctas <= INT32_MAX,
-              "megatron_paging: max_ctas must be a positive int32, got ", max_ctas);
-  TORCH_CHECK(path >= static_cast<int64_t>(CopyPath::kTile) &&
-                  path <= static_cast<int64_t>(CopyPath::kBulkTinyTiles),
-              "megatron_paging: path must be 0 (tile), 1 (bulk) or 2-3 (bulk variants), got ",
-              path);
+std::string copy(bool reload, const at::Tensor& user, const Pool& pool, const Layout& layout,
+                 const at::Tensor& live_rows, const at::Tensor& page_record,
+                 const at::Tensor& spilled_to_host, int64_t path, int64_t max_ctas) {
+  const at::Device& device = pool.device;
+  PAGING_REQUIRE(layout.row_bytes == pool.view.row_bytes && layout.page_size == pool.view.page_size,
+                 "the record's layout (row_bytes ", layout.row_bytes, ", page_size ",
+                 layout.page_size, ") does not match the pool's (", pool.view.row_bytes, ", ",
+                 pool.view.page_size, ")");
+  PAGING_REQUIRE(user.device() == device, "the user buffer is on ", user.device(),
+                 " but the pool is on ", device);
+  PAGING_REQUIRE(user.is_contiguous(), "the user buffer must be contiguous");
+  PAGING_REQUIRE(static_cast<int64_t>(user.nbytes()) == layout.capacity_rows * layout.row_bytes,
+                 "the user buffer holds ", user.nbytes(), " bytes, the record ",
+                 layout.capacity_rows * layout.row_bytes);
+  PAGING_FORWARD(check_on(live_rows, "live_rows", device, at::kLong));
+  PAGING_FORWARD(check_on(page_record, "page_record", device, at::kLong));
+  PAGING_FORWARD(check_on(spilled_to_host, "spilled_to_host", device, at::kLong));
+  PAGING_REQUIRE(live_rows.numel() == static_cast<int64_t>(layout.rows.size()), "live_rows has ",
+                 live_rows.numel(), " entries for ", layout.rows.size(), " segments");
+  PAGING_REQUIRE(page_record.numel() >= layout.max_slots, "page_record has ",
+                 page_record.numel(), " slots, the segments need ", layout.max_slots);
+  PAGING_REQUIRE(spilled_to_host.numel() == 1, "spilled_to_host must hold 1 entry");
+  PAGING_REQUIRE(max_ctas > 0 && max_ctas <= INT32_MAX, "max_ctas must be a positive int32, got ",
+                 max_ctas);
+  PAGING_REQUIRE(path >= static_cast<int64_t>(CopyPath::kTile) &&
+                     path <= static_cast<int64_t>(CopyPath::kBulkTinyTiles),
+                 "path must be 0 (tile), 1 (bulk) or 2-3 (bulk variants), got ", path);
 
   const c10::cuda::CUDAGuard guard(device);
   CopyLaunch launch{};
@@ -194,12 +220,22 @@ void copy(bool reload, const at::Tensor& user, const Pool& pool_handle,
   launch.page_record = page_record.data_ptr<int64_t>();
   launch.record_slots = page_record.numel();
   launch.spilled_to_host = spilled_to_host.data_ptr<int64_t>();
-  launch.pool = pool->view;
-  launch.layout = layout->view();
+  launch.pool = pool.view;
+  launch.layout = layout.view();
   launch.max_ctas = static_cast<int>(max_ctas);
   const cudaError_t err = launch_copy(launch, c10::cuda::getCurrentCUDAStream().stream());
-  TORCH_CHECK(err == cudaSuccess, "megatron_paging: ", reload ? "reload" : "stash",
-              " launch failed: ", cudaGetErrorString(err));
+  PAGING_REQUIRE(err == cudaSuccess, reload ? "reload" : "stash", " launch failed: ",
+                 cudaGetErrorString(err));
+  return {};
+}
+
+// A handle and "" when the arguments pass its checks, else None and the message.
+template <typename Handle, typename... Args>
+pybind11::tuple make_handle(Args&&... args) {
+  Handle handle;
+  std::string error = handle.init(std::forward<Args>(args)...);
+  if (!error.empty()) return pybind11::make_tuple(pybind11::none(), error);
+  return pybind11::make_tuple(pybind11::cast(std::move(handle)), std::string());
 }
 
 }  // namespace
@@ -209,14 +245,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using megatron_paging::Layout;
   using megatron_paging::Pool;
   m.doc() = "megatron-paging stash/reload kernels (see megatron_paging/kernels/cuda_ops.py)";
-  pybind11::class_<Pool>(m, "Pool")
-      .def(pybind11::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                          at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t>());
-  pybind11::class_<Layout>(m, "Layout")
-      .def(pybind11::init<int64_t, int64_t, int64_t, std::vector<int64_t>, std::vector<int64_t>,
-                          std::vector<int64_t>>());
+  pybind11::class_<Pool>(m, "Pool");
+  pybind11::class_<Layout>(m, "Layout");
+  m.def("make_pool",
+        [](at::Tensor cuda_pages, at::Tensor host_pages, at::Tensor free_list_cuda,
+           at::Tensor free_list_host, at::Tensor head, at::Tensor tail, at::Tensor capacity,
+           at::Tensor flags, at::Tensor done_counter, int64_t page_size, int64_t row_bytes) {
+          return megatron_paging::make_handle<Pool>(cuda_pages, host_pages, free_list_cuda,
+                                                    free_list_host, head, tail, capacity, flags,
+                                                    done_counter, page_size, row_bytes);
+        },
+        "(Pool, '') for a pool's tensors, or (None, the problem).");
+  m.def("make_layout",
+        [](int64_t capacity_rows, int64_t row_bytes, int64_t page_size,
+           std::vector<int64_t> starts, std::vector<int64_t> rows,
+           std::vector<int64_t> slot_offsets) {
+          return megatron_paging::make_handle<Layout>(capacity_rows, row_bytes, page_size,
+                                                      std::move(starts), std::move(rows),
+                                                      std::move(slot_offsets));
+        },
+        "(Layout, '') for a segment table, or (None, the problem).");
   m.def("copy", &megatron_paging::copy,
-        "One stash (reload=False) or reload of one record (one launch).",
+        "One stash (reload=False) or reload of one record (one launch); '' or the problem.",
         pybind11::arg("reload"), pybind11::arg("user"), pybind11::arg("pool"),
         pybind11::arg("layout"), pybind11::arg("live_rows"), pybind11::arg("page_record"),
         pybind11::arg("spilled_to_host"), pybind11::arg("path"), pybind11::arg("max_ctas"));
