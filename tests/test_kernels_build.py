@@ -1,10 +1,15 @@
-"""CPU-side checks of the CUDA kernel package: the nvcc build (the ``copy`` operator's schema, the
-``Pool`` / ``Layout`` handle classes), the toolkit and arch look-ups, and the wrapper's checks
-that run before anything is built or launched. (``MEGATRON_PAGING_MAX_CTAS``: test_config.py.)"""
+"""CPU-side checks of the CUDA kernel package: the nvcc build (the extension module's ``copy``
+and its ``Pool`` / ``Layout`` handle factories), the toolkit and arch look-ups, and the wrapper's
+checks that run before anything is built or launched. (``MEGATRON_PAGING_MAX_CTAS``:
+test_config.py.)"""
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -70,24 +75,46 @@ def test_layout_handles_of_valid_layouts_are_accepted(extension, segments):
     assert layout.kernel_handle is handle and cuda_ops.layout_handle(layout) is handle
 
 
-@_apply(needs_build)
-@pytest.mark.parametrize(
-    ("args", "words"),
-    [
-        ((10, 8, 4, [0], [10], [1]), "slot_offsets\\[0\\] is 1, expected 0"),
-        ((10, 8, 4, [0, 3], [4, 4], [0, 1]), "sorted and disjoint \\(segment 1\\)"),
-        ((10, 8, 4, [0], [11], [0]), "segments end at row 11"),
-        ((10, 8, 4, [], [], []), "1 to 1024 segments, got 0"),
-        ((1025, 1, 1, list(range(1025)), [1] * 1025, list(range(1025))), "got 1025"),
-        ((10, 8, 4, [0], [10], []), "differ in length"),
-        ((0, 8, 4, [0], [0], [0]), "must be positive"),
-    ],
-    ids=["slot", "overlap", "past_end", "none", "too_many", "lengths", "capacity"],
-)
-def test_layout_class_refuses_bad_tables(extension, args, words):
+BAD_TABLES = {
+    "slot": ((10, 8, 4, [0], [10], [1]), "slot_offsets\\[0\\] is 1, expected 0"),
+    "overlap": ((10, 8, 4, [0, 3], [4, 4], [0, 1]), "sorted and disjoint \\(segment 1\\)"),
+    "past_end": ((10, 8, 4, [0], [11], [0]), "segments end at row 11"),
+    "none": ((10, 8, 4, [], [], []), "1 to 1024 segments, got 0"),
+    "too_many": ((1025, 1, 1, list(range(1025)), [1] * 1025, list(range(1025))), "got 1025"),
+    "lengths": ((10, 8, 4, [0], [10], []), "differ in length"),
+    "capacity": ((0, 8, 4, [0], [0], [0]), "must be positive"),
+}
+REFUSE_IN_CHILD = """
+import json, sys
+from megatron_paging.kernels import build
+extension = build.load("9.0")
+for name, args in json.loads(sys.argv[1]).items():
     handle, problem = extension.make_layout(*args)
-    assert handle is None and re.search(words, problem), problem
-    assert problem.startswith("megatron_paging: ") and "\n" not in problem
+    print(json.dumps([name, handle is None, problem]), flush=True)
+"""
+
+
+@_apply(needs_build)
+def test_layout_class_refuses_bad_tables(extension):
+    # In a child process: a crash on this path (seen once on the GPU machine's toolchain) fails
+    # this test with its signal instead of taking every later test down with it.
+    cases = {name: args for name, (args, _) in BAD_TABLES.items()}
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    result = subprocess.run(
+        [sys.executable, "-c", REFUSE_IN_CHILD, json.dumps(cases)],
+        capture_output=True, text=True, timeout=300, env=env,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    seen = {}
+    for line in result.stdout.splitlines():
+        if line.startswith("["):
+            name, refused, problem = json.loads(line)
+            seen[name] = (refused, problem)
+    assert seen.keys() == BAD_TABLES.keys()
+    for name, (_, words) in BAD_TABLES.items():
+        refused, problem = seen[name]
+        assert refused and re.search(words, problem), (name, problem)
+        assert problem.startswith("megatron_paging: ") and "\n" not in problem
 
 
 @_apply(needs_build)

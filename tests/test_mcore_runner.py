@@ -358,3 +358,26 @@ def test_evaluation_is_not_a_training_step(policy):
 
     evaluate(run, 2)  # a clean eval is not rerun
     assert run.runner.eval_reruns == 1 and run.calls[calls + 2 :] == [True]
+
+
+def test_rng_snapshot_restores_graph_safe_generators_by_value():
+    """Under CUDA graphs Megatron's tracker holds generator objects that draws advance in
+    place: a rerun must rewind them, not re-install the advanced objects."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    from megatron_paging.mcore.runner import rng_state, set_rng_state
+
+    tracker = get_cuda_rng_tracker()
+    saved_states = tracker.get_states()
+    generator = torch.Generator().manual_seed(7)
+    tracker.set_states({"model-parallel-rng": generator, "plain": torch.tensor([1, 2, 3])})
+    try:
+        before = rng_state()
+        first = torch.rand(4, generator=generator)
+        set_rng_state(before)
+        states = tracker.get_states()
+        assert states["model-parallel-rng"] is generator  # the same object, rewound
+        assert torch.equal(torch.rand(4, generator=generator), first)
+        assert torch.equal(states["plain"], torch.tensor([1, 2, 3]))
+    finally:
+        tracker.set_states(saved_states)

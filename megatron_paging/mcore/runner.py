@@ -49,10 +49,20 @@ from megatron_paging.overflow import OverflowMonitor, OverflowPolicy, skip_flag
 logger = logging.getLogger(__name__)
 
 
+def _snapshot(value):
+    # With CUDA graphs Megatron's tracker holds graph-safe torch.Generator objects, which every
+    # draw advances in place: keep their state by value, not the objects themselves.
+    if isinstance(value, torch.Generator):
+        return (value, value.get_state())
+    return (None, value.clone() if isinstance(value, torch.Tensor) else value)
+
+
 def rng_state() -> dict:
-    """Every generator a forward-backward draws from (dropout): CPU, CUDA, Megatron's tracker.
-    Host-side state only (seed and offset): no device synchronization."""
-    state = {"cpu": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+    """Every generator a forward-backward draws from (dropout): CPU, CUDA, Megatron's tracker
+    (by value, whether it holds state tensors or graph-safe generators). Host-side state only
+    (seed and offset): no device synchronization."""
+    tracker = {name: _snapshot(v) for name, v in get_cuda_rng_tracker().get_states().items()}
+    state = {"cpu": torch.get_rng_state(), "tracker": tracker}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -62,7 +72,14 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["cpu"])
     if "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"])
-    get_cuda_rng_tracker().set_states(state["tracker"])
+    restored = {}
+    for name, (generator, saved) in state["tracker"].items():
+        if generator is None:
+            restored[name] = saved
+        else:
+            generator.set_state(saved)
+            restored[name] = generator
+    get_cuda_rng_tracker().set_states(restored)
 
 
 def _moe_layers(model) -> list:

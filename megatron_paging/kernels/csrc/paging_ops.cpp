@@ -24,6 +24,7 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -32,10 +33,37 @@
 namespace megatron_paging {
 namespace {
 
+// Messages are built by plain std::string appends, not std::ostringstream (c10::str): on the
+// lent GPU machine, where the extension is compiled by another GCC than torch's, formatting
+// through a stream inside the extension crashed the process, while the same build worked here.
+inline void append(std::string& out, const char* text) { out += text; }
+inline void append(std::string& out, const std::string& text) { out += text; }
+inline void append(std::string& out, const c10::Device& device) { out += device.str(); }
+inline void append(std::string& out, at::ScalarType dtype) { out += c10::toString(dtype); }
+inline void append(std::string& out, c10::IntArrayRef sizes) {
+  out += "[";
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (i) out += ", ";
+    out += std::to_string(sizes[i]);
+  }
+  out += "]";
+}
+template <typename Int, typename = std::enable_if_t<std::is_integral_v<Int>>>
+inline void append(std::string& out, Int value) {
+  out += std::to_string(value);
+}
+
+template <typename... Parts>
+std::string message(const Parts&... parts) {
+  std::string out = "megatron_paging: ";
+  (append(out, parts), ...);
+  return out;
+}
+
 // Return the message (never throw) when a requirement does not hold.
 #define PAGING_REQUIRE(cond, ...) \
   do {                            \
-    if (!(cond)) return c10::str("megatron_paging: ", __VA_ARGS__); \
+    if (!(cond)) return message(__VA_ARGS__); \
   } while (0)
 #define PAGING_FORWARD(expr)              \
   do {                                    \
