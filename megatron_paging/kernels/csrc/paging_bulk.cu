@@ -34,11 +34,6 @@
 namespace megatron_paging {
 namespace {
 
-using device::Decision;
-using device::PagingArgs;
-using device::Plan;
-using device::Segments;
-
 // A pipeline configuration: tile bytes, shared-memory stages, loads issued ahead of the oldest
 // store. 32 KiB x 6 stages (192 KiB of dynamic shared memory, + at most ~16.5 KiB static for the
 // 1024-segment plan, under the 227 KiB a block may opt into: one CTA per SM) keeps 4 loads =

@@ -408,4 +408,11 @@ inline int64_t grid_size(const CopyLaunch& launch, const PagingArgs& args, int t
 }
 
 }  // namespace device
+
+// Both kernel files name these without the namespace; declared once here so they stay in step.
+using device::Decision;
+using device::PagingArgs;
+using device::Plan;
+using device::Segments;
+
 }  // namespace megatron_paging

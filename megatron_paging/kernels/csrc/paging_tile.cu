@@ -12,11 +12,6 @@
 namespace megatron_paging {
 namespace {
 
-using device::Decision;
-using device::PagingArgs;
-using device::Plan;
-using device::Segments;
-
 constexpr int kThreads = 256;
 constexpr int kUnroll = 4;  // independent 16-byte loads in flight per thread before the stores
 constexpr int64_t kTileBytes = int64_t{kThreads} * 16 * kUnroll;  // 16 KiB
