@@ -40,12 +40,8 @@ until ``wgrad_slot_start`` (the deferred wgrad of that slot runs). Everything el
 pages at reload.
 
 ``overlap=False`` is the no-overlap control: stash and reload run synchronously on the compute
-stream at commit / slot start, with no prefetch.
-
-Parker (calibration hook): with ``pools=None`` the scheduler needs a ``parker``, an object with
-``park(tensor, record) -> parked`` and ``unpark(parked, record) -> tensor``. ``park`` runs at
-commit and ``unpark`` at reload, both on the compute stream; the scheduler keeps ``parked`` and
-nothing else.
+stream at commit / slot start, with no prefetch. Without pools (calibration) a :class:`Parker`
+stands in for the kernels.
 """
 
 from __future__ import annotations
@@ -69,6 +65,9 @@ WGRAD = "wgrad"
 
 
 class Parker(Protocol):
+    """Calibration's stand-in for pools: ``park`` at commit, ``unpark`` at reload, both on the
+    compute stream; the scheduler keeps what ``park`` returned and nothing else."""
+
     def park(self, tensor: torch.Tensor, record: PageRecord) -> Any: ...
 
     def unpark(self, parked: Any, record: PageRecord) -> torch.Tensor: ...
@@ -151,13 +150,11 @@ class PagingScheduler:
         self._pending: list[PagedHandle] = []
         # branch -> (chunk, layer) -> FIFO of stashed groups
         self._fifo: dict[str, dict[tuple[int, int], deque[_Group]]] = {
-            BACKWARD: defaultdict(deque),
-            WGRAD: defaultdict(deque),
+            branch: defaultdict(deque) for branch in (BACKWARD, WGRAD)
         }
         # branch -> (chunk, microbatch) -> layers whose backward (or wgrad) has not started
         self._layers: dict[str, dict[tuple[int, int], set[int]]] = {
-            BACKWARD: defaultdict(set),
-            WGRAD: defaultdict(set),
+            branch: defaultdict(set) for branch in (BACKWARD, WGRAD)
         }
         self._sources: deque[tuple[Any, list[PagedHandle]]] = deque()  # (stash-done, handles)
         # Host-static record layout per (capacity_rows, row_bytes, segments, device, page size):
@@ -439,19 +436,13 @@ class PagingScheduler:
 
     def _release_sources(self, capturing: bool = False, compute=None) -> None:
         """Drop sources whose stash finished (eager: poll; capture: compute waits first)."""
-        if capturing:
-            while self._sources:
-                done, handles = self._sources.popleft()
-                self.backend.wait(compute, done, "source-release")
-                for h in handles:
-                    h.source = None
-            return
-        if self.backend.capturing():
+        if not capturing and self.backend.capturing():
             return  # no event queries inside a capture; the next commit releases
-        while self._sources and self.backend.done(self._sources[0][0]):
-            _, handles = self._sources.popleft()
+        while self._sources and (capturing or self.backend.done(self._sources[0][0])):
+            done, handles = self._sources.popleft()
+            if capturing:
+                self.backend.wait(compute, done, "source-release")
             for h in handles:
                 h.source = None
-
 
 __all__ = ["BACKWARD", "WGRAD", "PagedHandle", "PagingScheduler", "Parker"]
