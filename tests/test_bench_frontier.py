@@ -18,20 +18,64 @@ BENCH_DIR = ROOT / "benchmarks"
 
 def _load():
     if str(BENCH_DIR) not in sys.path:
-        sys.path.insert(0, str(BENCH_DIR))  # the benchmarks' shared helper (common.py)
+        sys.path.insert(0, str(BENCH_DIR))  # common.py and the frontier/ package
     spec = importlib.util.spec_from_file_location("bench_frontier", BENCH_DIR / "bench_frontier.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_frontier"] = module  # dataclasses look their module up
+    sys.modules["bench_frontier"] = module  # as an import would register it
     spec.loader.exec_module(module)
     return module
 
 
-bf = _load()
+bf = _load()  # the entry point: main() and its glue; the rest is in benchmarks/frontier/
+from frontier import arms as frontier_arms  # noqa: E402 (benchmarks/ is on sys.path now)
+from frontier.arms import (  # noqa: E402
+    ARMS,
+    SIZES,
+    budget_extra,
+    estimate_memory,
+    expert_bytes,
+    frontier_extra,
+    model_config,
+    offload_available,
+    resolve_flags,
+    script_argv,
+    skip_reason,
+)
+from frontier.budget import (  # noqa: E402
+    BudgetOptions,
+    budget_outcome,
+    budget_records,
+    next_budget_task,
+    next_candidate,
+    predict_start,
+    run_budget,
+)
+from frontier.logs import (  # noqa: E402
+    classify,
+    memory_split,
+    parity,
+    parse_iterations,
+    parse_report,
+    steady_step_ms,
+    summarize,
+)
+from frontier.plan import (  # noqa: E402
+    DEFAULT_RUN_S,
+    ESTIMATE_MARGIN,
+    Task,
+    estimate_run_s,
+    fits,
+    frontier_tasks,
+    parse_only,
+    remaining,
+)
+from frontier.targets import budget_target, evaluate_targets  # noqa: E402
+
 MIB = 2**20
 
 
 def _cfg(**over):
-    cfg = bf.model_config(bf.script_argv([], paged=False))
+    cfg = model_config(script_argv([], paged=False))
     cfg.update(over)
     return cfg
 
@@ -40,33 +84,33 @@ def _cfg(**over):
 
 
 def test_arm_table_and_flags():
-    assert [a for a, arm in bf.ARMS.items() if arm.exact] == ["paged", "mcore_manager"]
-    assert {a for a, arm in bf.ARMS.items() if arm.needs_offload} == {
+    assert [a for a, arm in ARMS.items() if arm.exact] == ["paged", "mcore_manager"]
+    assert {a for a, arm in ARMS.items() if arm.needs_offload} == {
         "mcore_offload", "paged_offload", "paged_stash_plus_offload"}
-    assert not bf.ARMS["unpaged"].paged and not bf.ARMS["recompute_moe"].paged
-    assert bf.ARMS["paged_recompute_attn_norm"].paged
-    extra = bf.frontier_extra("expert_heavy", "recompute_moe", iters=7)
+    assert not ARMS["unpaged"].paged and not ARMS["recompute_moe"].paged
+    assert ARMS["paged_recompute_attn_norm"].paged
+    extra = frontier_extra("expert_heavy", "recompute_moe", iters=7)
     assert extra[-3:] == ["--deterministic-mode", "--train-iters", "7"]
-    flags = bf.resolve_flags(extra)
+    flags = resolve_flags(extra)
     assert flags["--recompute-modules"] == ["moe"]
     assert flags["--num-experts"] == ["32"]
     # Budget candidates override the size's sequence length (the later flag wins).
-    flags = bf.resolve_flags(bf.budget_extra("expert_heavy", "paged", 12288))
+    flags = resolve_flags(budget_extra("expert_heavy", "paged", 12288))
     assert flags["--seq-length"] == ["12288"] and flags["--max-position-embeddings"] == ["12288"]
 
 
 def test_script_argv_is_what_the_example_gets():
-    paged = bf.script_argv(bf.frontier_extra("expert_heavy", "mcore_manager"), paged=True)
-    cfg = bf.model_config(paged)
+    paged = script_argv(frontier_extra("expert_heavy", "mcore_manager"), paged=True)
+    cfg = model_config(paged)
     assert (cfg["seq_length"], cfg["num_experts"], cfg["moe_router_topk"]) == (4096, 32, 4)
     assert cfg["moe_ffn_hidden_size"] == 2048 and cfg["capacity_factor"] == 1.5
     assert cfg["paged"] and cfg["swiglu"] and cfg["dtype_bytes"] == 2
     assert cfg["microbatches"] == 8
-    assert bf.resolve_flags(paged)["--paging-implementation"] == ["mcore"]
-    unpaged = bf.model_config(bf.script_argv(bf.frontier_extra("small", "unpaged"), paged=False))
+    assert resolve_flags(paged)["--paging-implementation"] == ["mcore"]
+    unpaged = model_config(script_argv(frontier_extra("small", "unpaged"), paged=False))
     assert not unpaged["paged"] and unpaged["seq_length"] == 2048
-    recompute = bf.model_config(
-        bf.script_argv(bf.frontier_extra("small", "paged_recompute_attn_norm"), paged=True))
+    recompute = model_config(
+        script_argv(frontier_extra("small", "paged_recompute_attn_norm"), paged=True))
     assert recompute["recompute_modules"] == ["core_attn", "layernorm"]
 
 
@@ -74,16 +118,16 @@ def test_offload_arms_wait_for_the_flag(tmp_path):
     without, with_flag = tmp_path / "a.py", tmp_path / "b.py"
     without.write_text('"--paging-core-attention"\n')
     with_flag.write_text('group.add_argument("--paging-offload-backend")\n')
-    assert not bf.offload_available(without) and bf.offload_available(with_flag)
-    assert not bf.offload_available(tmp_path / "missing.py")
-    assert "--paging-offload-backend" in bf.skip_reason(bf.ARMS["paged_offload"], False)
-    assert bf.skip_reason(bf.ARMS["paged_offload"], True) is None
-    assert bf.skip_reason(bf.ARMS["paged"], False) is None
-    tasks, skipped = bf.frontier_tasks(["small"], list(bf.ARMS), None, {}, 12, offload=False)
+    assert not offload_available(without) and offload_available(with_flag)
+    assert not offload_available(tmp_path / "missing.py")
+    assert "--paging-offload-backend" in skip_reason(ARMS["paged_offload"], False)
+    assert skip_reason(ARMS["paged_offload"], True) is None
+    assert skip_reason(ARMS["paged"], False) is None
+    tasks, skipped = frontier_tasks(["small"], list(ARMS), None, {}, 12, offload=False)
     assert set(skipped) == {"small:mcore_offload", "small:paged_offload",
                             "small:paged_stash_plus_offload"}
     assert len(tasks) == 5
-    tasks, skipped = bf.frontier_tasks(["small"], list(bf.ARMS), None, {}, 12, offload=True)
+    tasks, skipped = frontier_tasks(["small"], list(ARMS), None, {}, 12, offload=True)
     assert not skipped and len(tasks) == 8
 
 
@@ -91,7 +135,7 @@ def test_offload_arms_wait_for_the_flag(tmp_path):
 
 
 def test_live_expert_bytes_of_the_example():
-    e = bf.expert_bytes(_cfg())
+    e = expert_bytes(_cfg())
     # The example: top-2 of 2048 tokens = 4096 rows, capacity 1.5x = 6144, (1024 + 2 x 1024) bf16,
     # 8 layers, one microbatch in flight (PP = 1): 192 MiB live, 288 MiB of capacity buffers.
     assert (e["routed_rows_per_layer"], e["capacity_rows_per_layer"]) == (4096, 6144)
@@ -100,32 +144,32 @@ def test_live_expert_bytes_of_the_example():
     assert e["capacity_expert_mib"] == pytest.approx(288.0)
     assert e["one_layer_capacity_mib"] == pytest.approx(36.0)
     assert e["paged_bound_mib"] == pytest.approx(1.1 * 192 + 36)
-    heavy = bf.expert_bytes(bf.model_config(bf.script_argv(
-        bf.frontier_extra("expert_heavy", "paged"), paged=True)))
+    heavy = expert_bytes(model_config(script_argv(
+        frontier_extra("expert_heavy", "paged"), paged=True)))
     assert heavy["live_expert_mib"] == pytest.approx(16384 * 10240 * 8 / MIB)  # 1280 MiB
     assert heavy["capacity_rows_per_layer"] == 24576
     # No SwiGLU: fc1 is moe_ffn wide. Micro-batch 2 doubles the rows.
-    assert bf.expert_bytes(_cfg(swiglu=False))["row_bytes"] == (1024 + 1024) * 2
-    assert bf.expert_bytes(_cfg(micro_batch_size=2))["live_expert_mib"] == pytest.approx(384.0)
+    assert expert_bytes(_cfg(swiglu=False))["row_bytes"] == (1024 + 1024) * 2
+    assert expert_bytes(_cfg(micro_batch_size=2))["live_expert_mib"] == pytest.approx(384.0)
     # 1F1B on the first of 4 stages: 2 layers, 4 microbatches in flight.
-    pp = bf.expert_bytes(_cfg(pipeline_parallel=4))
+    pp = expert_bytes(_cfg(pipeline_parallel=4))
     assert (pp["layers_in_flight"], pp["microbatches_in_flight"]) == (2, 4)
     assert pp["live_expert_mib"] == pytest.approx(192.0)
     with pytest.raises(ValueError, match="EP = 1"):
-        bf.expert_bytes(_cfg(expert_parallel=2))
+        expert_bytes(_cfg(expert_parallel=2))
 
 
 def test_sizes_fit_one_h200_and_experts_dominate_where_claimed():
     h200 = 141e9
     shares = {}
-    for name in bf.SIZES:
-        cfg = bf.model_config(bf.script_argv(bf.frontier_extra(name, "unpaged"), paged=False))
-        est = bf.estimate_memory(cfg)
+    for name in SIZES:
+        cfg = model_config(script_argv(frontier_extra(name, "unpaged"), paged=False))
+        est = estimate_memory(cfg)
         assert est["total_bytes"] < 0.5 * h200, name
         shares[name] = est["expert_capacity_bytes"] / est["non_expert_layers_bytes"]
     assert shares["expert_heavy"] > 1.5  # expert activations dominate the per-layer ones
     assert shares["small"] < 1.0  # not at the example's size
-    params = bf.estimate_memory(_cfg())["params"]
+    params = estimate_memory(_cfg())["params"]
     assert 0.45e9 < params < 0.55e9  # the arithmetic in the comments: ~0.50B
 
 
@@ -152,36 +196,36 @@ def _log(ms=(5000.0, 2000.0, 1500.0, 1000.0, 1010.0, 990.0), report=True, steady
 
 def test_parse_megatron_log_and_memory_split():
     text = _log()
-    its = bf.parse_iterations(text)
+    its = parse_iterations(text)
     assert [r["iteration"] for r in its] == [1, 2, 3, 4, 5, 6]
     assert its[0]["lm_loss"] == "1.038921E+01" and its[5]["grad_norm"] == "3.126"
-    assert bf.steady_step_ms(its) == [1000.0, 1010.0, 990.0]  # iterations 1-3 dropped
-    report = bf.parse_report(text)
+    assert steady_step_ms(its) == [1000.0, 1010.0, 990.0]  # iterations 1-3 dropped
+    report = parse_report(text)
     assert report["steady_peak_allocated_mib"] == 9000.0 and report["paging_mode"] == "paged"
     assert report["overflow_actions"] == "-"
-    split = bf.memory_split(report)
+    split = memory_split(report)
     assert split == {"state_mib": 8000.0, "activation_mib": 1000.0}
-    assert bf.memory_split({"param_mib": 1.0}) == {}
-    assert bf.classify(text, 0, False) == "ok"
-    assert bf.classify(_log(report=False), 0, False) == "error"  # exit 0 but no final report
+    assert memory_split({"param_mib": 1.0}) == {}
+    assert classify(text, 0, False) == "ok"
+    assert classify(_log(report=False), 0, False) == "error"  # exit 0 but no final report
     oom = _log(report=False) + "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate"
-    assert bf.classify(oom, 1, False) == "oom"
-    assert bf.classify(_log(report=False) + "AssertionError: boom", 1, False) == "error"
-    assert bf.classify(text, None, True) == "timeout"
+    assert classify(oom, 1, False) == "oom"
+    assert classify(_log(report=False) + "AssertionError: boom", 1, False) == "error"
+    assert classify(text, None, True) == "timeout"
 
 
 def test_parity_is_exact():
     a = [f"{1.5 + i / 8:.17g}" for i in range(4)]
     control = [f"{float(x).hex()} 2048" for x in a]
-    assert bf.parity(list(control), control)["bitwise_equal"] is True
+    assert parity(list(control), control)["bitwise_equal"] is True
     near = list(control)
     near[2] = f"{float.fromhex(control[2].split()[0]) + 2**-40:.17g}"
     near[2] = f"{float(near[2]).hex()} 2048"
-    p = bf.parity(near, control)
+    p = parity(near, control)
     assert p["bitwise_equal"] is False and 0 < p["max_rel_loss_diff"] < 1e-9
-    short = bf.parity(control[:3], control)
+    short = parity(control[:3], control)
     assert short["bitwise_equal"] is False and short["lengths"] == [3, 4]
-    assert bf.parity([], control) is None
+    assert parity([], control) is None
 
 
 # ----------------------------------------------------------------------------- targets
@@ -204,7 +248,7 @@ def test_targets_pass_and_miss_from_numbers():
         "recompute_moe": _row(1300.0, 2200.0),
         "paged_recompute_attn_norm": _row(1080.0, 2100.0),
     }
-    t = bf.evaluate_targets({"expert_heavy": rows})["expert_heavy"]
+    t = evaluate_targets({"expert_heavy": rows})["expert_heavy"]
     rec = t["paged_1.2x_faster_than_recompute_moe_at_le_its_activation"]
     assert rec["per_arm"]["paged"]["met"] is False  # faster, but more activation memory
     assert rec["per_arm"]["paged"]["activation_le_recompute"] is False
@@ -224,24 +268,24 @@ def test_targets_pass_and_miss_from_numbers():
     # Slower paging misses; a missing arm is NOT RUN, not a pass.
     rows["paged"] = _row(1100.0, 3500.0, spread=0.001, parity=eq)
     del rows["mcore_manager"]
-    t = bf.evaluate_targets({"small": rows})["small"]
+    t = evaluate_targets({"small": rows})["small"]
     assert t["paged_step_le_1.01x_unpaged"]["status"] == "MISS"
     assert not t["paged_step_le_1.01x_unpaged"]["within_noise"]
     assert t["paged_step_le_0.9x_mcore_manager"]["status"] == "NOT RUN"
     assert not t["paged_1.2x_faster_than_recompute_moe_at_le_its_activation"]["required"]
-    assert bf.evaluate_targets({"small": {}})["small"][
+    assert evaluate_targets({"small": {}})["small"][
         "paged_activation_le_1.1x_live_plus_one_layer"]["status"] == "NOT RUN"
 
 
 def test_budget_target():
     u = {"max_seq": 12288, "time_per_token_us": 10.0, "concluded": True}
     p = {"max_seq": 14336, "time_per_token_us": 10.05, "concluded": True}
-    t = bf.budget_target({"unpaged": u, "paged": p})
+    t = budget_target({"unpaged": u, "paged": p})
     assert t["status"] == "PASS" and t["longer"] and t["concluded"]
-    assert bf.budget_target({"unpaged": u, "paged": {**p, "max_seq": 12288}})["status"] == "MISS"
-    slow = bf.budget_target({"unpaged": u, "paged": {**p, "time_per_token_us": 10.2}})
+    assert budget_target({"unpaged": u, "paged": {**p, "max_seq": 12288}})["status"] == "MISS"
+    slow = budget_target({"unpaged": u, "paged": {**p, "time_per_token_us": 10.2}})
     assert slow["status"] == "MISS"
-    assert bf.budget_target({"unpaged": u})["status"] == "NOT RUN"
+    assert budget_target({"unpaged": u})["status"] == "NOT RUN"
 
 
 # ----------------------------------------------------------------------------- budget search
@@ -249,8 +293,8 @@ def test_budget_target():
 
 def _search(limit, start, ratio, resolution=1024, unit=512, max_runs=8, max_seq=65536):
     tried = {}
-    while (s := bf.next_candidate(tried, start, ratio, resolution, unit, max_runs,
-                                  max_seq)) is not None:
+    while (s := next_candidate(tried, start, ratio, resolution, unit, max_runs,
+                               max_seq)) is not None:
         assert s % unit == 0 and s not in tried and s <= max_seq
         tried[s] = s <= limit
     return tried
@@ -280,19 +324,19 @@ def test_search_limits_runs_and_gives_up_when_nothing_fits():
 def test_predicted_start():
     rec = {"status": "ok", "seq": 4096, "activation_mib": 4096.0, "state_mib": 8000.0,
            "key": "expert_heavy:unpaged"}
-    s = bf.predict_start(rec, 40960.0, 4096, 512, 65536)
+    s = predict_start(rec, 40960.0, 4096, 512, 65536)
     # usable = 0.9 x 40960 - 8000 = 28864 MiB at 1 MiB per token -> 28864 -> 28672
     assert s["start"] == 28672 and s["step_ratio"] == 0.125
     assert s["predicted_from"] == "expert_heavy:unpaged"
-    assert bf.predict_start(None, 40960.0, 4096, 512, 65536) == {
+    assert predict_start(None, 40960.0, 4096, 512, 65536) == {
         "start": 4096, "step_ratio": 1.0, "predicted_seq": None, "predicted_from": None}
-    assert bf.predict_start({**rec, "state_mib": 50000.0}, 40960.0, 4096, 512, 65536)[
+    assert predict_start({**rec, "state_mib": 50000.0}, 40960.0, 4096, 512, 65536)[
         "start"] == 512
 
 
 def _budget_record(opts, arm, seq, status, search, step=1000.0):
-    task = bf.Task("budget", opts.size, arm, tuple(bf.budget_extra(opts.size, arm, seq)),
-                   opts.iters, seq, {}, search, opts.cap_gib)
+    task = Task("budget", opts.size, arm, tuple(budget_extra(opts.size, arm, seq)),
+                opts.iters, seq, {}, search, opts.cap_gib)
     return {"key": task.key, "kind": "budget", "size": opts.size, "arm": arm, "seq": seq,
             "train_iters": opts.iters, "status": status, "cap_gib": opts.cap_gib,
             "search": search, "memory": {}, "wall_s": 60.0,
@@ -302,7 +346,7 @@ def _budget_record(opts, arm, seq, status, search, step=1000.0):
 
 
 def test_budget_driver_resumes_and_stops_on_errors():
-    opts = bf.BudgetOptions(arms=("unpaged", "paged"), max_runs=6)
+    opts = BudgetOptions(arms=("unpaged", "paged"), max_runs=6)
     limits = {"unpaged": 9000, "paged": 11000}
     runs, calls = {}, []
 
@@ -314,7 +358,7 @@ def test_budget_driver_resumes_and_stops_on_errors():
         assert task.env["MEGATRON_PAGING_MEMORY_FRACTION"] == f"{opts.cap_gib * 1024 / 143771:.6f}"
         return runs[task.key] if len(calls) < 3 else None  # the time budget ends call 1
 
-    assert bf.run_budget(opts, runs, 143771.0, execute, base_seq=4096, offload=False) is False
+    assert run_budget(opts, runs, 143771.0, execute, base_seq=4096, offload=False) is False
     assert len(runs) == 3
     first = dict(runs)
     calls.clear()
@@ -328,8 +372,8 @@ def test_budget_driver_resumes_and_stops_on_errors():
                                         task.search)
         return runs[task.key]
 
-    assert bf.run_budget(opts, runs, 143771.0, execute2, base_seq=4096, offload=False)
-    out = {arm: bf.budget_outcome(bf.budget_records(runs, opts.size, arm, opts.cap_gib, 5), opts)
+    assert run_budget(opts, runs, 143771.0, execute2, base_seq=4096, offload=False)
+    out = {arm: budget_outcome(budget_records(runs, opts.size, arm, opts.cap_gib, 5), opts)
            for arm in opts.arms}
     assert out["unpaged"]["concluded"] and out["paged"]["concluded"]
     assert out["unpaged"]["max_seq"] <= 9000 < out["unpaged"]["first_failure_above"]
@@ -338,11 +382,11 @@ def test_budget_driver_resumes_and_stops_on_errors():
     assert (out["unpaged"]["max_seq"], out["paged"]["max_seq"]) == (8192, 10240)
     # A candidate that errors (not OOM) stops that arm's search; --retry-failed runs past it.
     runs2 = {}
-    err = _budget_record(opts, "unpaged", 4096, "error", bf.predict_start(None, 0, 4096, 512,
-                                                                         65536))
+    err = _budget_record(opts, "unpaged", 4096, "error", predict_start(None, 0, 4096, 512,
+                                                                      65536))
     runs2[err["key"]] = err
-    assert bf.next_budget_task(opts, runs2, "unpaged", 0.3, 4096) is None
-    assert bf.budget_outcome([err], opts)["concluded"] and bf.budget_outcome(
+    assert next_budget_task(opts, runs2, "unpaged", 0.3, 4096) is None
+    assert budget_outcome([err], opts)["concluded"] and budget_outcome(
         [err], opts)["errors"] == [4096]
     seen = []
 
@@ -351,45 +395,45 @@ def test_budget_driver_resumes_and_stops_on_errors():
         runs2[task.key] = _budget_record(opts, task.arm, task.seq, "ok", task.search)
         return runs2[task.key]
 
-    one = bf.BudgetOptions(arms=("unpaged",), max_runs=1)
-    assert bf.run_budget(one, runs2, 143771.0, execute3, retry_failed=True, base_seq=4096,
-                         offload=False)
+    one = BudgetOptions(arms=("unpaged",), max_runs=1)
+    assert run_budget(one, runs2, 143771.0, execute3, retry_failed=True, base_seq=4096,
+                      offload=False)
     assert seen == [4096] and runs2[err["key"]]["status"] == "ok"
     # An execute that records nothing cannot loop the search forever.
-    assert bf.run_budget(bf.BudgetOptions(arms=("paged",)), {}, 143771.0, lambda t, label: {},
-                         base_seq=4096, offload=False) is False
+    assert run_budget(BudgetOptions(arms=("paged",)), {}, 143771.0, lambda t, label: {},
+                      base_seq=4096, offload=False) is False
 
 
 # ----------------------------------------------------------------------------- resume, time
 
 
 def test_selection_resume_and_retry():
-    extra = bf.frontier_extra("small", "paged", 12)
+    extra = frontier_extra("small", "paged", 12)
     runs = {"small:paged": {"extra": extra, "status": "ok"},
-            "small:unpaged": {"extra": bf.frontier_extra("small", "unpaged", 12),
+            "small:unpaged": {"extra": frontier_extra("small", "unpaged", 12),
                               "status": "error"},
             "small:recompute_moe": {"extra": ["--train-iters", "3"], "status": "ok"}}
     arms = ["unpaged", "paged", "recompute_moe"]
-    keys = [t.key for t in bf.frontier_tasks(["small"], arms, None, runs, 12, False)[0]]
+    keys = [t.key for t in frontier_tasks(["small"], arms, None, runs, 12, False)[0]]
     assert keys == ["small:recompute_moe"]  # other flags: runs again; failed: kept
-    keys = [t.key for t in bf.frontier_tasks(["small"], arms, None, runs, 12, False, True)[0]]
+    keys = [t.key for t in frontier_tasks(["small"], arms, None, runs, 12, False, True)[0]]
     assert keys == ["small:unpaged", "small:recompute_moe"]  # control first
-    only = bf.parse_only("small:recompute_moe,expert_heavy:unpaged")
-    keys = [t.key for t in bf.frontier_tasks([], [], only, {}, 12, False)[0]]
+    only = parse_only("small:recompute_moe,expert_heavy:unpaged")
+    keys = [t.key for t in frontier_tasks([], [], only, {}, 12, False)[0]]
     assert keys == ["small:recompute_moe", "expert_heavy:unpaged"]
     with pytest.raises(ValueError, match="size:arm"):
-        bf.parse_only("small-paged")
+        parse_only("small-paged")
     with pytest.raises(ValueError, match="size:arm"):
-        bf.parse_only("tiny:paged")
-    tasks = bf.frontier_tasks(["small"], arms, None, {}, 12, False)[0]
-    left = bf.remaining(tasks, runs, {}, None)
+        parse_only("tiny:paged")
+    tasks = frontier_tasks(["small"], arms, None, {}, 12, False)[0]
+    left = remaining(tasks, runs, {}, None)
     assert left[0].startswith("small:unpaged (error") and "small:recompute_moe" in left
     assert "small:paged" not in left
 
 
 def test_time_budget_estimate():
-    assert bf.estimate_run_s([], "small", "paged", 12) == pytest.approx(
-        bf.DEFAULT_RUN_S * bf.ESTIMATE_MARGIN)
+    assert estimate_run_s([], "small", "paged", 12) == pytest.approx(
+        DEFAULT_RUN_S * ESTIMATE_MARGIN)
     history = [
         {"size": "small", "arm": "unpaged", "wall_s": 100.0, "train_iters": 12,
          "step_ms": {"median": 1000.0}, "seq": 2048},
@@ -397,15 +441,15 @@ def test_time_budget_estimate():
          "step_ms": {"median": 1500.0}, "seq": 2048},
     ]
     # start-up: the worst of 100 - 12 and 110 - 18 = 92 s; this arm's step, else the worst.
-    assert bf.estimate_run_s(history, "small", "unpaged", 12) == pytest.approx(1.15 * (92 + 12))
-    assert bf.estimate_run_s(history, "small", "paged", 12) == pytest.approx(1.15 * (92 + 18))
-    assert bf.estimate_run_s(history, "small", "unpaged", 5, seq=8192) == pytest.approx(
+    assert estimate_run_s(history, "small", "unpaged", 12) == pytest.approx(1.15 * (92 + 12))
+    assert estimate_run_s(history, "small", "paged", 12) == pytest.approx(1.15 * (92 + 18))
+    assert estimate_run_s(history, "small", "unpaged", 5, seq=8192) == pytest.approx(
         1.15 * (92 + 5 * 1.0 * 4**1.5))
     # Another size: the longest wall so far (at least the default).
-    assert bf.estimate_run_s(history, "expert_heavy", "paged", 12) == pytest.approx(
-        1.15 * bf.DEFAULT_RUN_S)
-    assert bf.fits(0.0, None, 1e9)
-    assert bf.fits(100.0, 300.0, 200.0) and not bf.fits(100.0, 300.0, 200.1)
+    assert estimate_run_s(history, "expert_heavy", "paged", 12) == pytest.approx(
+        1.15 * DEFAULT_RUN_S)
+    assert fits(0.0, None, 1e9)
+    assert fits(100.0, 300.0, 200.0) and not fits(100.0, 300.0, 200.1)
 
 
 # ----------------------------------------------------------------------------- the driver
@@ -467,7 +511,7 @@ def fake_example(tmp_path, monkeypatch):
         #!/usr/bin/env bash
         exec "{sys.executable}" "{fake}" "$@"
         """))
-    monkeypatch.setattr(bf, "SCRIPT", script)
+    monkeypatch.setattr(frontier_arms, "SCRIPT", script)  # script_argv and Runner.run read it
     monkeypatch.setattr(bf, "_total_mib", lambda: 143771.0)
     return tmp_path
 
@@ -502,7 +546,7 @@ def test_driver_end_to_end_resume_and_time_budget(fake_example, capsys):
     runs = dict(data["runs"])
     runs["small:paged"] = {**runs["small:paged"], "memory": {
         **runs["small:paged"]["memory"], "paged_steps": 0.0}}
-    assert bf.summarize(runs)["small"]["paged"]["paged_as_asked"] is False
+    assert summarize(runs)["small"]["paged"]["paged_as_asked"] is False
     targets = data["targets"]["small"]
     assert targets["paged_step_le_1.01x_unpaged"]["status"] == "PASS"
     assert targets["paged_1.2x_faster_than_recompute_moe_at_le_its_activation"][
@@ -547,12 +591,12 @@ def test_every_runnable_arm_parses_with_megatron_and_our_flags():
 
     parser = flags.add_paging_args(add_megatron_arguments(argparse.ArgumentParser(
         allow_abbrev=False)))
-    offload = bf.offload_available()
-    for size in bf.SIZES:
-        for name, arm in bf.ARMS.items():
-            if bf.skip_reason(arm, offload):
+    offload = offload_available()
+    for size in SIZES:
+        for name, arm in ARMS.items():
+            if skip_reason(arm, offload):
                 continue
-            argv = bf.script_argv(bf.frontier_extra(size, name), arm.paged)
+            argv = script_argv(frontier_extra(size, name), arm.paged)
             args = parser.parse_args(argv)
             flags.paging_config(args, environ={}, cuda_available=False)
             assert args.deterministic_mode and args.moe_paged_stash == arm.paged, (size, name)

@@ -1,0 +1,261 @@
+"""The frontier's arms and model sizes, the flags each run appends to the example script, and
+the memory arithmetic computed from a run's flags (live expert bytes, sizing estimate)."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "examples" / "run_pretrain_1gpu.sh"
+# The offloading arms wait for this flag in the example's parser (the offloading backend issue).
+FLAGS_SOURCE = ROOT / "megatron_paging" / "mcore" / "flags.py"
+OFFLOAD_FLAG = "--paging-offload-backend"
+MIB = 2**20
+WARMUP_ITERS = 3  # dropped: 1 calibrates, 2 sizes the pools and Adam's state, 3 settles
+FRONTIER_ITERS = 12  # -> 9 timed iterations per arm
+BUDGET_ITERS = 5  # -> 2 timed iterations per budget candidate (enough for tokens/s)
+COMMON_FLAGS = ("--deterministic-mode",)  # every arm, every run
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    paged: bool  # PAGED=1: the example script adds --moe-paged-stash and its pool flags
+    flags: tuple[str, ...]
+    exact: bool  # must reproduce the unpaged control bit for bit
+    description: str
+    needs_offload: bool = False  # waits for --paging-offload-backend in the example's parser
+
+
+ARMS: dict[str, Arm] = {
+    a.name: a
+    for a in (
+        Arm("unpaged", False, (), False, "control: no paging, same static capacity"),
+        Arm("paged", True, (), True, "--moe-paged-stash through megatron-paging"),
+        Arm("mcore_manager", True, ("--paging-implementation", "mcore"), True,
+            "--moe-paged-stash through Megatron-Core 0.19.2's own manager and Triton kernels"),
+        Arm("recompute_moe", False,
+            ("--recompute-granularity", "selective", "--recompute-modules", "moe"), False,
+            "unpaged; recompute the whole MoE layer in backward"),
+        Arm("paged_recompute_attn_norm", True,
+            ("--recompute-granularity", "selective", "--recompute-modules", "core_attn",
+             "layernorm"), False,
+            "paged + selective recompute of core attention and the norms"),
+        # Offloading (provisional flags: confirm them when the offloading backend lands).
+        Arm("mcore_offload", False,
+            ("--fine-grained-activation-offloading", "--offload-modules", "expert_fc1",
+             "moe_act"), False,
+            "Megatron-Core's fine-grained offloading of the expert modules (unpaged)", True),
+        Arm("paged_offload", False,
+            ("--fine-grained-activation-offloading", "--offload-modules", "expert_fc1",
+             "moe_act", OFFLOAD_FLAG, "paged"), False,
+            "our paged offloading backend for the expert modules (live rows only)", True),
+        Arm("paged_stash_plus_offload", True,
+            ("--fine-grained-activation-offloading", "--offload-modules", "attn_norm",
+             "qkv_linear", "core_attn", "attn_proj", "mlp_norm", OFFLOAD_FLAG, "paged"), False,
+            "experts paged on the device, dense modules offloaded through our backend", True),
+    )
+}  # fmt: skip
+# The control every other arm is compared with, and the arms that page (recompute target).
+CONTROL = "unpaged"
+PAGED_FAMILY = ("paged", "paged_recompute_attn_norm")
+
+
+@dataclass(frozen=True)
+class Size:
+    name: str
+    flags: tuple[str, ...]  # appended to the example script's defaults
+    note: str
+
+
+# Memory arithmetic (16 bytes per parameter: bf16 weight + bf16 grad buffer + fp32 master + two
+# fp32 Adam moments; 1 GPU, so no sharding; :func:`estimate_memory` does the same sums):
+#
+# small (the example: 8 layers, hidden 1024, 16 experts top-2, moe-ffn 1024, seq 2048, vocab
+#   32000): per layer 4h^2 = 4.2M attention + 16 x (1024 x 2048 + 1024 x 1024) = 50.3M experts;
+#   x 8 + 2 x 32.8M embeddings = ~0.50B parameters -> ~8.0 GB of state. Expert activations per
+#   layer: top-2 of 2048 tokens = 4096 live rows, 6144 capacity rows x (1024 + 2 x 1024) bf16 =
+#   37.7 MB. Unfused attention peaked at 12.4 GiB (mcore_h200.json); SDPA needs less.
+# expert_heavy (32 experts top-4, moe-ffn 2048, seq 4096): experts 32 x (1024 x 4096 + 2048 x
+#   1024) = 201M per layer -> ~1.71B parameters -> ~27 GB of state. Expert activations per
+#   layer: 16384 live rows, 24576 capacity rows x (1024 + 2 x 2048) bf16 = 252 MB, 2.0 GB over 8
+#   layers (1.34 GB live) against ~0.7 GB of other per-layer activations and ~0.8 GB of logits
+#   (4096 x 32000, bf16 + fp32): the experts dominate the activation memory. Peak ~31 GB of the
+#   H200's 141 GB. Step: 32768 tokens x ~1.8 GFLOP/token (6 x 268M active parameters + causal
+#   attention) = ~59 TFLOP, ~0.2 s of GPU time at 300 TFLOP/s; the example is host-bound (about
+#   1 s per step at the small size), so 12 iterations take well under a minute after start-up.
+# expert_heavy_cap2 (not run by default): expert_heavy with capacity factor 2.0, the headroom a
+#   static capacity needs for EP imbalance; there paging's saving is 1 - 1.1/2 of the expert
+#   activations instead of 1 - 1.1/1.5 (see docs/benchmarks.md).
+SIZES: dict[str, Size] = {
+    s.name: s
+    for s in (
+        Size("expert_heavy",
+             ("--num-experts", "32", "--moe-router-topk", "4", "--moe-ffn-hidden-size", "2048",
+              "--seq-length", "4096", "--max-position-embeddings", "4096"),
+             "expert activations dominate: 32 experts top-4, moe-ffn 2048, seq 4096"),
+        Size("small", (), "examples/run_pretrain_1gpu.sh defaults: 16 experts top-2, seq 2048"),
+        Size("expert_heavy_cap2",
+             ("--num-experts", "32", "--moe-router-topk", "4", "--moe-ffn-hidden-size", "2048",
+              "--seq-length", "4096", "--max-position-embeddings", "4096",
+              "--moe-expert-rank-capacity-factor", "2.0"),
+             "expert_heavy with static capacity factor 2.0 (EP-imbalance headroom)"),
+    )
+}  # fmt: skip
+DEFAULT_SIZES = ("expert_heavy", "small")
+DEFAULT_BUDGET_ARMS = ("unpaged", "paged", "recompute_moe")
+
+
+def offload_available(source: Path = FLAGS_SOURCE) -> bool:
+    """Whether the example's parser has the offloading backend's flag (grep of its source)."""
+    try:
+        return OFFLOAD_FLAG in source.read_text()
+    except OSError:
+        return False
+
+
+def skip_reason(arm: Arm, offload: bool) -> str | None:
+    if arm.needs_offload and not offload:
+        return (
+            f"the example's parser has no {OFFLOAD_FLAG} "
+            f"({FLAGS_SOURCE.relative_to(ROOT)}); the offloading backend lands separately"
+        )
+    return None
+
+
+def frontier_extra(size: str, arm: str, iters: int = FRONTIER_ITERS) -> list[str]:
+    """Flags appended to the example script for one frontier run (later flags win)."""
+    return [*SIZES[size].flags, *ARMS[arm].flags, *COMMON_FLAGS, "--train-iters", str(iters)]
+
+
+def budget_extra(size: str, arm: str, seq: int, iters: int = BUDGET_ITERS) -> list[str]:
+    """Flags of one budget candidate: the size at sequence length ``seq``."""
+    return [
+        *SIZES[size].flags, *ARMS[arm].flags, *COMMON_FLAGS, "--train-iters", str(iters),
+        "--seq-length", str(seq), "--max-position-embeddings", str(seq),
+    ]  # fmt: skip
+
+
+def script_argv(extra: list[str], paged: bool, script: Path | None = None) -> list[str]:
+    """Every argument the example script passes to the example (its ``DRY_RUN=1`` listing)."""
+    script = SCRIPT if script is None else script
+    env = {**os.environ, "DRY_RUN": "1", "PAGED": "1" if paged else "0",
+           "PYTHON": sys.executable}
+    out = subprocess.run(["bash", str(script), *extra], env=env, capture_output=True,
+                         text=True, check=True, timeout=60)
+    return out.stdout.splitlines()
+
+
+def resolve_flags(argv: list[str]) -> dict[str, list[str]]:
+    """``--flag value...`` -> {flag: values}; a repeated flag keeps its last values (argparse)."""
+    flags: dict[str, list[str]] = {}
+    key = None
+    for token in argv:
+        if token.startswith("--"):
+            key = token
+            flags[key] = []
+        elif key is not None:
+            flags[key].append(token)
+    return flags
+
+
+def model_config(argv: list[str]) -> dict:
+    """The numbers of a run's model that the memory arithmetic needs, from its arguments."""
+    f = resolve_flags(argv)
+
+    def num(name, default=None, cast=int):
+        values = f.get(name)
+        return cast(values[0]) if values else default
+
+    mbs = num("--micro-batch-size", 1)
+    gbs = num("--global-batch-size", mbs)
+    ffn = num("--ffn-hidden-size")
+    return {
+        "num_layers": num("--num-layers"),
+        "hidden_size": num("--hidden-size"),
+        "num_attention_heads": num("--num-attention-heads"),
+        "num_query_groups": num("--num-query-groups"),
+        "ffn_hidden_size": ffn,
+        "moe_ffn_hidden_size": num("--moe-ffn-hidden-size", ffn),
+        "num_experts": num("--num-experts"),
+        "moe_router_topk": num("--moe-router-topk", 2),
+        "capacity_factor": num("--moe-expert-rank-capacity-factor", None, float),
+        "seq_length": num("--seq-length"),
+        "micro_batch_size": mbs,
+        "global_batch_size": gbs,
+        "microbatches": gbs // mbs,  # one GPU: data-parallel size 1
+        "vocab_size": num("--vocab-size"),
+        "swiglu": "--swiglu" in f,
+        "untied_embeddings": "--untie-embeddings-and-output-weights" in f,
+        "dtype_bytes": 2 if ("--bf16" in f or "--fp16" in f) else 4,
+        "pipeline_parallel": num("--pipeline-model-parallel-size", 1),
+        "expert_parallel": num("--expert-model-parallel-size", 1),
+        "paged": "--moe-paged-stash" in f,
+        "recompute_modules": f.get("--recompute-modules", []),
+    }
+
+
+def expert_bytes(cfg: dict) -> dict:
+    """Bytes of the paged expert tensors in flight at a step's peak, from the flags.
+
+    Routed rows per microbatch and layer = seq x micro_batch x topk (EP = 1: every routed row
+    lands on this rank, none is dropped under a capacity factor >= 1). The paged tensors of a
+    layer are ``PagedGroupedMLP``'s fc1 input (``hidden`` columns) and fc1 output (``2 x moe_ffn``
+    with SwiGLU, else ``moe_ffn``), in the activation dtype. In flight: every layer of the stage
+    times the microbatches in flight, which is 1 for Megatron's non-pipelined schedule (PP = 1:
+    each microbatch's backward runs before the next forward) and ``min(pp, microbatches)`` on the
+    first stage of 1F1B. Unpaged, each layer holds its capacity-sized buffers
+    (``ceil(tokens x topk x factor)`` rows); paged, the pool holds the live rows (x the CUDA
+    factor 1.10) and a layer's capacity-sized reload destinations exist during its backward.
+    """
+    if cfg["expert_parallel"] != 1:
+        raise ValueError("expert_bytes assumes EP = 1 (the frontier runs on one GPU)")
+    tokens = cfg["seq_length"] * cfg["micro_batch_size"]
+    routed = tokens * cfg["moe_router_topk"]
+    factor = cfg["capacity_factor"]
+    capacity = math.ceil(routed * factor) if factor else routed
+    ffn_cols = (2 if cfg["swiglu"] else 1) * cfg["moe_ffn_hidden_size"]
+    row_bytes = (cfg["hidden_size"] + ffn_cols) * cfg["dtype_bytes"]
+    pp = cfg["pipeline_parallel"]
+    layers = cfg["num_layers"] // pp
+    in_flight = 1 if pp == 1 else min(pp, cfg["microbatches"])
+    live = routed * row_bytes * layers * in_flight
+    one_layer = capacity * row_bytes
+    return {
+        "routed_rows_per_layer": routed,
+        "capacity_rows_per_layer": capacity,
+        "row_bytes": row_bytes,
+        "layers_in_flight": layers,
+        "microbatches_in_flight": in_flight,
+        "live_expert_mib": live / MIB,
+        "capacity_expert_mib": capacity * row_bytes * layers * in_flight / MIB,
+        "one_layer_capacity_mib": one_layer / MIB,
+        "paged_bound_mib": (1.1 * live + one_layer) / MIB,
+    }
+
+
+def estimate_memory(cfg: dict, non_expert_cols: int = 16) -> dict:
+    """Sizing only (never reported as a measurement): parameters, 16 B/parameter of state, the
+    expert capacity buffers and a generous estimate of every other activation
+    (``non_expert_cols`` x hidden per token and layer, plus bf16 + 2 x fp32 logits)."""
+    h, layers, experts = cfg["hidden_size"], cfg["num_layers"], cfg["num_experts"]
+    ffn = cfg["moe_ffn_hidden_size"]
+    heads = cfg["num_attention_heads"]
+    groups = cfg["num_query_groups"] or heads
+    attn = h * h + 2 * h * (h // heads) * groups + h * h  # q, k, v, output projection
+    per_layer = attn + experts * (h * (2 if cfg["swiglu"] else 1) * ffn + ffn * h) + experts * h
+    params = layers * per_layer + cfg["vocab_size"] * h * (2 if cfg["untied_embeddings"] else 1)
+    tokens = cfg["seq_length"] * cfg["micro_batch_size"]
+    dtype = cfg["dtype_bytes"]
+    layers_other = tokens * layers * non_expert_cols * h * dtype
+    logits = tokens * cfg["vocab_size"] * 10
+    expert = expert_bytes(cfg)["capacity_expert_mib"] * MIB
+    state = 16 * params
+    return {"params": params, "state_bytes": state, "expert_capacity_bytes": expert,
+            "non_expert_layers_bytes": layers_other, "logits_bytes": logits,
+            "total_bytes": state + expert + layers_other + logits}

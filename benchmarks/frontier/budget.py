@@ -1,0 +1,170 @@
+"""The fixed-memory-budget search: the longest sequence each budget arm trains under a cap
+(``MEGATRON_PAGING_MEMORY_FRACTION``), its candidates, its start and its outcome."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .arms import (
+    ARMS,
+    BUDGET_ITERS,
+    DEFAULT_BUDGET_ARMS,
+    SIZES,
+    budget_extra,
+    model_config,
+    offload_available,
+    script_argv,
+    skip_reason,
+)
+from .plan import Task
+
+RESERVE_FRACTION = 0.9  # budget prediction: the allocator's reserve/fragmentation headroom
+
+
+@dataclass(frozen=True)
+class BudgetOptions:
+    size: str = "expert_heavy"
+    arms: tuple[str, ...] = DEFAULT_BUDGET_ARMS
+    cap_gib: float = 36.0
+    iters: int = BUDGET_ITERS
+    max_runs: int = 5
+    resolution: int = 512
+    unit: int = 512
+    max_seq: int = 65536
+
+
+def _floor_to(x: float, unit: int) -> int:
+    return int(x // unit) * unit
+
+
+def _ceil_to(x: float, unit: int) -> int:
+    return int(math.ceil(x / unit)) * unit
+
+
+def next_candidate(tried: dict[int, bool], start: int, step_ratio: float, resolution: int,
+                   unit: int, max_runs: int, max_seq: int) -> int | None:
+    """The next sequence length to try, or None when the search is over.
+
+    ``tried`` maps a length to whether it trained. Up by ``1 + step_ratio`` while everything
+    fits (doubling for 1.0), down by the same factor while nothing fits, then bisect between the
+    longest fit below the shortest failure and that failure until they are ``resolution`` apart;
+    at most ``max_runs`` candidates, lengths multiples of ``unit``, none above ``max_seq``.
+    """
+    if not tried:
+        return min(max(_floor_to(start, unit), unit), max_seq)
+    if len(tried) >= max_runs:
+        return None
+    oks = sorted(s for s, fit in tried.items() if fit)
+    bads = sorted(s for s, fit in tried.items() if not fit)
+    if not bads:
+        nxt = min(max_seq, _ceil_to(oks[-1] * (1 + step_ratio), unit))
+        return nxt if nxt > oks[-1] and nxt not in tried else None
+    hi = bads[0]
+    below = [s for s in oks if s < hi]
+    if not below:
+        nxt = _floor_to(hi / (1 + step_ratio), unit)
+        return nxt if unit <= nxt < hi and nxt not in tried else None
+    lo = below[-1]
+    if hi - lo <= resolution:
+        return None
+    mid = _floor_to((lo + hi) / 2, unit)
+    return mid if lo < mid < hi and mid not in tried else None
+
+
+def predict_start(frontier: dict | None, cap_mib: float, base_seq: int, unit: int,
+                  max_seq: int) -> dict:
+    """Where an arm's search starts: predicted from its frontier run at the budget size
+    (activation memory grows linearly with the sequence under SDPA attention; state is fixed),
+    with a 12.5% step; without one, at the size's own length, doubling."""
+    if (frontier and frontier.get("status") == "ok" and frontier.get("activation_mib")
+            and frontier["activation_mib"] > 0 and frontier.get("seq")):
+        usable = cap_mib * RESERVE_FRACTION - frontier["state_mib"]
+        predicted = frontier["seq"] * usable / frontier["activation_mib"]
+        start = min(max(_floor_to(predicted, unit), unit), max_seq)
+        return {"start": start, "step_ratio": 0.125, "predicted_seq": predicted,
+                "predicted_from": frontier["key"]}
+    return {"start": base_seq, "step_ratio": 1.0, "predicted_seq": None, "predicted_from": None}
+
+
+def budget_records(runs: dict, size: str, arm: str, cap_gib: float, iters: int) -> list[dict]:
+    return [r for r in runs.values() if r["kind"] == "budget" and r["size"] == size
+            and r["arm"] == arm and r.get("cap_gib") == cap_gib and r["train_iters"] == iters]
+
+
+def budget_outcome(records: list[dict], opts: BudgetOptions) -> dict:
+    """The longest length that trained, its speed, and whether the search is over."""
+    tried = {r["seq"]: r["status"] == "ok" for r in records if r["status"] in ("ok", "oom")}
+    errors = [r["seq"] for r in records if r["status"] not in ("ok", "oom")]
+    search = records[0]["search"] if records else None
+    oks = [r for r in records if r["status"] == "ok" and r.get("step_ms")]
+    best = max(oks, key=lambda r: r["seq"]) if oks else None
+    concluded = bool(errors) or (search is not None and next_candidate(
+        tried, search["start"], search["step_ratio"], opts.resolution, opts.unit,
+        opts.max_runs, opts.max_seq) is None)
+    fails = sorted(s for s, fit in tried.items() if not fit and (not best or s > best["seq"]))
+    return {
+        "candidates": {str(r["seq"]): r["status"] for r in sorted(records, key=lambda r: r["seq"])},
+        "max_seq": best["seq"] if best else None,
+        "first_failure_above": fails[0] if fails else None,
+        "tokens_per_s": best["tokens_per_s"] if best else None,
+        "time_per_token_us": best["time_per_token_us"] if best else None,
+        "step_ms": best["step_ms"]["median"] if best else None,
+        "steady_peak_allocated_mib": best["memory"].get("steady_peak_allocated_mib")
+        if best else None,
+        "activation_mib": best.get("activation_mib") if best else None,
+        "errors": errors, "search": search, "concluded": concluded,
+    }
+
+
+def next_budget_task(opts: BudgetOptions, runs: dict, arm: str, fraction: float,
+                     base_seq: int) -> Task | None:
+    """The arm's next budget candidate as a task, or None when its search is over (concluded,
+    or stopped by a candidate that failed other than by running out of memory)."""
+    records = budget_records(runs, opts.size, arm, opts.cap_gib, opts.iters)
+    if any(r["status"] not in ("ok", "oom") for r in records):
+        return None  # an error is not a memory limit: the search stops and says so
+    search = records[0]["search"] if records else predict_start(
+        runs.get(f"{opts.size}:{arm}"), opts.cap_gib * 1024, base_seq, opts.unit, opts.max_seq)
+    tried = {r["seq"]: r["status"] == "ok" for r in records}
+    seq = next_candidate(tried, search["start"], search["step_ratio"], opts.resolution,
+                         opts.unit, opts.max_runs, opts.max_seq)
+    if seq is None:
+        return None
+    return Task("budget", opts.size, arm, tuple(budget_extra(opts.size, arm, seq, opts.iters)),
+                opts.iters, seq, {"MEGATRON_PAGING_MEMORY_FRACTION": f"{fraction:.6f}"},
+                search, opts.cap_gib)
+
+
+def run_budget(opts: BudgetOptions, runs: dict, total_mib: float, execute,
+               retry_failed: bool = False, base_seq: int | None = None,
+               offload: bool | None = None) -> bool:
+    """The fixed-budget search, arm after arm, each candidate one ``execute(task, label)`` under
+    the cap (``execute`` records it in ``runs`` and returns None to stop: the time budget).
+    With ``retry_failed`` the candidates that errored earlier (not an OOM) are dropped first, so
+    the search runs past them again. Returns False when stopped early."""
+    fraction = opts.cap_gib * 1024 / total_mib
+    if not 0 < fraction < 1:
+        raise SystemExit(f"error: --budget-gib {opts.cap_gib} is not below the device's "
+                         f"{total_mib / 1024:.1f} GiB")
+    if base_seq is None:
+        base_seq = model_config(script_argv(list(SIZES[opts.size].flags), False))["seq_length"]
+    offload = offload_available() if offload is None else offload
+    if retry_failed:
+        for key in [k for k, r in runs.items()
+                    if r["kind"] == "budget" and r["status"] not in ("ok", "oom")]:
+            del runs[key]
+    for arm in opts.arms:
+        reason = skip_reason(ARMS[arm], offload)
+        if reason:
+            print(f"frontier: skip budget {arm}: {reason}", flush=True)
+            continue
+        while (task := next_budget_task(opts, runs, arm, fraction, base_seq)) is not None:
+            count = len(budget_records(runs, opts.size, arm, opts.cap_gib, opts.iters))
+            if execute(task, f"[budget {arm} run {count + 1}/{opts.max_runs}]") is None:
+                return False
+            if task.key not in runs:  # nothing recorded: the same task again would loop
+                print(f"frontier: budget {task.key} left no record; stopping the search",
+                      flush=True)
+                return False
+    return True

@@ -1,0 +1,192 @@
+"""The frontier's output: the result JSON (built from the runs), its atomic save, the printed
+table with the targets, and the PNG."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from common import figure
+
+from .arms import ARMS, COMMON_FLAGS, SIZES, WARMUP_ITERS, expert_bytes, model_config, skip_reason
+from .logs import summarize
+from .plan import provenance
+from .targets import _ok, _status, evaluate_targets
+
+if TYPE_CHECKING:
+    from .budget import BudgetOptions
+
+
+def build_result(current: dict, settings: dict, runs: dict, calls: list, skipped: dict,
+                 offload: bool, budget: dict | None, opts: BudgetOptions | None,
+                 left: list) -> dict:
+    summary = summarize(runs)
+    sizes = {}
+    for name, size in SIZES.items():
+        entry = {"flags": list(size.flags), "note": size.note}
+        example = next((r for r in runs.values() if r["kind"] == "arm" and r["size"] == name),
+                       None)
+        if example:
+            entry["config"] = model_config(example["argv"])
+            entry["expert_bytes"] = expert_bytes(entry["config"])
+        sizes[name] = entry
+    arms = {
+        name: {"flags": list(a.flags), "paged": a.paged, "exact": a.exact,
+               "description": a.description, "needs_offload": a.needs_offload,
+               "skip_reason": skip_reason(a, offload)}
+        for name, a in ARMS.items()
+    }
+    result = {
+        "benchmark": "frontier",
+        **provenance(runs, current),
+        "this_call": current,
+        "settings": settings,
+        "common_flags": list(COMMON_FLAGS),
+        "method": (
+            "each run = examples/run_pretrain_1gpu.sh + the size's and the arm's flags; "
+            f"step time = median of iterations > {WARMUP_ITERS} (Megatron's 'elapsed time per "
+            "iteration'), spread = common.spread; activation = steady_peak_allocated_mib - "
+            "(param_mib + grad_mib + optimizer_state_mib) as the example prints them; live "
+            "expert bytes computed from the flags (frontier/arms.py: expert_bytes); parity = every "
+            "microbatch loss (float.hex) equal to the unpaged run of the same size"),
+        "sizes": sizes,
+        "arms": arms,
+        "skipped": skipped,
+        "summary": summary,
+        "budget": {"options": asdict(opts) if opts else None, "outcomes": budget or {}},
+        "targets": evaluate_targets(summary, budget),
+        "remaining": left,
+        "calls": calls,
+        "runs": runs,
+    }
+    return result
+
+
+def save(result: dict, out: Path) -> None:
+    """The JSON, written atomically (a run killed mid-write leaves the previous file)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    os.replace(tmp, out)
+
+
+def _fmt(value, spec: str = ".1f", none: str = "-") -> str:
+    return none if value is None else format(value, spec)
+
+
+def table(result: dict) -> list[str]:
+    lines = [f"frontier: {result.get('gpu') or 'no GPU'}, commit {result.get('commit')}"]
+    head = (f"{'size':<18} {'arm':<26} {'status':<7} {'step ms':>8} {'spread':>7} "
+            f"{'peak MiB':>9} {'act MiB':>9} {'live MiB':>9} {'bitwise':>8}")
+    lines += [head, "-" * len(head)]
+    for size, rows in result["summary"].items():
+        for arm in ARMS:
+            row = rows.get(arm)
+            if row is None:
+                continue
+            spread = (row.get("step_spread") or {}).get("relative_spread")
+            par = row.get("parity")
+            status = row["status"] if row.get("paged_as_asked") is not False else "nopage"
+            lines.append(
+                f"{size:<18} {arm:<26} {status:<7} {_fmt(row['step_ms']):>8} "
+                f"{_fmt(spread * 100 if spread is not None else None, '.1f') + '%':>7} "
+                f"{_fmt(row.get('steady_peak_allocated_mib')):>9} "
+                f"{_fmt(row.get('activation_mib')):>9} {_fmt(row.get('live_expert_mib')):>9} "
+                f"{'-' if par is None else ('yes' if par['bitwise_equal'] else 'NO'):>8}")
+    outcomes = result["budget"]["outcomes"]
+    if outcomes:
+        opts = result["budget"]["options"]
+        lines.append(f"budget: {opts['size']} under {opts['cap_gib']:g} GiB "
+                     f"(MEGATRON_PAGING_MEMORY_FRACTION), {opts['iters']} iterations per run")
+        for arm, o in outcomes.items():
+            lines.append(
+                f"  {arm:<26} max seq {_fmt(o['max_seq'], 'd'):>6}  tokens/s "
+                f"{_fmt(o['tokens_per_s'], '.0f'):>8}  "
+                f"us/token {_fmt(o['time_per_token_us'], '.2f')}"
+                f"  tried {o['candidates']}{'' if o['concluded'] else '  (not concluded)'}")
+    lines.append("targets:")
+    for scope, targets in result["targets"].items():
+        if scope == "budget":
+            lines.append(f"  budget: paged longer than unpaged at <= 1.01x time/token: "
+                         f"{targets['status']}"
+                         + (f" (paged {targets['paged_max_seq']} vs unpaged "
+                            f"{targets['unpaged_max_seq']}, time/token ratio "
+                            f"{targets['time_per_token_ratio']:.3f})"
+                            if targets.get("met") is not None else ""))
+            continue
+        for name, t in targets.items():
+            detail = ""
+            if "ratio" in t:
+                detail = f" (ratio {t['ratio']:.3f}" + (", within noise)" if t["within_noise"]
+                                                         else ")")
+            elif name.startswith("paged_activation") and t.get("met") is not None:
+                detail = (f" (activation {t['activation_mib']:.0f} MiB vs bound "
+                          f"{t['bound_mib']:.0f} MiB"
+                          + (f"; expert share {t['expert_activation_mib']:.0f} MiB: "
+                             f"{_status(t['expert_share_met'])}" if "expert_share_met" in t
+                             else "") + ")")
+            elif name.startswith("paged_1.2x"):
+                detail = "".join(
+                    f" [{a}: {v['speedup_vs_recompute_moe']:.2f}x, act "
+                    f"{v['activation_mib']:.0f} vs {v['recompute_activation_mib']:.0f} MiB]"
+                    for a, v in t["per_arm"].items())
+                if t.get("required"):
+                    detail += " (required at this size)"
+            lines.append(f"  {scope}: {name}: {t['status']}{detail}")
+    if result["skipped"]:
+        lines.append("skipped: " + "; ".join(f"{k}: {v}" for k, v in result["skipped"].items()))
+    if result["remaining"]:
+        lines.append("left to run: " + ", ".join(result["remaining"]))
+    return lines
+
+
+def plot(result: dict):
+    def draw(png: Path) -> None:
+        sizes = [s for s, rows in result["summary"].items()
+                 if any(_ok(r) and r.get("activation_mib") is not None for r in rows.values())]
+        outcomes = result["budget"]["outcomes"]
+        panels = len(sizes) + (1 if outcomes else 0)
+        if panels == 0:
+            return
+        fig = figure(5.2 * panels, 4.6)
+        colors = dict(zip(ARMS, ("grey", "tab:blue", "tab:orange", "tab:red", "tab:cyan",
+                                 "tab:brown", "tab:purple", "tab:green"), strict=True))
+        for i, size in enumerate(sizes):
+            ax = fig.add_subplot(1, panels, i + 1)
+            for arm, row in result["summary"][size].items():
+                if not _ok(row) or row.get("activation_mib") is None:
+                    continue
+                s = row["step_spread"]
+                ax.errorbar([row["activation_mib"] / 1024], [s["median"]],
+                            yerr=[[s["median"] - s["min"]], [s["max"] - s["median"]]],
+                            fmt="o", color=colors.get(arm, "k"), capsize=3, label=arm)
+            live = next((r.get("live_expert_mib") for r in result["summary"][size].values()
+                         if r.get("live_expert_mib")), None)
+            ax.set_xlabel("activation memory (GiB): steady peak - params - grads - optimizer")
+            ax.set_ylabel("median step time (ms), bars: min-max")
+            ax.set_title(f"{size}" + (f" (live expert rows {live / 1024:.2f} GiB)"
+                                      if live else ""), fontsize=9)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7, loc="best")
+        if outcomes:
+            ax = fig.add_subplot(1, panels, panels)
+            names = list(outcomes)
+            seqs = [outcomes[n]["max_seq"] or 0 for n in names]
+            ax.bar(names, seqs, color=[colors.get(n, "k") for n in names])
+            for j, n in enumerate(names):
+                tps = outcomes[n]["tokens_per_s"]
+                ax.text(j, seqs[j], f"{tps:.0f} tok/s" if tps else "none fit", ha="center",
+                        va="bottom", fontsize=7)
+            opts = result["budget"]["options"]
+            ax.set_ylabel("longest sequence trained")
+            ax.set_title(f"{opts['size']} under {opts['cap_gib']:g} GiB", fontsize=9)
+            ax.tick_params(axis="x", labelsize=7, rotation=15)
+        fig.suptitle(f"Megatron GPT-MoE frontier, {result.get('gpu') or 'no GPU'}, "
+                     f"{str(result.get('commit'))[:8]}", fontsize=10)
+        fig.tight_layout()
+        fig.savefig(png)
+
+    return draw

@@ -1,0 +1,103 @@
+"""The issue's targets (PASS / MISS / NOT RUN), evaluated from the summary and the budget
+search's outcomes."""
+
+from __future__ import annotations
+
+from .arms import ARMS, CONTROL, PAGED_FAMILY
+
+
+def _ok(row: dict | None) -> bool:
+    return bool(row) and row.get("status") == "ok" and row.get("step_ms") is not None
+
+
+def _status(met: bool | None) -> str:
+    return "NOT RUN" if met is None else ("PASS" if met else "MISS")
+
+
+def _noise(a: dict, b: dict) -> float:
+    """Combined relative half-range of two arms' step times."""
+    return sum((r["step_spread"] or {}).get("relative_spread") or 0.0 for r in (a, b))
+
+
+def ratio_target(rows: dict, num: str, den: str, limit: float) -> dict:
+    a, b = rows.get(num), rows.get(den)
+    if not (_ok(a) and _ok(b)):
+        return {"status": "NOT RUN", "met": None}
+    ratio = a["step_ms"] / b["step_ms"]
+    noise = _noise(a, b)
+    met = ratio <= limit
+    return {"ratio": ratio, "limit": limit, "met": met, "status": _status(met),
+            "combined_relative_spread": noise, "within_noise": abs(ratio - limit) <= noise}
+
+
+def evaluate_targets(summary: dict, budget: dict | None = None,
+                     target_size: str = "expert_heavy") -> dict:
+    """The issue's targets from the measured numbers, per size (``target_size`` is where the
+    recompute target is required) and for the budget search."""
+    targets: dict = {}
+    for size, rows in summary.items():
+        t: dict = {}
+        rec = rows.get("recompute_moe")
+        per_arm = {}
+        for name in PAGED_FAMILY:
+            a = rows.get(name)
+            if _ok(a) and _ok(rec) and a.get("activation_mib") is not None:
+                speedup = rec["step_ms"] / a["step_ms"]
+                mem_ok = a["activation_mib"] <= rec["activation_mib"]
+                per_arm[name] = {"speedup_vs_recompute_moe": speedup,
+                                 "activation_mib": a["activation_mib"],
+                                 "recompute_activation_mib": rec["activation_mib"],
+                                 "activation_le_recompute": mem_ok,
+                                 "met": speedup >= 1.2 and mem_ok}
+        met = any(v["met"] for v in per_arm.values()) if per_arm else None
+        t["paged_1.2x_faster_than_recompute_moe_at_le_its_activation"] = {
+            "per_arm": per_arm, "met": met, "status": _status(met),
+            "required": size == target_size}
+        paged, control = rows.get("paged"), rows.get(CONTROL)
+        if _ok(paged) and paged.get("activation_mib") is not None:
+            bound = paged["paged_bound_mib"]
+            entry = {"live_expert_mib": paged["live_expert_mib"],
+                     "one_layer_capacity_mib": paged["one_layer_capacity_mib"],
+                     "bound_mib": bound, "activation_mib": paged["activation_mib"],
+                     "pool_cuda_mib": paged.get("pool_cuda_mib"),
+                     "met": paged["activation_mib"] <= bound}
+            if _ok(control) and control.get("activation_mib") is not None:
+                # Breakdown (derived): the control's activations minus its capacity-sized expert
+                # buffers are the non-expert activations both runs share.
+                other = control["activation_mib"] - control["capacity_expert_mib"]
+                entry["non_expert_activation_mib"] = other
+                entry["expert_activation_mib"] = paged["activation_mib"] - other
+                entry["expert_share_met"] = entry["expert_activation_mib"] <= bound
+            entry["status"] = _status(entry["met"])
+        else:
+            entry = {"status": "NOT RUN", "met": None}
+        t["paged_activation_le_1.1x_live_plus_one_layer"] = entry
+        t["paged_step_le_1.01x_unpaged"] = ratio_target(rows, "paged", CONTROL, 1.01)
+        t["paged_step_le_0.9x_mcore_manager"] = ratio_target(rows, "paged", "mcore_manager", 0.9)
+        exact = {}
+        for name, row in rows.items():
+            if name in ARMS and ARMS[name].exact:
+                p = row.get("parity")
+                exact[name] = p["bitwise_equal"] if p else None
+        met = all(exact.values()) if exact and None not in exact.values() else None
+        if exact and False in exact.values():
+            met = False
+        t["bitwise_parity_paged_and_mcore_manager"] = {"per_arm": exact, "met": met,
+                                                       "status": _status(met)}
+        targets[size] = t
+    if budget:
+        targets["budget"] = budget_target(budget)
+    return targets
+
+
+def budget_target(outcomes: dict) -> dict:
+    """Paged trains a longer sequence than unpaged at <= 1.01x its time per token."""
+    p, u = outcomes.get("paged"), outcomes.get(CONTROL)
+    if not (p and u and p.get("max_seq") and u.get("max_seq")):
+        return {"status": "NOT RUN", "met": None}
+    longer = p["max_seq"] > u["max_seq"]
+    ratio = p["time_per_token_us"] / u["time_per_token_us"]
+    met = longer and ratio <= 1.01
+    return {"paged_max_seq": p["max_seq"], "unpaged_max_seq": u["max_seq"], "longer": longer,
+            "time_per_token_ratio": ratio, "met": met, "status": _status(met),
+            "concluded": bool(p.get("concluded") and u.get("concluded"))}
