@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from op_counter import OpCounter
 
 from megatron_paging import kernels
 from megatron_paging.kernels.checks import as_rows, check_args
@@ -15,29 +15,6 @@ from megatron_paging.record import PageRecord
 
 ROW_BYTES, PAGE_SIZE, ROWS = 8, 4, 10
 WHAT = ["stash source", "reload destination"]
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts aten ops by class: views, allocations (new storage), in-place writes.
-
-    ``t.view(dtype)`` is not differentiable, so autograd emits an ``aten.detach`` under it: that
-    detach is part of the one Python-level view and is not counted as another.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.views, self.allocations, self.writes = [], [], []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten.detach.default and self.views[-1:] == ["aten.view.dtype"]:
-            pass
-        elif func.is_view:
-            self.views.append(str(func))
-        elif func._schema.is_mutable:
-            self.writes.append(str(func))
-        else:
-            self.allocations.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 def small_pool(**kwargs) -> PagePool:

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from op_counter import OpCounter
 
 from megatron_paging import kernels
 from megatron_paging.config import PagingConfig
@@ -29,29 +29,6 @@ from megatron_paging.streams import CpuStreamBackend, CudaStreamBackend
 PAGE, ROWS, HIDDEN, LAYERS, RECORDS = 4, 16, 8, 4, 3
 PUBLIC_CALLS = ("open_slot", "save", "commit", "backward_slot_start", "prefetch", "unpack",
                 "finish")
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts aten ops by class: views, allocations (new storage), in-place writes.
-
-    ``t.view(dtype)`` is not differentiable, so autograd emits an ``aten.detach`` under it: that
-    detach is part of the one Python-level view and is not counted as another.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.views, self.allocations, self.writes = [], [], []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten.detach.default and self.views[-1:] == ["aten.view.dtype"]:
-            pass
-        elif func.is_view:
-            self.views.append(str(func))
-        elif func._schema.is_mutable:
-            self.writes.append(str(func))
-        else:
-            self.allocations.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 class CountingBackend(CpuStreamBackend):
