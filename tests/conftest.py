@@ -39,3 +39,13 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 def cpu_generator() -> torch.Generator:
     """A fixed-seed CPU generator, so tests that draw tensors are reproducible."""
     return torch.Generator().manual_seed(1234)
+
+
+@pytest.fixture
+def one_cpu_thread():
+    """One intra-op thread for the test: the models and tensors are tiny, and on a busy 2-core
+    machine intra-op threads only contend. Modules opt in with ``pytestmark``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

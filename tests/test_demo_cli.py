@@ -24,13 +24,7 @@ SMALL = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def one_cpu_thread():
-    # These models are tiny: on a busy 2-core machine, intra-op threads only contend.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 def demo_args(tmp_path, *extra):

@@ -24,12 +24,7 @@ ROW_BYTES = WIDTH * 4
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True)
-def one_cpu_thread():
-    threads = torch.get_num_threads()  # tiny tensors: intra-op threads only contend
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 def cfg(**fields) -> PagingConfig:

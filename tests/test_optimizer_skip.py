@@ -5,18 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cases import OPTIMIZERS
 
 from megatron_paging.optimizer_skip import DeviceSkip, device_resident_steps, step_unless
 from megatron_paging.overflow import pack_flags, skip_flag
 from megatron_paging.pool import PagingFlags
 
-OPTIMIZERS = {
-    "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
-    "sgd_fused": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, fused=True),
-    "adam": lambda p: torch.optim.Adam(p, lr=0.01),
-    "adamw": lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1),
-    "adamw_fused": lambda p: torch.optim.AdamW(p, lr=0.01, fused=True),
-}
 SKIP, STEP = torch.ones(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
 
 

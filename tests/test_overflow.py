@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from cases import OPTIMIZERS
 
 from megatron_paging.calibration import Calibrator
 from megatron_paging.config import ConfigError, PagingConfig, overflow_policy_choices
@@ -44,14 +45,6 @@ from megatron_paging.record import PageRecord
 HIDDEN, OUT, CAPACITY, PAGE = 8, 3, 24, 4
 ROW_BYTES = HIDDEN * 4
 SCHEDULE = ["F0", "F1", "F2", "B0", "F3", "B1", "F4", "B2", "B3", "B4"]  # 1F1B, 3 in flight
-
-OPTIMIZERS = {
-    "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
-    "sgd_fused": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, fused=True),
-    "adam": lambda p: torch.optim.Adam(p, lr=0.01),
-    "adamw": lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1),
-    "adamw_fused": lambda p: torch.optim.AdamW(p, lr=0.01, fused=True),
-}
 
 
 def make_batch(step: int, live_scale: float = 1.0):

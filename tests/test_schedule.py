@@ -7,6 +7,7 @@ import functools
 import warnings
 
 import pytest
+from cases import SCHEDULE_CASES
 
 from megatron_paging.schedule import OP_KINDS, Op, check_ops, drive_ops
 
@@ -130,21 +131,6 @@ def test_drive_ops_pairs_chunks_of_different_depths():
     ]
 
 
-CASES = [
-    ("1f1b", dict(pp=1, rank=0, microbatches=3)),
-    ("1f1b", dict(pp=4, rank=0, microbatches=6)),
-    ("1f1b", dict(pp=4, rank=2, microbatches=4, delay_wgrad=True)),
-    ("interleaved", dict(pp=2, vpp=2, rank=0, microbatches=4)),
-    ("interleaved", dict(pp=2, vpp=3, rank=1, microbatches=6)),
-    ("interleaved", dict(pp=4, vpp=2, rank=1, microbatches=9, group_size=5)),
-    ("interleaved", dict(pp=2, vpp=2, rank=1, microbatches=4, combined_1f1b=True)),
-    ("interleaved", dict(pp=2, vpp=2, rank=0, microbatches=6, delay_wgrad=True)),
-    ("dualpipev", dict(pp=2, rank=0, microbatches=4)),
-    ("dualpipev", dict(pp=2, rank=1, microbatches=5)),
-    ("dualpipev", dict(pp=3, rank=1, microbatches=6)),
-]
-
-
 def build(schedule, options):
     if schedule == "1f1b":
         return schedules.one_f_one_b(**options), 1
@@ -154,7 +140,7 @@ def build(schedule, options):
 
 
 def test_schedule_orders_are_complete_and_checked():
-    for schedule, options in CASES:
+    for schedule, options in SCHEDULE_CASES:
         ops, num_chunks = build(schedule, options)
         check_ops(ops)
         microbatches = options["microbatches"]

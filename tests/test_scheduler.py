@@ -7,6 +7,7 @@ from collections import defaultdict
 
 import pytest
 import torch
+from cases import SCHEDULE_CASES
 
 from megatron_paging.config import PagingConfig
 from megatron_paging.engine import PagingEngine
@@ -24,13 +25,7 @@ with warnings.catch_warnings():
 TOKENS, HIDDEN, FFN, SEGMENTS, LAYERS, PAGE = 32, 16, 24, 2, 2, 4
 
 
-@pytest.fixture(autouse=True)
-def one_cpu_thread():
-    # Tiny tensors: on a busy 2-core machine, intra-op threads only contend.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 def paged_context(backend, pools, **options) -> PagingContext:
@@ -151,21 +146,6 @@ def check_log(backend, ops):
         assert e.info["branch"] == ("wgrad" if is_deferred else "backward")
 
 
-CASES = [
-    ("1f1b", dict(pp=1, rank=0, microbatches=3)),
-    ("1f1b", dict(pp=4, rank=0, microbatches=6)),
-    ("1f1b", dict(pp=4, rank=2, microbatches=4, delay_wgrad=True)),
-    ("interleaved", dict(pp=2, vpp=2, rank=0, microbatches=4)),
-    ("interleaved", dict(pp=2, vpp=3, rank=1, microbatches=6)),
-    ("interleaved", dict(pp=4, vpp=2, rank=1, microbatches=9, group_size=5)),
-    ("interleaved", dict(pp=2, vpp=2, rank=1, microbatches=4, combined_1f1b=True)),
-    ("interleaved", dict(pp=2, vpp=2, rank=0, microbatches=6, delay_wgrad=True)),
-    ("dualpipev", dict(pp=2, rank=0, microbatches=4)),
-    ("dualpipev", dict(pp=2, rank=1, microbatches=5)),
-    ("dualpipev", dict(pp=3, rank=1, microbatches=6)),
-]
-
-
 def build(schedule, options):
     options = dict(options)
     if schedule == "1f1b":
@@ -175,7 +155,7 @@ def build(schedule, options):
     return schedules.dualpipev(**options), 2
 
 
-@pytest.mark.parametrize("schedule,options", CASES, ids=lambda v: str(v))
+@pytest.mark.parametrize("schedule,options", SCHEDULE_CASES, ids=lambda v: str(v))
 def test_schedule_parity_and_log(schedule, options):
     ops, num_chunks = build(schedule, options)
     control, *_ = run(ops, num_chunks, paged=False)
