@@ -3,7 +3,9 @@
 Megatron's own ``pretrain()`` drives everything; this script only adds:
 
 * ``install()`` first thing: Megatron-Core's paged-stash hook points, its step runner and the
-  ``static`` flex dispatch backend now go through megatron-paging;
+  ``static`` flex dispatch backend now go through megatron-paging (and, with
+  ``--fine-grained-activation-offloading --paging-offload-backend paged``, its activation
+  offloading);
 * our flags (``extra_args_provider=add_paging_args``) and their start-up validation;
 * a model provider that builds ``GPTModel`` from the local (TE-free) layer spec with
   :class:`~megatron_paging.mcore.experts.PagedGroupedMLP` experts and, by default, fused SDPA
@@ -40,6 +42,7 @@ from megatron.training.utils import is_first_or_last_pipeline_stage
 
 from megatron_paging.mcore import install
 from megatron_paging.mcore.flags import add_paging_args, install_options, paging_config
+from megatron_paging.mcore.offload_shims import offload_args_lift
 from megatron_paging.mcore.specs import get_gpt_moe_paged_layer_spec
 from megatron_paging.tools.memory_trace import format_breakdown, peak_breakdown
 
@@ -335,9 +338,10 @@ def main() -> None:
     if fraction:
         torch.cuda.set_per_process_memory_fraction(float(fraction))
     train_valid_test_datasets_provider.is_distributed = True
-    args = parse_and_validate_args(
-        extra_args_provider=add_paging_args, args_defaults={"tokenizer_type": "NullTokenizer"}
-    )
+    with offload_args_lift():  # Megatron's TE-only offloading assertion, where it does not apply
+        args = parse_and_validate_args(
+            extra_args_provider=add_paging_args, args_defaults={"tokenizer_type": "NullTokenizer"}
+        )
     try:
         config = paging_config(args)  # every paging flag and MEGATRON_PAGING_MAX_CTAS, once
         if args.tensor_model_parallel_size != 1:
@@ -426,6 +430,7 @@ def report_memory(api, implementation: str) -> None:
     state = _state_mib(PROBE.model, PROBE.optimizer)
     # Steady state: from the third step on (step 1 calibrates, step 2 allocates the pools and
     # the optimizer's lazy state).
+    offload = _offload_report(api, implementation)
     print(
         f"paging-example rank {os.environ.get('RANK', '0')}: "
         f"peak_allocated_mib={PROBE.peak_mib():.1f} "
@@ -434,9 +439,41 @@ def report_memory(api, implementation: str) -> None:
         f"pool_cuda_mib={cuda_bytes / mib:.1f} pool_host_mib={host_bytes / mib:.1f} "
         + "".join(f"{k}={v:.1f} " for k, v in state.items())
         + f"paging_mode={mode} paged_steps={steps} graph_replays={replays} "
-        f"overflow_actions={','.join(f'{k}:{v}' for k, v in sorted(actions.items())) or '-'}",
+        f"overflow_actions={','.join(f'{k}:{v}' for k, v in sorted(actions.items())) or '-'}"
+        + "".join(f" {k}={v:.1f}" for k, v in offload.items()),
         flush=True,
     )
+
+
+def _offload_report(api, implementation: str) -> dict[str, float]:
+    """MiB the fine-grained offloading kept on the host and moved per step (empty when off)."""
+    args = get_args()
+    if not getattr(args, "fine_grained_activation_offloading", False):
+        return {}
+    mib = 2**20
+    if getattr(args, "paging_offload_backend", "mcore") == "mcore":
+        from megatron.core.pipeline_parallel.fine_grained_activation_offload import (
+            PipelineOffloadManager,
+        )
+
+        manager = PipelineOffloadManager.get_instance()
+        host = sum(  # its pinned pool keeps every tensor it ever allocated, per (shape, dtype)
+            t.numel() * t.element_size()
+            for entry in manager.cpu_tensor_pool._pools.values()
+            for t in entry["all"]
+        )
+        moved = getattr(manager, "_offload_summary_total_bytes", 0)
+        return {"offload_host_mib": host / mib, "offload_moved_per_step_mib": moved / mib}
+    offload, pools = api.offload, api.engine.offload_pools
+    stats = pools.stats if pools is not None else {}
+    return {
+        "offload_host_mib": (pools.host_bytes() if pools is not None else 0) / mib,
+        "offload_moved_per_step_mib": (stats.get("rows_live_bytes", 0)
+                                       + stats.get("whole_bytes", 0)) / mib,
+        "offload_rows_live_mib": stats.get("rows_live_bytes", 0) / mib,
+        "offload_rows_capacity_mib": offload.offloaded_bytes["rows_capacity"] / mib,
+        "offload_whole_mib": offload.offloaded_bytes["whole"] / mib,
+    }
 
 
 if __name__ == "__main__":

@@ -105,6 +105,10 @@ class PagingConfig:
     overlap: False runs stash and reload on the compute stream (the no-overlap control).
     overflow_policy: ``rerun``, ``skip`` or ``grow`` (docs/overflow.md).
     growth_factor: device-tier multiplier of the ``grow`` policy.
+    offload_host_factor: host tier of the offload pools = this x the calibrated peak of
+        offloaded live rows in flight (>= 1; routing changes live counts between steps).
+    offload_max_ctas: grid bound of the copy kernels for offloaded live-row records (PCIe, not
+        HBM, bounds them: a few CTAs saturate it, the rest stay with the GEMMs).
     """
 
     page_size: int = 64
@@ -116,6 +120,8 @@ class PagingConfig:
     overlap: bool = True
     overflow_policy: str = "rerun"
     growth_factor: float = 1.5
+    offload_host_factor: float = 1.25
+    offload_max_ctas: int = 16
 
     def __post_init__(self):
         positive_int("page_size", self.page_size)
@@ -139,6 +145,11 @@ class PagingConfig:
             )
         if _number("growth_factor", self.growth_factor) <= 1:
             raise ConfigError("growth_factor", f"must be > 1, got {self.growth_factor!r}")
+        if _number("offload_host_factor", self.offload_host_factor) < 1:
+            raise ConfigError(
+                "offload_host_factor", f"must be >= 1, got {self.offload_host_factor!r}"
+            )
+        positive_int("offload_max_ctas", self.offload_max_ctas)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **fields) -> PagingConfig:

@@ -21,8 +21,12 @@ CUDA graphs: ``begin_step`` and ``end_step`` of a ``paged`` step are sync-free a
 nothing, so a capture may sit between them and include them (the reset is then part of the
 graph, and ``end_step`` joins the paging stream back into the capture stream). What cannot be
 captured is refused with :class:`CaptureError`: a calibration step, or a capture that begins
-while the previous step is still open. Other records (the offloading backend's) join the same
-step through :meth:`scheduler_for`.
+while the previous step is still open.
+
+Offloaded records (the offloading backend's, :mod:`megatron_paging.offload`) join the same step
+and scheduler: the calibration step parks them too and sizes the host-only offload pools and the
+arena beside the stash pools; ``begin_step`` resets both; :attr:`PagingEngine.flags` reports
+the union of both pools' overflow.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import torch
 from megatron_paging import kernels
 from megatron_paging.calibration import Calibrator
 from megatron_paging.config import ConfigError, PagingConfig
+from megatron_paging.offload import OffloadCalibrator, OffloadPools
 from megatron_paging.pool import PagePools, PagingFlags
 from megatron_paging.scheduler import PagingScheduler
 from megatron_paging.streams import CpuStreamBackend, CudaStreamBackend
@@ -74,7 +79,9 @@ class PagingEngine:
         self.mode = OFF  # of the running step, or of the last one once it ended
         self.step_open = False
         self.calibrator: Calibrator | None = None
+        self.offload_calibrator: OffloadCalibrator | None = None
         self.pools: PagePools | None = None
+        self.offload_pools: OffloadPools | None = None
         self.scheduler: PagingScheduler | None = None
         self._device: torch.device | None = None  # where the records of the run live
         if pools is not None:
@@ -126,9 +133,12 @@ class PagingEngine:
             return
         if self.pools is None:
             self.calibrator = Calibrator()
+            self.offload_calibrator = OffloadCalibrator()
             self.mode = CALIBRATE
         else:
             self.pools.reset()
+            if self.offload_pools is not None:
+                self.offload_pools.reset()
             self.mode = PAGED
         self.steps += 1
 
@@ -143,6 +153,7 @@ class PagingEngine:
         scheduler, self.scheduler = self.scheduler, None
         calibrating = self.step_open and self.mode == CALIBRATE
         calibrator, self.calibrator = self.calibrator, None
+        offload_calibrator, self.offload_calibrator = self.offload_calibrator, None
         self.step_open = False
         unreloaded = scheduler.finish() if scheduler is not None else 0
         if unreloaded:
@@ -153,8 +164,18 @@ class PagingEngine:
                 unreloaded,
                 self.steps,
             )
-        if calibrating and calibrator.peak_rows:
-            self._set_pools(calibrator.size_pools(self.config, self._device))
+        offloaded = calibrating and offload_calibrator.saw_records
+        if calibrating and (calibrator.peak_rows or offloaded):
+            if offloaded:
+                self._set_offload_pools(offload_calibrator.size(
+                    self.config.page_size, self.config.offload_host_factor, self._device
+                ))
+            # Without stash records the stash pools are empty: a later stash record then
+            # fails with the pool lookup's "calibration did not see a record of this row size".
+            self._set_pools(
+                calibrator.size_pools(self.config, self._device)
+                if calibrator.peak_rows else PagePools(self.config.page_size, self._device)
+            )
         return unreloaded
 
     def note_replayed_step(self) -> None:
@@ -180,20 +201,41 @@ class PagingEngine:
             logger.info("paging: nothing to grow (no pools yet)")
             return
         self._set_pools(self.pools.grown(factor))
+        if self.offload_pools is not None:  # either may have overflowed: grow both
+            self._set_offload_pools(self.offload_pools.grown(factor))
 
     def release_pools(self) -> None:
         """Drop the pools; the next paging step calibrates again."""
         self.end_step()
         self.pools = None
+        self.offload_pools = None
 
     def _set_pools(self, pools: PagePools) -> None:
         kernels.prepare(pools, self.config.kernel_backend)  # outside any capture
         self.pools = pools
 
+    def _set_offload_pools(self, offload: OffloadPools) -> None:
+        kernels.prepare(offload.pools, self.config.kernel_backend)
+        self.offload_pools = offload
+
     @property
     def flags(self) -> PagingFlags | None:
-        """The sticky device flags of the running (or last) step, if it paged through pools."""
-        return self.pools.flags if self.pools is not None and self.mode == PAGED else None
+        """The sticky device flags of the running (or last) step, if it paged through pools.
+
+        With offload pools: their ``overflow`` and ``invalid_live`` are or-ed in (device ops,
+        no sync); ``host_spill`` stays the stash's (an offloaded record is on the host by
+        design, not because the device tier was full).
+        """
+        if self.pools is None or self.mode != PAGED:
+            return None
+        if self.offload_pools is None:
+            return self.pools.flags
+        union = PagingFlags(self.pools.device)
+        union.values.copy_(self.pools.flags.values)
+        offload = self.offload_pools.flags
+        union.overflow.bitwise_or_(offload.overflow)
+        union.invalid_live.bitwise_or_(offload.invalid_live)
+        return union
 
     # -- the step's scheduler --------------------------------------------------------------
     def scheduler_for(self, device: torch.device) -> PagingScheduler:
@@ -214,12 +256,15 @@ class PagingEngine:
                     if self._device.type == "cuda"
                     else CpuStreamBackend()
                 )
+        paged = self.mode == PAGED
         self.scheduler = PagingScheduler(
             backend,
-            pools=self.pools if self.mode == PAGED else None,
-            parker=self.calibrator if self.mode == CALIBRATE else None,
+            pools=self.pools if paged else None,
+            parker=None if paged else self.calibrator,
             config=self.config,
             layout_cache=self._layouts,
+            offload=self.offload_pools if paged else None,
+            offload_parker=None if paged else self.offload_calibrator,
         )
         return self.scheduler
 

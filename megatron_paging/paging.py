@@ -46,6 +46,7 @@ class _Mark:
     capacity_rows: int | None
     annotations: dict = field(default_factory=dict)
     handle: PagedHandle | None = None
+    offload: bool = False  # to the host (offload pools / arena), not the paged stash
 
 
 class _Saved:
@@ -91,10 +92,10 @@ class PagingContext:
         self.scheduler: PagingScheduler | None = None  # the open step's, once a slot opened
         self._forward: tuple[int, int] | None = None  # (chunk, microbatch)
         self._backward: tuple[int, int, bool] | None = None  # (chunk, microbatch, defer)
-        self._slot: tuple[int, int, int] | None = None  # open forward slot
+        # Open forward slots, innermost last: (slot, saved, marks). An offload group opens
+        # inside a layer slot (open_offload_group) and commits first.
+        self._slots: list[tuple[tuple, list[_Saved], dict[int, _Mark]]] = []
         self._backward_layer: int | None = None
-        self._marks: dict[int, _Mark] = {}
-        self._saved: list[_Saved] = []
         self._wgrad: dict[tuple[int, int], list[tuple[int | None, Callable[[], None]]]] = (
             defaultdict(list)
         )
@@ -125,8 +126,20 @@ class PagingContext:
 
     def _reset(self) -> None:
         self.scheduler = None
-        self._slot, self._saved, self._marks = None, [], {}
+        self._slots = []
         self._wgrad.clear()
+
+    @property
+    def _slot(self):
+        return self._slots[-1][0] if self._slots else None
+
+    @property
+    def _saved(self) -> list[_Saved]:
+        return self._slots[-1][1]
+
+    @property
+    def _marks(self) -> dict[int, _Mark]:
+        return self._slots[-1][2]
 
     # ------------------------------------------------------------- forward side
     @contextlib.contextmanager
@@ -154,8 +167,29 @@ class PagingContext:
             return
         if self.scheduler is None:
             self.scheduler = self.engine.scheduler_for(torch.device(device))
-        self._slot = (int(chunk), int(layer), int(microbatch))
-        self.scheduler.open_slot(*self._slot)
+        slot = (int(chunk), layer if isinstance(layer, tuple) else int(layer), int(microbatch))
+        self.scheduler.open_slot(*slot)
+        self._slots.append((slot, [], {}))
+
+    def open_offload_group(self, chunk: int, key: tuple, microbatch: int, device) -> None:
+        """An offload group's forward begins (it may nest in an open layer slot): its saved
+        tensors go through :meth:`pack_offload`; :meth:`commit_slot` ends it."""
+        if not isinstance(key, tuple):
+            raise TypeError(f"an offload group's key must be a tuple, got {key!r}")
+        self.open_slot(chunk, key, microbatch, device)
+
+    def pack_offload(self, tensor: torch.Tensor, live_rows: torch.Tensor | None = None,
+                     capacity_rows: int | None = None):
+        """Pack-hook path of an offload group: ``tensor`` goes to the host at the group's
+        commit — its live rows (``live_rows``: a device count nobody writes until the reload,
+        of ``capacity_rows`` rows) or, without ``live_rows``, the whole tensor."""
+        if self._slot is None:
+            return tensor
+        mark = _Mark(tensor, live_rows, None, False, True, capacity_rows, offload=True)
+        self._marks[id(tensor)] = mark
+        saved = _Saved(tensor, mark)
+        self._saved.append(saved)
+        return saved
 
     def group_start(self, tensor: torch.Tensor, layer: int) -> torch.Tensor:
         """Start of layer ``layer``'s forward inside ``forward(chunk, microbatch)`` (identity)."""
@@ -244,8 +278,7 @@ class PagingContext:
         """The open slot's forward is done: stash its marked saved tensors (one record each)."""
         if self._slot is None:
             raise RuntimeError("group_commit() without a group_start()")
-        slot, saved, marks = self._slot, self._saved, self._marks
-        self._slot, self._saved, self._marks = None, [], {}
+        slot, saved, marks = self._slots.pop()
         scheduler = self.scheduler
         for s in saved:
             mark = s.mark or marks.get(id(s.tensor))
@@ -259,6 +292,7 @@ class PagingContext:
                     mark.wgrad_only,
                     live_rows_private=mark.private,
                     capacity_rows=mark.capacity_rows,
+                    offload=mark.offload,
                 )
                 if mark.annotations:
                     mark.handle.record.annotations.update(mark.annotations)

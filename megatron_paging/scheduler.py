@@ -46,57 +46,24 @@ stands in for the kernels.
 
 from __future__ import annotations
 
-import functools
 import itertools
 from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from megatron_paging import kernels
 from megatron_paging.config import PagingConfig
 from megatron_paging.pool import PagePools
-from megatron_paging.record import PageRecord, RecordLayout
+from megatron_paging.record import RecordLayout
+from megatron_paging.transfers import PagedHandle, Parker, Transfers
 
 BACKWARD = "backward"
 WGRAD = "wgrad"
 
 
-class Parker(Protocol):
-    """Calibration's stand-in for pools: ``park`` at commit, ``unpark`` at reload, both on the
-    compute stream; the scheduler keeps what ``park`` returned and nothing else."""
-
-    def park(self, tensor: torch.Tensor, record: PageRecord) -> Any: ...
-
-    def unpark(self, parked: Any, record: PageRecord) -> torch.Tensor: ...
-
-
-@dataclass(eq=False)
-class PagedHandle:
-    """What autograd holds instead of a paged tensor; ``scheduler.unpack`` turns it back."""
-
-    id: int
-    record: PageRecord
-    shape: torch.Size
-    dtype: torch.dtype
-    device: torch.device
-    wgrad_only: bool
-    source: torch.Tensor | None  # held until its stash is known complete
-    parked: Any = None
-    tensor: torch.Tensor | None = None  # the reloaded tensor
-    reload_event: Any = None
-    alloc_stream: Any = None  # the compute stream the reload destination was allocated on
-    waited: bool = False
-
-    @property
-    def slot(self) -> tuple[int, int]:
-        return self.record.annotations["chunk"], self.record.annotations["layer"]
-
-    @property
-    def microbatch(self) -> int:
-        return self.record.annotations["microbatch"]
 
 
 @dataclass
@@ -105,6 +72,7 @@ class _Group:
 
     microbatch: int
     handles: list[PagedHandle] = field(default_factory=list)
+    position: int = 0  # commit order in the step: backward meets groups in reverse
 
 
 class PagingScheduler:
@@ -119,6 +87,9 @@ class PagingScheduler:
         layout_cache: a dict to keep validated record layouts in; pass the same one to the
             schedulers of later steps (same page size) so a layout is validated once per run,
             not once per step. Default: a private one.
+        offload: the host-only pools and arena offloaded records go to
+            (:class:`~megatron_paging.offload.OffloadPools`); ``offload_parker`` instead while
+            calibrating (:class:`~megatron_paging.offload.OffloadCalibrator`).
     """
 
     def __init__(
@@ -128,6 +99,8 @@ class PagingScheduler:
         parker: Parker | None = None,
         config: PagingConfig | None = None,
         layout_cache: dict | None = None,
+        offload=None,
+        offload_parker=None,
     ):
         if pools is None and parker is None:
             raise ValueError("PagingScheduler needs pools, or a parker when pools is None")
@@ -144,17 +117,25 @@ class PagingScheduler:
         self.kernel = (
             None if pools is None else kernels.resolve_backend(config.kernel_backend, pools.device)
         )
+        self.transfers = Transfers(
+            backend, self.kernel, pools, parker, offload, offload_parker, self.max_ctas,
+            config.offload_max_ctas,
+        )
         self._ids = itertools.count()
+        self._positions = itertools.count()  # commit order of the step's groups
         self._paging_used = False  # the paging stream got work this step (finish joins it)
-        self._open: tuple[int, int, int] | None = None  # (chunk, layer, microbatch)
-        self._pending: list[PagedHandle] = []
+        # Open slots, innermost last, each with its pending records: an offload group may open
+        # inside a paged-stash slot (Megatron's expert_fc1 inside the experts' stash context).
+        self._open_slots: list[tuple[tuple, list[PagedHandle]]] = []
         # branch -> (chunk, layer) -> FIFO of stashed groups
         self._fifo: dict[str, dict[tuple[int, int], deque[_Group]]] = {
             branch: defaultdict(deque) for branch in (BACKWARD, WGRAD)
         }
-        # branch -> (chunk, microbatch) -> layers whose backward (or wgrad) has not started
-        self._layers: dict[str, dict[tuple[int, int], set[int]]] = {
-            branch: defaultdict(set) for branch in (BACKWARD, WGRAD)
+        # branch -> (chunk, microbatch) -> {layer: commit position} of the slots whose backward
+        # (or wgrad) has not started; a layer is any hashable key (an int for a paged-stash
+        # slot, a tuple for an offload group), ordered by the position
+        self._layers: dict[str, dict[tuple[int, int], dict[Any, int]]] = {
+            branch: defaultdict(dict) for branch in (BACKWARD, WGRAD)
         }
         self._sources: deque[tuple[Any, list[PagedHandle]]] = deque()  # (stash-done, handles)
         # Host-static record layout per (capacity_rows, row_bytes, segments, device, page size):
@@ -162,14 +143,39 @@ class PagingScheduler:
         self._layouts: dict[tuple, RecordLayout] = {} if layout_cache is None else layout_cache
 
     # ---------------------------------------------------------------- forward
-    def open_slot(self, chunk: int, layer: int, microbatch: int) -> None:
-        """A layer's forward begins; later saves belong to this slot until ``commit``."""
-        if self._open is not None:
+    @property
+    def _open(self):
+        """The innermost open slot ``(chunk, layer, microbatch)``, or None."""
+        return self._open_slots[-1][0] if self._open_slots else None
+
+    @property
+    def _pending(self) -> list[PagedHandle]:
+        return self._open_slots[-1][1] if self._open_slots else []
+
+    def open_slot(self, chunk: int, layer, microbatch: int) -> None:
+        """A layer's forward begins; later saves belong to this slot until ``commit``.
+
+        Slots nest: an offload group (``layer`` a tuple key) inside a layer slot (Megatron's
+        ``expert_fc1`` inside the experts' paged-stash context) or a layer slot inside an
+        offload group (``mlp_norm``'s spans the MoE layer); never a layer slot inside a layer
+        slot. ``commit`` closes the innermost.
+        """
+        group = isinstance(layer, tuple)
+        slot = (int(chunk), layer if group else int(layer), int(microbatch))
+        # Slots nest (Megatron commits an offload group after the ops it encloses: mlp_norm's
+        # group spans the MoE layer's stash slot); two layer slots open at once mean a missing
+        # commit.
+        clash = next(
+            (o for o, _ in self._open_slots
+             if o == slot or not (group or isinstance(o[1], tuple))),
+            None,
+        )
+        if clash is not None:
             raise RuntimeError(
-                f"open_slot{(chunk, layer, microbatch)}: slot {self._open} is still open "
-                "(every group start needs a group commit)"
+                f"open_slot{slot}: slot {clash} is still open (every group start needs a group "
+                "commit)"
             )
-        self._open = (int(chunk), int(layer), int(microbatch))
+        self._open_slots.append((slot, []))
 
     def save(
         self,
@@ -180,13 +186,15 @@ class PagingScheduler:
         *,
         live_rows_private: bool = False,
         capacity_rows: int | None = None,
+        offload: bool = False,
     ) -> PagedHandle:
         """Make a pending record for a capacity buffer of the open slot.
 
         The buffer is ``capacity_rows`` rows (default: its first dimension) of equal byte size.
         ``live_rows`` is copied now (never re-read), so the caller may overwrite it afterwards;
         ``live_rows_private=True`` says nobody else writes it (a copy the caller made) and skips
-        the copy.
+        the copy. ``offload=True`` sends the record to the host (offload pools) instead of the
+        paged stash; with ``live_rows=None`` the whole tensor is offloaded (the host arena).
         """
         if self._open is None:
             raise RuntimeError("save() needs an open slot (call open_slot / group_start first)")
@@ -194,9 +202,11 @@ class PagingScheduler:
             raise ValueError("save(): tensor must be a tensor with at least one row")
         if not tensor.is_contiguous():
             raise ValueError(f"save(): tensor must be contiguous, got strides {tensor.stride()}")
+        chunk, layer, microbatch = self._open
+        if offload and live_rows is None:
+            return self._save_whole(tensor, wgrad_only)
         if not isinstance(live_rows, torch.Tensor):
             raise TypeError(f"live_rows must be a device tensor, got {type(live_rows).__name__}")
-        chunk, layer, microbatch = self._open
         if capacity_rows is None:
             capacity_rows = tensor.shape[0]
         elif capacity_rows <= 0 or tensor.numel() % capacity_rows:
@@ -220,16 +230,28 @@ class PagingScheduler:
             device=tensor.device,
             wgrad_only=wgrad_only,
             source=tensor,
+            notes=record.annotations,
+            offload="rows" if offload else None,
+        )
+        self._pending.append(handle)
+        return handle
+
+    def _save_whole(self, tensor: torch.Tensor, wgrad_only: bool) -> PagedHandle:
+        chunk, layer, microbatch = self._open
+        wgrad_only = bool(wgrad_only)
+        handle = PagedHandle(
+            id=next(self._ids), record=None, shape=tensor.shape, dtype=tensor.dtype,
+            device=tensor.device, wgrad_only=wgrad_only, source=tensor, offload="whole",
+            notes=dict(chunk=chunk, layer=layer, microbatch=microbatch, wgrad_only=wgrad_only),
         )
         self._pending.append(handle)
         return handle
 
     def commit(self) -> None:
         """End of the open slot's forward: stash its pending records on the paging stream."""
-        if self._open is None:
+        if not self._open_slots:
             raise RuntimeError("commit() without an open slot")
-        chunk, layer, microbatch = self._open
-        handles, self._pending, self._open = self._pending, [], None
+        (chunk, layer, microbatch), handles = self._open_slots.pop()
         self._release_sources()
         self.backend.note(
             "commit", chunk=chunk, layer=layer, microbatch=microbatch,
@@ -237,11 +259,14 @@ class PagingScheduler:
         )
         if not handles:
             return
-        if self.pools is None:
+        handles = self.transfers.offload_room(handles)
+        if self.parker is not None:
             for h in handles:
-                h.parked, h.source = self.parker.park(h.source, h.record), None
+                self.transfers.park(h)
+        elif not handles:
+            pass
         elif not self.overlap:
-            self._launch_group(self.backend.compute_stream(), "stash", handles)
+            self.transfers.launch_group(self.backend.compute_stream(), "stash", handles)
             for h in handles:
                 h.source = None  # same stream as every later use: safe to drop
         else:
@@ -251,13 +276,19 @@ class PagingScheduler:
             commit_event = self.backend.record(compute, f"commit{(chunk, layer, microbatch)}")
             self.backend.wait(paging, commit_event, "commit")
             self._paging_used = True
-            self._launch_group(paging, "stash", handles)
+            self.transfers.launch_group(paging, "stash", handles)
             done = self.backend.record(paging, "stash-done")
             self._sources.append((done, handles))
-        self._fifo[BACKWARD][(chunk, layer)].append(_Group(microbatch, handles))
-        self._layers[BACKWARD][(chunk, microbatch)].add(layer)
+        if not handles:
+            return
+        position = next(self._positions)
+        self._fifo[BACKWARD][(chunk, layer)].append(_Group(microbatch, handles, position))
+        self._layers[BACKWARD][(chunk, microbatch)][layer] = position
+
+
 
     # --------------------------------------------------------------- backward
+
     def backward_slot_start(
         self, chunk: int, layer: int, microbatch: int, defer_wgrad: bool = False
     ) -> None:
@@ -277,7 +308,8 @@ class PagingScheduler:
         if not self.overlap:
             return
         self._release_sources()
-        layers = sorted(self._layers[branch].get((chunk, microbatch), ()), reverse=True)
+        layers = self._layers[branch].get((chunk, microbatch), {})
+        layers = sorted(layers, key=layers.__getitem__, reverse=True)
         compute = None  # resolved by the first reload that needs it, then reused
         for below in layers[: self.prefetch_distance]:
             compute = self._reload_slot(
@@ -290,7 +322,7 @@ class PagingScheduler:
         A handle still pending in the open slot (its layer's forward has not committed, e.g. a
         recompute or a backward inside the forward) was never stashed: its source is returned.
         """
-        if any(h is handle for h in self._pending):
+        if any(h is handle for _, pending in self._open_slots for h in pending):
             return handle.source
         compute = None
         if handle.tensor is None:  # nobody reloaded it ahead: do it now
@@ -307,7 +339,7 @@ class PagingScheduler:
 
     def finish(self) -> int:
         """End of a step: join the paging stream, drop sources; return unreloaded record count."""
-        if self._open is not None:
+        if self._open_slots:
             raise RuntimeError(f"finish(): slot {self._open} was never committed")
         # Join only a paging stream this step used: it then holds work ordered after the
         # compute stream's events of this step (inside a CUDA-graph capture, an unused paging
@@ -347,8 +379,14 @@ class PagingScheduler:
         layers = self._layers[branch].get((chunk, microbatch))
         if layers is None:
             return
-        layers.discard(layer)
-        ahead = sorted((lower for lower in layers if lower < layer), reverse=True)
+        position = layers.pop(layer, None)
+        if position is None:
+            ahead = []
+        else:
+            ahead = sorted(
+                (lower for lower, p in layers.items() if p < position),
+                key=layers.__getitem__, reverse=True,
+            )
         if not layers:
             del self._layers[branch][(chunk, microbatch)]
         compute = self._reload_slot(branch, chunk, layer, microbatch, defer_wgrad, "slot")
@@ -376,8 +414,10 @@ class PagingScheduler:
             resident = [h for h in handles if h.wgrad_only and h.tensor is None]
             handles = [h for h in handles if not h.wgrad_only]
             if resident:
-                self._fifo[WGRAD][(chunk, layer)].append(_Group(microbatch, resident))
-                self._layers[WGRAD][(chunk, microbatch)].add(layer)
+                self._fifo[WGRAD][(chunk, layer)].append(
+                    _Group(microbatch, resident, group.position)
+                )
+                self._layers[WGRAD][(chunk, microbatch)][layer] = group.position
         return self._reload(
             [h for h in handles if h.tensor is None], reason, oldest=position == 0, branch=branch,
             compute=compute,
@@ -387,9 +427,9 @@ class PagingScheduler:
         """Reload ``handles`` as one group; returns the compute stream if it was resolved."""
         if not handles:
             return compute
-        if self.pools is None:
+        if self.parker is not None:
             for h in handles:
-                h.tensor, h.parked = self.parker.unpark(h.parked, h.record), None
+                self.transfers.unpark(h)
             return compute
         if compute is None:
             compute = self.backend.compute_stream()
@@ -397,7 +437,7 @@ class PagingScheduler:
         for h in handles:
             h.tensor = torch.empty(h.shape, dtype=h.dtype, device=h.device)
         if not self.overlap:
-            self._launch_group(
+            self.transfers.launch_group(
                 compute, "reload", handles, reason=reason, oldest=oldest, branch=branch
             )
             return compute
@@ -405,7 +445,9 @@ class PagingScheduler:
         alloc = self.backend.record(compute, "reload-dst")
         self.backend.wait(paging, alloc, "reload-dst")
         self._paging_used = True
-        self._launch_group(paging, "reload", handles, reason=reason, oldest=oldest, branch=branch)
+        self.transfers.launch_group(
+            paging, "reload", handles, reason=reason, oldest=oldest, branch=branch
+        )
         done = self.backend.record(paging, "reload-done")
         for h in handles:
             h.reload_event = done
@@ -415,24 +457,8 @@ class PagingScheduler:
             h.alloc_stream = compute
         return compute
 
-    def _launch_group(self, stream, kind: str, handles: list[PagedHandle], **info) -> None:
-        """Launch one kernel per record with ``stream`` made current once for the group."""
-        backend = self.backend
-        copy, reload = self.kernel.copy, kind == "reload"
-        pools, max_ctas = self.pools, self.max_ctas
-        with backend.scope(stream):
-            for h in handles:
-                record = h.record
-                pool = pools[record.row_bytes]
-                tensor = h.tensor if reload else h.source
-                notes = record.annotations
-                backend.launch(
-                    stream, kind,
-                    functools.partial(copy, reload, tensor, record, pool, max_ctas),
-                    record=h.id, chunk=notes["chunk"], layer=notes["layer"],
-                    microbatch=notes["microbatch"], wgrad_only=h.wgrad_only, pool=pool,
-                    pool_key=record.row_bytes, **info,
-                )
+
+
 
     def _release_sources(self, capturing: bool = False, compute=None) -> None:
         """Drop sources whose stash finished (eager: poll; capture: compute waits first)."""

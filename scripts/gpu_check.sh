@@ -4,7 +4,8 @@
 #
 # Usage (device tool, repo root; .whl carries megatron-core's wheel):
 #   bash scripts/gpu_check.sh [steps...]     steps: info build tests sanitizer bench-kernels
-#                                            host-cost bench-scheduler mcore frontier
+#                                            host-cost bench-scheduler bench-offload mcore
+#                                            frontier
 #                                            (default: all but frontier)
 # Each step has its own time limit so one hang cannot eat the whole call. Everything together
 # takes longer than one 10-minute device call; split it, for example
@@ -13,6 +14,7 @@
 # (GIT_COMMIT: .git does not travel to the device machine; benchmarks record it in their JSON.
 #  PYTEST_EXTRA: more pytest arguments, e.g. "--deselect tests/test_example_pretrain.py";
 #  PYTEST_TARGETS: test files or node ids instead of the whole tests/ tree.
+#  MCORE_LIMIT_S: the mcore step's time limit (default 420 s; MODES/STEPS go to mcore_gpu_run.sh).
 #  host-cost measures this tree ("after") and, when .old_tree/megatron_paging exists (carry it:
 #  `git archive <commit> megatron_paging | tar -x -C .old_tree`), that tree too ("before").
 #  frontier: benchmarks/bench_frontier.py, resumable over several calls (docs/benchmarks.md):
@@ -75,6 +77,8 @@ for step in "${steps[@]}"; do
       fi ;;
     bench-scheduler) run_step bench-scheduler 240 python3 benchmarks/bench_scheduler.py \
                        --out "$OUT/scheduler.json" ;;
+    bench-offload) run_step bench-offload 180 python3 benchmarks/bench_offload.py \
+                     --out "$OUT/offload.json" ;;
     frontier)
       ftime=${FRONTIER_TIME_S:-500}
       resume=()
@@ -84,7 +88,7 @@ for step in "${steps[@]}"; do
         --out "$OUT/frontier.json" --time-budget-s "$ftime" "${resume[@]}" ${FRONTIER_ARGS:-} ;;
     mcore)
       if [ -f scripts/mcore_gpu_run.sh ]; then
-        run_step mcore 420 bash scripts/mcore_gpu_run.sh "$OUT"
+        run_step mcore "${MCORE_LIMIT_S:-420}" bash scripts/mcore_gpu_run.sh "$OUT"
       else
         echo "mcore: skipped (scripts/mcore_gpu_run.sh missing)" | tee -a "$LOG"
       fi ;;
@@ -96,7 +100,7 @@ echo
 echo "==================== gpu_check summary ===================="
 printf '%-18s %-10s %s\n' step status seconds
 for step in info build tests memcheck racecheck bench-kernels host-cost host-cost-before \
-            bench-scheduler mcore frontier; do
+            bench-scheduler bench-offload mcore frontier; do
   [ -n "${status[$step]:-}" ] && printf '%-18s %-10s %s\n' "$step" "${status[$step]}" "${seconds[$step]}"
 done
 if [ -f "$OUT/gpu_tests.xml" ]; then

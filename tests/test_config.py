@@ -39,6 +39,8 @@ BAD = {
     "overlap": ([1, 0, None, "yes"], "must be True or False"),
     "overflow_policy": (["abort", "RERUN", "", None], "must be one of"),
     "growth_factor": ([NAN, INF, True, "2", None], "must be a finite number"),
+    "offload_host_factor": ([NAN, INF, True, "1.25", None], "must be a finite number"),
+    "offload_max_ctas": ([0, -1, 8.0, True, None], "must be a positive integer"),
 }
 # Values at the edge of what each field accepts.
 GOOD = {
@@ -51,6 +53,8 @@ GOOD = {
     "overlap": [True, False],
     "overflow_policy": ["rerun", "skip", "grow"],
     "growth_factor": [1.0001, 2, 10.0],
+    "offload_host_factor": [1, 1.0, 3.5],
+    "offload_max_ctas": [1, 132],
 }
 
 
@@ -88,6 +92,7 @@ def test_bad_field_is_a_one_line_error_naming_it(name, value, words):
         ("cuda_factor", -0.0, "must be non-zero"),
         ("growth_factor", 1, "must be > 1"),
         ("growth_factor", 1.0, "must be > 1"),
+        ("offload_host_factor", 0.99, "must be >= 1"),
         ("growth_factor", 0.5, "must be > 1"),
         ("growth_factor", -3, "must be > 1"),
     ],

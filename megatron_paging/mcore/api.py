@@ -101,6 +101,7 @@ class MCorePagingAPI:
         self._microbatch: list[int] = [0]
         self._group: _Group | None = None
         self.iteration = 0
+        self.offload = None  # the paged offloading backend's manager, when install() made one
 
     # -- experts.py ------------------------------------------------------------------------
     def paged_stash_group_start(self, tensor):

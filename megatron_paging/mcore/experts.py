@@ -20,6 +20,14 @@ the input ``x`` and ``fc1``, carry Megatron-Core's mark (``grouped_tensor_scale_
 either manager pages exactly those; the activation is recomputed from ``fc1`` in backward.
 Rows past the live prefix are never read in a way that reaches a live result, so a reloaded
 buffer whose tail is left untouched gives bit-identical results.
+
+Offloading: fc1 and activation+fc2 are two autograd functions so that Megatron-Core's
+fine-grained offloading groups ``expert_fc1`` (what fc1 saves: ``x``) and ``moe_act`` (what the
+activation saves: ``fc1``) can be offloaded at the same points as in its TE experts
+(``off_interface(...)`` around each, ``group_offload`` after it, looked up in
+``fine_grained_activation_offload`` at call time: ours after ``install(offload_backend="paged")``,
+else Megatron-Core's). Both tensors carry :data:`~megatron_paging.mcore.offload.LIVE_ROWS_ATTR`,
+so the paged backend moves only their live rows; Megatron-Core's moves them whole.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 import torch
+from megatron.core.pipeline_parallel import fine_grained_activation_offload as mcore_offload
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.tensor_parallel.random import (
     get_cuda_rng_tracker,
@@ -34,6 +43,8 @@ from megatron.core.tensor_parallel.random import (
 )
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe import paged_stash as mcore_paged_stash
+
+from megatron_paging.mcore.offload import LIVE_ROWS_ATTR
 
 GEMM_BACKENDS = ("auto", "grouped", "loop")
 
@@ -71,23 +82,49 @@ def _gmm(a, b, offs, counts):
     return torch.stack(pieces)
 
 
-class _GroupedMLP(torch.autograd.Function):
-    """fc1 -> weighted activation -> fc2; saves ``x`` and ``fc1`` (marked for paging)."""
+def _zero_empty_experts(dw, offs):
+    """Experts without tokens get exact zeros (grouped_mm on sm100 does not write them)."""
+    sizes = torch.diff(offs, prepend=offs.new_zeros(1)).view(-1, 1, 1)
+    return torch.where(sizes > 0, dw, torch.zeros((), dtype=dw.dtype, device=dw.device))
+
+
+class _Fc1(torch.autograd.Function):
+    """``fc1 = x @ W1[e]^T`` over the expert row ranges; saves ``x`` (Megatron's expert_fc1)."""
 
     @staticmethod
-    def forward(ctx, x, probs, w1, w2, offs, counts, act):
-        fc1 = _gmm(x, w1.transpose(1, 2), offs, counts)
+    def forward(ctx, x, w1, offs, counts):
+        ctx.save_for_backward(x, w1, offs)
+        ctx.counts = counts
+        return _gmm(x, w1.transpose(1, 2), offs, counts)
+
+    @staticmethod
+    def backward(ctx, dfc1):
+        x, w1, offs = ctx.saved_tensors
+        counts = ctx.counts
+        dfc1 = dfc1.contiguous()
+        dw1 = _gmm(dfc1.t(), x, offs, counts)
+        dx = _gmm(dfc1, w1, offs, counts)
+        if counts is None:
+            dw1 = _zero_empty_experts(dw1, offs)
+        return dx, dw1, None, None
+
+
+class _ActFc2(torch.autograd.Function):
+    """Weighted activation -> fc2; saves ``fc1`` (Megatron's moe_act) and recomputes the
+    activation from it in backward."""
+
+    @staticmethod
+    def forward(ctx, fc1, probs, w2, offs, counts, act):
         with torch.no_grad():
             inter = act(fc1, probs)
         out = _gmm(inter, w2.transpose(1, 2), offs, counts)
-        fc1.grouped_tensor_scale_inv = False
-        ctx.save_for_backward(x, fc1, probs, w1, w2, offs)
+        ctx.save_for_backward(fc1, probs, w2, offs)
         ctx.counts, ctx.act = counts, act
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        x, fc1, probs, w1, w2, offs = ctx.saved_tensors
+        fc1, probs, w2, offs = ctx.saved_tensors
         counts, act = ctx.counts, ctx.act
         dout = dout.contiguous()
         with torch.enable_grad():
@@ -97,14 +134,16 @@ class _GroupedMLP(torch.autograd.Function):
         dw2 = _gmm(dout.t(), inter.detach(), offs, counts)
         dinter = _gmm(dout, w2, offs, counts)
         dfc1, dprobs = torch.autograd.grad(inter, (fc1_, probs_), dinter)
-        dfc1 = dfc1.contiguous()
-        dw1 = _gmm(dfc1.t(), x, offs, counts)
-        dx = _gmm(dfc1, w1, offs, counts)
-        if counts is None:  # experts without tokens get exact zeros (grouped_mm on sm100 does not)
-            sizes = torch.diff(offs, prepend=offs.new_zeros(1)).view(-1, 1, 1)
-            dw1 = torch.where(sizes > 0, dw1, torch.zeros((), dtype=dw1.dtype, device=dw1.device))
-            dw2 = torch.where(sizes > 0, dw2, torch.zeros((), dtype=dw2.dtype, device=dw2.device))
-        return dx, dprobs, dw1, dw2, None, None, None
+        if counts is None:
+            dw2 = _zero_empty_experts(dw2, offs)
+        return dfc1, dprobs, dw2, None, None, None
+
+
+def _mark_capacity_buffer(tensor: torch.Tensor, live_rows: torch.Tensor | None) -> None:
+    """Megatron-Core's paged-stash mark, and the live count the paged offloading reads."""
+    tensor.grouped_tensor_scale_inv = False
+    if live_rows is not None:
+        setattr(tensor, LIVE_ROWS_ATTR, live_rows)
 
 
 class PagedGroupedMLP(MegatronModule):
@@ -138,6 +177,10 @@ class PagedGroupedMLP(MegatronModule):
         self.num_local_experts = num_local_experts
         self.gemm_backend = gemm_backend
         self.name = name
+        offloading = getattr(config, "fine_grained_activation_offloading", False)
+        modules = getattr(config, "offload_modules", None) or []
+        self.offload_expert_fc1 = bool(offloading and "expert_fc1" in modules)
+        self.offload_moe_act = bool(offloading and "moe_act" in modules)
         ffn = config.moe_ffn_hidden_size
         fc1_out = 2 * ffn if config.gated_linear_unit else ffn
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
@@ -203,12 +246,23 @@ class PagedGroupedMLP(MegatronModule):
             )
         else:
             stash_context = nullcontext()
-        x.grouped_tensor_scale_inv = False  # Megatron-Core's "page me" mark
         probs = permuted_probs.reshape(-1)
+        live = None
+        if self.offload_expert_fc1 or self.offload_moe_act:
+            # One private count per call: the paged offloading backend moves only live rows.
+            live = tokens_per_expert.sum().reshape(1).to(torch.int64)
+        off_interface = mcore_offload.FineGrainedActivationOffloadingInterface
         with stash_context:
-            output = _GroupedMLP.apply(
-                x, probs, self.weight1, self.weight2, offs, counts, self._activation
-            )
+            fc1_manager = off_interface(self.offload_expert_fc1, x, "expert_fc1")
+            with fc1_manager as x:  # marks go on the tensors the functions save (group
+                _mark_capacity_buffer(x, live)  # boundaries may hand back new tensor objects)
+                fc1 = _Fc1.apply(x, self.weight1, offs, counts)
+            fc1 = fc1_manager.group_offload(fc1, forced_released_tensors=[x])
+            act_manager = off_interface(self.offload_moe_act, fc1, "moe_act")
+            with act_manager as fc1:
+                _mark_capacity_buffer(fc1, live)
+                output = _ActFc2.apply(fc1, probs, self.weight2, offs, counts, self._activation)
+            output = act_manager.group_offload(output, forced_released_tensors=[fc1])
         if paging:
             output = mcore_paged_stash.paged_stash_group_commit(output, name="grouped_mlp")
         return output, None

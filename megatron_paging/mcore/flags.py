@@ -28,6 +28,10 @@ flag                            default   meaning
                                           unfused DotProductAttention)
 ``--paging-sdpa-backend``       auto      SDPAttention's pinned SDPA backend: ``auto`` |
                                           ``flash`` | ``efficient`` | ``cudnn`` | ``math``
+``--paging-offload-backend``    mcore     ``mcore`` | ``paged``: Megatron-Core's fine-grained
+                                          activation offloading, or ours (docs/offload.md)
+``--paging-offload-host-factor`` 1.25     offload host tier = this x calibrated live-row peak
+``--paging-offload-max-ctas``   16        grid bound of the kernels of offloaded live rows
 ==============================  ========  ===================================================
 
 It also adds ``static`` to the choices of Megatron's ``--moe-flex-dispatcher-backend`` (our
@@ -35,9 +39,14 @@ sync-free dispatch backend, :mod:`.dispatcher`).
 
 :func:`paging_config` validates everything once and raises one ``ValueError`` naming the
 offending flags for every meaningless or conflicting combination, before any model is built:
-``--paging-*`` flags other than ``--paging-gemm-backend``, ``--paging-core-attention`` and
-``--paging-sdpa-backend`` need ``--moe-paged-stash`` (those three also build the unpaged
-control's model); ``--paging-sdpa-backend`` needs ``--paging-core-attention sdpa``, and its
+``--paging-*`` flags other than ``--paging-gemm-backend``, ``--paging-core-attention``,
+``--paging-sdpa-backend`` and ``--paging-offload-backend`` need ``--moe-paged-stash`` or
+``--paging-offload-backend paged`` (those build the unpaged control's model too);
+``--paging-offload-*`` need ``--paging-offload-backend paged``, which needs
+``--fine-grained-activation-offloading`` and refuses what it cannot serve (per-layer CUDA graphs,
+``--delay-offload-until-cuda-graph``, ``--fine-grained-offloading-max-inflight-offloads``,
+``fused_group_mlp``, ``--paging-implementation mcore``); ``--paging-sdpa-backend`` needs
+``--paging-core-attention sdpa``, and its
 ``cudnn`` is refused with ``--deterministic-mode``; ``--paging-implementation mcore`` rejects the
 flags only our engine and runner read; Megatron features that cannot run with paging (per-layer
 CUDA graphs) are refused by name.
@@ -91,10 +100,17 @@ PAGING_DEFAULTS = {
     "paging_implementation": "ours",
     "paging_core_attention": "sdpa",
     "paging_sdpa_backend": "auto",
+    "paging_offload_backend": "mcore",
+    "paging_offload_host_factor": 1.25,
+    "paging_offload_max_ctas": 16,
 }
 IMPLEMENTATIONS = ("ours", "mcore")
+OFFLOAD_BACKENDS = ("mcore", "paged")
 # Flags that also act without --moe-paged-stash (they build the unpaged control's model too).
-WITHOUT_PAGING = ("paging_gemm_backend", "paging_core_attention", "paging_sdpa_backend")
+WITHOUT_PAGING = (
+    "paging_gemm_backend", "paging_core_attention", "paging_sdpa_backend", "paging_offload_backend"
+)
+OFFLOAD_ONLY = ("paging_offload_host_factor", "paging_offload_max_ctas")
 # Flags of our engine and runner; Megatron-Core's own manager (`mcore`) ignores them.
 OURS_ONLY = (
     "paging_kernel_backend",
@@ -115,6 +131,8 @@ FLAG_OF_FIELD = {
     "overlap": "--paging-no-overlap",
     "overflow_policy": "--paging-overflow-policy",
     "growth_factor": "--paging-growth-factor",
+    "offload_host_factor": "--paging-offload-host-factor",
+    "offload_max_ctas": "--paging-offload-max-ctas",
 }
 # Megatron's CUDA-graph modes that cannot capture paging (full_iteration can).
 UNSUPPORTED_GRAPH_IMPLS = ("local", "transformer_engine")
@@ -208,6 +226,26 @@ def add_paging_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "fp16/bf16, efficient on CUDA fp32, math on CPU; cudnn is refused with "
         "--deterministic-mode)",
     )
+    group.add_argument(
+        "--paging-offload-backend",
+        choices=OFFLOAD_BACKENDS,
+        default=PAGING_DEFAULTS["paging_offload_backend"],
+        help="backend of --fine-grained-activation-offloading: Megatron-Core's (mcore) or "
+        "megatron-paging's (paged: live expert rows through the page kernels, dense tensors by "
+        "DMA into one pinned arena, on the paging stream)",
+    )
+    group.add_argument(
+        "--paging-offload-host-factor",
+        type=float,
+        default=PAGING_DEFAULTS["paging_offload_host_factor"],
+        help="offload host tier = this x the calibrated peak of offloaded live rows (>= 1)",
+    )
+    group.add_argument(
+        "--paging-offload-max-ctas",
+        type=int,
+        default=PAGING_DEFAULTS["paging_offload_max_ctas"],
+        help="grid bound of the copy kernels for offloaded live rows (PCIe-bound)",
+    )
     return parser
 
 
@@ -219,15 +257,25 @@ def paging_config(args, environ=None, cuda_available: bool | None = None) -> Pag
         import torch
 
         cuda_available = torch.cuda.is_available()
-    paged = bool(getattr(args, "moe_paged_stash", False))
+    stash = bool(getattr(args, "moe_paged_stash", False))
+    offload = getattr(args, "paging_offload_backend", "mcore") == "paged"
+    paged = stash or offload
     ours_set = {
         dest: "--" + dest.replace("_", "-")
         for dest, default in PAGING_DEFAULTS.items()
         if getattr(args, dest, default) != default
     }
+    offload_set = [flag for dest, flag in ours_set.items() if dest in OFFLOAD_ONLY]
+    if offload_set and not offload:
+        raise ValueError(f"{', '.join(offload_set)} only apply with --paging-offload-backend paged")
     need_paging = [flag for dest, flag in ours_set.items() if dest not in WITHOUT_PAGING]
     if need_paging and not paged:
-        raise ValueError(f"{', '.join(need_paging)} only apply with --moe-paged-stash")
+        raise ValueError(
+            f"{', '.join(need_paging)} only apply with --moe-paged-stash or "
+            "--paging-offload-backend paged"
+        )
+    if offload:
+        _check_offload(args)
     if getattr(args, "paging_implementation", "ours") == "mcore":
         unused = [flag for dest, flag in ours_set.items() if dest in OURS_ONLY]
         if unused:
@@ -247,7 +295,8 @@ def paging_config(args, environ=None, cuda_available: bool | None = None) -> Pag
         return PagingConfig()  # nothing pages: the environment is not read
     try:
         env_max_ctas = max_ctas_from_env(environ)
-        _check_megatron_combinations(args)
+        if stash:
+            _check_megatron_combinations(args)
         max_ctas = args.paging_max_ctas
         if max_ctas is not None and env_max_ctas is not None and env_max_ctas != max_ctas:
             raise ValueError(
@@ -264,6 +313,8 @@ def paging_config(args, environ=None, cuda_available: bool | None = None) -> Pag
             overlap=not args.paging_no_overlap,
             overflow_policy=args.paging_overflow_policy,
             growth_factor=args.paging_growth_factor,
+            offload_host_factor=getattr(args, "paging_offload_host_factor", 1.25),
+            offload_max_ctas=getattr(args, "paging_offload_max_ctas", 16),
         )
     except ConfigError as error:
         raise ConfigError(*_flag_words(error)) from None
@@ -316,6 +367,44 @@ def _check_megatron_combinations(args) -> None:
         )
 
 
+def _check_offload(args) -> None:
+    """``--paging-offload-backend paged``: what it needs and what it cannot serve."""
+    if not getattr(args, "fine_grained_activation_offloading", False):
+        raise ValueError(
+            "--paging-offload-backend paged needs --fine-grained-activation-offloading "
+            "--offload-modules ..."
+        )
+    if getattr(args, "paging_implementation", "ours") == "mcore":
+        raise ValueError(
+            "--paging-offload-backend paged runs on megatron-paging's runtime; it cannot be "
+            "combined with --paging-implementation mcore"
+        )
+    modules = set(getattr(args, "offload_modules", None) or [])
+    if "fused_group_mlp" in modules:
+        raise ValueError(
+            "--offload-modules fused_group_mlp needs Transformer Engine's op fuser; with "
+            "--paging-offload-backend paged offload expert_fc1 and moe_act instead"
+        )
+    graph_impl = getattr(args, "cuda_graph_impl", "none")
+    if graph_impl in UNSUPPORTED_GRAPH_IMPLS:
+        raise ValueError(
+            f"--cuda-graph-impl {graph_impl} cannot be combined with --paging-offload-backend "
+            "paged (per-layer graphs split a group's offload from its reload); use "
+            "--cuda-graph-impl full_iteration"
+        )
+    for dest, flag, default in (
+        ("delay_offload_until_cuda_graph", "--delay-offload-until-cuda-graph", False),
+        ("fine_grained_offloading_max_inflight_offloads",
+         "--fine-grained-offloading-max-inflight-offloads", None),
+    ):
+        if getattr(args, dest, default) != default:
+            raise ValueError(
+                f"{flag} has no effect with --paging-offload-backend paged (offloads run on the "
+                "paging stream, which the compute stream waits on only where it reads a "
+                "reloaded tensor)"
+            )
+
+
 def validate_paging_args(args, environ=None, cuda_available: bool | None = None) -> None:
     """Raise ``ValueError`` (one message naming the flags) for a bad or meaningless setting."""
     paging_config(args, environ, cuda_available)
@@ -325,9 +414,12 @@ def install_options(args, config: PagingConfig | None = None) -> dict:
     """Keyword arguments of :func:`megatron_paging.mcore.install` from ``args`` and the config
     :func:`paging_config` built from them (none for ``mcore``: Megatron-Core's own manager has
     no use for one)."""
+    offload = {}  # offloading off: Megatron-Core's interface is left alone
+    if getattr(args, "fine_grained_activation_offloading", False):
+        offload = dict(offload_backend=getattr(args, "paging_offload_backend", "mcore"))
     if args.paging_implementation == "mcore":
-        return dict(replace_paged_stash=False)
-    return dict(replace_paged_stash=True, config=config or paging_config(args))
+        return dict(replace_paged_stash=False, **offload)
+    return dict(replace_paged_stash=True, config=config or paging_config(args), **offload)
 
 
 def apply_to_config(config, args) -> None:

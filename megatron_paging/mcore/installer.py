@@ -20,7 +20,11 @@ the importers. :meth:`PagingInstaller.install` therefore
    that adds the ``static`` backend;
 4. installs the config-validation shim (the one place that teaches ``TransformerConfig`` about
    the ``static`` dispatch backend, see :func:`_validate_static_backend`);
-5. logs one line saying what it replaced.
+5. with ``offload_backend="paged"``: rebinds ``FineGrainedActivationOffloadingInterface``
+   everywhere to the paged offloading backend (:mod:`.offload`) over the same API, and applies
+   the offloading lifts of :mod:`.offload_shims`; with ``"mcore"``, only the lifts Megatron-Core's
+   own offloading needs without Transformer Engine;
+6. logs one line saying what it replaced.
 
 :meth:`PagingInstaller.uninstall` puts every original object back (identity restored).
 ``install()`` is idempotent (a call asking for another config reinstalls). Modules
@@ -39,9 +43,11 @@ from dataclasses import dataclass
 
 from megatron_paging.config import PagingConfig
 from megatron_paging.env import check_megatron_core_version
+from megatron_paging.mcore import offload_shims
 from megatron_paging.mcore.api import MCorePagingAPI
 from megatron_paging.mcore.dispatcher import STATIC_BACKEND, PagingFlexTokenDispatcher
 from megatron_paging.mcore.flags import allow_static_backend
+from megatron_paging.mcore.offload import PagedOffloadManager, make_interface
 
 logger = logging.getLogger(__name__)
 
@@ -50,11 +56,19 @@ MOE_LAYER_MODULE = "megatron.core.transformer.moe.moe_layer"
 TOKEN_DISPATCHER_MODULE = "megatron.core.transformer.moe.token_dispatcher"
 CONFIG_MODULE = "megatron.core.transformer.transformer_config"
 SCHEDULES_MODULE = "megatron.core.pipeline_parallel.schedules"
+OFFLOAD_MODULE = "megatron.core.pipeline_parallel.fine_grained_activation_offload"
+OFFLOAD_INTERFACE = "FineGrainedActivationOffloadingInterface"
+OFFLOAD_BACKENDS = ("mcore", "paged")
 KNOWN_IMPORTERS = (
     PAGED_STASH_MODULE,
+    OFFLOAD_MODULE,
     "megatron.core.pipeline_parallel",
     "megatron.core.transformer.moe.experts",
+    "megatron.core.transformer.attention",
+    "megatron.core.transformer.multi_latent_attention",
+    "megatron.core.transformer.transformer_layer",
     "megatron.core.models.gpt.gpt_model",
+    "megatron.core.models.gpt.fine_grained_callables",
     "megatron.core.models.hybrid.hybrid_model",
     "megatron.core.pipeline_parallel.schedules",
     MOE_LAYER_MODULE,
@@ -173,6 +187,7 @@ class PagingInstaller:
         self.api: MCorePagingAPI | None = None
         self.rebindings: list[Rebinding] = []
         self.replaced = False  # whether the paged-stash API itself is ours
+        self.offload_backend: str | None = None
 
     @property
     def installed(self) -> bool:
@@ -183,9 +198,14 @@ class PagingInstaller:
         config: PagingConfig | None = None,
         api: MCorePagingAPI | None = None,
         replace_paged_stash: bool = True,
+        offload_backend: str | None = None,
     ) -> MCorePagingAPI:
         """Rebind Megatron-Core's paged-stash hook points to ``api`` (default: one made for
         ``config``, itself defaulting to ``PagingConfig.from_env()``).
+
+        ``offload_backend``: None (offloading untouched), ``"paged"`` (Megatron-Core's
+        fine-grained activation offloading through our runtime; needs
+        ``replace_paged_stash``) or ``"mcore"`` (Megatron-Core's own, made to run without TE).
 
         ``replace_paged_stash=False`` installs only the ``static`` dispatch backend and its config
         shim and leaves Megatron-Core's own paged-stash manager, kernels and runner in place (the
@@ -204,10 +224,21 @@ class PagingInstaller:
             )
         if config is not None and api is not None:
             raise ValueError("a paging config has no effect next to an explicit api")
+        if offload_backend not in (None, *OFFLOAD_BACKENDS):
+            raise ValueError(
+                f"offload_backend must be None or one of {OFFLOAD_BACKENDS}, got "
+                f"{offload_backend!r}"
+            )
+        if offload_backend == "paged" and not replace_paged_stash:
+            raise ValueError(
+                "the paged offloading backend runs on megatron-paging's runtime; it cannot be "
+                "combined with Megatron-Core's own paged stash (replace_paged_stash=False)"
+            )
         if self.installed:
             same_api = api is None or api is self.api
             same_config = config is None or config == self.api.engine.config
-            if same_api and replace_paged_stash == self.replaced and same_config:
+            same_offload = offload_backend == self.offload_backend
+            if same_api and replace_paged_stash == self.replaced and same_config and same_offload:
                 return self.api
             if not same_config:
                 logger.info(
@@ -236,8 +267,14 @@ class PagingInstaller:
             getter = getattr(sys.modules[SCHEDULES_MODULE], FORWARD_BACKWARD_GETTER)
             replacements[id(getter)] = (FORWARD_BACKWARD_GETTER, _finishing_getter(getter, api))
             originals[id(getter)] = getter
+        if offload_backend == "paged":
+            interface = getattr(sys.modules[OFFLOAD_MODULE], OFFLOAD_INTERFACE)
+            api.offload = PagedOffloadManager(api)
+            replacements[id(interface)] = (OFFLOAD_INTERFACE, make_interface(api.offload))
+            originals[id(interface)] = interface
         self.rebindings = self._rebind_everywhere(replacements, originals)
         self.replaced = replace_paged_stash
+        self.offload_backend = offload_backend
 
         # The dispatcher is constructed in one place only: MoELayer.__init__.
         moe_layer = sys.modules[MOE_LAYER_MODULE]
@@ -263,6 +300,8 @@ class PagingInstaller:
                 config_cls.__post_init__,
             )
         )
+        if offload_backend is not None:
+            self._install_offload_lifts(offload_backend, config_cls)
         self.api = api
 
         where: dict[str, list[str]] = {}
@@ -287,6 +326,28 @@ class PagingInstaller:
         self.rebindings = []
         self.api = None
         self.replaced = False
+        self.offload_backend = None
+
+    def _install_offload_lifts(self, offload_backend: str, config_cls) -> None:
+        """The lifts of :mod:`.offload_shims` the chosen offloading backend needs."""
+        arguments = importlib.import_module(offload_shims.ARGUMENTS_MODULE)
+        self._rebind(
+            arguments, "validate_args", offload_shims.lifted_validate_args(arguments.validate_args)
+        )
+        affinity = importlib.import_module(offload_shims.AFFINITY_MODULE)
+        self._rebind(
+            affinity, offload_shims.AFFINITY_NAME,
+            offload_shims.tolerant_affinity(getattr(affinity, offload_shims.AFFINITY_NAME)),
+        )
+        if offload_backend == "paged":
+            self._rebind(
+                config_cls, "__post_init__",
+                offload_shims.lifted_post_init(config_cls.__dict__["__post_init__"]),
+            )
+        elif not offload_shims.te_available():
+            te = importlib.import_module(offload_shims.TE_EXTENSION_MODULE)
+            if getattr(te, "cpu_offload", None) is None:
+                self._rebind(te, "cpu_offload", offload_shims.FakeTECpuOffload)
 
     def _rebind_everywhere(self, replacements: dict, originals: dict) -> list[Rebinding]:
         done = []
@@ -315,9 +376,10 @@ def install(
     config: PagingConfig | None = None,
     api: MCorePagingAPI | None = None,
     replace_paged_stash: bool = True,
+    offload_backend: str | None = None,
 ) -> MCorePagingAPI:
     """Install megatron-paging into Megatron-Core (see :meth:`PagingInstaller.install`)."""
-    return INSTALLER.install(config, api, replace_paged_stash)
+    return INSTALLER.install(config, api, replace_paged_stash, offload_backend)
 
 
 def uninstall() -> None:

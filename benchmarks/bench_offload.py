@@ -1,0 +1,240 @@
+"""Offload transfers on one device: pinned ``copy_`` (the copy engine) vs the offload paths of
+megatron-paging, alone and beside a GEMM.
+
+* whole tensors (the dense modules): one DMA ``copy_`` into / out of a pinned arena range — the
+  path :mod:`megatron_paging.offload` uses;
+* live rows (the experts): the page-tile kernels into / out of a host-only pool's pinned tier,
+  GB/s against ``max_ctas`` (``--paging-offload-max-ctas``);
+* beside a bf16 8192^3 GEMM on the compute stream: the GEMM's slowdown and the transfer's rate
+  when the copy engine moves the bytes vs when the SM kernel does (the question the offload
+  backend's design answers: which mover for dense tensors while GEMMs run).
+
+GB/s count the bytes that cross PCIe once (D2H or H2D), the unit ``copy_`` is measured in.
+Every arm is checked byte for byte before it is timed. Writes a table, JSON (``--out``) and a PNG.
+Run: ``python benchmarks/bench_offload.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+import torch
+from common import CudaTimer, default_out, figure, gbps, header, write
+
+from megatron_paging import kernels
+from megatron_paging.offload import HostArena
+from megatron_paging.pool import PagePool
+from megatron_paging.record import PageRecord
+
+PAGE_SIZE = 64
+HIDDEN = 7168
+CAPACITY, LIVE = 16384, 12288  # bf16 rows: 176 MiB live of a 235 MiB capacity buffer
+DENSE_SHAPE = (8192, 8192)  # bf16: 128 MiB, a [s*b, h] attention input
+
+
+class Transfers:
+    """The tensors of one run: a capacity buffer with live rows, a dense tensor, their homes."""
+
+    def __init__(self):
+        dev = torch.device("cuda")
+        self.rows_src = torch.randn(CAPACITY, HIDDEN, dtype=torch.bfloat16, device=dev)
+        self.rows_dst = torch.zeros_like(self.rows_src)
+        row_bytes = HIDDEN * 2
+        self.pool = PagePool.for_rows(row_bytes, PAGE_SIZE, 0, LIVE, dev)
+        live = torch.tensor([LIVE], dtype=torch.int64, device=dev)
+        self.record = PageRecord.new(CAPACITY, row_bytes, PAGE_SIZE, live)
+        self.kernel = kernels.resolve_backend("cuda", dev)
+        kernels.prepare([self.pool], "cuda")
+        self.live_bytes = LIVE * row_bytes
+        self.dense = torch.randn(*DENSE_SHAPE, dtype=torch.bfloat16, device=dev)
+        self.dense_back = torch.empty_like(self.dense)
+        self.dense_bytes = self.dense.numel() * 2
+        self.arena = HostArena(self.dense_bytes, dev)
+        self.start = self.arena.alloc(self.dense_bytes)
+        self.pinned = torch.empty(self.dense_bytes, dtype=torch.uint8, pin_memory=True)
+
+    # rows: the page-tile kernels into the host tier
+    def reset(self):
+        self.pool.reset()
+        self.pool.flags.reset()
+
+    def rows_out(self, max_ctas):
+        self.kernel.copy(False, self.rows_src, self.record, self.pool, max_ctas)
+
+    def rows_in(self, max_ctas):
+        self.kernel.copy(True, self.rows_dst, self.record, self.pool, max_ctas)
+
+    def reset_and_rows_out(self, max_ctas=2048):
+        self.reset()
+        self.rows_out(max_ctas)
+
+    # whole: one DMA copy into the arena range
+    def dense_out(self):
+        self.arena.view(self.start, self.dense_bytes).copy_(
+            self.dense.view(-1).view(torch.uint8), non_blocking=True
+        )
+
+    def dense_in(self):
+        self.dense_back.view(-1).view(torch.uint8).copy_(
+            self.arena.view(self.start, self.dense_bytes), non_blocking=True
+        )
+
+    def check(self):
+        self.reset_and_rows_out()
+        self.rows_in(2048)
+        self.dense_out()
+        self.dense_in()
+        torch.cuda.synchronize()
+        live = slice(0, LIVE)
+        assert torch.equal(self.rows_dst[live], self.rows_src[live]), "rows round trip differs"
+        assert torch.equal(self.dense_back, self.dense), "dense round trip differs"
+        assert not self.pool.flags.read()["overflow"]
+
+
+def bench_alone(t: Transfers, timer: CudaTimer, sweep: list[int]) -> dict:
+    pinned, src = t.pinned, t.dense.view(-1).view(torch.uint8)
+    copy_out = timer(lambda: pinned.copy_(src, non_blocking=True))
+    copy_in = timer(lambda: src.copy_(pinned, non_blocking=True))
+    result = {
+        "copy_d2h_gbps": gbps(t.dense_bytes, copy_out),
+        "copy_h2d_gbps": gbps(t.dense_bytes, copy_in),
+        "whole_d2h_gbps": gbps(t.dense_bytes, timer(t.dense_out)),
+        "whole_h2d_gbps": gbps(t.dense_bytes, timer(t.dense_in)),
+        "rows": [],
+    }
+    for max_ctas in sweep:
+        out_ms = timer(lambda m=max_ctas: t.rows_out(m), t.reset)
+        in_ms = timer(lambda m=max_ctas: t.rows_in(m), t.reset_and_rows_out)
+        result["rows"].append({
+            "max_ctas": max_ctas,
+            "d2h_gbps": gbps(t.live_bytes, out_ms),
+            "h2d_gbps": gbps(t.live_bytes, in_ms),
+        })
+    return result
+
+
+def _beside_gemm(launch, reset, gemm, side, reps: int = 5) -> tuple[float, float]:
+    """(GEMM ms, transfer ms) when ``launch`` runs on ``side`` while the GEMM loop runs."""
+    gemm_ms, move_ms = [], []
+    for _ in range(reps):
+        reset()
+        torch.cuda.synchronize()
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        with torch.cuda.stream(side):
+            events[2].record()
+            launch()
+            events[3].record()
+        events[0].record()
+        gemm()
+        events[1].record()
+        torch.cuda.synchronize()
+        gemm_ms.append(events[0].elapsed_time(events[1]))
+        move_ms.append(events[2].elapsed_time(events[3]))
+    return statistics.median(gemm_ms), statistics.median(move_ms)
+
+
+def bench_beside_gemm(t: Transfers, timer: CudaTimer, grids: list[int]) -> dict:
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+
+    def gemm():
+        for _ in range(6):  # ~ the time one transfer takes
+            a @ b
+
+    alone = timer(gemm)
+    side = torch.cuda.Stream()
+    arms = {}
+    g, m = _beside_gemm(t.dense_out, lambda: None, gemm, side)
+    arms["copy_engine_d2h"] = {"gemm_ms": g, "gemm_slowdown": g / alone,
+                               "transfer_gbps": gbps(t.dense_bytes, m)}
+    for max_ctas in grids:
+        g, m = _beside_gemm(lambda c=max_ctas: t.rows_out(c), t.reset, gemm, side)
+        arms[f"sm_kernel_d2h_ctas{max_ctas}"] = {
+            "gemm_ms": g, "gemm_slowdown": g / alone, "transfer_gbps": gbps(t.live_bytes, m),
+        }
+    return {"gemm_alone_ms": alone, "arms": arms}
+
+
+def plot(result):
+    def draw(png: Path):
+        fig = figure(11, 4.5)
+        ax1, ax2 = fig.subplots(1, 2)
+        rows = result["alone"]["rows"]
+        ctas = [r["max_ctas"] for r in rows]
+        ax1.plot(ctas, [r["d2h_gbps"] for r in rows], "o-", label="live rows D2H (SM kernel)")
+        ax1.plot(ctas, [r["h2d_gbps"] for r in rows], "s-", label="live rows H2D (SM kernel)")
+        ax1.axhline(result["alone"]["copy_d2h_gbps"], ls="--", c="k", label="pinned copy_ D2H")
+        ax1.axhline(result["alone"]["copy_h2d_gbps"], ls=":", c="k", label="pinned copy_ H2D")
+        ax1.set_xscale("log", base=2)
+        ax1.set_xlabel("max_ctas")
+        ax1.set_ylabel("GB/s (bytes over PCIe)")
+        ax1.legend(fontsize=7)
+        arms = result["beside_gemm"]["arms"]
+        ax2.bar(range(len(arms)), [a["gemm_slowdown"] for a in arms.values()])
+        ax2.set_xticks(range(len(arms)), [k.replace("_d2h", "") for k in arms], rotation=30,
+                       fontsize=7, ha="right")
+        ax2.axhline(1.0, c="k", lw=0.5)
+        ax2.set_ylabel("GEMM time / alone")
+        fig.suptitle(f"offload transfers, {result['gpu']} ({result['commit']})")
+        fig.tight_layout()
+        fig.savefig(png)
+
+    return draw
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--ctas", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 132, 2048])
+    parser.add_argument("--gemm-ctas", type=int, nargs="+", default=[8, 16, 132])
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_offload: needs a CUDA device")
+        return 2
+    t = Transfers()
+    t.check()
+    timer = CudaTimer(reps=10)
+    result = header("offload", hidden=HIDDEN, capacity_rows=CAPACITY, live_rows=LIVE,
+                    dense_shape=list(DENSE_SHAPE), page_size=PAGE_SIZE)
+    result["alone"] = bench_alone(t, timer, args.ctas)
+    result["beside_gemm"] = bench_beside_gemm(t, timer, args.gemm_ctas)
+    alone = result["alone"]
+    best = max(alone["rows"], key=lambda r: min(r["d2h_gbps"], r["h2d_gbps"]))
+    result["targets"] = {
+        "whole_vs_copy": {
+            "target": ">= 95% of pinned copy_ (D2H and H2D)",
+            "d2h": alone["whole_d2h_gbps"] / alone["copy_d2h_gbps"],
+            "h2d": alone["whole_h2d_gbps"] / alone["copy_h2d_gbps"],
+        },
+        "rows_vs_copy": {
+            "target": ">= 95% of pinned copy_ (D2H and H2D)",
+            "max_ctas": best["max_ctas"],
+            "d2h": best["d2h_gbps"] / alone["copy_d2h_gbps"],
+            "h2d": best["h2d_gbps"] / alone["copy_h2d_gbps"],
+        },
+    }
+    for name in ("whole_vs_copy", "rows_vs_copy"):
+        target = result["targets"][name]
+        target["met"] = min(target["d2h"], target["h2d"]) >= 0.95
+    print(f"pinned copy_: D2H {alone['copy_d2h_gbps']:.1f} GB/s, H2D {alone['copy_h2d_gbps']:.1f}")
+    print(f"whole (arena DMA): D2H {alone['whole_d2h_gbps']:.1f}, "
+          f"H2D {alone['whole_h2d_gbps']:.1f}")
+    print(f"{'max_ctas':>8} {'rows D2H':>9} {'rows H2D':>9}")
+    for r in alone["rows"]:
+        print(f"{r['max_ctas']:>8} {r['d2h_gbps']:>9.1f} {r['h2d_gbps']:>9.1f}")
+    beside = result["beside_gemm"]
+    print(f"GEMM loop alone {beside['gemm_alone_ms']:.2f} ms; beside a transfer:")
+    for name, arm in beside["arms"].items():
+        print(f"  {name:<24} GEMM x{arm['gemm_slowdown']:.3f}, "
+              f"transfer {arm['transfer_gbps']:.1f} GB/s")
+    for name, target in result["targets"].items():
+        print(f"target {name}: {target['target']}: {'PASS' if target['met'] else 'MISS'} "
+              f"(D2H {target['d2h']:.3f}, H2D {target['h2d']:.3f})")
+    write(result, args.out or default_out("offload"), plot(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,382 @@
+"""The paged backend of Megatron-Core's fine-grained activation offloading.
+
+Megatron-Core 0.19.2's modules offload through ``FineGrainedActivationOffloadingInterface``
+(``off_interface``): ``with off_interface(flag, x, name) as x: ...`` around the ops whose saved
+tensors go to the host, ``y = manager.group_offload(y, forced_released_tensors=[...])`` when
+the group's forward is done, ``init_chunk_handler`` per model chunk forward,
+``mark_not_offload``, and ``reset`` after each forward-backward. With
+``--paging-offload-backend paged``, :func:`megatron_paging.mcore.install` rebinds that class
+everywhere to :func:`make_interface`'s class over one :class:`PagedOffloadManager`, which
+translates it onto the paging runtime (the same engine, scheduler and paging stream as the paged
+stash):
+
+* a group is an *offload group* slot ``(vp stage, ("offload", index, name), microbatch)`` of
+  the step's scheduler (it nests inside an open paged-stash slot: ``expert_fc1`` and ``moe_act``
+  run inside the experts' stash context); its commit stashes on the paging stream, its backward
+  reloads it (FIFO, prefetch of the next groups below, late wait at unpack) like a stashed layer;
+* what a group's ops save for backward: a tensor carrying :data:`LIVE_ROWS_ATTR` (set by
+  :class:`~megatron_paging.mcore.experts.PagedGroupedMLP` on its capacity buffers) is offloaded as
+  its live rows only, through the page-tile kernels into the host tier; any other CUDA tensor of
+  at least ``--min-offloaded-tensor-size`` elements goes whole (one DMA copy into the pinned
+  arena); parameters, tensors marked ``_do_not_offload`` and small tensors stay;
+* ``forced_released_tensors`` are released (``record_stream`` on the paging stream, storage
+  resized to 0) only if this group offloaded their storage, and never inside a CUDA-graph
+  capture;
+* which groups offload after the calibration step: :mod:`.offload_plan` (Megatron-Core's margin,
+  ``--delta-offload-bytes-across-pp-ranks`` and ``--activation-offload-fraction``).
+
+Without ``--moe-paged-stash`` the schedules never begin a paging step, so the manager begins it
+at the first ``init_chunk_handler`` of a forward-backward (``install()`` ends every
+forward-backward, as for the paged stash).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from megatron_paging.engine import CALIBRATE
+from megatron_paging.mcore.offload_plan import GroupLog, OffloadPlan, plan_from_log
+
+logger = logging.getLogger(__name__)
+
+# A capacity buffer whose first rows are live: ``tensor.paging_live_rows = (live_rows int64 [1]
+# on the device, nobody writes it before the reload)``. Its rows are offloaded, not the tensor.
+LIVE_ROWS_ATTR = "paging_live_rows"
+EXPERT_MODULES = ("expert_fc1", "moe_act")
+DENSE_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm")
+
+
+def _offloadable(tensor, min_numel: int, device_type: str) -> bool:
+    return (
+        isinstance(tensor, torch.Tensor)
+        and tensor.device.type == device_type  # the run's device (CUDA; CPU in CPU tests)
+        and not isinstance(tensor, torch.nn.Parameter)
+        and type(tensor) is torch.Tensor  # no fake / functional / quantized subclasses
+        and tensor.numel() >= max(1, min_numel)
+        and not getattr(tensor, "_do_not_offload", False)
+        and not getattr(tensor, "_TE_do_not_offload", False)
+    )
+
+
+def _dense_region(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The 1-D run of storage a dense but permuted view covers (a transposed q/k/v), or None
+    when the view has gaps or overlaps. Offloading that run and re-viewing it with the same
+    strides keeps the backward's memory layout, so its arithmetic is bitwise the same; a
+    ``.contiguous()`` copy would change it."""
+    dims = list(zip(tensor.shape, tensor.stride(), strict=True))
+    if any(stride <= 0 for size, stride in dims if size > 1):
+        return None
+    span = 1 + sum((size - 1) * stride for size, stride in dims)
+    if span != tensor.numel():
+        return None
+    return tensor.as_strided((span,), (1,), tensor.storage_offset())
+
+
+class _Strided:
+    """What autograd keeps for an offloaded permuted view: the run's handle and the view."""
+
+    __slots__ = ("saved", "size", "stride")
+
+    def __init__(self, saved, size, stride):
+        self.saved, self.size, self.stride = saved, size, stride
+
+
+class _Group:
+    """One open offload group: the interface instance's state between enter and commit."""
+
+    __slots__ = ("cm", "index", "name", "packed", "kept")
+
+    def __init__(self, cm, index, name, kept=False):
+        self.cm, self.index, self.name = cm, index, name
+        self.kept = kept  # the plan keeps it on the device: its tensors are saved as they are
+        self.packed: list[tuple[int, object]] = []  # (storage pointer, what pack returned)
+
+    def moved_storages(self) -> set[int]:
+        """Storages whose bytes were copied away at the commit (not parked, not declined)."""
+        moved = set()
+        for pointer, saved in self.packed:
+            handle = getattr(saved, "handle", None)
+            if handle is not None and handle.tensor is None and handle.parked is None:
+                moved.add(pointer)
+        return moved
+
+
+class PagedOffloadManager:
+    """Megatron-Core's ``PipelineOffloadManager``, translated onto a :class:`MCorePagingAPI`."""
+
+    def __init__(self, api):
+        self.api = api
+        self.context = api.context
+        self.enabled = True  # Megatron's disable_offload / enable_offload
+        self.min_numel = 1024 * 1024
+        self.pp_rank, self.delta_bytes, self.fraction = 0, 0, 1.0
+        self.plan: OffloadPlan | None = None
+        self.log: GroupLog | None = None  # the calibration step's, until the plan is made
+        self._iteration = None
+        self._stage = 0
+        self._microbatch: dict[int, int] = {}
+        self._index: dict[tuple[int, int], int] = {}
+        self._backward_seen: set[tuple[int, int]] = set()
+        # Bytes the last step's groups offloaded, by kind (live-row buffers at their capacity:
+        # what Megatron-Core's offloading would move; ours moves only their live rows).
+        self.offloaded_bytes = {"rows_capacity": 0, "whole": 0}
+        self.cuda_graph_stream = None
+        self.cuda_graph_event = None
+
+    # -- model forward: gpt_model / hybrid_model ---------------------------------------------
+    def init_chunk_handler(self, pp_rank=0, vp_size=None, vp_stage=None,
+                           min_offloaded_tensor_size=1024 * 1024,
+                           delta_offload_bytes_across_pp_ranks=0,
+                           activation_offload_fraction=1.0, max_inflight_offloads=None):
+        """A model chunk starts the forward of its next microbatch."""
+        engine = self.api.engine
+        if not engine.step_open:  # no --moe-paged-stash: the schedules began no step
+            self.api.paged_stash_reset(enabled=torch.is_grad_enabled())
+        if self._iteration != self.api.iteration:  # a new forward-backward
+            self._iteration = self.api.iteration
+            self._microbatch.clear()
+            self._index.clear()
+            self._backward_seen.clear()
+            self.offloaded_bytes = {"rows_capacity": 0, "whole": 0}
+            self._close_calibration()
+        self.min_numel = int(min_offloaded_tensor_size)
+        self.pp_rank = int(pp_rank)
+        self.delta_bytes = int(delta_offload_bytes_across_pp_ranks)
+        self.fraction = float(activation_offload_fraction)
+        self._stage = 0 if vp_stage is None else int(vp_stage)
+        self._microbatch[self._stage] = self._microbatch.get(self._stage, 0) + 1
+
+    def _close_calibration(self) -> None:
+        if self.log is not None and self.api.engine.mode != CALIBRATE:
+            self.plan = plan_from_log(self.log, self.pp_rank, self.delta_bytes, self.fraction)
+            kept = len(self.plan.kept)
+            total = sum(len(g) for g in self.log.groups.values())
+            logger.info(
+                "paging offload: %d of %d groups per step offloaded (%d kept on the device by "
+                "the margin, --delta-offload-bytes-across-pp-ranks and "
+                "--activation-offload-fraction)", total - kept, total, kept,
+            )
+            self.log = None
+        if self.api.engine.mode == CALIBRATE:
+            self.log = GroupLog()
+
+    # -- a module's group --------------------------------------------------------------------
+    def group_start(self, name: str, tensor: torch.Tensor):
+        """Open the next group of the running chunk-microbatch; None when it stays on device."""
+        if not (self.enabled and self.context.enabled and torch.is_grad_enabled()):
+            return None
+        cm = (self._stage, self._microbatch.get(self._stage, 0))
+        index = self._index[cm] = self._index.get(cm, -1) + 1
+        if self.log is not None:
+            self.log.forward_group(cm, index, name)
+        elif self.plan is not None and not self.plan.offloads(cm, index):
+            # Saved as they are, even inside a paged-stash slot: "not offloaded" means what it
+            # means for Megatron-Core (and the stash pools were sized without these tensors).
+            return _Group(cm, index, name, kept=True)
+        group = _Group(cm, index, name)
+        self.context.open_offload_group(cm[0], ("offload", index, name), cm[1], tensor.device)
+        return group
+
+    def pack(self, group: _Group, tensor):
+        """The group's pack hook: what autograd keeps for ``tensor``."""
+        if group.kept or not _offloadable(tensor, self.min_numel, self.api.device.type):
+            return tensor
+        live = getattr(tensor, LIVE_ROWS_ATTR, None)
+        view = None
+        if not tensor.is_contiguous():
+            region = None if live is not None else _dense_region(tensor)
+            if region is None:
+                return tensor  # gaps, overlaps or a strided capacity buffer: saved as it is
+            view, tensor = (tensor.shape, tensor.stride()), region
+        nbytes = tensor.numel() * tensor.element_size()
+        self.offloaded_bytes["rows_capacity" if live is not None else "whole"] += nbytes
+        if self.log is not None:
+            self.log.add_bytes(group.cm, group.index, nbytes)
+        if live is not None:
+            saved = self.context.pack_offload(tensor, live, tensor.shape[0])
+        else:
+            saved = self.context.pack_offload(tensor)
+        storage = tensor.untyped_storage()
+        if nbytes == storage.nbytes():  # only a storage nothing else shares may be released
+            group.packed.append((storage.data_ptr(), saved))
+        return saved if view is None else _Strided(saved, *view)
+
+    def unpack(self, saved):
+        """The group's unpack hook: the inverse of :meth:`pack`."""
+        if isinstance(saved, _Strided):
+            return self.context.unpack(saved.saved).as_strided(saved.size, saved.stride)
+        return self.context.unpack(saved)
+
+    def group_commit(self, group: _Group, tensor, forced_released_tensors):
+        """End of the group's forward: offload it; its backward reloads it."""
+        key = (group.cm[0], ("offload", group.index, group.name), group.cm[1])
+        if self.context._slot != key:  # Megatron's groups close innermost first
+            raise RuntimeError(
+                f"paging offload: group {group.name!r} committed while slot "
+                f"{self.context._slot} is the innermost open one"
+            )
+        tensor = self.context.group_commit(tensor)
+        scheduler = self.context.scheduler
+        if forced_released_tensors and scheduler is not None and not scheduler.backend.capturing():
+            backend = scheduler.backend
+            moved = group.moved_storages()
+            for t in forced_released_tensors:
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in moved:
+                    # The paging stream still reads it: reuse waits for that work.
+                    backend.keep_alive(t, backend.paging_stream)
+                    t.untyped_storage().resize_(0)
+        return tensor
+
+    def backward_started(self, group: _Group) -> None:
+        if self.log is not None:
+            self.log.backward_group(group.cm)
+
+    # -- schedules and the rest of Megatron's interface --------------------------------------
+    def reset(self) -> None:
+        """After a forward-backward (``install()`` has ended the paging step already)."""
+
+    def mark_not_offload(self, tensor) -> None:
+        if tensor is not None:
+            tensor._do_not_offload = True
+
+
+class _BackwardStart(torch.autograd.Function):
+    """Identity after the group's commit: its backward runs first in the group's backward."""
+
+    @staticmethod
+    def forward(ctx, tensor, manager, group):
+        ctx.manager, ctx.group = manager, group
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.manager.backward_started(ctx.group)
+        return grad, None, None
+
+
+def make_interface(manager: PagedOffloadManager) -> type:
+    """A class with ``FineGrainedActivationOffloadingInterface``'s signatures, bound to
+    ``manager`` (no module global holds it)."""
+
+    class PagedOffloadInterface:
+        """``FineGrainedActivationOffloadingInterface`` over the paging runtime."""
+
+        def __init__(self, offload: bool, tensor: torch.Tensor, name: str):
+            self.offload, self.tensor, self.name = offload, tensor, name
+            self._group = None
+            self._hooks = None
+
+        def __enter__(self):
+            if self.offload:
+                self._group = manager.group_start(self.name, self.tensor)
+            if self._group is not None:
+                group = self._group
+                self._hooks = torch.autograd.graph.saved_tensors_hooks(
+                    lambda t: manager.pack(group, t), manager.unpack
+                )
+                self._hooks.__enter__()
+            return self.tensor
+
+        def __exit__(self, *exc):
+            if self._hooks is not None:
+                self._hooks.__exit__(*exc)
+                self._hooks = None
+
+        def group_offload(self, tensor, forced_released_tensors=None, delay_offload=False):
+            group, self._group = self._group, None
+            if group is None or group.kept:
+                return tensor
+            if isinstance(tensor, (tuple, list)):  # Megatron's rule: the first output carries it
+                if not tensor:
+                    manager.context.commit_slot()
+                    return tensor
+                first = self._commit(group, tensor[0], forced_released_tensors)
+                return type(tensor)([first, *tensor[1:]])
+            return self._commit(group, tensor, forced_released_tensors)
+
+        @staticmethod
+        def _commit(group, tensor, forced_released_tensors):
+            tensor = manager.group_commit(group, tensor, forced_released_tensors or [])
+            if manager.log is not None and torch.is_grad_enabled() and tensor.requires_grad:
+                tensor = _BackwardStart.apply(tensor, manager, group)
+            return tensor
+
+        @staticmethod
+        def init_chunk_handler(pp_rank, vp_size, vp_stage, min_offloaded_tensor_size,
+                               delta_offload_bytes_across_pp_ranks, activation_offload_fraction,
+                               max_inflight_offloads=None):
+            manager.init_chunk_handler(
+                pp_rank, vp_size, vp_stage, min_offloaded_tensor_size,
+                delta_offload_bytes_across_pp_ranks, activation_offload_fraction,
+                max_inflight_offloads,
+            )
+
+        @staticmethod
+        def mark_not_offload(tensor):
+            manager.mark_not_offload(tensor)
+
+        @staticmethod
+        def reset():
+            manager.reset()
+
+        @staticmethod
+        def reset_instance():
+            manager.reset()
+
+        @staticmethod
+        def disable_offload():
+            manager.enabled = False
+
+        @staticmethod
+        def enable_offload():
+            manager.enabled = True
+
+        # Per-layer CUDA-graph paths: refused at start-up with this backend (mcore/flags.py);
+        # kept callable so nothing else in Megatron breaks on the name.
+        @staticmethod
+        def get_context(flag):
+            import contextlib
+
+            return contextlib.nullcontext()
+
+        @staticmethod
+        def forward_record():
+            pass
+
+        @staticmethod
+        def backward_record(tensor):
+            return tensor
+
+        @staticmethod
+        def flush_delayed_groups():
+            pass
+
+        @staticmethod
+        def enter_replay():
+            pass
+
+        @staticmethod
+        def exit_replay():
+            pass
+
+        @staticmethod
+        def cuda_graph_stream():
+            return manager.cuda_graph_stream
+
+        @staticmethod
+        def cuda_graph_event():
+            return manager.cuda_graph_event
+
+    PagedOffloadInterface.manager = manager
+    return PagedOffloadInterface
+
+
+__all__ = [
+    "DENSE_MODULES",
+    "EXPERT_MODULES",
+    "LIVE_ROWS_ATTR",
+    "PagedOffloadManager",
+    "make_interface",
+]

@@ -1,0 +1,177 @@
+"""Where a record's bytes go: the handle autograd keeps, and the transfers that move it.
+
+:class:`PagedHandle` is what a saved tensor becomes; :class:`Transfers` moves handles for the
+scheduler (:mod:`megatron_paging.scheduler` decides *when* and on *which stream*):
+
+* paged-stash records through the stash pools' kernels (device tier first);
+* offloaded live-row records through the same kernels into the host-only offload pools, with
+  their own grid bound (``offload_max_ctas``);
+* offloaded whole tensors by one DMA copy to or from their arena range
+  (:mod:`megatron_paging.offload`);
+* while calibrating, each kind through its parker instead (compact copies on the device).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from megatron_paging.record import PageRecord
+
+
+class Parker(Protocol):
+    """Calibration's stand-in for pools: ``park`` at commit, ``unpark`` at reload, both on the
+    compute stream; the scheduler keeps what ``park`` returned and nothing else."""
+
+    def park(self, tensor: torch.Tensor, record: PageRecord) -> Any: ...
+
+    def unpark(self, parked: Any, record: PageRecord) -> torch.Tensor: ...
+
+
+@dataclass(eq=False)
+class PagedHandle:
+    """What autograd holds instead of a paged tensor; ``scheduler.unpack`` turns it back.
+
+    ``offload``: None for a paged-stash record (device tier first), ``"rows"`` for an offloaded
+    live-row record (host-only pools), ``"whole"`` for an offloaded dense tensor (the host arena;
+    ``record`` is None and ``host_range`` its ``(start, bytes)`` once copied).
+    """
+
+    id: int
+    record: PageRecord | None
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    wgrad_only: bool
+    source: torch.Tensor | None  # held until its stash is known complete
+    parked: Any = None
+    tensor: torch.Tensor | None = None  # the reloaded tensor
+    reload_event: Any = None
+    alloc_stream: Any = None  # the compute stream the reload destination was allocated on
+    waited: bool = False
+    notes: dict = field(default_factory=dict)  # chunk, layer, microbatch (the record's, if any)
+    offload: str | None = None
+    host_range: tuple[int, int] | None = None
+
+    @property
+    def slot(self) -> tuple[int, int]:
+        return self.notes["chunk"], self.notes["layer"]
+
+    @property
+    def microbatch(self) -> int:
+        return self.notes["microbatch"]
+
+
+class Transfers:
+    """Moves handles between their sources and where they are kept, for one scheduler's step.
+
+    Args:
+        backend: the stream backend (launches are logged through it).
+        kernel: the resolved kernel backend (None while calibrating).
+        pools, parker: the stash pools, or calibration's parker.
+        offload, offload_parker: the offload pools and arena, or calibration's offload parker.
+        max_ctas, offload_max_ctas: the kernels' grid bounds for stash and offload records.
+    """
+
+    def __init__(self, backend, kernel, pools, parker, offload, offload_parker, max_ctas,
+                 offload_max_ctas):
+        self.backend, self.kernel = backend, kernel
+        self.pools, self.parker = pools, parker
+        self.offload, self.offload_parker = offload, offload_parker
+        self.max_ctas, self.offload_max_ctas = max_ctas, offload_max_ctas
+
+    def offload_room(self, handles: list[PagedHandle]) -> list[PagedHandle]:
+        """Give offloaded whole tensors their arena ranges (host-side, before any copy is
+        queued); a tensor that finds no room stays on the device as it is."""
+        if self.parker is not None or not any(h.offload == "whole" for h in handles):
+            return handles
+        if self.offload is None:
+            raise RuntimeError(
+                "paging: an offloaded record reached a step without offload pools (offloading "
+                "was off in the calibration step)"
+            )
+        arena = self.offload.arena
+        kept = []
+        for h in handles:
+            if h.offload == "whole":
+                nbytes = h.source.numel() * h.source.element_size()
+                start = None if arena is None else arena.alloc(nbytes)
+                if start is None:
+                    h.tensor, h.source = h.source, None  # resident: nothing to reload
+                    continue
+                h.host_range = (start, nbytes)
+            kept.append(h)
+        return kept
+
+    def park(self, h: PagedHandle) -> None:
+        """Calibration: park a record (compact copy) with the parker of its kind."""
+        if h.offload is None:
+            h.parked = self.parker.park(h.source, h.record)
+        elif self.offload_parker is None:
+            raise RuntimeError("paging: an offloaded record reached a step without offloading")
+        elif h.offload == "whole":
+            h.parked = self.offload_parker.park_whole(h.source)
+        else:
+            h.parked = self.offload_parker.park(h.source, h.record)
+        h.source = None
+
+    def unpark(self, h: PagedHandle) -> None:
+        if h.offload is None:
+            h.tensor = self.parker.unpark(h.parked, h.record)
+        elif h.offload == "whole":
+            h.tensor = self.offload_parker.unpark_whole(h.parked)
+        else:
+            h.tensor = self.offload_parker.unpark(h.parked, h.record)
+        h.parked = None
+
+    def launch_group(self, stream, kind: str, handles: list[PagedHandle], **info) -> None:
+        """Launch one kernel per record with ``stream`` made current once for the group."""
+        backend = self.backend
+        copy, reload = self.kernel.copy, kind == "reload"
+        with backend.scope(stream):
+            for h in handles:
+                record, notes = h.record, h.notes
+                tensor = h.tensor if reload else h.source
+                if h.offload == "whole":
+                    pool = key = None
+                    fn = functools.partial(self._copy_whole, reload, h, tensor)
+                else:
+                    pool, max_ctas = self._pool_for(h)
+                    key = record.row_bytes
+                    fn = functools.partial(copy, reload, tensor, record, pool, max_ctas)
+                backend.launch(
+                    stream, kind, fn,
+                    record=h.id, chunk=notes["chunk"], layer=notes["layer"],
+                    microbatch=notes["microbatch"], wgrad_only=h.wgrad_only, pool=pool,
+                    pool_key=key, offload=h.offload, **info,
+                )
+
+    def _pool_for(self, h: PagedHandle):
+        """The pool a record pages through and the kernels' grid bound for it."""
+        if h.offload is None:
+            return self.pools[h.record.row_bytes], self.max_ctas
+        if self.offload is None:
+            raise RuntimeError(
+                "paging: an offloaded record reached a step without offload pools (offloading "
+                "was off in the calibration step)"
+            )
+        return self.offload.pools[h.record.row_bytes], self.offload_max_ctas
+
+    def _copy_whole(self, reload: bool, h: PagedHandle, tensor: torch.Tensor) -> None:
+        """A whole tensor to or from its arena range: one DMA copy on the current stream."""
+        arena = self.offload.arena
+        start, nbytes = h.host_range
+        flat = tensor.reshape(-1).view(torch.uint8)
+        if reload:
+            flat.copy_(arena.view(start, nbytes), non_blocking=True)
+            # Later copies into this range are queued behind this one on the same stream.
+            arena.free(start, nbytes)
+            h.host_range = None
+        else:
+            arena.view(start, nbytes).copy_(flat, non_blocking=True)
+
+
+__all__ = ["PagedHandle", "Parker", "Transfers"]

@@ -1,0 +1,284 @@
+"""The paged offloading backend inside real Megatron-Core modules on the CPU (reference kernels,
+CPU stream backend): a TransformerLayer with MoE experts, every module set offloaded, bitwise
+equal to the run without offloading; the installer's rebinding and lifts; every start-up
+refusal of --paging-offload-backend; and the offload plan (Megatron-Core's knobs)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("megatron.core")
+pytest.importorskip("megatron.training")
+
+from mcore_fixtures import model_parallel, moe_config  # noqa: E402, F401
+
+from megatron_paging.config import PagingConfig  # noqa: E402
+from megatron_paging.mcore import flags  # noqa: E402
+from megatron_paging.mcore.offload_plan import GroupLog, plan_from_log  # noqa: E402
+
+DENSE = ["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm"]
+EXPERTS = ["expert_fc1", "moe_act"]
+PAGE = 4
+
+
+@pytest.fixture(scope="module")
+def offload_installed():
+    from megatron_paging.engine import PagingEngine
+    from megatron_paging.mcore.api import MCorePagingAPI
+    from megatron_paging.mcore.installer import PagingInstaller
+    from megatron_paging.streams import CpuStreamBackend
+
+    installer = PagingInstaller()
+    config = PagingConfig(page_size=PAGE, kernel_backend="reference")
+    api = MCorePagingAPI(PagingEngine(config, stream_backend=CpuStreamBackend()))
+    api = installer.install(api=api, offload_backend="paged")
+    try:
+        yield installer, api
+    finally:
+        installer.uninstall()
+
+
+@pytest.fixture
+def cpu_router(monkeypatch):
+    """Megatron's TopKRouter.gating moves its weight to CUDA; gate on the CPU instead."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    monkeypatch.setattr(
+        TopKRouter, "gating", lambda self, x: F.linear(x.float(), self.weight.float())
+    )
+
+
+def _layer(modules, paged_stash):
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_paging.mcore.specs import get_gpt_moe_paged_layer_spec
+
+    config = moe_config(
+        fine_grained_activation_offloading=True, offload_modules=list(modules),
+        min_offloaded_tensor_size=128, moe_paged_stash=paged_stash, normalization="RMSNorm",
+        attention_dropout=0.0, hidden_dropout=0.0, moe_paged_stash_page_size=PAGE,
+        moe_expert_rank_capacity_factor=2.0,
+    )
+    torch.manual_seed(0)
+    spec = get_gpt_moe_paged_layer_spec(4, normalization="RMSNorm", core_attention="sdpa")
+    return build_module(spec, config=config, layer_number=1), config
+
+
+def _train(api, layer, config, offload: bool, steps: int = 3):
+    """``steps`` steps of two microbatches: both forwards, then both backwards."""
+    manager = api.offload
+    manager.enabled = offload
+    stash = config.moe_paged_stash
+    results = []
+    for step in range(steps):
+        layer.zero_grad()
+        if stash:
+            api.paged_stash_reset(enabled=True, config=config)
+        outputs = []
+        for micro in range(2):
+            manager.init_chunk_handler(0, None, None, config.min_offloaded_tensor_size, 0, 1.0)
+            if stash:
+                api.paged_stash_init_chunk_handler(None, None)
+            gen = torch.Generator().manual_seed(100 * step + micro)
+            hidden = torch.randn(8, 2, config.hidden_size, generator=gen).requires_grad_()
+            out, _ = layer(hidden, attention_mask=None)
+            outputs.append((hidden, out))
+        losses = []
+        for _, out in reversed(outputs):
+            loss = out.float().square().mean()
+            loss.backward()
+            losses.append(loss.detach())
+        assert api.paged_stash_finish() == 0
+        grads = [p.grad.clone() for p in layer.parameters() if p.grad is not None]
+        results.append((losses, grads, [h.grad.clone() for h, _ in outputs]))
+    return results
+
+
+@pytest.mark.parametrize(
+    ("modules", "paged_stash"),
+    [
+        (EXPERTS, False), (DENSE, False), (DENSE + EXPERTS, False), (DENSE + EXPERTS, True),
+        (DENSE + ["moe_act"], True),
+    ],
+    ids=["experts", "dense", "both", "both+paged-stash", "dense+moe_act+paged-stash"],
+)
+def test_offloaded_layer_is_bitwise_equal_to_no_offload(
+    offload_installed, model_parallel, cpu_router, modules, paged_stash  # noqa: F811
+):
+    _, api = offload_installed
+    api.engine.release_pools()
+    api.offload.plan = api.offload.log = None
+    layer, config = _layer(modules, paged_stash)
+    config.moe_paged_stash = False
+    control = _train(api, layer, config, offload=False)
+    config.moe_paged_stash = paged_stash
+    api.engine.release_pools()
+    engine_log(api).clear()
+    offloaded = _train(api, layer, config, offload=True)
+    for (l_c, g_c, h_c), (l_o, g_o, h_o) in zip(control, offloaded, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(l_c, l_o, strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(g_c, g_o, strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(h_c, h_o, strict=True))
+
+    engine = api.engine
+    assert engine.mode == "paged" and engine.offload_pools is not None
+    launches = [e for e in engine_log(api) if e.op == "launch"]
+    kinds = {e.info["offload"] for e in launches if e.kind == "stash"}
+    expect = {"rows"} if set(modules) & set(EXPERTS) else set()
+    expect |= {"whole"} if set(modules) & set(DENSE) else set()
+    assert kinds - {None} == expect
+    # The stash pages the expert tensors no group offloads (x next to moe_act), on the device
+    # tier; with both expert groups offloaded it has nothing left to page.
+    assert (None in kinds) == (paged_stash and "expert_fc1" not in modules)
+    for pool in engine.offload_pools.pools:  # every host page came back
+        assert pool.free_pages() == (0, pool.num_host_pages)
+    assert engine.flags.read() == {"overflow": False, "host_spill": False, "invalid_live": False}
+    if "expert_fc1" in modules:
+        # Only live rows cross: the host pages of the last step's records hold at most the live
+        # rows rounded up to pages (the capacity buffers are 2x the tokens routed).
+        rows = [e for e in launches if e.kind == "stash" and e.info["offload"] == "rows"]
+        assert rows and all(e.info["pool_key"] in (128, 384) for e in rows)
+
+
+def engine_log(api):
+    """The log of the CPU stream backend the fixture gave the engine."""
+    return api.engine._stream_backend.log
+
+
+def test_groups_the_plan_keeps_stay_on_the_device(offload_installed, model_parallel, cpu_router):  # noqa: F811
+    _, api = offload_installed
+    api.engine.release_pools()
+    api.offload.plan = api.offload.log = None
+    layer, config = _layer(DENSE, False)
+    _train(api, layer, config, offload=True, steps=2)
+    plan = api.offload.plan
+    # Both forwards, then both backwards: the second microbatch's backward follows its forward
+    # at once, so the margin keeps its last group of each name (each name occurs once).
+    assert plan is not None and plan.kept == {(0, 2, i) for i in range(len(DENSE))}
+
+
+def test_installer_rebinds_the_interface_and_restores_it(offload_installed):
+    installer, api = offload_installed
+    from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgao
+    from megatron.core.transformer import attention
+
+    assert attention.off_interface is fgao.FineGrainedActivationOffloadingInterface
+    assert attention.off_interface.manager is api.offload
+    from megatron_paging.mcore.installer import PagingInstaller
+
+    other = PagingInstaller()
+    installer.uninstall()
+    try:
+        assert attention.off_interface.__name__ == "FineGrainedActivationOffloadingInterface"
+        with pytest.raises(ValueError, match="replace_paged_stash"):
+            other.install(replace_paged_stash=False, offload_backend="paged")
+        with pytest.raises(ValueError, match="offload_backend"):
+            other.install(offload_backend="te")
+    finally:
+        installer.install(api=api, offload_backend="paged")
+
+
+def test_expert_offload_with_paged_stash_is_lifted_for_the_paged_backend_only(offload_installed):
+    installer, api = offload_installed
+    moe_config(
+        moe_paged_stash=True, fine_grained_activation_offloading=True, offload_modules=EXPERTS
+    )  # accepted: our backend
+    installer.uninstall()
+    installer.install(config=PagingConfig(page_size=PAGE, kernel_backend="reference"))
+    try:  # installed without an offloading backend: Megatron-Core's check stands
+        with pytest.raises(ValueError, match="paged stash covers"):
+            moe_config(
+                moe_paged_stash=True, fine_grained_activation_offloading=True,
+                offload_modules=EXPERTS,
+            )
+    finally:
+        installer.uninstall()
+        installer.install(api=api, offload_backend="paged")
+
+
+# ---------------------------------------------------------------------------- start-up flags
+BASE = ["--moe-expert-rank-capacity-factor", "1.25", "--moe-token-dispatcher-type", "flex",
+        "--moe-flex-dispatcher-backend", "static"]
+OFFLOAD = ["--fine-grained-activation-offloading", "--offload-modules", "core_attn",
+           "--paging-offload-backend", "paged"]
+
+
+@pytest.fixture(scope="module")
+def parser():
+    from megatron.training.arguments import add_megatron_arguments
+
+    return flags.add_paging_args(add_megatron_arguments(argparse.ArgumentParser()))
+
+
+def _config(parser, argv):
+    return flags.paging_config(parser.parse_args(argv), environ={}, cuda_available=False)
+
+
+def test_paged_offload_alone_builds_a_config_with_its_flags(parser):
+    config = _config(parser, BASE + OFFLOAD + ["--paging-offload-host-factor", "2",
+                                                "--paging-offload-max-ctas", "8"])
+    assert (config.offload_host_factor, config.offload_max_ctas) == (2.0, 8)
+    args = parser.parse_args(BASE + OFFLOAD)
+    assert flags.install_options(args, config)["offload_backend"] == "paged"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (BASE + ["--paging-offload-backend", "paged"], "needs --fine-grained-activation"),
+        (BASE + ["--paging-offload-host-factor", "2"], "only apply with --paging-offload-backend"),
+        (BASE + OFFLOAD + ["--paging-implementation", "mcore"], "--paging-implementation mcore"),
+        (BASE + OFFLOAD[:2] + ["fused_group_mlp"] + OFFLOAD[3:], "fused_group_mlp"),
+        (BASE + OFFLOAD + ["--cuda-graph-impl", "local"], "--cuda-graph-impl local"),
+        (BASE + OFFLOAD + ["--delay-offload-until-cuda-graph"], "--delay-offload-until"),
+        (BASE + OFFLOAD + ["--fine-grained-offloading-max-inflight-offloads", "2"],
+         "--fine-grained-offloading-max-inflight-offloads"),
+        (BASE + OFFLOAD + ["--paging-offload-host-factor", "0.5"],
+         "--paging-offload-host-factor must be >= 1"),
+        (BASE + OFFLOAD + ["--paging-offload-max-ctas", "0"], "--paging-offload-max-ctas"),
+    ],
+)
+def test_offload_startup_refusals_are_one_line(parser, argv, message):
+    with pytest.raises(ValueError) as excinfo:
+        _config(parser, argv)
+    assert message in str(excinfo.value) and "\n" not in str(excinfo.value)
+
+
+# ---------------------------------------------------------------------------- the offload plan
+def _log(microbatches=2, names=("a", "b", "a", "b"), immediate=True, nbytes=100):
+    log = GroupLog()
+    for mb in range(1, microbatches + 1):
+        for i, name in enumerate(names):
+            log.forward_group((0, mb), i, name)
+            log.add_bytes((0, mb), i, nbytes)
+        if immediate:
+            log.backward_group((0, mb))
+    if not immediate:
+        for mb in range(microbatches, 0, -1):
+            log.backward_group((0, mb))
+    return log
+
+
+def test_margin_keeps_the_last_group_of_each_name_when_backward_follows_at_once():
+    plan = plan_from_log(_log())
+    assert plan.kept == {(0, mb, i) for mb in (1, 2) for i in (2, 3)}
+    pipelined = plan_from_log(_log(immediate=False))  # both forwards, then both backwards
+    assert pipelined.kept == {(0, 2, 2), (0, 2, 3)}  # only the last forward's, backward first
+
+
+def test_fraction_keeps_the_later_groups():
+    plan = plan_from_log(_log(immediate=False, names=("a", "b", "c", "d")), fraction=0.5)
+    # Microbatch 2: margin keeps all four (each name once); microbatch 1: the later half.
+    assert {(0, 1, 2), (0, 1, 3)} <= plan.kept and (0, 1, 0) not in plan.kept
+    assert plan_from_log(_log(immediate=False), fraction=1.0).kept == {(0, 2, 2), (0, 2, 3)}
+
+
+def test_delta_keeps_bytes_per_pipeline_rank_in_backward_order():
+    log = _log(immediate=False, names=("a", "b", "c", "d"))
+    assert plan_from_log(log, pp_rank=0, delta_bytes=250).kept == plan_from_log(log).kept
+    kept = plan_from_log(log, pp_rank=1, delta_bytes=250).kept - plan_from_log(log).kept
+    assert kept == {(0, 1, 0), (0, 1, 1), (0, 1, 2)}  # 300 bytes >= 250, mb 2 was kept already

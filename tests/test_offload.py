@@ -1,0 +1,287 @@
+"""Offloaded records in the runtime (CPU: reference kernels, CPU stream backend): the arena's
+allocator, live-row and whole-tensor round trips byte for byte, FIFO and late wait, nesting in a
+paged-stash slot, calibration sizing, declines, and the flags union."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_paging.config import PagingConfig
+from megatron_paging.engine import CALIBRATE, PAGED, PagingEngine
+from megatron_paging.offload import ARENA_ALIGN, ArenaAllocator, HostArena, OffloadCalibrator
+from megatron_paging.paging import PagingContext
+from megatron_paging.streams import COMPUTE, PAGING, CpuStreamBackend
+
+PAGE = 4
+HIDDEN = 8
+
+
+# ------------------------------------------------------------------------- the arena allocator
+def test_allocator_first_fit_merges_and_is_deterministic():
+    arena = ArenaAllocator(4 * ARENA_ALIGN)
+    a = arena.alloc(1)  # rounded up to one alignment unit
+    b = arena.alloc(ARENA_ALIGN + 1)  # two units
+    c = arena.alloc(ARENA_ALIGN)
+    assert (a, b, c) == (0, ARENA_ALIGN, 3 * ARENA_ALIGN)
+    assert arena.alloc(1) is None and arena.in_use == 4 * ARENA_ALIGN
+    arena.free(b, ARENA_ALIGN + 1)
+    arena.free(a, 1)  # merges with b's range: one free range of three units
+    assert arena.alloc(3 * ARENA_ALIGN) == 0
+    arena.reset()
+    assert [arena.alloc(7) for _ in range(4)] == [0, 512, 1024, 1536]
+
+
+def test_unbounded_allocator_tracks_the_high_water_mark():
+    arena = ArenaAllocator(None)
+    first = arena.alloc(1000)
+    second = arena.alloc(100)
+    arena.free(first, 1000)
+    third = arena.alloc(600)  # first fit: reuses the freed front
+    assert (first, second, third) == (0, 1024, 0)
+    assert arena.high_water == 1024 + 512
+
+
+def test_host_arena_counts_declines():
+    arena = HostArena(ARENA_ALIGN)
+    assert arena.alloc(ARENA_ALIGN) == 0
+    assert arena.alloc(1) is None and arena.declined == 1
+    assert arena.view(0, 16).shape == (16,) and arena.view(0, 16).dtype == torch.uint8
+
+
+# ------------------------------------------------------------------------- one model step
+def _context(backend, **options):
+    config = PagingConfig(page_size=PAGE, kernel_backend="reference", **options)
+    return PagingContext(PagingEngine(config, stream_backend=backend))
+
+
+def _step(context, live_counts, whole_shapes=((6, HIDDEN),), stash=False, seed=0):
+    """One step, one microbatch per live count: a layer slot (stashing one buffer when
+    ``stash``) holding an offload group with one live-row buffer and whole tensors; backward in
+    reverse. Returns what came back and what went in."""
+    gen = torch.Generator().manual_seed(seed)
+    context.begin_step()
+    saved, originals = [], []
+    for mb, live in enumerate(live_counts, start=1):
+        context.open_slot(0, 0, mb, "cpu")
+        rows = torch.randn(16, HIDDEN, generator=gen)
+        stashed = context.pack_marked(rows.clone(), torch.tensor([live]), 16) if stash else None
+        context.open_offload_group(0, ("offload", 0, "expert_fc1"), mb, "cpu")
+        live_rows = torch.tensor([live])
+        items = [context.pack_offload(rows, live_rows, 16)]
+        wholes = [torch.randn(*shape, generator=gen) for shape in whole_shapes]
+        items += [context.pack_offload(w) for w in wholes]
+        context.commit_slot()  # the offload group first (innermost) ...
+        context.commit_slot()  # ... then the layer slot
+        saved.append((mb, items, stashed))
+        originals.append((rows.clone(), [w.clone() for w in wholes], live))
+    back = {}
+    for mb, items, stashed in reversed(saved):
+        context.scheduler.backward_slot_start(0, 0, mb)
+        context.scheduler.backward_slot_start(0, ("offload", 0, "expert_fc1"), mb)
+        back[mb] = [context.unpack(s) for s in items]
+        if stashed is not None:
+            back[mb].append(context.unpack(stashed))
+    context.finish()
+    return back, originals
+
+
+@pytest.mark.parametrize("stash", [False, True])
+def test_round_trips_are_byte_exact_after_calibration(stash):
+    backend = CpuStreamBackend()
+    context = _context(backend)
+    engine = context.engine
+    _step(context, [5, 9], stash=stash)  # calibration
+    assert engine.offload_pools is not None and engine.mode == CALIBRATE
+    back, originals = _step(context, [7, 3], stash=stash, seed=1)
+    assert engine.mode == PAGED
+    for mb, (rows, wholes, live) in enumerate(originals, start=1):
+        got = back[mb]
+        assert torch.equal(got[0][:live], rows[:live])  # live rows exact, the rest unread
+        for w, g in zip(wholes, got[1 : 1 + len(wholes)], strict=True):
+            assert torch.equal(g, w)
+        if stash:
+            assert torch.equal(got[-1][:live], rows[:live])
+    # Offloaded rows went to the host tier of a host-only pool, stashed rows to the device tier.
+    (pool,) = list(engine.offload_pools.pools)
+    assert pool.num_cuda_pages == 0 and pool.free_pages() == (0, pool.num_host_pages)
+    flags = engine.flags.read()
+    assert flags == {"overflow": False, "host_spill": False, "invalid_live": False}
+    assert engine.offload_pools.flags.read()["host_spill"]  # by design, not reported
+    launches = backend.entries("launch")
+    assert {e.stream for e in launches} == {PAGING}
+    kinds = [(e.kind, e.info["offload"]) for e in launches]
+    expected_stash = [("stash", "rows"), ("stash", "whole")] + ([("stash", None)] if stash else [])
+    assert kinds[: len(expected_stash)] == expected_stash
+
+
+def test_reloads_wait_late_and_in_fifo_order():
+    backend = CpuStreamBackend()
+    context = _context(backend)
+    _step(context, [4, 4])
+    backend.log.clear()
+    _step(context, [4, 4])
+    reloads = [e.info["microbatch"] for e in backend.entries("launch", "reload")]
+    assert reloads == [2, 2, 1, 1]  # backward order: the newest microbatch first
+    waits = [e for e in backend.entries("wait") if e.kind == "unpack"]
+    assert waits and all(e.stream == COMPUTE for e in waits)
+
+
+def test_prefetch_orders_offload_groups_and_layers_by_commit():
+    backend = CpuStreamBackend()
+    context = _context(backend, prefetch_distance=1)
+    _step(context, [4], stash=True)
+    backend.log.clear()
+    _step(context, [4], stash=True)
+    # Layer slot (0, 0) committed after its group: its backward start prefetches the group.
+    starts = [e for e in backend.log if e.op == "note" and e.kind == "backward-slot-start"]
+    first_reload = backend.entries("launch", "reload")[0]
+    assert starts[0].info["layer"] == 0
+    assert first_reload.seq > starts[0].seq and first_reload.seq < starts[1].seq
+    assert {e.info["reason"] for e in backend.entries("launch", "reload")} >= {"prefetch"}
+
+
+def test_whole_tensor_without_arena_room_stays_on_device():
+    context = _context(CpuStreamBackend())
+    _step(context, [4], whole_shapes=((6, HIDDEN),))  # calibrates an arena for one tensor
+    arena = context.engine.offload_pools.arena
+    back, originals = _step(context, [4], whole_shapes=((6, HIDDEN), (64, HIDDEN)))
+    assert arena.declined == 1
+    rows, wholes, _ = originals[0]
+    assert all(torch.equal(g, w) for g, w in zip(back[1][1:], wholes, strict=True))
+
+
+def test_offload_overflow_is_in_the_union_of_flags():
+    context = _context(CpuStreamBackend())
+    _step(context, [1, 1])  # calibrates a tiny host tier
+    _step(context, [16, 16])  # needs more pages than the host tier has
+    flags = context.engine.flags.read()
+    assert flags["overflow"] and not flags["host_spill"]
+
+
+def test_offloaded_record_in_a_step_without_offload_pools_is_refused():
+    config = PagingConfig(page_size=PAGE, kernel_backend="reference")
+    context = PagingContext(PagingEngine(config, stream_backend=CpuStreamBackend()))
+    context.begin_step()  # calibration: stash records only
+    context.open_slot(0, 0, 1, "cpu")
+    context.pack_marked(torch.randn(8, HIDDEN), torch.tensor([8]), 8)
+    context.commit_slot()
+    context.scheduler.backward_slot_start(0, 0, 1)
+    context.finish()
+    context.begin_step()
+    context.open_offload_group(0, ("offload", 0, "core_attn"), 1, "cpu")
+    context.pack_offload(torch.randn(8, HIDDEN))
+    with pytest.raises(RuntimeError, match="without offload"):
+        context.commit_slot()
+
+
+def test_offload_group_keys_must_be_tuples_and_layer_slots_do_not_nest():
+    context = _context(CpuStreamBackend())
+    context.begin_step()
+    with pytest.raises(TypeError, match="tuple"):
+        context.open_offload_group(0, 3, 1, "cpu")
+    context.open_slot(0, 0, 1, "cpu")
+    with pytest.raises(RuntimeError, match="still open"):
+        context.open_slot(0, 1, 1, "cpu")
+
+
+def test_offload_calibrator_sizes_host_tiers_by_the_factor():
+    calibrator = OffloadCalibrator()
+    from megatron_paging.record import RecordLayout
+
+    layout = RecordLayout.new(32, HIDDEN * 4, PAGE)
+    parked = [calibrator.park(torch.randn(32, HIDDEN), layout.new_record(torch.tensor([n])))
+              for n in (10, 6)]
+    assert len(parked) == 2
+    pools = calibrator.size(PAGE, 1.5, "cpu")
+    (pool,) = list(pools.pools)
+    assert pool.num_cuda_pages == 0
+    assert pool.num_host_pages == -(-((12 + 8) * 1.5) // PAGE)  # pages of 10 and 6 rows: 3 + 2
+    assert pools.arena is None
+
+
+# ------------------------------------------------------------------------- on the GPU
+def _cuda_kernels_or_skip():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    try:
+        from megatron_paging.kernels import cuda_ops
+
+        cuda_ops.bulk_supported(torch.cuda.current_device())
+    except Exception as error:  # noqa: BLE001 - any build/load failure: not available here
+        pytest.skip(f"CUDA kernels unavailable: {error}")
+
+
+class _OffloadStep:
+    """One step on the GPU: an offload group with a live-row buffer and a whole tensor, its
+    reload copied into static outputs (so a CUDA graph can replay it)."""
+
+    def __init__(self, context, capacity=512, hidden=256):
+        self.context = context
+        gen = torch.Generator(device="cuda").manual_seed(5)
+        self.rows = torch.randn(capacity, hidden, device="cuda", generator=gen)
+        self.dense = torch.randn(300, hidden, device="cuda", generator=gen)
+        self.live = torch.tensor([capacity // 3], dtype=torch.int64, device="cuda")
+        self.rows_back = torch.zeros_like(self.rows)
+        self.dense_back = torch.zeros_like(self.dense)
+
+    def __call__(self):
+        context = self.context
+        context.begin_step()
+        context.open_offload_group(0, ("offload", 0, "expert_fc1"), 1, "cuda")
+        saved = [context.pack_offload(self.rows, self.live, self.rows.shape[0]),
+                 context.pack_offload(self.dense)]
+        context.commit_slot()
+        context.scheduler.backward_slot_start(0, ("offload", 0, "expert_fc1"), 1)
+        rows, dense = (context.unpack(s) for s in saved)
+        self.rows_back.copy_(rows)
+        self.dense_back.copy_(dense)
+        assert context.finish() == 0
+
+    def check(self):
+        torch.cuda.synchronize()
+        live = int(self.live.item())
+        assert torch.equal(self.rows_back[:live], self.rows[:live])
+        assert torch.equal(self.dense_back, self.dense)
+
+
+@pytest.mark.gpu
+def test_gpu_offload_round_trip_through_pinned_host_memory():
+    _cuda_kernels_or_skip()
+    context = PagingContext(PagingEngine(PagingConfig(kernel_backend="cuda")))
+    step = _OffloadStep(context)
+    step()  # calibration
+    step.rows_back.zero_()
+    step()
+    step.check()
+    offload = context.engine.offload_pools
+    (pool,) = list(offload.pools)
+    assert pool.host_pages.is_pinned() and offload.arena.storage.is_pinned()
+    assert pool.num_cuda_pages == 0 and not context.engine.flags.read()["overflow"]
+
+
+@pytest.mark.gpu
+def test_gpu_offload_replays_in_a_cuda_graph_with_new_live_counts():
+    _cuda_kernels_or_skip()
+    context = PagingContext(PagingEngine(PagingConfig(kernel_backend="cuda")))
+    step = _OffloadStep(context)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # calibration (eager)
+        step()  # a paged step (eager warm-up)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for live in (100, 37, 250):  # the host tier holds 1.25 x the calibrated 170 rows
+        step.live.fill_(live)
+        step.rows.add_(1.0)  # new content every replay
+        step.dense.mul_(-1.0)
+        step.rows_back.zero_()
+        step.dense_back.zero_()
+        graph.replay()
+        context.engine.note_replayed_step()
+        step.check()
+        assert not context.engine.flags.read()["overflow"]
