@@ -85,6 +85,7 @@ class StepProbe:
         self.recording = False
         self.memory_base_mib = 0.0  # allocated when the recorded iteration began
         self.step_peaks: dict[int, float] = {}
+        self.fb_peaks: dict[int, float] = {}  # forward-backward only: where activations peak
         self.profiler = None
         self.profile_t0 = 0.0
 
@@ -115,7 +116,9 @@ class StepProbe:
             self.profile_t0 = time.perf_counter()
 
     def on_step_end(self, losses_reduced) -> None:
-        """Append every microbatch loss of the step, exactly (float.hex), to the loss log."""
+        """Note the forward-backward's peak (before the optimizer step) and append every
+        microbatch loss of the step, exactly (float.hex), to the loss log."""
+        self.fb_peaks[self.iteration] = torch.cuda.max_memory_allocated() / 2**20
         loss_log = os.environ.get(LOSS_LOG_ENV)
         if not loss_log or not losses_reduced:
             return
@@ -186,8 +189,9 @@ class StepProbe:
             print(f"paging-example profile top by {key}:", flush=True)
             print(events.table(sort_by=key, row_limit=30, max_name_column_width=70), flush=True)
 
-    def peak_mib(self, first_iteration: int = 1) -> float:
-        peaks = [p for i, p in self.step_peaks.items() if i >= first_iteration]
+    def peak_mib(self, first_iteration: int = 1, forward_backward: bool = False) -> float:
+        source = self.fb_peaks if forward_backward else self.step_peaks
+        peaks = [p for i, p in source.items() if i >= first_iteration]
         return max(peaks) if peaks else 0.0
 
 
@@ -435,6 +439,7 @@ def report_memory(api, implementation: str) -> None:
         f"paging-example rank {os.environ.get('RANK', '0')}: "
         f"peak_allocated_mib={PROBE.peak_mib():.1f} "
         f"steady_peak_allocated_mib={PROBE.peak_mib(first_iteration=3):.1f} "
+        f"steady_fb_peak_allocated_mib={PROBE.peak_mib(3, forward_backward=True):.1f} "
         f"peak_reserved_mib={torch.cuda.max_memory_reserved() / mib:.1f} "
         f"pool_cuda_mib={cuda_bytes / mib:.1f} pool_host_mib={host_bytes / mib:.1f} "
         + "".join(f"{k}={v:.1f} " for k, v in state.items())

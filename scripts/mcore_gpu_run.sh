@@ -11,7 +11,8 @@
 #                    - --fine-grained-activation-offloading --paging-offload-backend <backend>
 #                      (mcore | paged) of the module set (experts: expert_fc1 moe_act; dense:
 #                      attn_norm qkv_linear core_attn attn_proj mlp_norm; both), with
-#                      --moe-paged-stash when the name ends in _stash
+#                      --moe-paged-stash when the name has _stash, full-iteration CUDA graphs
+#                      when it has _graphed (e.g. offload_paged_dense_stash_graphed)
 # then print per-step losses / grad norms, bitwise parity of every microbatch loss against the
 # control, peak memory and step time, and write $OUT/mcore_run.json.
 #
@@ -41,16 +42,17 @@ for mode in $MODES; do
     graphed_unpaged) paged=0; impl=(--cuda-graph-impl full_iteration) ;;
     graphed_paged) paged=1; impl=(--cuda-graph-impl full_iteration) ;;
     offload_*)
-      IFS=_ read -r _ backend set stash <<<"$mode"
+      IFS=_ read -r _ backend set rest <<<"$mode"
       case $set in
         experts) mods=(expert_fc1 moe_act) ;;
         dense) mods=(attn_norm qkv_linear core_attn attn_proj mlp_norm) ;;
         both) mods=(attn_norm qkv_linear core_attn attn_proj mlp_norm expert_fc1 moe_act) ;;
         *) echo "unknown module set in $mode"; exit 2 ;;
       esac
-      paged=0; [ "$stash" = stash ] && paged=1
+      paged=0; [[ "_${rest}_" == *_stash_* ]] && paged=1
       impl=(--fine-grained-activation-offloading --offload-modules "${mods[@]}"
-            --paging-offload-backend "$backend") ;;
+            --paging-offload-backend "$backend")
+      [[ "_${rest}_" == *_graphed_* ]] && impl+=(--cuda-graph-impl full_iteration) ;;
     *) echo "unknown mode $mode"; exit 2 ;;
   esac
   echo "=== mcore run: $mode ($STEPS steps) -> $log"
