@@ -188,7 +188,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--ctas", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 132, 2048])
-    parser.add_argument("--gemm-ctas", type=int, nargs="+", default=[8, 16, 132])
+    parser.add_argument("--gemm-ctas", type=int, nargs="+", default=[2, 4, 8, 16, 132])
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_offload: needs a CUDA device")
