@@ -282,3 +282,20 @@ def test_delta_keeps_bytes_per_pipeline_rank_in_backward_order():
     assert plan_from_log(log, pp_rank=0, delta_bytes=250).kept == plan_from_log(log).kept
     kept = plan_from_log(log, pp_rank=1, delta_bytes=250).kept - plan_from_log(log).kept
     assert kept == {(0, 1, 0), (0, 1, 1), (0, 1, 2)}  # 300 bytes >= 250, mb 2 was kept already
+
+
+# ---------------------------------------------------------------------------- views
+def test_views_come_back_with_their_strides():
+    from megatron_paging.mcore.offload import _span, _Strided
+
+    base = torch.arange(2 * 3 * 12, dtype=torch.float32).reshape(2, 3, 12)
+    permuted = base.transpose(0, 1)  # dense: the run it spans is its own storage
+    gapped = base[..., 8:]  # v out of a fused qkv: gaps between rows
+    assert _span(permuted) == permuted.numel() and _span(gapped) > gapped.numel()
+    assert _span(base.expand(4, 2, 3, 12)) is None  # zero stride: overlapping, stays
+    run = permuted.as_strided((permuted.numel(),), (1,), permuted.storage_offset()).clone()
+    back = _Strided(None, permuted.shape, permuted.stride(), _span(permuted)).restore(run)
+    assert back.stride() == permuted.stride() and torch.equal(back, permuted)
+    copy = gapped.contiguous()
+    back = _Strided(None, gapped.shape, gapped.stride(), _span(gapped)).restore(copy)
+    assert back.stride() == gapped.stride() and torch.equal(back, gapped)

@@ -60,27 +60,38 @@ def _offloadable(tensor, min_numel: int, device_type: str) -> bool:
     )
 
 
-def _dense_region(tensor: torch.Tensor) -> torch.Tensor | None:
-    """The 1-D run of storage a dense but permuted view covers (a transposed q/k/v), or None
-    when the view has gaps or overlaps. Offloading that run and re-viewing it with the same
-    strides keeps the backward's memory layout, so its arithmetic is bitwise the same; a
-    ``.contiguous()`` copy would change it."""
+def _span(tensor: torch.Tensor) -> int | None:
+    """Elements from a view's first to its last element (None for zero/negative strides)."""
     dims = list(zip(tensor.shape, tensor.stride(), strict=True))
     if any(stride <= 0 for size, stride in dims if size > 1):
         return None
-    span = 1 + sum((size - 1) * stride for size, stride in dims)
-    if span != tensor.numel():
-        return None
-    return tensor.as_strided((span,), (1,), tensor.storage_offset())
+    return 1 + sum((size - 1) * stride for size, stride in dims)
 
 
 class _Strided:
-    """What autograd keeps for an offloaded permuted view: the run's handle and the view."""
+    """What autograd keeps for an offloaded non-contiguous view, so that backward gets the
+    same strides back (its arithmetic then reads the same layout: bitwise the same; a plain
+    ``.contiguous()`` tensor would change it).
 
-    __slots__ = ("saved", "size", "stride")
+    * a dense permuted view (a transposed q/k/v): the storage run it covers was offloaded
+      (``span == numel``) and is re-viewed in place;
+    * a view with gaps (``v`` sliced out of the fused qkv projection): a contiguous copy was
+      offloaded (only its own bytes cross PCIe) and is written back into a fresh ``span``-long
+      buffer at the original strides on reload.
+    """
 
-    def __init__(self, saved, size, stride):
-        self.saved, self.size, self.stride = saved, size, stride
+    __slots__ = ("saved", "size", "stride", "span")
+
+    def __init__(self, saved, size, stride, span):
+        self.saved, self.size, self.stride, self.span = saved, size, stride, span
+
+    def restore(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.numel() == self.span:
+            return tensor.as_strided(self.size, self.stride)
+        out = torch.empty(self.span, dtype=tensor.dtype, device=tensor.device)
+        out = out.as_strided(self.size, self.stride)
+        out.copy_(tensor)
+        return out
 
 
 class _Group:
@@ -91,16 +102,18 @@ class _Group:
     def __init__(self, cm, index, name, kept=False):
         self.cm, self.index, self.name = cm, index, name
         self.kept = kept  # the plan keeps it on the device: its tensors are saved as they are
-        self.packed: list[tuple[int, object]] = []  # (storage pointer, what pack returned)
+        # (storage pointer of the tensor autograd saved, what pack returned for it)
+        self.packed: list[tuple[int, object]] = []
 
-    def moved_storages(self) -> set[int]:
-        """Storages whose bytes were copied away at the commit (not parked, not declined)."""
-        moved = set()
+    def releasable_storages(self) -> set[int]:
+        """Storages whose every saved tensor of this group was copied away at the commit (not
+        parked, declined or kept): Megatron's ``forced_released_tensors`` of those may go."""
+        moved: dict[int, bool] = {}
         for pointer, saved in self.packed:
             handle = getattr(saved, "handle", None)
-            if handle is not None and handle.tensor is None and handle.parked is None:
-                moved.add(pointer)
-        return moved
+            ok = handle is not None and handle.tensor is None and handle.parked is None
+            moved[pointer] = moved.get(pointer, True) and ok
+        return {pointer for pointer, ok in moved.items() if ok}
 
 
 class PagedOffloadManager:
@@ -184,12 +197,17 @@ class PagedOffloadManager:
         if group.kept or not _offloadable(tensor, self.min_numel, self.api.device.type):
             return tensor
         live = getattr(tensor, LIVE_ROWS_ATTR, None)
+        pointer = tensor.untyped_storage().data_ptr()
         view = None
         if not tensor.is_contiguous():
-            region = None if live is not None else _dense_region(tensor)
-            if region is None:
-                return tensor  # gaps, overlaps or a strided capacity buffer: saved as it is
-            view, tensor = (tensor.shape, tensor.stride()), region
+            span = None if live is not None else _span(tensor)
+            if span is None:
+                return tensor  # overlapping or a strided capacity buffer: saved as it is
+            view = (tensor.shape, tensor.stride(), span)
+            if span == tensor.numel():  # dense: its own storage run
+                tensor = tensor.as_strided((span,), (1,), tensor.storage_offset())
+            else:
+                tensor = tensor.contiguous()
         nbytes = tensor.numel() * tensor.element_size()
         self.offloaded_bytes["rows_capacity" if live is not None else "whole"] += nbytes
         if self.log is not None:
@@ -198,15 +216,13 @@ class PagedOffloadManager:
             saved = self.context.pack_offload(tensor, live, tensor.shape[0])
         else:
             saved = self.context.pack_offload(tensor)
-        storage = tensor.untyped_storage()
-        if nbytes == storage.nbytes():  # only a storage nothing else shares may be released
-            group.packed.append((storage.data_ptr(), saved))
+        group.packed.append((pointer, saved))
         return saved if view is None else _Strided(saved, *view)
 
     def unpack(self, saved):
         """The group's unpack hook: the inverse of :meth:`pack`."""
         if isinstance(saved, _Strided):
-            return self.context.unpack(saved.saved).as_strided(saved.size, saved.stride)
+            return saved.restore(self.context.unpack(saved.saved))
         return self.context.unpack(saved)
 
     def group_commit(self, group: _Group, tensor, forced_released_tensors):
@@ -221,9 +237,9 @@ class PagedOffloadManager:
         scheduler = self.context.scheduler
         if forced_released_tensors and scheduler is not None and not scheduler.backend.capturing():
             backend = scheduler.backend
-            moved = group.moved_storages()
+            releasable = group.releasable_storages()
             for t in forced_released_tensors:
-                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in moved:
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in releasable:
                     # The paging stream still reads it: reuse waits for that work.
                     backend.keep_alive(t, backend.paging_stream)
                     t.untyped_storage().resize_(0)

@@ -17,7 +17,10 @@ argument check that runs before ``install()``, :func:`offload_args_lift`) applie
 * ``TransformerConfig`` refuses ``expert_fc1`` / ``moe_act`` with ``--moe-paged-stash`` ("paged
   stash covers those activations"): with the paged backend both run in one runtime (stashed
   records on the device tier, offloaded ones on the host tier), so the check is skipped for
-  those two names only; every other check of Megatron-Core's runs unchanged.
+  those two names only. It also demands ``--fine-grained-offloading-max-inflight-offloads``
+  under full-iteration CUDA graphs (its main stream may not wait on its D2H events); the paged
+  backend never waits on an offload except where it reloads, so that demand is lifted too.
+  Every other check of Megatron-Core's runs unchanged.
 * ``training.py`` pins CPU affinity through cuda-python and pynvml when offloading; where they
   are missing it logs one line and goes on (an optimisation, not a requirement).
 """
@@ -99,15 +102,28 @@ def lifted_post_init(original_post_init):
     def __post_init__(self):
         modules = list(getattr(self, "offload_modules", None) or [])
         lifted = [m for m in modules if m in EXPERT_OFFLOAD_MODULES]
-        if not (getattr(self, "moe_paged_stash", False) and lifted):
+        stash_lift = bool(getattr(self, "moe_paged_stash", False) and lifted)
+        # Megatron-Core's full-iteration graphs need its max-inflight cap (its main stream may
+        # not wait on its D2H events); ours never waits on an offload except where it reloads.
+        inflight_lift = (
+            getattr(self, "fine_grained_activation_offloading", False)
+            and getattr(self, "cuda_graph_impl", "none") == "full_iteration"
+            and getattr(self, "fine_grained_offloading_max_inflight_offloads", None) is None
+        )
+        if not (stash_lift or inflight_lift):
             return original_post_init(self)
-        self.offload_modules = [m for m in modules if m not in EXPERT_OFFLOAD_MODULES]
-        if not self.offload_modules:  # Megatron-Core asserts a non-empty list
-            self.offload_modules = ["core_attn"]
+        if stash_lift:
+            self.offload_modules = [m for m in modules if m not in EXPERT_OFFLOAD_MODULES]
+            if not self.offload_modules:  # Megatron-Core asserts a non-empty list
+                self.offload_modules = ["core_attn"]
+        if inflight_lift:
+            self.fine_grained_offloading_max_inflight_offloads = 0
         try:
             return original_post_init(self)
         finally:
             self.offload_modules = modules
+            if inflight_lift:
+                self.fine_grained_offloading_max_inflight_offloads = None
 
     __post_init__.megatron_paging_offload_shim = True
     return __post_init__
