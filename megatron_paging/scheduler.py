@@ -30,7 +30,9 @@ stash-done event reports complete; completed events are polled (``done()``) at e
 scheduler call and at ``finish()``. Under CUDA-graph capture events cannot be queried, so at the
 next commit the compute stream waits on the earlier stash-done events (they had a whole layer of
 forward to finish) and then drops the sources; the wait becomes a graph edge that orders the
-stash before any reuse of its memory.
+stash before any reuse of its memory. An offloaded record's source (a PCIe copy, milliseconds)
+is handed to the allocator eagerly with ``keep_alive`` (``record_stream`` on the paging stream)
+and dropped at once, so its memory returns the moment the copy ends.
 
 Delayed weight gradients: a record marked ``wgrad_only`` is read only by its layer's weight
 gradient. When the backward that reaches its slot defers the weight gradient
@@ -278,7 +280,18 @@ class PagingScheduler:
             self._paging_used = True
             self.transfers.launch_group(paging, "stash", handles)
             done = self.backend.record(paging, "stash-done")
-            self._sources.append((done, handles))
+            tracked = handles
+            if not self.backend.capturing() and any(h.offload for h in handles):
+                # An offload crosses PCIe (ms, not us): its source goes back to the allocator
+                # the moment the copy ends (record_stream), not at the next scheduler call,
+                # which may be a whole loss computation away.
+                for h in handles:
+                    if h.offload:
+                        self.backend.keep_alive(h.source, paging)
+                        h.source = None
+                tracked = [h for h in handles if not h.offload]
+            if tracked:
+                self._sources.append((done, tracked))
         if not handles:
             return
         position = next(self._positions)
