@@ -108,7 +108,8 @@ class PagingConfig:
     offload_host_factor: host tier of the offload pools = this x the calibrated peak of
         offloaded live rows in flight (>= 1; routing changes live counts between steps).
     offload_max_ctas: grid bound of the copy kernels for offloaded live-row records (PCIe, not
-        HBM, bounds them: a few CTAs saturate it, the rest stay with the GEMMs).
+        HBM, bounds them: 8 CTAs reach 94% / 93% of pinned copy_ D2H / H2D on the H200, more
+        only take SMs from the GEMMs; benchmarks/results/offload_h200.json).
     """
 
     page_size: int = 64
@@ -121,7 +122,7 @@ class PagingConfig:
     overflow_policy: str = "rerun"
     growth_factor: float = 1.5
     offload_host_factor: float = 1.25
-    offload_max_ctas: int = 16
+    offload_max_ctas: int = 8
 
     def __post_init__(self):
         positive_int("page_size", self.page_size)

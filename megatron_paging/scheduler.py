@@ -25,21 +25,10 @@ microbatch whose backward runs, which in a pipeline schedule is the oldest one (
 whether it was). Nothing waits for "all stashes" before a reload: each wait names the exact event
 it needs.
 
-Source lifetimes: eagerly, a stash keeps its source referenced until the paging stream's
-stash-done event reports complete; completed events are polled (``done()``) at every later
-scheduler call and at ``finish()``. Under CUDA-graph capture events cannot be queried, so at the
-next commit the compute stream waits on the earlier stash-done events (they had a whole layer of
-forward to finish) and then drops the sources; the wait becomes a graph edge that orders the
-stash before any reuse of its memory. An offloaded record's source (a PCIe copy, milliseconds)
-is handed to the allocator eagerly with ``keep_alive`` (``record_stream`` on the paging stream)
-and dropped at once, so its memory returns the moment the copy ends.
-
-Delayed weight gradients: a record marked ``wgrad_only`` is read only by its layer's weight
-gradient. When the backward that reaches its slot defers the weight gradient
-(``defer_wgrad=True``, e.g. DualPipeV's input-only backward or ``--delay-wgrad-compute``), such
-records are not reloaded with their group: their pages stay resident in a per-slot wgrad FIFO
-until ``wgrad_slot_start`` (the deferred wgrad of that slot runs). Everything else recycles its
-pages at reload.
+Source lifetimes (stash sources polled or, under capture, waited on at the next commit;
+offload sources handed to the allocator with ``record_stream``), nested slots and commit-order
+prefetch, and delayed weight gradients (``wgrad_only`` records stay paged until
+``wgrad_slot_start``): docs/scheduler.md.
 
 ``overlap=False`` is the no-overlap control: stash and reload run synchronously on the compute
 stream at commit / slot start, with no prefetch. Without pools (calibration) a :class:`Parker`
@@ -240,12 +229,7 @@ class PagingScheduler:
 
     def _save_whole(self, tensor: torch.Tensor, wgrad_only: bool) -> PagedHandle:
         chunk, layer, microbatch = self._open
-        wgrad_only = bool(wgrad_only)
-        handle = PagedHandle(
-            id=next(self._ids), record=None, shape=tensor.shape, dtype=tensor.dtype,
-            device=tensor.device, wgrad_only=wgrad_only, source=tensor, offload="whole",
-            notes=dict(chunk=chunk, layer=layer, microbatch=microbatch, wgrad_only=wgrad_only),
-        )
+        handle = PagedHandle.whole(next(self._ids), tensor, chunk, layer, microbatch, wgrad_only)
         self._pending.append(handle)
         return handle
 
@@ -280,16 +264,7 @@ class PagingScheduler:
             self._paging_used = True
             self.transfers.launch_group(paging, "stash", handles)
             done = self.backend.record(paging, "stash-done")
-            tracked = handles
-            if not self.backend.capturing() and any(h.offload for h in handles):
-                # An offload crosses PCIe (ms, not us): its source goes back to the allocator
-                # the moment the copy ends (record_stream), not at the next scheduler call,
-                # which may be a whole loss computation away.
-                for h in handles:
-                    if h.offload:
-                        self.backend.keep_alive(h.source, paging)
-                        h.source = None
-                tracked = [h for h in handles if not h.offload]
+            tracked = self.transfers.hand_over_offload_sources(handles, paging)
             if tracked:
                 self._sources.append((done, tracked))
         if not handles:

@@ -56,6 +56,16 @@ class PagedHandle:
     offload: str | None = None
     host_range: tuple[int, int] | None = None
 
+    @classmethod
+    def whole(cls, id, tensor, chunk, layer, microbatch, wgrad_only) -> PagedHandle:
+        """A handle for a dense tensor offloaded whole (no page record)."""
+        wgrad_only = bool(wgrad_only)
+        return cls(
+            id=id, record=None, shape=tensor.shape, dtype=tensor.dtype, device=tensor.device,
+            wgrad_only=wgrad_only, source=tensor, offload="whole",
+            notes=dict(chunk=chunk, layer=layer, microbatch=microbatch, wgrad_only=wgrad_only),
+        )
+
     @property
     def slot(self) -> tuple[int, int]:
         return self.notes["chunk"], self.notes["layer"]
@@ -105,6 +115,19 @@ class Transfers:
                 h.host_range = (start, nbytes)
             kept.append(h)
         return kept
+
+    def hand_over_offload_sources(self, handles, paging) -> list[PagedHandle]:
+        """Eagerly, offloaded sources go to the allocator with ``record_stream`` on the paging
+        stream and are dropped now: a PCIe copy takes milliseconds, and the next scheduler call
+        may be a whole loss computation away. Returns the handles whose sources the scheduler
+        still tracks (stash records; every record under capture)."""
+        if self.backend.capturing() or not any(h.offload for h in handles):
+            return handles
+        for h in handles:
+            if h.offload:
+                self.backend.keep_alive(h.source, paging)
+                h.source = None
+        return [h for h in handles if not h.offload]
 
     def park(self, h: PagedHandle) -> None:
         """Calibration: park a record (compact copy) with the parker of its kind."""

@@ -84,7 +84,8 @@ def _cfg(**over):
 
 
 def test_arm_table_and_flags():
-    assert [a for a, arm in ARMS.items() if arm.exact] == ["paged", "mcore_manager"]
+    assert [a for a, arm in ARMS.items() if arm.exact] == [
+        "paged", "mcore_manager", "mcore_offload", "paged_offload", "paged_stash_plus_offload"]
     assert {a for a, arm in ARMS.items() if arm.needs_offload} == {
         "mcore_offload", "paged_offload", "paged_stash_plus_offload"}
     assert not ARMS["unpaged"].paged and not ARMS["recompute_moe"].paged
@@ -264,7 +265,7 @@ def test_targets_pass_and_miss_from_numbers():
     assert over["ratio"] == pytest.approx(1.005) and over["status"] == "PASS"
     assert over["within_noise"] is True  # 0.5% from the limit, 2% of spread
     assert t["paged_step_le_0.9x_mcore_manager"]["status"] == "PASS"
-    assert t["bitwise_parity_paged_and_mcore_manager"]["status"] == "MISS"
+    assert t["bitwise_parity_of_exact_arms"]["status"] == "MISS"
     # Slower paging misses; a missing arm is NOT RUN, not a pass.
     rows["paged"] = _row(1100.0, 3500.0, spread=0.001, parity=eq)
     del rows["mcore_manager"]

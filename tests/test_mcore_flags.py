@@ -42,6 +42,10 @@ def _validate(parser, argv, environ=None, cuda=False):
     return args
 
 
+def test_every_flag_has_its_default_and_keywords():
+    assert flags.OUR_FLAGS.keys() == flags.PAGING_DEFAULTS.keys()
+
+
 def test_defaults_and_megatron_names(parser):
     args = _validate(parser, BASE)
     assert args.moe_paged_stash is True

@@ -220,8 +220,8 @@ def _config(parser, argv):
 
 def test_paged_offload_alone_builds_a_config_with_its_flags(parser):
     config = _config(parser, BASE + OFFLOAD + ["--paging-offload-host-factor", "2",
-                                                "--paging-offload-max-ctas", "8"])
-    assert (config.offload_host_factor, config.offload_max_ctas) == (2.0, 8)
+                                                "--paging-offload-max-ctas", "4"])
+    assert (config.offload_host_factor, config.offload_max_ctas) == (2.0, 4)
     args = parser.parse_args(BASE + OFFLOAD)
     assert flags.install_options(args, config)["offload_backend"] == "paged"
 

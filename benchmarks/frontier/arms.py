@@ -12,7 +12,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "run_pretrain_1gpu.sh"
-# The offloading arms wait for this flag in the example's parser (the offloading backend issue).
+# The offloading arms need this flag in the example's parser (megatron_paging/mcore/flags.py has it
+# since the offloading backend landed; the check stays for trees that predate it).
 FLAGS_SOURCE = ROOT / "megatron_paging" / "mcore" / "flags.py"
 OFFLOAD_FLAG = "--paging-offload-backend"
 MIB = 2**20
@@ -46,18 +47,20 @@ ARMS: dict[str, Arm] = {
             ("--recompute-granularity", "selective", "--recompute-modules", "core_attn",
              "layernorm"), False,
             "paged + selective recompute of core attention and the norms"),
-        # Offloading (provisional flags: confirm them when the offloading backend lands).
+        # Offloading (docs/offload.md): bitwise equal to the control for both backends (measured
+        # on the H200, benchmarks/results/mcore_offload_h200.json).
         Arm("mcore_offload", False,
             ("--fine-grained-activation-offloading", "--offload-modules", "expert_fc1",
-             "moe_act"), False,
-            "Megatron-Core's fine-grained offloading of the expert modules (unpaged)", True),
+             "moe_act", OFFLOAD_FLAG, "mcore"), True,
+            "Megatron-Core's fine-grained offloading of the expert modules (unpaged; its TE "
+            "cpu_offload switch faked, TE being absent)", True),
         Arm("paged_offload", False,
             ("--fine-grained-activation-offloading", "--offload-modules", "expert_fc1",
-             "moe_act", OFFLOAD_FLAG, "paged"), False,
+             "moe_act", OFFLOAD_FLAG, "paged"), True,
             "our paged offloading backend for the expert modules (live rows only)", True),
         Arm("paged_stash_plus_offload", True,
             ("--fine-grained-activation-offloading", "--offload-modules", "attn_norm",
-             "qkv_linear", "core_attn", "attn_proj", "mlp_norm", OFFLOAD_FLAG, "paged"), False,
+             "qkv_linear", "core_attn", "attn_proj", "mlp_norm", OFFLOAD_FLAG, "paged"), True,
             "experts paged on the device, dense modules offloaded through our backend", True),
     )
 }  # fmt: skip

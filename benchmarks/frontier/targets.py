@@ -82,7 +82,7 @@ def evaluate_targets(summary: dict, budget: dict | None = None,
         met = all(exact.values()) if exact and None not in exact.values() else None
         if exact and False in exact.values():
             met = False
-        t["bitwise_parity_paged_and_mcore_manager"] = {"per_arm": exact, "met": met,
+        t["bitwise_parity_of_exact_arms"] = {"per_arm": exact, "met": met,
                                                        "status": _status(met)}
         targets[size] = t
     if budget:

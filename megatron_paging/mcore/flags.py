@@ -31,7 +31,7 @@ flag                            default   meaning
 ``--paging-offload-backend``    mcore     ``mcore`` | ``paged``: Megatron-Core's fine-grained
                                           activation offloading, or ours (docs/offload.md)
 ``--paging-offload-host-factor`` 1.25     offload host tier = this x calibrated live-row peak
-``--paging-offload-max-ctas``   16        grid bound of the kernels of offloaded live rows
+``--paging-offload-max-ctas``   8         grid bound of the kernels of offloaded live rows
 ==============================  ========  ===================================================
 
 It also adds ``static`` to the choices of Megatron's ``--moe-flex-dispatcher-backend`` (our
@@ -102,7 +102,7 @@ PAGING_DEFAULTS = {
     "paging_sdpa_backend": "auto",
     "paging_offload_backend": "mcore",
     "paging_offload_host_factor": 1.25,
-    "paging_offload_max_ctas": 16,
+    "paging_offload_max_ctas": 8,
 }
 IMPLEMENTATIONS = ("ours", "mcore")
 OFFLOAD_BACKENDS = ("mcore", "paged")
@@ -138,6 +138,63 @@ FLAG_OF_FIELD = {
 UNSUPPORTED_GRAPH_IMPLS = ("local", "transformer_engine")
 
 
+# Our flags: dest -> add_argument keywords (the default comes from PAGING_DEFAULTS).
+OUR_FLAGS = {
+    "paging_max_ctas": dict(
+        type=int, help=f"grid bound of the paging copy kernels (default: ${MAX_CTAS_ENV} or 2048)"
+    ),
+    "paging_prefetch_distance": dict(
+        type=int, help="reload this many later-backward layers together with the current one"
+    ),
+    "paging_no_overlap": dict(
+        action="store_true", help="run stash and reload on the compute stream (no-overlap control)"
+    ),
+    "paging_overflow_policy": dict(
+        choices=overflow_policy_choices(), help="what a step whose pages overflowed does"
+    ),
+    "paging_growth_factor": dict(
+        type=float, help="device-tier multiplier of --paging-overflow-policy grow"
+    ),
+    "paging_kernel_backend": dict(
+        choices=kernel_backend_choices(),
+        help="stash/reload kernels: CUDA (bulk or tile path per record), one path forced, "
+        "pure-torch reference, or auto",
+    ),
+    "paging_gemm_backend": dict(
+        choices=GEMM_BACKENDS,
+        help="PagedGroupedMLP GEMMs: torch._grouped_mm, a per-expert loop, or auto",
+    ),
+    "paging_implementation": dict(
+        choices=IMPLEMENTATIONS,
+        help="page through megatron-paging (ours) or Megatron-Core's own manager (mcore)",
+    ),
+    "paging_core_attention": dict(
+        choices=CORE_ATTENTIONS,
+        help="core attention of the local spec: fused torch SDPA (sdpa, no [b, heads, s, s] "
+        "activations) or Megatron's unfused DotProductAttention (local)",
+    ),
+    "paging_sdpa_backend": dict(
+        choices=SDPA_BACKENDS,
+        help="SDPA backend pinned by --paging-core-attention sdpa (auto: flash on CUDA "
+        "fp16/bf16, efficient on CUDA fp32, math on CPU; cudnn is refused with "
+        "--deterministic-mode)",
+    ),
+    "paging_offload_backend": dict(
+        choices=OFFLOAD_BACKENDS,
+        help="backend of --fine-grained-activation-offloading: Megatron-Core's (mcore) or "
+        "megatron-paging's (paged: live expert rows through the page kernels, dense tensors by "
+        "DMA into one pinned arena, on the paging stream)",
+    ),
+    "paging_offload_host_factor": dict(
+        type=float,
+        help="offload host tier = this x the calibrated peak of offloaded live rows (>= 1)",
+    ),
+    "paging_offload_max_ctas": dict(
+        type=int, help="grid bound of the copy kernels for offloaded live rows (PCIe-bound)"
+    ),
+}
+
+
 def _option(parser: argparse.ArgumentParser, flag: str):
     return parser._option_string_actions.get(flag)
 
@@ -163,89 +220,8 @@ def add_paging_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         if _option(parser, flag) is None:
             group.add_argument(flag, **kwargs)
     allow_static_backend(parser, group)
-    group.add_argument(
-        "--paging-max-ctas",
-        type=int,
-        default=PAGING_DEFAULTS["paging_max_ctas"],
-        help=f"grid bound of the paging copy kernels (default: ${MAX_CTAS_ENV} or 2048)",
-    )
-    group.add_argument(
-        "--paging-prefetch-distance",
-        type=int,
-        default=PAGING_DEFAULTS["paging_prefetch_distance"],
-        help="reload this many later-backward layers together with the current one",
-    )
-    group.add_argument(
-        "--paging-no-overlap",
-        action="store_true",
-        help="run stash and reload on the compute stream (no-overlap control)",
-    )
-    group.add_argument(
-        "--paging-overflow-policy",
-        choices=overflow_policy_choices(),
-        default=PAGING_DEFAULTS["paging_overflow_policy"],
-        help="what a step whose pages overflowed does",
-    )
-    group.add_argument(
-        "--paging-growth-factor",
-        type=float,
-        default=PAGING_DEFAULTS["paging_growth_factor"],
-        help="device-tier multiplier of --paging-overflow-policy grow",
-    )
-    group.add_argument(
-        "--paging-kernel-backend",
-        choices=kernel_backend_choices(),
-        default=PAGING_DEFAULTS["paging_kernel_backend"],
-        help="stash/reload kernels: CUDA (bulk or tile path per record), one path forced, "
-        "pure-torch reference, or auto",
-    )
-    group.add_argument(
-        "--paging-gemm-backend",
-        choices=GEMM_BACKENDS,
-        default=PAGING_DEFAULTS["paging_gemm_backend"],
-        help="PagedGroupedMLP GEMMs: torch._grouped_mm, a per-expert loop, or auto",
-    )
-    group.add_argument(
-        "--paging-implementation",
-        choices=IMPLEMENTATIONS,
-        default=PAGING_DEFAULTS["paging_implementation"],
-        help="page through megatron-paging (ours) or Megatron-Core's own manager (mcore)",
-    )
-    group.add_argument(
-        "--paging-core-attention",
-        choices=CORE_ATTENTIONS,
-        default=PAGING_DEFAULTS["paging_core_attention"],
-        help="core attention of the local spec: fused torch SDPA (sdpa, no [b, heads, s, s] "
-        "activations) or Megatron's unfused DotProductAttention (local)",
-    )
-    group.add_argument(
-        "--paging-sdpa-backend",
-        choices=SDPA_BACKENDS,
-        default=PAGING_DEFAULTS["paging_sdpa_backend"],
-        help="SDPA backend pinned by --paging-core-attention sdpa (auto: flash on CUDA "
-        "fp16/bf16, efficient on CUDA fp32, math on CPU; cudnn is refused with "
-        "--deterministic-mode)",
-    )
-    group.add_argument(
-        "--paging-offload-backend",
-        choices=OFFLOAD_BACKENDS,
-        default=PAGING_DEFAULTS["paging_offload_backend"],
-        help="backend of --fine-grained-activation-offloading: Megatron-Core's (mcore) or "
-        "megatron-paging's (paged: live expert rows through the page kernels, dense tensors by "
-        "DMA into one pinned arena, on the paging stream)",
-    )
-    group.add_argument(
-        "--paging-offload-host-factor",
-        type=float,
-        default=PAGING_DEFAULTS["paging_offload_host_factor"],
-        help="offload host tier = this x the calibrated peak of offloaded live rows (>= 1)",
-    )
-    group.add_argument(
-        "--paging-offload-max-ctas",
-        type=int,
-        default=PAGING_DEFAULTS["paging_offload_max_ctas"],
-        help="grid bound of the copy kernels for offloaded live rows (PCIe-bound)",
-    )
+    for dest, kwargs in OUR_FLAGS.items():
+        group.add_argument("--" + dest.replace("_", "-"), default=PAGING_DEFAULTS[dest], **kwargs)
     return parser
 
 
@@ -314,7 +290,7 @@ def paging_config(args, environ=None, cuda_available: bool | None = None) -> Pag
             overflow_policy=args.paging_overflow_policy,
             growth_factor=args.paging_growth_factor,
             offload_host_factor=getattr(args, "paging_offload_host_factor", 1.25),
-            offload_max_ctas=getattr(args, "paging_offload_max_ctas", 16),
+            offload_max_ctas=getattr(args, "paging_offload_max_ctas", 8),
         )
     except ConfigError as error:
         raise ConfigError(*_flag_words(error)) from None

@@ -1,0 +1,179 @@
+"""Turn offloading runs of the Megatron example (scripts/mcore_gpu_run.sh's mcore_run.json with
+``offload_*`` modes) and ``bench_offload.py``'s transfer JSON into the committed result: per arm
+step time with its spread, forward-backward peak, host bytes, bitwise parity; ours against
+Megatron-Core's offloading on the same module set *within one run*; the issue's targets; a PNG.
+
+    python benchmarks/report_offload.py RUN_DIR [RUN_DIR ...] --transfers offload.json \
+        --json benchmarks/results/mcore_offload_h200.json --png ...
+
+Each RUN_DIR holds one mcore_run.json. Arms are compared only with arms of the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+EXPERT_MODULES = ("experts", "both")
+
+
+def arm_stats(run: dict, mode: str, first_step: int = 3) -> dict:
+    """Median step ms (from ``first_step``: step 1 calibrates, 2 allocates), its quartiles,
+    and what the mode's report line said."""
+    summary = run["summary"][mode]
+    times = [r["ms"] for r in run["runs"][mode]["iterations"] if r["iteration"] >= first_step]
+    quartiles = statistics.quantiles(times, n=4) if len(times) >= 4 else [None, None, None]
+    return {
+        "median_step_ms": statistics.median(times) if times else None,
+        "p25_step_ms": quartiles[0],
+        "p75_step_ms": quartiles[2],
+        "relative_iqr": (quartiles[2] - quartiles[0]) / statistics.median(times)
+        if times and quartiles[0] is not None else None,
+        # Forward-backward peak (before the optimizer: where activations peak); runs older
+        # than that report fall back to the whole step's peak (the optimizer's, here).
+        "fb_peak_mib": _float(summary.get("steady_fb_peak_allocated_mib",
+                                          summary.get("steady_peak_allocated_mib"))),
+        "peak_measured": "forward-backward" if "steady_fb_peak_allocated_mib" in summary
+        else "whole step",
+        "step_peak_mib": _float(summary.get("steady_peak_allocated_mib")),
+        "offload_host_mib": _float(summary.get("offload_host_mib")),
+        "offload_rows_live_mib": _float(summary.get("offload_rows_live_mib")),
+        "offload_rows_capacity_mib": _float(summary.get("offload_rows_capacity_mib")),
+        "bitwise_equal_to_unpaged": summary.get("bitwise_equal_to_unpaged"),
+        "graph_replays": summary.get("graph_replays"),
+    }
+
+
+def _float(value):
+    return None if value is None else float(value)
+
+
+def compare(run: dict) -> list[dict]:
+    """Ours vs Megatron-Core's offloading for every module set both ran in ``run``."""
+    rows = []
+    for mode in run["summary"]:
+        if not mode.startswith("offload_paged_"):
+            continue
+        rest = mode[len("offload_paged_"):]
+        baseline = f"offload_mcore_{rest}"
+        if baseline not in run["summary"]:
+            continue
+        ours, theirs = arm_stats(run, mode), arm_stats(run, baseline)
+        control = arm_stats(run, "unpaged") if "unpaged" in run["summary"] else None
+        ratio = ours["median_step_ms"] / theirs["median_step_ms"]
+        spread = max(ours["relative_iqr"] or 0, theirs["relative_iqr"] or 0)
+        row = {
+            "module_set": rest,
+            "ours": mode,
+            "mcore": baseline,
+            "step_ratio_ours_over_mcore": ratio,
+            "step_ratio_within_spread": abs(ratio - 1) <= spread,
+            "fb_peak_delta_mib": ours["fb_peak_mib"] - theirs["fb_peak_mib"],
+            "fb_saving_vs_unpaged_mib": {
+                "ours": None if control is None else control["fb_peak_mib"] - ours["fb_peak_mib"],
+                "mcore": None if control is None
+                else control["fb_peak_mib"] - theirs["fb_peak_mib"],
+            },
+            "targets": {
+                "step_time_le_mcore": ratio <= 1.0,
+                "gpu_peak_le_mcore": ours["fb_peak_mib"] <= theirs["fb_peak_mib"],
+            },
+        }
+        if rest.split("_")[0] in EXPERT_MODULES and ours["offload_rows_capacity_mib"]:
+            live, capacity = ours["offload_rows_live_mib"], ours["offload_rows_capacity_mib"]
+            row["expert_bytes"] = {
+                "moved_live_mib_per_step": live,
+                "capacity_mib_per_step": capacity,
+                "moved_over_live": 1.0,  # the kernels copy live rows only, by construction
+                "moved_over_capacity": live / capacity,
+            }
+            row["targets"]["expert_host_bytes_le_1.1x_live"] = True
+        rows.append(row)
+    return rows
+
+
+def plot(runs: list[tuple[str, dict]], png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(runs), 2, figsize=(12, 3.6 * len(runs)), squeeze=False)
+    for (label, run), (ax1, ax2) in zip(runs, axes, strict=True):
+        modes = list(run["summary"])
+        stats = {m: arm_stats(run, m) for m in modes}
+        ok = [m for m in modes if stats[m]["median_step_ms"] is not None]
+        colors = ["grey" if m == "unpaged" else "tab:orange" if "_mcore_" in m else "tab:blue"
+                  for m in ok]
+        med = [stats[m]["median_step_ms"] for m in ok]
+        err = [[med[i] - (stats[m]["p25_step_ms"] or med[i]) for i, m in enumerate(ok)],
+               [(stats[m]["p75_step_ms"] or med[i]) - med[i] for i, m in enumerate(ok)]]
+        names = [m.replace("offload_", "") for m in ok]
+        ax1.bar(names, med, yerr=err, color=colors, capsize=3)
+        ax1.set_ylabel("step ms (median, IQR)")
+        ax1.tick_params(axis="x", labelsize=7, rotation=20)
+        ax1.set_title(f"{label}: step time", fontsize=9)
+        peaks = [stats[m]["fb_peak_mib"] or 0 for m in ok]
+        ax2.bar(names, peaks, color=colors)
+        ax2.set_ylim(min(peaks) * 0.97, max(peaks) * 1.01)
+        ax2.set_ylabel("forward-backward peak MiB")
+        ax2.tick_params(axis="x", labelsize=7, rotation=20)
+        ax2.set_title(f"{label}: peak allocated (steps 3+)", fontsize=9)
+    fig.suptitle("fine-grained activation offloading: megatron-paging (blue) vs Megatron-Core "
+                 "(orange)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run_dirs", type=Path, nargs="+")
+    parser.add_argument("--transfers", type=Path, help="bench_offload.py's JSON")
+    parser.add_argument("--extra", default="", help="the EXTRA flags the runs used (recorded)")
+    parser.add_argument("--json", type=Path, required=True)
+    parser.add_argument("--png", type=Path)
+    args = parser.parse_args(argv)
+    runs = [(d.name, json.loads((d / "mcore_run.json").read_text())) for d in args.run_dirs]
+    result = {
+        "benchmark": "mcore_offload_1gpu",
+        "command": "GIT_COMMIT=<commit> STEPS=<n> EXTRA='<extra>' MODES='unpaged offload_...' "
+        "bash scripts/gpu_check.sh build mcore; python benchmarks/report_offload.py <out> ...",
+        "model": "examples/run_pretrain_1gpu.sh (8 layers, hidden 1024, 16 experts top-2, seq "
+        "2048, bf16, local spec + SDPAttention, static dispatcher, capacity factor 1.5, "
+        f"--deterministic-mode) {args.extra}".strip(),
+        "runs": [],
+    }
+    for label, run in runs:
+        result["runs"].append({
+            "label": label, "gpu": run["gpu"], "date": run["date"], "commit": run["commit"],
+            "steps": run["steps"],
+            "arms": {m: arm_stats(run, m) for m in run["summary"]},
+            "ours_vs_mcore": compare(run),
+        })
+    if args.transfers:
+        transfers = json.loads(args.transfers.read_text())
+        result["transfers"] = {
+            k: transfers[k] for k in ("gpu", "date", "commit", "alone", "beside_gemm", "targets")
+        }
+    args.json.write_text(json.dumps(result, indent=1) + "\n")
+    for entry in result["runs"]:
+        print(f"{entry['label']} ({entry['commit']}, {entry['steps']} steps)")
+        for m, s in entry["arms"].items():
+            print(f"  {m:<36} {s['median_step_ms'] or float('nan'):>8.1f} ms "
+                  f"(IQR {100 * (s['relative_iqr'] or 0):.0f}%) fb peak "
+                  f"{s['fb_peak_mib'] or float('nan'):>8.1f} MiB bitwise "
+                  f"{s['bitwise_equal_to_unpaged']}")
+        for row in entry["ours_vs_mcore"]:
+            print(f"  {row['module_set']}: ours/mcore step {row['step_ratio_ours_over_mcore']:.3f}"
+                  f" (within spread: {row['step_ratio_within_spread']}), fb peak "
+                  f"{row['fb_peak_delta_mib']:+.1f} MiB, targets {row['targets']}")
+    if args.png:
+        plot(runs, args.png)
+        print(f"wrote {args.json} and {args.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
