@@ -240,6 +240,8 @@ def test_paged_offload_alone_builds_a_config_with_its_flags(parser):
         (BASE + OFFLOAD + ["--paging-offload-host-factor", "0.5"],
          "--paging-offload-host-factor must be >= 1"),
         (BASE + OFFLOAD + ["--paging-offload-max-ctas", "0"], "--paging-offload-max-ctas"),
+        (BASE[2:] + OFFLOAD[:2] + ["moe_act"] + OFFLOAD[3:],
+         "needs --moe-expert-rank-capacity-factor"),
     ],
 )
 def test_offload_startup_refusals_are_one_line(parser, argv, message):

@@ -45,7 +45,8 @@ offending flags for every meaningless or conflicting combination, before any mod
 ``--paging-offload-*`` need ``--paging-offload-backend paged``, which needs
 ``--fine-grained-activation-offloading`` and refuses what it cannot serve (per-layer CUDA graphs,
 ``--delay-offload-until-cuda-graph``, ``--fine-grained-offloading-max-inflight-offloads``,
-``fused_group_mlp``, ``--paging-implementation mcore``); ``--paging-sdpa-backend`` needs
+``fused_group_mlp``, ``--paging-implementation mcore``, expert modules without
+``--moe-expert-rank-capacity-factor``); ``--paging-sdpa-backend`` needs
 ``--paging-core-attention sdpa``, and its
 ``cudnn`` is refused with ``--deterministic-mode``; ``--paging-implementation mcore`` rejects the
 flags only our engine and runner read; Megatron features that cannot run with paging (per-layer
@@ -356,6 +357,15 @@ def _check_offload(args) -> None:
             "combined with --paging-implementation mcore"
         )
     modules = set(getattr(args, "offload_modules", None) or [])
+    experts = sorted(modules & {"expert_fc1", "moe_act"})
+    if experts and getattr(args, "moe_expert_rank_capacity_factor", None) is None:
+        # Live rows fill a host tier sized at calibration; only the step runner that comes with
+        # a static capacity reads its overflow flag before the optimizer step.
+        raise ValueError(
+            f"--offload-modules {' '.join(experts)} with --paging-offload-backend paged needs "
+            "--moe-expert-rank-capacity-factor (static expert capacity; its step runner checks "
+            "the host tier's overflow flag)"
+        )
     if "fused_group_mlp" in modules:
         raise ValueError(
             "--offload-modules fused_group_mlp needs Transformer Engine's op fuser; with "
