@@ -301,3 +301,55 @@ def test_views_come_back_with_their_strides():
     copy = gapped.contiguous()
     back = _Strided(None, gapped.shape, gapped.stride(), _span(gapped)).restore(copy)
     assert back.stride() == gapped.stride() and torch.equal(back, gapped)
+
+
+# ---------------------------------------------------------------------------- the lifts
+def test_validate_args_lift_skips_only_the_te_assertion(monkeypatch):
+    from megatron_paging.mcore import offload_shims
+
+    seen = []
+
+    def validate_args(args, *rest):
+        seen.append(args.fine_grained_activation_offloading)
+        if args.fine_grained_activation_offloading:
+            assert args.transformer_impl == "transformer_engine", "TE only"
+        return "validated"
+
+    lifted = offload_shims.lifted_validate_args(validate_args)
+    args = argparse.Namespace(fine_grained_activation_offloading=True, transformer_impl="local",
+                              paging_offload_backend="paged")
+    assert lifted(args) == "validated" and seen == [False]
+    assert args.fine_grained_activation_offloading  # restored for everything after validation
+    monkeypatch.setattr(offload_shims, "te_available", lambda: True)
+    args.paging_offload_backend = "mcore"  # TE present: Megatron-Core's own check stands
+    with pytest.raises(AssertionError, match="TE only"):
+        lifted(args)
+
+
+def test_affinity_pinning_tolerates_missing_nvml(caplog):
+    from megatron_paging.mcore import offload_shims
+
+    def pin():
+        raise RuntimeError("Please install cuda-python to enable GPU affinity setting")
+
+    with caplog.at_level("INFO", logger="megatron_paging.mcore.offload_shims"):
+        assert offload_shims.tolerant_affinity(pin)() is None
+    assert "CPU affinity not pinned" in caplog.text
+
+
+def test_mcore_backend_without_te_gets_the_fake_cpu_offload_switch():
+    from megatron.core.extensions import transformer_engine as te_ext
+
+    from megatron_paging.mcore import offload_shims
+    from megatron_paging.mcore.installer import PagingInstaller
+
+    if offload_shims.te_available():
+        pytest.skip("Transformer Engine is installed: Megatron-Core's offloading needs no fake")
+    installer = PagingInstaller()
+    before = te_ext.cpu_offload
+    installer.install(replace_paged_stash=False, offload_backend="mcore")
+    try:
+        assert te_ext.cpu_offload is offload_shims.FakeTECpuOffload
+    finally:
+        installer.uninstall()
+    assert te_ext.cpu_offload is before
