@@ -134,6 +134,11 @@ class PagingContext:
         return self._slots[-1][0] if self._slots else None
 
     @property
+    def innermost_slot(self) -> tuple | None:
+        """The innermost open forward slot ``(chunk, layer or group key, microbatch)``."""
+        return self._slot
+
+    @property
     def _saved(self) -> list[_Saved]:
         return self._slots[-1][1]
 

@@ -353,3 +353,26 @@ def test_mcore_backend_without_te_gets_the_fake_cpu_offload_switch():
     finally:
         installer.uninstall()
     assert te_ext.cpu_offload is before
+
+
+def test_groups_must_close_innermost_first(offload_installed):
+    from megatron.core.transformer import attention
+
+    _, api = offload_installed
+    api.engine.release_pools()
+    api.offload.plan = api.offload.log = None
+    api.offload.init_chunk_handler(0, None, None, 1, 0, 1.0)  # begins the step (no stash)
+    x = torch.randn(8, 8, requires_grad=True)
+    outer = attention.off_interface(True, x, "attn_norm")
+    with outer:
+        y = x * 2
+    inner = attention.off_interface(True, y, "qkv_linear")
+    with inner:
+        z = y * 3
+    with pytest.raises(RuntimeError, match="innermost"):
+        outer.group_offload(z)
+    inner_out = inner.group_offload(z)  # the innermost closes fine
+    api.context.commit_slot()  # the outer slot, whose interface gave up its group
+    inner_out.sum().backward()
+    assert api.paged_stash_finish() == 0
+    assert torch.equal(x.grad, torch.full_like(x, 6.0))

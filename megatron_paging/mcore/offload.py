@@ -131,7 +131,6 @@ class PagedOffloadManager:
         self._stage = 0
         self._microbatch: dict[int, int] = {}
         self._index: dict[tuple[int, int], int] = {}
-        self._backward_seen: set[tuple[int, int]] = set()
         # Bytes the last step's groups offloaded, by kind (live-row buffers at their capacity:
         # what Megatron-Core's offloading would move; ours moves only their live rows).
         self.offloaded_bytes = {"rows_capacity": 0, "whole": 0}
@@ -151,7 +150,6 @@ class PagedOffloadManager:
             self._iteration = self.api.iteration
             self._microbatch.clear()
             self._index.clear()
-            self._backward_seen.clear()
             self.offloaded_bytes = {"rows_capacity": 0, "whole": 0}
             self._close_calibration()
         self.min_numel = int(min_offloaded_tensor_size)
@@ -228,10 +226,11 @@ class PagedOffloadManager:
     def group_commit(self, group: _Group, tensor, forced_released_tensors):
         """End of the group's forward: offload it; its backward reloads it."""
         key = (group.cm[0], ("offload", group.index, group.name), group.cm[1])
-        if self.context._slot != key:  # Megatron's groups close innermost first
+        innermost = self.context.innermost_slot
+        if innermost != key:  # Megatron's groups close innermost first
             raise RuntimeError(
-                f"paging offload: group {group.name!r} committed while slot "
-                f"{self.context._slot} is the innermost open one"
+                f"paging offload: group {group.name!r} committed while slot {innermost} is the "
+                "innermost open one"
             )
         tensor = self.context.group_commit(tensor)
         scheduler = self.context.scheduler
