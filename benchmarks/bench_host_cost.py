@@ -10,6 +10,9 @@ script measures an older tree too (``PYTHONPATH=<old tree> python benchmarks/ben
   call (the Python wrapper, the argument checks, the operator call, the launch).
 * ``layer_us``: one paged layer through the scheduler: open_slot, 2 saves, commit (2 stashes),
   backward_slot_start (2 reloads), 2 unpacks, on a CUDA stream backend.
+* ``offload_group_us`` (trees with the offloading backend): one offload group through the
+  scheduler: 2 whole tensors (arena DMA) + 1 live-row record (host-only pool), commit,
+  backward_slot_start, 3 unpacks — the host work per group that the eager example pays.
 """
 
 from __future__ import annotations
@@ -90,9 +93,48 @@ def measure(calls: int = 2000, repeats: int = 7) -> dict:
     layer()
     layer_us = _median_us(layer, calls // 4, repeats)
     state["scheduler"].finish()
+    offload_us = _offload_group_us(backend, pools, tensors, live, calls // 4, repeats)
     return {"kernel_call_us": kernel_us, "layer_us": layer_us, "records_per_layer": 2,
+            "offload_group_us": offload_us, "offload_group": "2 whole tensors + 1 live-row record",
             "record": f"{ROWS} rows x {ROW_BYTES} B, one page", "calls": calls,
             "repeats": repeats, "method": "median over repeats of host perf_counter per call"}
+
+
+def _offload_group_us(backend, pools, tensors, live, calls, repeats) -> float | None:
+    try:
+        from megatron_paging.config import PagingConfig
+        from megatron_paging.offload import HostArena, OffloadPools
+        from megatron_paging.pool import PagePools
+        from megatron_paging.scheduler import PagingScheduler
+    except ImportError:  # a tree before the offloading backend
+        return None
+    device = pools.device
+    host = PagePools(PAGE, device)
+    host.add(ROW_BYTES, 0, 8 * ROWS)
+    whole = tensors[0].numel() * tensors[0].element_size()
+    offload = OffloadPools(host, HostArena(4 * whole, device))
+    from megatron_paging import kernels
+
+    kernels.prepare(host, "cuda")
+    config = PagingConfig(page_size=PAGE, kernel_backend="cuda")
+    state = {"mb": 0, "scheduler": PagingScheduler(backend, pools, config=config, offload=offload)}
+    key = ("offload", 0, "core_attn")
+
+    def group():
+        scheduler, mb = state["scheduler"], state["mb"]
+        state["mb"] += 1
+        scheduler.open_slot(0, key, mb)
+        handles = [scheduler.save(t, None, offload=True) for t in tensors]
+        handles.append(scheduler.save(tensors[0], live, offload=True))
+        scheduler.commit()
+        scheduler.backward_slot_start(0, key, mb)
+        for h in handles:
+            scheduler.unpack(h)
+
+    group()
+    us = _median_us(group, calls, repeats)
+    state["scheduler"].finish()
+    return us
 
 
 def main() -> None:
@@ -106,8 +148,10 @@ def main() -> None:
 
     result = {"label": args.label, "package": str(Path(megatron_paging.__file__).parent),
               **measure()}
+    offload = result["offload_group_us"]
     print(f"{args.label}: {result['kernel_call_us']:.1f} us per kernel call, "
-          f"{result['layer_us']:.1f} us per layer of 2 records", flush=True)
+          f"{result['layer_us']:.1f} us per layer of 2 records"
+          + (f", {offload:.1f} us per offload group of 3 records" if offload else ""), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
 
