@@ -190,8 +190,10 @@ class PagingContext:
         of ``capacity_rows`` rows) or, without ``live_rows``, the whole tensor."""
         if self._slot is None:
             return tensor
-        mark = _Mark(tensor, live_rows, None, False, True, capacity_rows, offload=True)
-        self._marks[id(tensor)] = mark
+        mark = self._marks.get(id(tensor))
+        if mark is None or mark.tensor is not tensor:  # saved twice: one record, one copy
+            mark = _Mark(tensor, live_rows, None, False, True, capacity_rows, offload=True)
+            self._marks[id(tensor)] = mark
         saved = _Saved(tensor, mark)
         self._saved.append(saved)
         return saved

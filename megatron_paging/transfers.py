@@ -98,12 +98,7 @@ class Transfers:
         queued); a tensor that finds no room stays on the device as it is."""
         if self.parker is not None or not any(h.offload == "whole" for h in handles):
             return handles
-        if self.offload is None:
-            raise RuntimeError(
-                "paging: an offloaded record reached a step without offload pools (offloading "
-                "was off in the calibration step)"
-            )
-        arena = self.offload.arena
+        arena = self._offload().arena
         kept = []
         for h in handles:
             if h.offload == "whole":
@@ -176,12 +171,15 @@ class Transfers:
         """The pool a record pages through and the kernels' grid bound for it."""
         if h.offload is None:
             return self.pools[h.record.row_bytes], self.max_ctas
+        return self._offload().pools[h.record.row_bytes], self.offload_max_ctas
+
+    def _offload(self):
         if self.offload is None:
             raise RuntimeError(
                 "paging: an offloaded record reached a step without offload pools (offloading "
                 "was off in the calibration step)"
             )
-        return self.offload.pools[h.record.row_bytes], self.offload_max_ctas
+        return self.offload
 
     def _copy_whole(self, reload: bool, h: PagedHandle, tensor: torch.Tensor) -> None:
         """A whole tensor to or from its arena range: one DMA copy on the current stream."""

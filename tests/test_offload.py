@@ -285,3 +285,19 @@ def test_gpu_offload_replays_in_a_cuda_graph_with_new_live_counts():
         context.engine.note_replayed_step()
         step.check()
         assert not context.engine.flags.read()["overflow"]
+
+
+def test_a_tensor_saved_twice_in_a_group_is_offloaded_once():
+    backend = CpuStreamBackend()
+    context = _context(backend)
+    _step(context, [4])  # calibration
+    backend.log.clear()
+    context.begin_step()
+    context.open_offload_group(0, ("offload", 0, "core_attn"), 1, "cpu")
+    dense = torch.randn(6, HIDDEN)
+    first, second = context.pack_offload(dense), context.pack_offload(dense)
+    context.commit_slot()
+    assert len(backend.entries("launch", "stash")) == 1
+    context.scheduler.backward_slot_start(0, ("offload", 0, "core_attn"), 1)
+    assert torch.equal(context.unpack(first), dense) and torch.equal(context.unpack(second), dense)
+    assert context.finish() == 0

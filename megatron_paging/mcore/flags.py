@@ -71,6 +71,7 @@ from megatron_paging.kernels import REGISTRY
 from megatron_paging.mcore.attention import CORE_ATTENTIONS, SDPA_BACKENDS
 from megatron_paging.mcore.dispatcher import STATIC_BACKEND
 from megatron_paging.mcore.experts import GEMM_BACKENDS
+from megatron_paging.mcore.offload import EXPERT_MODULES
 
 # Megatron-Core's own flags (added only when the parser lacks them): flag -> add_argument kwargs.
 MCORE_FLAGS = {
@@ -357,7 +358,7 @@ def _check_offload(args) -> None:
             "combined with --paging-implementation mcore"
         )
     modules = set(getattr(args, "offload_modules", None) or [])
-    experts = sorted(modules & {"expert_fc1", "moe_act"})
+    experts = sorted(modules & set(EXPERT_MODULES))
     if experts and getattr(args, "moe_expert_rank_capacity_factor", None) is None:
         # Live rows fill a host tier sized at calibration; only the step runner that comes with
         # a static capacity reads its overflow flag before the optimizer step.

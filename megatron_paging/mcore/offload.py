@@ -97,10 +97,11 @@ class _Strided:
 class _Group:
     """One open offload group: the interface instance's state between enter and commit."""
 
-    __slots__ = ("cm", "index", "name", "packed", "kept")
+    __slots__ = ("cm", "index", "name", "key", "packed", "kept")
 
     def __init__(self, cm, index, name, kept=False):
         self.cm, self.index, self.name = cm, index, name
+        self.key = ("offload", index, name)  # its slot's layer key in the scheduler
         self.kept = kept  # the plan keeps it on the device: its tensors are saved as they are
         # (storage pointer of the tensor autograd saved, what pack returned for it)
         self.packed: list[tuple[int, object]] = []
@@ -187,7 +188,7 @@ class PagedOffloadManager:
             # means for Megatron-Core (and the stash pools were sized without these tensors).
             return _Group(cm, index, name, kept=True)
         group = _Group(cm, index, name)
-        self.context.open_offload_group(cm[0], ("offload", index, name), cm[1], tensor.device)
+        self.context.open_offload_group(cm[0], group.key, cm[1], tensor.device)
         return group
 
     def pack(self, group: _Group, tensor):
@@ -225,7 +226,7 @@ class PagedOffloadManager:
 
     def group_commit(self, group: _Group, tensor, forced_released_tensors):
         """End of the group's forward: offload it; its backward reloads it."""
-        key = (group.cm[0], ("offload", group.index, group.name), group.cm[1])
+        key = (group.cm[0], group.key, group.cm[1])
         innermost = self.context.innermost_slot
         if innermost != key:  # Megatron's groups close innermost first
             raise RuntimeError(

@@ -32,13 +32,14 @@ import functools
 import importlib
 import logging
 
+from megatron_paging.mcore.offload import EXPERT_MODULES
+
 logger = logging.getLogger(__name__)
 
 ARGUMENTS_MODULE = "megatron.training.arguments"
 TE_EXTENSION_MODULE = "megatron.core.extensions.transformer_engine"
 AFFINITY_MODULE = "megatron.core.pipeline_parallel.utils"
 AFFINITY_NAME = "set_ideal_affinity_for_current_gpu"
-EXPERT_OFFLOAD_MODULES = ("expert_fc1", "moe_act")
 
 
 def te_available() -> bool:
@@ -101,7 +102,7 @@ def lifted_post_init(original_post_init):
     @functools.wraps(original_post_init)
     def __post_init__(self):
         modules = list(getattr(self, "offload_modules", None) or [])
-        lifted = [m for m in modules if m in EXPERT_OFFLOAD_MODULES]
+        lifted = [m for m in modules if m in EXPERT_MODULES]
         stash_lift = bool(getattr(self, "moe_paged_stash", False) and lifted)
         # Megatron-Core's full-iteration graphs need its max-inflight cap (its main stream may
         # not wait on its D2H events); ours never waits on an offload except where it reloads.
@@ -113,7 +114,7 @@ def lifted_post_init(original_post_init):
         if not (stash_lift or inflight_lift):
             return original_post_init(self)
         if stash_lift:
-            self.offload_modules = [m for m in modules if m not in EXPERT_OFFLOAD_MODULES]
+            self.offload_modules = [m for m in modules if m not in EXPERT_MODULES]
             if not self.offload_modules:  # Megatron-Core asserts a non-empty list
                 self.offload_modules = ["core_attn"]
         if inflight_lift:
