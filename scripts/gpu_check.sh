@@ -14,6 +14,8 @@
 # (GIT_COMMIT: .git does not travel to the device machine; benchmarks record it in their JSON.
 #  PYTEST_EXTRA: more pytest arguments, e.g. "--deselect tests/test_example_pretrain.py";
 #  PYTEST_TARGETS: test files or node ids instead of the whole tests/ tree.
+#  PYTEST_SHARDS: run the tests as that many pytest processes side by side (default 1);
+#  TESTS_LIMIT_S: the tests step's time limit (default 420 s).
 #  MCORE_LIMIT_S: the mcore step's time limit (default 420 s; MODES/STEPS go to mcore_gpu_run.sh).
 #  host-cost measures this tree ("after") and, when .old_tree/megatron_paging exists (carry it:
 #  `git archive <commit> megatron_paging | tar -x -C .old_tree`), that tree too ("before").
@@ -50,12 +52,30 @@ run_step() {  # name, limit seconds, command...
   if [ "$rc" -eq 0 ]; then status[$name]=ok; else status[$name]="FAIL($rc)"; fi
 }
 
+run_gpu_tests() {  # PYTEST_SHARDS processes side by side on the one GPU (tests/conftest.py)
+  local shards=${PYTEST_SHARDS:-1} pids=() rc=0 i shard
+  for ((i = 0; i < shards; i++)); do
+    shard=""; ((shards > 1)) && shard="$i/$shards"
+    # shellcheck disable=SC2086
+    PYTEST_SHARD=$shard python3 -m pytest -q \
+      -m "gpu or multigpu or build" -p no:cacheprovider --junitxml "$OUT/gpu_tests_$i.xml" \
+      ${PYTEST_EXTRA:-} ${PYTEST_TARGETS:-tests} >"$OUT/gpu_tests_$i.log" 2>&1 &
+    pids+=($!)
+  done
+  for i in "${!pids[@]}"; do
+    wait "${pids[$i]}" || rc=1
+    echo "--- shard $i of $shards"; tail -n 25 "$OUT/gpu_tests_$i.log"
+  done
+  return $rc
+}
+export -f run_gpu_tests
+export OUT
+
 for step in "${steps[@]}"; do
   case $step in
     info) run_step info 60 python3 -m megatron_paging.cli info ;;
     build) run_step build 300 python3 -m megatron_paging.kernels.build --verbose ;;
-    tests) run_step tests 420 python3 -m pytest -q -m "gpu or multigpu or build" -p no:cacheprovider \
-             --junitxml "$OUT/gpu_tests.xml" ${PYTEST_EXTRA:-} ${PYTEST_TARGETS:-tests} ;;
+    tests) run_step tests "${TESTS_LIMIT_S:-420}" bash -c run_gpu_tests ;;
     sanitizer)
       if command -v compute-sanitizer >/dev/null && [ -f scripts/sanitizer_run.py ]; then
         run_step memcheck 150 compute-sanitizer --tool memcheck --error-exitcode 7 \
@@ -103,12 +123,17 @@ for step in info build tests memcheck racecheck bench-kernels host-cost host-cos
             bench-scheduler bench-offload mcore frontier; do
   [ -n "${status[$step]:-}" ] && printf '%-18s %-10s %s\n' "$step" "${status[$step]}" "${seconds[$step]}"
 done
-if [ -f "$OUT/gpu_tests.xml" ]; then
-  python3 - "$OUT/gpu_tests.xml" <<'EOF'
+if ls "$OUT"/gpu_tests_*.xml >/dev/null 2>&1; then
+  python3 - "$OUT"/gpu_tests_*.xml <<'EOF'
 import sys, xml.etree.ElementTree as ET
-root = ET.parse(sys.argv[1]).getroot()
-suite = root if root.tag == "testsuite" else root.find("testsuite")
-print("gpu tests: {tests} run, {failures} failed, {errors} errors, {skipped} skipped".format(**suite.attrib))
+totals = dict.fromkeys(("tests", "failures", "errors", "skipped"), 0)
+for path in sys.argv[1:]:
+    root = ET.parse(path).getroot()
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    for key in totals:
+        totals[key] += int(suite.get(key, 0))
+print("gpu tests ({} shards): {tests} run, {failures} failed, {errors} errors, {skipped} skipped"
+      .format(len(sys.argv) - 1, **totals))
 EOF
 fi
 # The device tool returns at most 8 files: logs, test XML and loss files travel as one archive,

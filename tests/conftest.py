@@ -7,6 +7,9 @@ Hypothesis profiles (choose with ``HYPOTHESIS_PROFILE``; default ``ci``):
   machine is shared), and a reproduction blob printed on failure.
 * ``explore`` — random seeds, for hunting new failures locally; replay a failure with the
   ``@reproduce_failure`` blob it prints.
+
+``PYTEST_SHARD=i/n`` keeps every n-th collected test starting at the i-th (0-based), so n pytest
+processes can share one GPU in one device call (``scripts/gpu_check.sh``'s ``PYTEST_SHARDS``).
 """
 
 from __future__ import annotations
@@ -33,6 +36,30 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def _shard() -> tuple[int, int] | None:
+    spec = os.environ.get("PYTEST_SHARD", "")
+    if not spec:
+        return None
+    try:
+        index, count = (int(part) for part in spec.split("/"))
+    except ValueError:
+        index, count = -1, 0
+    if not 0 <= index < count:
+        raise pytest.UsageError(f"PYTEST_SHARD={spec!r}: expected i/n with 0 <= i < n")
+    return index, count
+
+
+def pytest_collection_modifyitems(config, items):
+    shard = _shard()
+    if shard is None:
+        return
+    index, count = shard
+    kept = [item for position, item in enumerate(items) if position % count == index]
+    dropped = [item for position, item in enumerate(items) if position % count != index]
+    config.hook.pytest_deselected(items=dropped)
+    items[:] = kept
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -39,6 +40,13 @@ REPORT = re.compile(r"paging-example rank 0: (.*)")
 KERNELS = re.compile(r"paging-example kernels iteration=(\d+) count=(\d+)")
 
 
+def _free_port() -> int:
+    # torchrun's default port would collide when test shards share the machine (conftest.py).
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def _train(
     tmp_path: Path, paged: bool, nproc: int = 1, extra: tuple[str, ...] = (), env_extra=None
 ) -> tuple[list[str], str]:
@@ -53,6 +61,7 @@ def _train(
         "MEGATRON_PAGING_LOSS_LOG": str(loss_log),
         "NCCL_NVLS_ENABLE": "0",
         "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+        "PET_MASTER_PORT": str(_free_port()),  # torchrun reads PET_<flag> for --master-port
         **(env_extra or {}),
     }
     result = subprocess.run(
