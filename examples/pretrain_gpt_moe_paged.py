@@ -470,12 +470,11 @@ def _offload_report(api, implementation: str) -> dict[str, float]:
         moved = getattr(manager, "_offload_summary_total_bytes", 0)
         return {"offload_host_mib": host / mib, "offload_moved_per_step_mib": moved / mib}
     offload, pools = api.offload, api.engine.offload_pools
-    stats = pools.stats if pools is not None else {}
+    live = offload.rows_live_bytes()  # the last step's, like the capacity and whole bytes
     return {
         "offload_host_mib": (pools.host_bytes() if pools is not None else 0) / mib,
-        "offload_moved_per_step_mib": (stats.get("rows_live_bytes", 0)
-                                       + stats.get("whole_bytes", 0)) / mib,
-        "offload_rows_live_mib": stats.get("rows_live_bytes", 0) / mib,
+        "offload_moved_per_step_mib": (live + offload.offloaded_bytes["whole"]) / mib,
+        "offload_rows_live_mib": live / mib,
         "offload_rows_capacity_mib": offload.offloaded_bytes["rows_capacity"] / mib,
         "offload_whole_mib": offload.offloaded_bytes["whole"] / mib,
     }

@@ -10,6 +10,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
+from megatron.core import full_cuda_graph  # noqa: E402
 from megatron.core.full_cuda_graph import FullCudaGraphWrapper  # noqa: E402
 from test_mcore_runner import MICROBATCHES, PAGE, ROOMY, ROW_BYTES, TINY, Run, batches  # noqa: E402
 
@@ -70,7 +71,10 @@ def test_graph_decisions():
     FullCudaGraphWrapper.cuda_graph["training"] = object()
     assert graphs.replayed(wrapper, training=True)
     assert not graphs.replayed(wrapper, training=False)
+    captured_pool = full_cuda_graph.get_shared_graph_pool()
     assert graphs.invalidate(wrapper) and FullCudaGraphWrapper.cuda_graph["training"] is None
+    # The next capture goes to a new pool: the old one may still hold the dropped graph's blocks.
+    assert full_cuda_graph.get_shared_graph_pool() != captured_pool
     assert not graphs.invalidate(wrapper)  # nothing captured any more
 
 

@@ -142,6 +142,10 @@ def test_offloaded_layer_is_bitwise_equal_to_no_offload(
         # rows rounded up to pages (the capacity buffers are 2x the tokens routed).
         rows = [e for e in launches if e.kind == "stash" and e.info["offload"] == "rows"]
         assert rows and all(e.info["pool_key"] in (128, 384) for e in rows)
+        # What the example reports for the last step: every routed row at most once, against
+        # capacity buffers sized 2x the routed rows (so at most half of their bytes).
+        live, capacity = api.offload.rows_live_bytes(), api.offload.offloaded_bytes["rows_capacity"]
+        assert 0 < 2 * live <= capacity
 
 
 def engine_log(api):

@@ -17,11 +17,15 @@ Paging fits it as follows (docs/mcore.md, "CUDA graphs"):
   :func:`replayed` and then reads the pools' flags that the replay set (:func:`note_replay`);
 * a rerun repeats the step eagerly through the graph's own schedule function
   (:func:`eager_function`), keeping the graph; ``grow`` changes pool addresses, so it drops the
-  graph (:func:`invalidate`) and Megatron-Core re-captures after its warm-up steps.
+  graph (:func:`invalidate`) and Megatron-Core re-captures after its warm-up steps, into a new
+  graph memory pool (tensors of the dropped capture may still be alive in the old one, and the
+  caching allocator refuses to capture into a released pool that still holds blocks).
 """
 
 from __future__ import annotations
 
+import torch
+from megatron.core import full_cuda_graph
 from megatron.core.full_cuda_graph import FullCudaGraphWrapper
 
 
@@ -56,6 +60,13 @@ def invalidate(forward_backward_func, training: bool = True) -> bool:
     if wrapper is None or FullCudaGraphWrapper.cuda_graph[_stage(training)] is None:
         return False
     wrapper.reset_cuda_graph(stage=_stage(training))
+    # Megatron-Core hands every capture one shared pool (--cuda-graph-use-single-mempool, on by
+    # default). The dropped graph released it, but its outputs (the step's result, reloads a
+    # later step has not freed yet) can keep blocks there, and capturing into a released pool
+    # with live blocks trips the allocator's use_count assert; the old pool is freed with its
+    # last block.
+    if full_cuda_graph._shared_graph_pool is not None:
+        full_cuda_graph._shared_graph_pool = torch.cuda.graph_pool_handle()
     return True
 
 

@@ -133,8 +133,12 @@ class PagedOffloadManager:
         self._microbatch: dict[int, int] = {}
         self._index: dict[tuple[int, int], int] = {}
         # Bytes the last step's groups offloaded, by kind (live-row buffers at their capacity:
-        # what Megatron-Core's offloading would move; ours moves only their live rows).
+        # what Megatron-Core's offloading would move; ours moves only their live rows, whose
+        # device counts and row bytes _live_rows keeps for rows_live_bytes). A tensor saved
+        # twice is one copy, so it counts once (_counted).
         self.offloaded_bytes = {"rows_capacity": 0, "whole": 0}
+        self._live_rows: list[tuple[torch.Tensor, int]] = []
+        self._counted: set[tuple[int, int]] = set()
         self.cuda_graph_stream = None
         self.cuda_graph_event = None
 
@@ -152,6 +156,7 @@ class PagedOffloadManager:
             self._microbatch.clear()
             self._index.clear()
             self.offloaded_bytes = {"rows_capacity": 0, "whole": 0}
+            self._live_rows, self._counted = [], set()
             self._close_calibration()
         self.min_numel = int(min_offloaded_tensor_size)
         self.pp_rank = int(pp_rank)
@@ -208,7 +213,11 @@ class PagedOffloadManager:
             else:
                 tensor = tensor.contiguous()
         nbytes = tensor.numel() * tensor.element_size()
-        self.offloaded_bytes["rows_capacity" if live is not None else "whole"] += nbytes
+        if (tensor.data_ptr(), nbytes) not in self._counted:
+            self._counted.add((tensor.data_ptr(), nbytes))
+            self.offloaded_bytes["rows_capacity" if live is not None else "whole"] += nbytes
+            if live is not None:
+                self._live_rows.append((live, nbytes // max(1, tensor.shape[0])))
         if self.log is not None:
             self.log.add_bytes(group.cm, group.index, nbytes)
         if live is not None:
@@ -217,6 +226,12 @@ class PagedOffloadManager:
             saved = self.context.pack_offload(tensor)
         group.packed.append((pointer, saved))
         return saved if view is None else _Strided(saved, *view)
+
+    def rows_live_bytes(self) -> int:
+        """Live-row bytes the last step offloaded. Reads the device counts (a host sync): for
+        reports after training, never inside a step. Under graphs the counts are the last
+        replay's (a replay rewrites the captured step's count tensors)."""
+        return sum(int(live.sum()) * row_bytes for live, row_bytes in self._live_rows)
 
     def unpack(self, saved):
         """The group's unpack hook: the inverse of :meth:`pack`."""
