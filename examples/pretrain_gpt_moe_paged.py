@@ -477,6 +477,8 @@ def _offload_report(api, implementation: str) -> dict[str, float]:
         "offload_rows_live_mib": live / mib,
         "offload_rows_capacity_mib": offload.offloaded_bytes["rows_capacity"] / mib,
         "offload_whole_mib": offload.offloaded_bytes["whole"] / mib,
+        # whole tensors that found no arena room and stayed on the device (since start)
+        "offload_declined": getattr(getattr(pools, "arena", None), "declined", 0),
     }
 
 

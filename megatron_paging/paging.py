@@ -303,7 +303,10 @@ class PagingContext:
                 )
                 if mark.annotations:
                     mark.handle.record.annotations.update(mark.annotations)
-            s.handle, s.tensor = mark.handle, None
+            # The handle is all autograd needs now: the source goes to the scheduler alone (it
+            # frees it once the stash or offload copy is done); a reference kept here would
+            # hold every paged tensor on the device until its backward.
+            s.handle, s.tensor, s.mark = mark.handle, None, None
         scheduler.commit()
         unmatched = [m for m in marks.values() if m.handle is None]
         if unmatched:

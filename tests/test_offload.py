@@ -301,3 +301,29 @@ def test_a_tensor_saved_twice_in_a_group_is_offloaded_once():
     context.scheduler.backward_slot_start(0, ("offload", 0, "core_attn"), 1)
     assert torch.equal(context.unpack(first), dense) and torch.equal(context.unpack(second), dense)
     assert context.finish() == 0
+
+
+def test_offloaded_tensors_are_freed_at_the_commit():
+    """Eagerly the sources go to the allocator at the commit (record_stream on the paging
+    stream): neither the context nor the scheduler may keep them until the backward."""
+    import gc
+    import weakref
+
+    backend = CpuStreamBackend()
+    context = _context(backend)
+    _step(context, [4])  # calibration
+    context.begin_step()
+    context.open_offload_group(0, ("offload", 0, "expert_fc1"), 1, "cpu")
+    rows, dense = torch.randn(16, HIDDEN), torch.randn(6, HIDDEN)
+    expect = (rows[:4].clone(), dense.clone())
+    saved = [context.pack_offload(rows, torch.tensor([4]), 16), context.pack_offload(dense)]
+    sources = [weakref.ref(rows), weakref.ref(dense)]
+    context.commit_slot()
+    del rows, dense
+    gc.collect()
+    assert [ref() for ref in sources] == [None, None]
+    assert len(backend.entries("keep_alive")) >= 2  # handed over for the paging stream
+    context.scheduler.backward_slot_start(0, ("offload", 0, "expert_fc1"), 1)
+    back = [context.unpack(s) for s in saved]
+    assert torch.equal(back[0][:4], expect[0]) and torch.equal(back[1], expect[1])
+    assert context.finish() == 0

@@ -326,3 +326,50 @@ def test_a_reload_consumed_on_another_stream_is_kept_alive_for_it():
     scheduler.unpack(handle)
     assert [e.stream for e in backend.entries(op="keep_alive")] == ["paging", "side"]
     assert scheduler.finish() == 0
+
+
+@pytest.mark.parametrize("how", ["mark", "pack_marked"])
+def test_a_paged_tensor_is_freed_before_its_backward(how):
+    """After the commit only the scheduler holds a paged tensor, and it lets go once the stash
+    is done: a context that kept one would hold every paged tensor until its backward (the
+    memory saving would be a lie)."""
+    import gc
+    import weakref
+
+    w = torch.randn(WIDTH, WIDTH, requires_grad=True)
+    x = torch.randn(ROWS, WIDTH)
+
+    def pack_h(context):
+        # Autograd keeps the pack hook as long as the saved tensor: a closure over the tensor
+        # would hold it itself, so the hook finds it by an attribute, as the Megatron one does.
+        return lambda t: context.pack_marked(t, torch.tensor(ROWS)) if hasattr(t, "page") else t
+
+    def step(context):
+        sources, outputs = [], []
+        context.begin_step()
+        with context.forward(0, 0):
+            for layer in range(2):
+                h = context.group_start(x, layer) @ (w * (layer + 1))
+                if how == "mark":
+                    context.mark(h, torch.tensor(ROWS))
+                    y = _Square.apply(h)
+                else:
+                    h.page = True
+                    with context.hooks(pack_h(context)):
+                        y = _Square.apply(h)
+                sources.append(weakref.ref(h))
+                outputs.append(context.group_commit(y))
+                del h, y
+        gc.collect()
+        alive = sources[0]() is not None
+        sum(o.sum() for o in outputs).backward()
+        grad, w.grad = w.grad, None
+        assert context.finish() == 0
+        return grad, alive
+
+    control, _ = step(PagingContext(None))
+    context, _, pools = paged()
+    grad, alive = step(context)
+    # Layer 0's stash is done (the scheduler retires it at layer 1's commit): nothing holds it.
+    assert not alive
+    assert torch.equal(grad, control) and pools[ROW_BYTES].free_pages()[0] == PAGES

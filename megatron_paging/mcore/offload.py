@@ -97,7 +97,7 @@ class _Strided:
 class _Group:
     """One open offload group: the interface instance's state between enter and commit."""
 
-    __slots__ = ("cm", "index", "name", "key", "packed", "kept")
+    __slots__ = ("cm", "index", "name", "key", "packed", "kept", "counted")
 
     def __init__(self, cm, index, name, kept=False):
         self.cm, self.index, self.name = cm, index, name
@@ -105,6 +105,9 @@ class _Group:
         self.kept = kept  # the plan keeps it on the device: its tensors are saved as they are
         # (storage pointer of the tensor autograd saved, what pack returned for it)
         self.packed: list[tuple[int, object]] = []
+        # (address, bytes) of the tensors counted in the report: a tensor saved twice in the
+        # group is one copy. Per group, because a later group may reuse a freed address.
+        self.counted: set[tuple[int, int]] = set()
 
     def releasable_storages(self) -> set[int]:
         """Storages whose every saved tensor of this group was copied away at the commit (not
@@ -134,11 +137,9 @@ class PagedOffloadManager:
         self._index: dict[tuple[int, int], int] = {}
         # Bytes the last step's groups offloaded, by kind (live-row buffers at their capacity:
         # what Megatron-Core's offloading would move; ours moves only their live rows, whose
-        # device counts and row bytes _live_rows keeps for rows_live_bytes). A tensor saved
-        # twice is one copy, so it counts once (_counted).
+        # device counts and row bytes _live_rows keeps for rows_live_bytes).
         self.offloaded_bytes = {"rows_capacity": 0, "whole": 0}
         self._live_rows: list[tuple[torch.Tensor, int]] = []
-        self._counted: set[tuple[int, int]] = set()
         self.cuda_graph_stream = None
         self.cuda_graph_event = None
 
@@ -156,7 +157,7 @@ class PagedOffloadManager:
             self._microbatch.clear()
             self._index.clear()
             self.offloaded_bytes = {"rows_capacity": 0, "whole": 0}
-            self._live_rows, self._counted = [], set()
+            self._live_rows = []
             self._close_calibration()
         self.min_numel = int(min_offloaded_tensor_size)
         self.pp_rank = int(pp_rank)
@@ -213,8 +214,8 @@ class PagedOffloadManager:
             else:
                 tensor = tensor.contiguous()
         nbytes = tensor.numel() * tensor.element_size()
-        if (tensor.data_ptr(), nbytes) not in self._counted:
-            self._counted.add((tensor.data_ptr(), nbytes))
+        if (tensor.data_ptr(), nbytes) not in group.counted:
+            group.counted.add((tensor.data_ptr(), nbytes))
             self.offloaded_bytes["rows_capacity" if live is not None else "whole"] += nbytes
             if live is not None:
                 self._live_rows.append((live, nbytes // max(1, tensor.shape[0])))
