@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import time
 from functools import partial
 
 import torch
@@ -39,193 +38,16 @@ from megatron.training.argument_utils import (
 )
 from megatron.training.arguments import parse_and_validate_args
 from megatron.training.utils import is_first_or_last_pipeline_stage
+from step_probe import PROBE, observe_training_steps  # beside this script (its sys.path[0])
 
 from megatron_paging.mcore import install
 from megatron_paging.mcore.flags import add_paging_args, install_options, paging_config
 from megatron_paging.mcore.offload_shims import offload_args_lift
 from megatron_paging.mcore.specs import get_gpt_moe_paged_layer_spec
-from megatron_paging.tools.memory_trace import format_breakdown, peak_breakdown
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
-# Verification runs: append every microbatch loss, exactly (float.hex), to this file (+ rank).
-LOSS_LOG_ENV = "MEGATRON_PAGING_LOSS_LOG"
-# Diagnostics: profile this training iteration (1-based, as Megatron logs it) with torch.profiler
-# and print its top kernels and host ops.
-PROFILE_ENV = "MEGATRON_PAGING_PROFILE_ITER"
-# Diagnostics: record the allocator's history during this iteration and print what is alive at
-# its peak, grouped by the code that allocated it (megatron_paging.tools.memory_trace).
-MEMORY_ENV = "MEGATRON_PAGING_MEMORY_ITER"
-# Verification: count the CUDA kernels of these iterations (comma-separated, e.g. "6,7"), so a
-# run can show that every replay of a captured CUDA graph launches the same work.
-KERNEL_COUNT_ENV = "MEGATRON_PAGING_KERNEL_COUNT_ITERS"
 # Benchmarks under a memory budget: torch.cuda.set_per_process_memory_fraction(this) at start.
 MEMORY_FRACTION_ENV = "MEGATRON_PAGING_MEMORY_FRACTION"
-
-
-class StepProbe:
-    """Per-iteration peak memory, exact per-microbatch losses, and a torch.profiler summary of
-    one chosen iteration.
-
-    Megatron's loop has no per-iteration callback, so the probe wraps the step runner that
-    ``train()`` builds (:func:`observe_training_steps`): a step's window runs from the start of
-    its forward-backward to the start of the next one (its optimizer step included). That works
-    with full-iteration CUDA graphs too, where no Python inside forward-backward runs on a
-    replay. Every line it prints starts with ``paging-example``.
-    """
-
-    def __init__(self, profile_iteration: int | None, memory_iteration: int | None,
-                 count_iterations: tuple[int, ...] = ()):
-        self.iteration = None
-        self.profile_iteration = profile_iteration
-        self.memory_iteration = memory_iteration
-        self.count_iterations = count_iterations
-        self.counter = None  # torch.profiler of a kernel-count iteration
-        self.runner = None  # the step runner train() built (its overflow counters are reported)
-        self.model = self.optimizer = None  # what the runner trains (its memory is reported)
-        self.recording = False
-        self.memory_base_mib = 0.0  # allocated when the recorded iteration began
-        self.step_peaks: dict[int, float] = {}
-        self.fb_peaks: dict[int, float] = {}  # forward-backward only: where activations peak
-        self.profiler = None
-        self.profile_t0 = 0.0
-
-    def on_step_start(self) -> None:
-        iteration = get_args().curr_iteration + 1  # Megatron logs iterations from 1
-        if iteration == self.iteration:
-            return
-        self.close_step()
-        torch.cuda.reset_peak_memory_stats()
-        self.iteration = iteration
-        if iteration == self.memory_iteration:
-            self.recording = True
-            torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
-            self.memory_base_mib = torch.cuda.memory_allocated() / 2**20
-        if iteration in self.count_iterations:
-            torch.cuda.synchronize()
-            self.counter = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
-            self.counter.start()
-        if iteration == self.profile_iteration:
-            torch.cuda.synchronize()
-            self.profiler = torch.profiler.profile(
-                activities=[
-                    torch.profiler.ProfilerActivity.CPU,
-                    torch.profiler.ProfilerActivity.CUDA,
-                ]
-            )
-            self.profiler.start()
-            self.profile_t0 = time.perf_counter()
-
-    def on_step_end(self, losses_reduced) -> None:
-        """Note the forward-backward's peak (before the optimizer step) and append every
-        microbatch loss of the step, exactly (float.hex), to the loss log."""
-        self.fb_peaks[self.iteration] = torch.cuda.max_memory_allocated() / 2**20
-        loss_log = os.environ.get(LOSS_LOG_ENV)
-        if not loss_log or not losses_reduced:
-            return
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        with open(f"{loss_log}.rank{rank}", "a") as f:
-            for report in losses_reduced:  # host reads after the step: verification runs only
-                loss, num_tokens = report["lm loss"].tolist()
-                f.write(f"{float(loss).hex()} {int(num_tokens)}\n")
-
-    def close_step(self) -> None:
-        if self.iteration is None:
-            return
-        peak = torch.cuda.max_memory_allocated() / 2**20
-        self.step_peaks[self.iteration] = peak
-        print(
-            f"paging-example step-memory iteration={self.iteration} peak_allocated_mib={peak:.1f}",
-            flush=True,
-        )
-        if self.recording:
-            self._print_memory_peak()
-        if self.counter is not None:
-            torch.cuda.synchronize()
-            self.counter.stop()
-            kernels = sum(
-                e.count
-                for e in self.counter.key_averages()
-                if e.device_type == torch.autograd.DeviceType.CUDA
-            )
-            print(f"paging-example kernels iteration={self.iteration} count={kernels}", flush=True)
-            self.counter = None
-        if self.profiler is not None:
-            torch.cuda.synchronize()
-            wall_ms = (time.perf_counter() - self.profile_t0) * 1e3
-            self.profiler.stop()
-            self._print_profile(self.profiler, wall_ms)
-            self.profiler = None
-
-    def _print_memory_peak(self) -> None:
-        torch.cuda.synchronize()
-        snapshot = torch.cuda.memory._snapshot()
-        torch.cuda.memory._record_memory_history(enabled=None)
-        self.recording = False
-        trace = snapshot["device_traces"][torch.cuda.current_device()]
-        breakdown = peak_breakdown(trace)
-        print(
-            f"paging-example memory iteration={self.iteration} "
-            f"allocated_at_start_mib={self.memory_base_mib:.1f} trace_entries={len(trace)}\n"
-            + format_breakdown(breakdown, top=30, prefix="paging-example memory "),
-            flush=True,
-        )
-
-    def _print_profile(self, profiler, wall_ms: float) -> None:
-        events = profiler.key_averages()
-        # Device time of device events only (as torch's table totals it): a CPU op's own
-        # "self device time" is the same kernels again.
-        device_us = sum(
-            e.self_device_time_total
-            for e in events
-            if e.device_type != torch.autograd.DeviceType.CPU and not e.is_user_annotation
-        )
-        cpu_us = sum(e.self_cpu_time_total for e in events)
-        print(
-            f"paging-example profile iteration={self.iteration} wall_ms={wall_ms:.1f} "
-            f"self_device_ms={device_us / 1e3:.1f} self_cpu_ms={cpu_us / 1e3:.1f}",
-            flush=True,
-        )
-        for key in ("self_device_time_total", "self_cpu_time_total"):
-            print(f"paging-example profile top by {key}:", flush=True)
-            print(events.table(sort_by=key, row_limit=30, max_name_column_width=70), flush=True)
-
-    def peak_mib(self, first_iteration: int = 1, forward_backward: bool = False) -> float:
-        source = self.fb_peaks if forward_backward else self.step_peaks
-        peaks = [p for i, p in source.items() if i >= first_iteration]
-        return max(peaks) if peaks else 0.0
-
-
-PROBE = StepProbe(
-    int(os.environ[PROFILE_ENV]) if os.environ.get(PROFILE_ENV) else None,
-    int(os.environ[MEMORY_ENV]) if os.environ.get(MEMORY_ENV) else None,
-    tuple(int(v) for v in os.environ.get(KERNEL_COUNT_ENV, "").split(",") if v.strip()),
-)
-
-
-def observe_training_steps(probe: StepProbe) -> None:
-    """Wrap the step runner ``train()`` builds (ours or Megatron-Core's ``PagedStashRunner``,
-    used whenever ``--moe-expert-rank-capacity-factor`` is set) so that ``probe`` sees the start
-    and the result of every training forward-backward, outside any CUDA graph."""
-    training = sys.modules["megatron.training.training"]
-    runner_cls = training.PagedStashRunner
-
-    def observed_runner(config, copy_main_params, model, optimizer, *args, **kwargs):
-        runner = probe.runner = runner_cls(config, copy_main_params, model, optimizer, *args,
-                                           **kwargs)
-        probe.model, probe.optimizer = model, optimizer
-
-        def forward_backward(**step):
-            training_step = not step["forward_only"]
-            if training_step:
-                probe.on_step_start()
-            result = runner(**step)
-            if training_step:
-                probe.on_step_end(result)
-            return result
-
-        return forward_backward
-
-    training.PagedStashRunner = observed_runner
 
 
 def model_provider(
@@ -441,6 +263,8 @@ def report_memory(api, implementation: str) -> None:
         f"peak_allocated_mib={PROBE.peak_mib():.1f} "
         f"steady_peak_allocated_mib={PROBE.peak_mib(first_iteration=3):.1f} "
         f"steady_fb_peak_allocated_mib={PROBE.peak_mib(3, forward_backward=True):.1f} "
+        f"median_host_step_ms={PROBE.median_host_ms():.1f} "
+        f"median_host_fb_ms={PROBE.median_host_ms(forward_backward=True):.1f} "
         f"peak_reserved_mib={torch.cuda.max_memory_reserved() / mib:.1f} "
         f"pool_cuda_mib={cuda_bytes / mib:.1f} pool_host_mib={host_bytes / mib:.1f} "
         + "".join(f"{k}={v:.1f} " for k, v in state.items())
