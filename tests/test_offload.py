@@ -4,6 +4,9 @@ paged-stash slot, calibration sizing, declines, and the flags union."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -306,9 +309,6 @@ def test_a_tensor_saved_twice_in_a_group_is_offloaded_once():
 def test_offloaded_tensors_are_freed_at_the_commit():
     """Eagerly the sources go to the allocator at the commit (record_stream on the paging
     stream): neither the context nor the scheduler may keep them until the backward."""
-    import gc
-    import weakref
-
     backend = CpuStreamBackend()
     context = _context(backend)
     _step(context, [4])  # calibration

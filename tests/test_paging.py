@@ -4,6 +4,8 @@ deferred weight gradients; and the scheduler's reload edge cases it relies on.""
 from __future__ import annotations
 
 import contextlib
+import gc
+import weakref
 
 import pytest
 import torch
@@ -333,9 +335,6 @@ def test_a_paged_tensor_is_freed_before_its_backward(how):
     """After the commit only the scheduler holds a paged tensor, and it lets go once the stash
     is done: a context that kept one would hold every paged tensor until its backward (the
     memory saving would be a lie)."""
-    import gc
-    import weakref
-
     w = torch.randn(WIDTH, WIDTH, requires_grad=True)
     x = torch.randn(ROWS, WIDTH)
 
