@@ -241,3 +241,40 @@ def test_reloaded_tensors_are_freed_when_their_backward_ran(installed, model_par
     assert out.grad_fn is not None  # the graph is still alive ...
     assert all(ref() is None for ref in reloaded)  # ... but the reloaded buffers are gone
     api.paged_stash_reset(enabled=False, config=config)
+
+
+def test_stashed_buffers_are_freed_before_their_backward(installed, model_parallel, monkeypatch):  # noqa: F811
+    """Forward side of the above: once microbatch 1's stash is retired (at microbatch 2's commit)
+    nothing holds its capacity buffers — they live in pages until the reload. Holding them (as a
+    saved tensor's mark did until 61defed) would make paging cost the pool on top of them."""
+    import gc
+    import weakref
+
+    api = installed
+    torch.manual_seed(3)
+    config = moe_config(moe_paged_stash=True, moe_expert_rank_capacity_factor=2.0)
+    layer = _moe_layer(config)
+    api.engine.release_pools()
+    _train_steps(api, layer, config, paged=True, steps=1)  # calibrate
+    stashed = []
+    pack_marked = api.context.pack_marked
+
+    def tracking_pack_marked(tensor, *args, **kwargs):
+        stashed.append(weakref.ref(tensor))
+        return pack_marked(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(api.context, "pack_marked", tracking_pack_marked)
+    api.paged_stash_reset(enabled=True, config=config)
+    outputs = []
+    for micro in range(2):
+        api.paged_stash_init_chunk_handler(None, None)
+        gen = torch.Generator().manual_seed(micro)
+        hidden = torch.randn(8, 2, config.hidden_size, generator=gen).requires_grad_()
+        outputs.append(layer(hidden)[0])
+    gc.collect()
+    assert api.engine.mode == "paged" and len(stashed) == 4  # x and fc1 of each microbatch
+    assert all(ref() is None for ref in stashed[:2])  # microbatch 1's, retired at 2's commit
+    for out in reversed(outputs):
+        out.float().square().mean().backward()
+    assert api.paged_stash_finish() == 0
+    api.paged_stash_reset(enabled=False, config=config)
