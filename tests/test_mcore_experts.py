@@ -210,17 +210,23 @@ def test_rows_past_live_never_reach_results(installed, model_parallel, nan_fille
     api.paged_stash_reset(enabled=False, config=config)
 
 
+def _calibrated_paged_layer(api, seed: int):
+    """A fresh paged MoE layer whose pools one step has calibrated."""
+    torch.manual_seed(seed)
+    config = moe_config(moe_paged_stash=True, moe_expert_rank_capacity_factor=2.0)
+    layer = _moe_layer(config)
+    api.engine.release_pools()
+    _train_steps(api, layer, config, paged=True, steps=1)  # calibrate
+    return layer, config
+
+
 def test_reloaded_tensors_are_freed_when_their_backward_ran(installed, model_parallel, monkeypatch):  # noqa: F811
     import weakref
 
     from megatron_paging.paging import _Saved
 
     api = installed
-    torch.manual_seed(2)
-    config = moe_config(moe_paged_stash=True, moe_expert_rank_capacity_factor=2.0)
-    layer = _moe_layer(config)
-    api.engine.release_pools()
-    _train_steps(api, layer, config, paged=True, steps=1)  # calibrate
+    layer, config = _calibrated_paged_layer(api, seed=2)
     reloaded = []
     unpack = api.context.unpack
 
@@ -251,11 +257,7 @@ def test_stashed_buffers_are_freed_before_their_backward(installed, model_parall
     import weakref
 
     api = installed
-    torch.manual_seed(3)
-    config = moe_config(moe_paged_stash=True, moe_expert_rank_capacity_factor=2.0)
-    layer = _moe_layer(config)
-    api.engine.release_pools()
-    _train_steps(api, layer, config, paged=True, steps=1)  # calibrate
+    layer, config = _calibrated_paged_layer(api, seed=3)
     stashed = []
     pack_marked = api.context.pack_marked
 
