@@ -7,6 +7,7 @@ the ``megatron_paging`` runtime); chosen by environment variables read once at i
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -14,6 +15,7 @@ import time
 import torch
 from megatron.training import get_args
 
+from megatron_paging.tools.kernel_timeline import timeline_record
 from megatron_paging.tools.memory_trace import format_breakdown, peak_breakdown
 
 # Verification runs: append every microbatch loss, exactly (float.hex), to this file (+ rank).
@@ -27,6 +29,10 @@ MEMORY_ENV = "MEGATRON_PAGING_MEMORY_ITER"
 # Verification: count the CUDA kernels of these iterations (comma-separated, e.g. "6,7"), so a
 # run can show that every replay of a captured CUDA graph launches the same work.
 KERNEL_COUNT_ENV = "MEGATRON_PAGING_KERNEL_COUNT_ITERS"
+# Diagnostics: write the profiled iteration's kernel timeline (every kernel's stream, start and
+# duration) to this JSON file (+ rank); read it with
+# python -m megatron_paging.tools.kernel_timeline.
+PROFILE_JSON_ENV = "MEGATRON_PAGING_PROFILE_JSON"
 
 
 def iterations_from_env(name: str) -> tuple[int, ...]:
@@ -175,6 +181,11 @@ class StepProbe:
             f"self_device_ms={device_us / 1e3:.1f} self_cpu_ms={cpu_us / 1e3:.1f}",
             flush=True,
         )
+        path = os.environ.get(PROFILE_JSON_ENV)
+        if path:
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+            with open(f"{path}.rank{rank}", "w") as f:
+                json.dump(timeline_record(profiler.events(), self.iteration, wall_ms), f)
         for key in ("self_device_time_total", "self_cpu_time_total"):
             print(f"paging-example profile top by {key}:", flush=True)
             print(events.table(sort_by=key, row_limit=30, max_name_column_width=70), flush=True)

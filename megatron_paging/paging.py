@@ -64,6 +64,21 @@ class _GroupStart(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, context, layer):
         ctx.context, ctx.slot = context, context._open_from_forward(layer, tensor.device)
+        context._slot_ends.add(ctx.slot)
+        return tensor
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.context._backward_slot_end(*ctx.slot)
+        return grad, None, None
+
+
+class _SlotEnd(torch.autograd.Function):
+    """Identity on a slot's input: its backward runs once the slot's backward is done."""
+
+    @staticmethod
+    def forward(ctx, tensor, context, slot):
+        ctx.context, ctx.slot = context, slot
         return tensor
 
     @staticmethod
@@ -96,6 +111,9 @@ class PagingContext:
         # inside a layer slot (open_offload_group) and commits first.
         self._slots: list[tuple[tuple, list[_Saved], dict[int, _Mark]]] = []
         self._backward_layer: int | None = None
+        # Slots whose input carries an end marker (_GroupStart, slot_end_marker): their
+        # backward's end is reported, so the slots below are prefetched then.
+        self._slot_ends: set[tuple] = set()
         self._wgrad: dict[tuple[int, int], list[tuple[int | None, Callable[[], None]]]] = (
             defaultdict(list)
         )
@@ -127,6 +145,7 @@ class PagingContext:
     def _reset(self) -> None:
         self.scheduler = None
         self._slots = []
+        self._slot_ends.clear()
         self._wgrad.clear()
 
     @property
@@ -203,6 +222,18 @@ class PagingContext:
         if not self.enabled:
             return tensor
         return _GroupStart.apply(tensor, self, int(layer))
+
+    def slot_end_marker(
+        self, tensor: torch.Tensor, chunk: int, layer: int, microbatch: int
+    ) -> torch.Tensor:
+        """Identity on the input of the slot ``(chunk, layer, microbatch)`` that opens next
+        (for callers that open slots with :meth:`open_slot`): when the slot's backward has
+        produced this tensor's gradient, the slots below it are prefetched."""
+        if not self.enabled or not (torch.is_grad_enabled() and tensor.requires_grad):
+            return tensor
+        slot = (int(chunk), int(layer), int(microbatch))
+        self._slot_ends.add(slot)
+        return _SlotEnd.apply(tensor, self, slot)
 
     def group_commit(self, tensor: torch.Tensor) -> torch.Tensor:
         """End of the layer's forward (identity): stash its records; its backward reloads them.
@@ -374,14 +405,26 @@ class PagingContext:
 
     def _backward_slot_start(self, chunk: int, layer: int, microbatch: int) -> None:
         self._backward_layer = layer
-        defer = self._backward is not None and self._backward[:2] == (chunk, microbatch)
-        defer = defer and self._backward[2]
-        self.scheduler.backward_slot_start(chunk, layer, microbatch, defer_wgrad=defer)
+        self.scheduler.backward_slot_start(
+            chunk, layer, microbatch, defer_wgrad=self._defers(chunk, microbatch),
+            prefetch_at_end=(chunk, layer, microbatch) in self._slot_ends,
+        )
 
     def _backward_slot_end(self, chunk: int, layer: int, microbatch: int) -> None:
+        self._slot_ends.discard((chunk, layer, microbatch))
+        if self.scheduler is None:  # the marked slot never opened (nothing was paged)
+            return
         self.scheduler.backend.note(
             "backward-slot-end", chunk=chunk, layer=layer, microbatch=microbatch
         )
+        self.scheduler.backward_slot_end(
+            chunk, layer, microbatch, defer_wgrad=self._defers(chunk, microbatch)
+        )
+
+    def _defers(self, chunk: int, microbatch: int) -> bool:
+        """Whether the running backward is ``(chunk, microbatch)``'s and defers wgrads."""
+        backward = self._backward
+        return backward is not None and backward[:2] == (chunk, microbatch) and backward[2]
 
 
 __all__ = ["PagingContext"]

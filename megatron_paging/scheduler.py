@@ -49,7 +49,7 @@ from megatron_paging import kernels
 from megatron_paging.config import PagingConfig
 from megatron_paging.pool import PagePools
 from megatron_paging.record import RecordLayout
-from megatron_paging.transfers import PagedHandle, Parker, Transfers
+from megatron_paging.transfers import PagedHandle, Parker, Transfers, reload_destination
 
 BACKWARD = "backward"
 WGRAD = "wgrad"
@@ -129,6 +129,9 @@ class PagingScheduler:
             branch: defaultdict(dict) for branch in (BACKWARD, WGRAD)
         }
         self._sources: deque[tuple[Any, list[PagedHandle]]] = deque()  # (stash-done, handles)
+        # (chunk, layer, microbatch) -> commit position of a slot whose backward started with
+        # its prefetch left to its end (backward_slot_end)
+        self._prefetch_at_end: dict[tuple, int] = {}
         # Host-static record layout per (capacity_rows, row_bytes, segments, device, page size):
         # validated once, so a save costs one allocation and at most one copy kernel.
         self._layouts: dict[tuple, RecordLayout] = {} if layout_cache is None else layout_cache
@@ -278,10 +281,31 @@ class PagingScheduler:
     # --------------------------------------------------------------- backward
 
     def backward_slot_start(
+        self, chunk: int, layer: int, microbatch: int, defer_wgrad: bool = False,
+        prefetch_at_end: bool = False,
+    ) -> None:
+        """Backward of slot ``(chunk, layer)`` for ``microbatch`` begins: reload it, prefetch.
+
+        ``prefetch_at_end``: the caller reports the end of this slot's backward
+        (:meth:`backward_slot_end`); the slots below are prefetched then instead of now.
+        """
+        self._slot_start(BACKWARD, chunk, layer, microbatch, defer_wgrad, prefetch_at_end)
+
+    def backward_slot_end(
         self, chunk: int, layer: int, microbatch: int, defer_wgrad: bool = False
     ) -> None:
-        """Backward of slot ``(chunk, layer)`` for ``microbatch`` begins: reload it, prefetch."""
-        self._slot_start(BACKWARD, chunk, layer, microbatch, defer_wgrad)
+        """Backward of slot ``(chunk, layer)`` is done: prefetch the ``prefetch_distance`` paged
+        slots below it, if its start left that to now.
+
+        The copies then run beside the rest of the layer's backward (attention, mostly
+        compute-bound) instead of beside the slot's own first kernels (the activation's
+        backward, memory-bound like the copies), and no reload destination coexists with the
+        slot's own backward buffers.
+        """
+        position = self._prefetch_at_end.pop((chunk, layer, microbatch), None)
+        if position is None or not self.overlap:
+            return
+        self._prefetch_below(BACKWARD, chunk, microbatch, position, defer_wgrad)
 
     def wgrad_slot_start(self, chunk: int, layer: int, microbatch: int) -> None:
         """The deferred weight gradient of the slot begins: reload its wgrad-only records."""
@@ -340,6 +364,7 @@ class PagingScheduler:
             for h in handles:
                 h.source = None
         self._sources.clear()
+        self._prefetch_at_end.clear()
         left = 0
         for branch in (BACKWARD, WGRAD):
             for groups in self._fifo[branch].values():
@@ -359,7 +384,9 @@ class PagingScheduler:
             )
         return layout
 
-    def _slot_start(self, branch, chunk, layer, microbatch, defer_wgrad) -> None:
+    def _slot_start(
+        self, branch, chunk, layer, microbatch, defer_wgrad, prefetch_at_end=False
+    ) -> None:
         self._release_sources()
         self.backend.note(
             f"{branch}-slot-start", chunk=chunk, layer=layer, microbatch=microbatch
@@ -368,18 +395,23 @@ class PagingScheduler:
         if layers is None:
             return
         position = layers.pop(layer, None)
-        if position is None:
-            ahead = []
-        else:
-            ahead = sorted(
-                (lower for lower, p in layers.items() if p < position),
-                key=layers.__getitem__, reverse=True,
-            )
         if not layers:
             del self._layers[branch][(chunk, microbatch)]
         compute = self._reload_slot(branch, chunk, layer, microbatch, defer_wgrad, "slot")
-        if not self.overlap:
+        if not self.overlap or position is None:
             return
+        if prefetch_at_end:
+            self._prefetch_at_end[(chunk, layer, microbatch)] = position
+            return
+        self._prefetch_below(branch, chunk, microbatch, position, defer_wgrad, compute)
+
+    def _prefetch_below(self, branch, chunk, microbatch, position, defer_wgrad, compute=None):
+        """Reload the ``prefetch_distance`` paged slots committed just before ``position``."""
+        layers = self._layers[branch].get((chunk, microbatch), {})
+        ahead = sorted(
+            (lower for lower, p in layers.items() if p < position),
+            key=layers.__getitem__, reverse=True,
+        )
         for lower in ahead[: self.prefetch_distance]:
             compute = self._reload_slot(
                 branch, chunk, lower, microbatch, defer_wgrad, "prefetch", compute
@@ -423,7 +455,7 @@ class PagingScheduler:
             compute = self.backend.compute_stream()
         # Destinations come from the compute stream's allocator before the paging stream writes.
         for h in handles:
-            h.tensor = torch.empty(h.shape, dtype=h.dtype, device=h.device)
+            h.tensor = reload_destination(h.shape, h.dtype, h.device)
         if not self.overlap:
             self.transfers.launch_group(
                 compute, "reload", handles, reason=reason, oldest=oldest, branch=branch

@@ -138,6 +138,6 @@ EOF
 fi
 # The device tool returns at most 8 files: logs, test XML and loss files travel as one archive,
 # results (JSON, PNG) as themselves.
-(cd "$OUT" && shopt -s nullglob && logs=(*.log *.xml *loss.rank*) && [ ${#logs[@]} -gt 0 ] &&
+(cd "$OUT" && shopt -s nullglob && logs=(*.log *.xml *loss.rank* *timeline.json.rank*) && [ ${#logs[@]} -gt 0 ] &&
   tar czf logs.tar.gz "${logs[@]}" && rm -f "${logs[@]}")
 ls -1 "$OUT"

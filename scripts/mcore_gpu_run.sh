@@ -19,7 +19,9 @@
 # Usage: bash scripts/mcore_gpu_run.sh [OUT] ; env: STEPS (20), MODES ("unpaged paged mcore"),
 #        DETERMINISTIC (1: --deterministic-mode, needed for bitwise parity), EXTRA (more flags),
 #        MEGATRON_PAGING_PROFILE_ITER (profile that iteration in every mode: top kernels and
-#        host ops land in the mode's log; the example's StepProbe also logs per-step peaks).
+#        host ops land in the mode's log, its kernel timeline in mcore_<mode>_timeline.json.rank0,
+#        read by python -m megatron_paging.tools.kernel_timeline; the example's StepProbe also
+#        logs per-step peaks).
 set -u
 OUT=${1:-${OUT:-$PWD/out}}
 mkdir -p "$OUT"
@@ -59,6 +61,7 @@ for mode in $MODES; do
   t0=$SECONDS
   # shellcheck disable=SC2086
   MEGATRON_PAGING_LOSS_LOG="$OUT/mcore_${mode}_loss" PAGED=$paged PYTHON=$PYTHON \
+    MEGATRON_PAGING_PROFILE_JSON=${MEGATRON_PAGING_PROFILE_ITER:+$OUT/mcore_${mode}_timeline.json} \
     bash examples/run_pretrain_1gpu.sh --train-iters "$STEPS" --no-check-for-nan-in-loss-and-grad \
     "${det[@]}" "${impl[@]}" \
     ${EXTRA:-} >"$log" 2>&1

@@ -372,3 +372,100 @@ def test_a_paged_tensor_is_freed_before_its_backward(how):
     # Layer 0's stash is done (the scheduler retires it at layer 1's commit): nothing holds it.
     assert not alive
     assert torch.equal(grad, control) and pools[ROW_BYTES].free_pages()[0] == PAGES
+
+
+def test_the_slot_end_rule_prefetches_the_slot_below_at_the_end_of_the_backward():
+    """``prefetch_at_end``: the start reloads its own slot only; the end prefetches below."""
+    backend = CpuStreamBackend()
+    scheduler = paged_scheduler(backend)
+    for layer in range(3):
+        scheduler.open_slot(0, layer, 0)
+        scheduler.save(torch.randn(ROWS, WIDTH), torch.tensor(5))
+        scheduler.commit()
+
+    def reloaded():
+        return [(e.info["layer"], e.info["reason"]) for e in backend.entries("launch", "reload")]
+
+    scheduler.backward_slot_start(0, 2, 0, prefetch_at_end=True)
+    assert reloaded() == [(2, "slot")]
+    scheduler.backward_slot_end(0, 2, 0)
+    assert reloaded() == [(2, "slot"), (1, "prefetch")]
+    scheduler.backward_slot_end(0, 2, 0)  # reported twice, or for a slot that never started:
+    scheduler.backward_slot_end(0, 7, 0)  # nothing to prefetch
+    scheduler.backward_slot_start(0, 1, 0)  # already prefetched; the start rule prefetches 0
+    assert reloaded() == [(2, "slot"), (1, "prefetch"), (0, "prefetch")]
+    assert scheduler.finish() == 0
+
+
+def test_slot_end_marker_reports_the_end_of_the_slots_backward():
+    """Megatron-Core's adapter opens slots with open_slot: the marker on the group's input
+    tells the scheduler when the group's backward is done, so the slot below is prefetched
+    then (after the marked slot's own backward ran, before the next one starts)."""
+    context, backend, _ = paged()
+    context.begin_step()
+    x = torch.randn(ROWS, WIDTH, requires_grad=True)
+    h = x
+    with context.forward(0, 0):
+        for layer in range(3):
+            h = context.slot_end_marker(h, 0, layer, 0)
+            context.open_slot(0, layer, 0, h.device)
+            h = context.group_commit(_Square.apply(context.mark(h * 1, torch.tensor(ROWS))))
+    assert context._slot_ends == {(0, 0, 0), (0, 1, 0), (0, 2, 0)}
+    h.sum().backward()
+    order = [
+        (e.kind, e.info["layer"], e.info.get("reason"))
+        for e in backend.log
+        if (e.op, e.kind) in {("note", "backward-slot-start"), ("note", "backward-slot-end"),
+                              ("launch", "reload")}
+    ]
+    assert order == [
+        ("backward-slot-start", 2, None), ("reload", 2, "slot"), ("backward-slot-end", 2, None),
+        ("reload", 1, "prefetch"), ("backward-slot-start", 1, None),
+        ("backward-slot-end", 1, None), ("reload", 0, "prefetch"),
+        ("backward-slot-start", 0, None), ("backward-slot-end", 0, None),
+    ]
+    assert context._slot_ends == set()
+    assert context.finish() == 0
+    # Without grad the marker is the identity and registers nothing.
+    context.begin_step()
+    with torch.no_grad():
+        assert context.slot_end_marker(x, 0, 0, 0) is x
+    assert context._slot_ends == set()
+    context.finish()
+
+
+def test_reload_destinations_skip_the_deterministic_nan_fill(monkeypatch):
+    """``--deterministic-mode`` makes torch.empty write NaN over every new buffer: a reload
+    destination skips that full-capacity write (only its live rows are ever read) and the
+    setting is back in place afterwards."""
+    from megatron_paging import scheduler as scheduler_module
+    from megatron_paging.transfers import reload_destination
+
+    seen = []
+    real_empty = torch.empty
+
+    def spying_empty(*args, **kwargs):
+        seen.append(torch.utils.deterministic.fill_uninitialized_memory)
+        return real_empty(*args, **kwargs)
+
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert torch.utils.deterministic.fill_uninitialized_memory
+        assert torch.isnan(torch.empty(64)).all()  # what the fill costs: every element written
+        monkeypatch.setattr(torch, "empty", spying_empty)
+        out = reload_destination((ROWS, WIDTH), torch.float32, "cpu")
+        assert out.shape == (ROWS, WIDTH) and seen == [False]
+        assert torch.utils.deterministic.fill_uninitialized_memory
+        monkeypatch.setattr(torch, "empty", real_empty)
+        calls = []
+        monkeypatch.setattr(
+            scheduler_module, "reload_destination",
+            lambda *a: calls.append(a) or reload_destination(*a),
+        )
+        scheduler, handle, source = stashed_and_prefetched(CpuStreamBackend())
+        assert calls == [((ROWS, WIDTH), torch.float32, torch.device("cpu"))]
+        assert torch.equal(scheduler.unpack(handle)[:9], source[:9])
+        assert scheduler.finish() == 0
+    finally:
+        torch.use_deterministic_algorithms(was)

@@ -226,12 +226,14 @@ def test_prefetch_reloads_the_next_slots_below_in_descending_order(schedule, opt
     paged, backend, _, left, _ = run(ops, num_chunks, layers=layers, prefetch_distance=distance)
     assert_bitwise(control, paged)
     assert left == 0
-    starts, reloads = {}, {}
+    starts, ends, reloads = {}, {}, {}
     for e in backend.log:
         info = e.info
         if e.op == "note" and e.kind in ("backward-slot-start", "wgrad-slot-start"):
             key = (e.kind.split("-")[0], info["chunk"], info["microbatch"], info["layer"])
             starts.setdefault(key, e.seq)
+        elif e.op == "note" and e.kind == "backward-slot-end":
+            ends.setdefault(("backward", info["chunk"], info["microbatch"], info["layer"]), e.seq)
         elif e.op == "launch" and e.kind == "reload":
             key = (info["branch"], info["chunk"], info["microbatch"], info["layer"])
             reloads.setdefault(key, (e.seq, info["reason"]))
@@ -244,10 +246,12 @@ def test_prefetch_reloads_the_next_slots_below_in_descending_order(schedule, opt
             assert (reason, seq < start) in {("prefetch", True), ("slot", False)}
             continue
         assert reason == "prefetch" and seq < start, (branch, chunk, mb, layer)
-        if layer + distance < layers:  # issued by the start of the slot `distance` above
+        if layer + distance < layers:  # issued inside the backward of the slot `distance` above
             upper = starts[(branch, chunk, mb, layer + distance)]
             below = starts[(branch, chunk, mb, layer + distance - 1)]
             assert upper < seq < below, (branch, chunk, mb, layer)
+            if branch == "backward":  # group_start slots: at its end (the slot-end rule)
+                assert ends[(branch, chunk, mb, layer + distance)] < seq, (chunk, mb, layer)
     # Between two scheduler milestones, the slots of one backward reload top down.
     issued, descending = defaultdict(list), 0
     for e in backend.log:

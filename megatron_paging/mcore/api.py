@@ -105,8 +105,12 @@ class MCorePagingAPI:
 
     # -- experts.py ------------------------------------------------------------------------
     def paged_stash_group_start(self, tensor):
-        """Mark the start of a layer group (identity: nothing to wait for)."""
-        return tensor
+        """Mark the start of a layer group (identity: nothing to wait for). Its backward, once
+        the group's backward is done, prefetches the groups below (the slot-end rule)."""
+        stage = self.vp_stage
+        return self.context.slot_end_marker(
+            tensor, stage, self._layer[stage], self._microbatch[stage]
+        )
 
     def get_paged_stash_context(
         self, name=None, max_num_tokens=None, num_tokens_tensor=None, avg_num_tokens=None

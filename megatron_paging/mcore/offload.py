@@ -38,6 +38,7 @@ import torch
 
 from megatron_paging.engine import CALIBRATE
 from megatron_paging.mcore.offload_plan import GroupLog, OffloadPlan, plan_from_log
+from megatron_paging.transfers import reload_destination
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ class _Strided:
     def restore(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.numel() == self.span:
             return tensor.as_strided(self.size, self.stride)
-        out = torch.empty(self.span, dtype=tensor.dtype, device=tensor.device)
+        out = reload_destination(self.span, tensor.dtype, tensor.device)  # copy_ fills it
         out = out.as_strided(self.size, self.stride)
         out.copy_(tensor)
         return out
