@@ -74,7 +74,7 @@ for mode in $MODES; do
 done
 
 "$PYTHON" - "$OUT" "$STEPS" $MODES <<'EOF'
-import json, re, subprocess, sys, time
+import json, os, re, subprocess, sys, time
 from pathlib import Path
 
 out, steps, modes = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
@@ -82,6 +82,11 @@ ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(m
 LOSS = re.compile(r"lm loss: ([-+.\dEe]+)")
 GNORM = re.compile(r"grad norm: ([-+.\dEe]+|nan|inf)")
 MEM = re.compile(r"paging-example rank 0: (.*)")
+WARMUP = re.compile(r"cuda_graph_warmup_steps \.+ (\d+)")
+# Iterations a diagnostic slows (the profiled or traced one, and the next, which prints it).
+PERTURBED = {i + d for env in ("MEGATRON_PAGING_PROFILE_ITER", "MEGATRON_PAGING_MEMORY_ITER")
+             for i in (int(v) for v in os.environ.get(env, "").split(",") if v.strip())
+             for d in (0, 1)}
 
 
 def parse(mode):
@@ -102,6 +107,8 @@ def parse(mode):
     return dict(iterations=rows, memory=mem, microbatch_losses=[l for l in exact if l],
                 reruns=text.count("rerunning") + text.count("rerun "),
                 captures=text.count("Capture CUDA graph for training"),
+                graph_warmup_steps=int(WARMUP.search(text).group(1)) if WARMUP.search(text)
+                else None,
                 installed=[l for l in text.splitlines() if "megatron-paging installed" in l][:1])
 
 
@@ -117,10 +124,18 @@ control = runs.get("unpaged", {}).get("microbatch_losses")
 summary = {}
 for mode, run in runs.items():
     its = run["iterations"]
-    timed = [r["ms"] for r in its[2:]] or [r["ms"] for r in its]
+    # Steady steps: from step 3 on (eager), after the eager warm-up steps and the capture step
+    # (graphed); never an iteration a diagnostic slowed.
+    first = 3
+    if "graphed" in mode and run["graph_warmup_steps"] is not None:
+        first = run["graph_warmup_steps"] + 2
+    timed = sorted(r["ms"] for r in its if r["iteration"] >= first
+                   and r["iteration"] not in PERTURBED)
     summary[mode] = dict(
         steps_logged=len(its),
-        median_step_ms=sorted(timed)[len(timed) // 2] if timed else None,
+        median_step_ms=timed[len(timed) // 2] if timed else None,
+        step_ms_p25_p75=[timed[len(timed) // 4], timed[(3 * len(timed)) // 4]] if timed else None,
+        steady_steps=len(timed),
         bitwise_equal_to_unpaged=(run["microbatch_losses"] == control and bool(control))
         if mode != "unpaged" else None,
         **run["memory"],

@@ -38,6 +38,7 @@ EAGER_LONG = ("--no-check-for-nan-in-loss-and-grad", "--train-iters", str(GRAPH_
 CAPTURE_LINE = "Capture CUDA graph for training"
 REPORT = re.compile(r"paging-example rank 0: (.*)")
 KERNELS = re.compile(r"paging-example kernels iteration=(\d+) count=(\d+)")
+PORT_TAKEN = re.compile(r"DistNetworkError: The server socket has failed to listen.*EADDRINUSE")
 
 
 def _free_port() -> int:
@@ -61,18 +62,25 @@ def _train(
         "MEGATRON_PAGING_LOSS_LOG": str(loss_log),
         "NCCL_NVLS_ENABLE": "0",
         "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-        "PET_MASTER_PORT": str(_free_port()),  # torchrun reads PET_<flag> for --master-port
         **(env_extra or {}),
     }
-    result = subprocess.run(
-        ["bash", str(ROOT / "examples" / "run_pretrain_1gpu.sh"), *SMALL, *extra],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    log = result.stdout + result.stderr
+    for _attempt in range(3):
+        # The probed port is free only until torchrun binds it; another shard's process can
+        # take it in between. That failure happens before any training: retry on a new port.
+        env["PET_MASTER_PORT"] = str(_free_port())  # torchrun reads PET_<flag> as --master-port
+        for stale in tmp_path.glob(f"{loss_log.name}.rank*"):
+            stale.unlink()
+        result = subprocess.run(
+            ["bash", str(ROOT / "examples" / "run_pretrain_1gpu.sh"), *SMALL, *extra],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        log = result.stdout + result.stderr
+        if result.returncode == 0 or not PORT_TAKEN.search(log):
+            break
     assert result.returncode == 0, log[-4000:]
     # Every rank that computes a loss (the last pipeline stage; every rank with EP) logs it:
     # one line per microbatch of the step's final result (a rerun replaces its attempt).

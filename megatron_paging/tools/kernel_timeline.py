@@ -12,6 +12,7 @@ A diagnostic outside the paging runtime; it reads profiler events only.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -100,12 +101,19 @@ def differences(a: dict, b: dict, top: int = 20) -> list[tuple[str, int, int, fl
     return rows[:top]
 
 
+def load(path: Path) -> dict:
+    """A timeline record as written (``.rank<N>``) or gzip-compressed (``.gz``)."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("records", type=Path, nargs="+", help="one or two timeline JSON files")
     parser.add_argument("--top", type=int, default=20)
     args = parser.parse_args(argv)
-    records = [json.loads(p.read_text()) for p in args.records]
+    records = [load(p) for p in args.records]
     for path, record in zip(args.records, records, strict=True):
         s = summarize(record)
         print(f"{path}: {s['kernels']} device ops, span {s['span_ms']:.1f} ms, busy "
