@@ -1,18 +1,20 @@
 """The memory-speed frontier of the Megatron example on one GPU: unpaged vs paged vs Megatron-Core's
-own manager vs recomputing the MoE layer vs paged + selective recompute (and offloading, once the
-offloading backend lands), at two model sizes, plus a fixed-memory-budget search.
+own manager vs recomputing the MoE layer vs paged + selective recompute of core attention vs
+fine-grained offloading, at two model sizes, plus a fixed-memory-budget search.
 
 Every arm is one run of ``examples/run_pretrain_1gpu.sh`` (Megatron's ``pretrain()`` on the
 GPT-MoE of ``examples/pretrain_gpt_moe_paged.py``: local TE-free spec, fused SDPA attention,
 ``PagedGroupedMLP`` experts, static flex dispatcher, mock data) with the size's and the arm's flags
 appended: same seeds, same static capacity (``--moe-expert-rank-capacity-factor``),
 ``--deterministic-mode``. Per arm it reports the median step time after warm-up (iterations 1-3
-dropped) with its spread, the steady peak allocated memory (steps >= 3), the activation memory
-(steady peak - parameters - gradients - optimizer state, all four printed by the example), the
-bytes of live expert rows (computed from the flags, :func:`expert_bytes`), and bitwise parity of
-every microbatch loss against the unpaged control (required for ``paged`` and ``mcore_manager``;
-reported for the others). Under a memory cap (``MEGATRON_PAGING_MEMORY_FRACTION``) it searches the
-longest sequence each budget arm trains and its tokens per second there.
+dropped) with its spread, the steady peak allocated memory of the whole step (steps >= 3, optimizer
+step included: what runs out of memory) and of the forward-backward, the activation memory
+(forward-backward peak - parameters - gradients - optimizer state, all printed by the example;
+the step peak can be the optimizer's transient instead), the bytes of live expert rows
+(computed from the flags, :func:`expert_bytes`), and bitwise parity of every microbatch loss
+against the unpaged control (required for the exact arms; reported for the others). Under a
+memory cap (``MEGATRON_PAGING_MEMORY_FRACTION``) it searches the longest sequence each budget arm
+trains and its tokens per second there.
 
 One device call (at most 10 minutes) cannot hold the whole frontier, so the benchmark is
 resumable: every finished run is appended to ``--out`` at once, ``--resume FILE`` carries the runs
@@ -25,8 +27,8 @@ and ``--time-budget-s`` stops cleanly before a run that the runs so far say cann
     python benchmarks/bench_frontier.py --resume F --out F --report-only   # re-render table/PNG
 
 Writes JSON (GPU, date, commit per run and per call, every flag of every run) and a PNG beside it
-(step time against activation memory, one point per arm per size; the budget search), and prints
-a table and the targets (PASS / MISS / NOT RUN) last. See docs/benchmarks.md.
+(step time against fb-based activation memory, one point per arm per size; the budget search),
+and prints a table and the targets (PASS / MISS / NOT RUN) last. See docs/benchmarks.md.
 
 This file keeps the command line; the pieces live in ``benchmarks/frontier/``: ``arms`` (arms,
 sizes, flags, memory arithmetic), ``logs`` (log parsing, run records, summary), ``targets``,
@@ -208,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
               + (f" seq={task.seq}" if task.kind == "budget" else "")
               + f" status={record['status']} step_ms={_fmt(step)}"
               f" act_mib={_fmt(record.get('activation_mib'))}"
+              f" fb_peak_mib={_fmt(record['memory'].get('steady_fb_peak_allocated_mib'))}"
               f" peak_mib={_fmt(record['memory'].get('steady_peak_allocated_mib'))}"
               f" wall_s={record['wall_s']} {label}", flush=True)
         return record

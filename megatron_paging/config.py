@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 MAX_CTAS_ENV = "MEGATRON_PAGING_MAX_CTAS"
 DEFAULT_MAX_CTAS = 2048
+POOL_RESIDENCIES = ("persistent", "step")
 
 
 class ConfigError(ValueError):
@@ -110,6 +111,11 @@ class PagingConfig:
     offload_max_ctas: grid bound of the copy kernels for offloaded live-row records (PCIe, not
         HBM, bounds them: 8 CTAs reach 94% / 93% of pinned copy_ D2H / H2D on the H200, more
         only take SMs from the GEMMs; benchmarks/results/offload_h200.json).
+    pool_residency: ``persistent`` keeps the device tier's pages allocated for the whole run;
+        ``step`` frees them when a step ends and allocates them again when the next begins, so
+        the memory between steps (the optimizer step) does not carry the pool. ``step`` cannot
+        be captured in a CUDA graph (the pages' addresses change), and the engine refuses it
+        there.
     """
 
     page_size: int = 64
@@ -123,6 +129,7 @@ class PagingConfig:
     growth_factor: float = 1.5
     offload_host_factor: float = 1.25
     offload_max_ctas: int = 8
+    pool_residency: str = "persistent"
 
     def __post_init__(self):
         positive_int("page_size", self.page_size)
@@ -151,6 +158,11 @@ class PagingConfig:
                 "offload_host_factor", f"must be >= 1, got {self.offload_host_factor!r}"
             )
         positive_int("offload_max_ctas", self.offload_max_ctas)
+        if self.pool_residency not in POOL_RESIDENCIES:
+            raise ConfigError(
+                "pool_residency",
+                f"must be one of {POOL_RESIDENCIES}, got {self.pool_residency!r}",
+            )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **fields) -> PagingConfig:
@@ -173,6 +185,7 @@ __all__ = [
     "ConfigError",
     "DEFAULT_MAX_CTAS",
     "MAX_CTAS_ENV",
+    "POOL_RESIDENCIES",
     "PagingConfig",
     "kernel_backend_choices",
     "max_ctas_from_env",

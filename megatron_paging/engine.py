@@ -13,7 +13,9 @@ mode           what a step does
                allowed) and the peak in flight is measured. ``end_step`` sizes the pools
                (and makes the kernels' pool handles), so the next step allocates nothing.
 ``paged``      later steps: ``begin_step`` resets rings and flags in place (no allocation),
-               records go through the pools.
+               records go through the pools. With ``pool_residency='step'`` the device
+               tiers' pages are freed at ``end_step`` and allocated again at ``begin_step``
+               (eager runs only: the optimizer step between two steps gets their memory).
 ``off``        ``begin_step(paging=False)`` (an unpaged rerun, an evaluation): nothing is paged.
 =============  ==================================================================================
 
@@ -127,6 +129,12 @@ class PagingEngine:
                 "the first paging step must run eagerly (with --cuda-graph-impl "
                 "full_iteration, --cuda-graph-warmup-steps must be >= 1)"
             )
+        if paging and capturing and self.config.pool_residency == "step":
+            raise CaptureError(
+                "paging: pool_residency='step' frees the pages between steps, so a CUDA graph "
+                "cannot hold their addresses; capture with pool_residency='persistent' "
+                "(--paging-pool-residency persistent)"
+            )
         self.mode = OFF
         self.step_open = True
         if not paging:
@@ -136,6 +144,9 @@ class PagingEngine:
             self.offload_calibrator = OffloadCalibrator()
             self.mode = CALIBRATE
         else:
+            if not self.pools.device_tiers_resident:
+                self.pools.acquire_device_tiers()
+                kernels.prepare(self.pools, self.config.kernel_backend)
             self.pools.reset()
             if self.offload_pools is not None:
                 self.offload_pools.reset()
@@ -176,6 +187,9 @@ class PagingEngine:
                 calibrator.size_pools(self.config, self._device)
                 if calibrator.peak_rows else PagePools(self.config.page_size, self._device)
             )
+        if self.pools is not None and self.config.pool_residency == "step":
+            # After finish(): the paging stream is joined, no page holds a record any more.
+            self.pools.release_device_tiers()
         return unreloaded
 
     def note_replayed_step(self) -> None:

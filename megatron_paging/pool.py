@@ -40,6 +40,27 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def empty_unfilled(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """``torch.empty`` that is never pre-filled, for buffers whose unwritten bytes nobody reads.
+
+    Under ``torch.use_deterministic_algorithms(True)`` (Megatron's ``--deterministic-mode``)
+    ``torch.empty`` writes NaN over every new buffer: a full-size write on the current stream.
+    Reload destinations (only their live rows are read) and page tiers (a page is read only
+    after a stash wrote it) skip it. The setting is restored before returning; autograd's
+    backward thread is the only allocator running while the main thread waits in
+    ``backward()``.
+    """
+    deterministic = torch.utils.deterministic
+    fill = deterministic.fill_uninitialized_memory
+    if not fill or not torch.are_deterministic_algorithms_enabled():
+        return torch.empty(shape, dtype=dtype, device=device)
+    deterministic.fill_uninitialized_memory = False
+    try:
+        return torch.empty(shape, dtype=dtype, device=device)
+    finally:
+        deterministic.fill_uninitialized_memory = fill
+
+
 class PagingFlags:
     """Sticky flags shared by every pool of one paging context, held on the device.
 
@@ -114,17 +135,14 @@ class PagePool:
             raise ValueError(f"flags live on {flags.device} but the pool on {self.device}")
         self.flags = flags
 
-        cuda_rows = self.num_cuda_pages * page_size
         host_rows = self.num_host_pages * page_size
-        # +1 row: the reference kernels' scratch row (see module docstring).
-        self._cuda_storage = torch.empty(
-            (cuda_rows + 1, row_bytes), dtype=torch.uint8, device=self.device
-        )
+        self._cuda_storage = self._cuda_pages = None
+        self.acquire_device_tier()
         pin = self.device.type == "cuda"
+        # +1 row: the reference kernels' scratch row (see module docstring).
         self._host_storage = torch.empty(
             (host_rows + 1, row_bytes), dtype=torch.uint8, device="cpu", pin_memory=pin
         )
-        self.cuda_pages = self._cuda_storage[:cuda_rows]
         self.host_pages = self._host_storage[:host_rows]
 
         caps = [self.num_cuda_pages, self.num_host_pages]
@@ -180,14 +198,51 @@ class PagePool:
     def has_host_tier(self) -> bool:
         return self.num_host_pages > 0
 
+    # -- the device tier's payload, held for a step (PagingConfig.pool_residency) ------------
+    @property
+    def cuda_pages(self) -> torch.Tensor:
+        """The device tier's pages ``[num_cuda_pages * page_size, row_bytes]`` (uint8)."""
+        if self._cuda_pages is None:
+            raise RuntimeError(
+                f"paging: the device tier of pool row_bytes={self.row_bytes} is released "
+                "between steps (pool_residency='step'); begin a step to acquire it"
+            )
+        return self._cuda_pages
+
+    @property
+    def device_tier_resident(self) -> bool:
+        return self._cuda_storage is not None
+
+    def release_device_tier(self) -> None:
+        """Free the device tier's payload (rings, flags and the host tier stay).
+
+        Only between steps, when no page holds a record: the optimizer step can then use the
+        memory. Every use of the payload must be ordered before the current stream's later
+        work (the engine joins the paging stream first); the caching allocator hands the block
+        only to later allocations on the stream that allocated it, the current one.
+        """
+        self._cuda_storage = self._cuda_pages = None
+        self.kernel_handle = None  # it holds the payload and its address
+
+    def acquire_device_tier(self) -> None:
+        """Allocate the device tier's payload (again) on the current stream, unfilled: a page
+        is read only after a stash wrote it. The kernels' handle is remade on next use."""
+        if self._cuda_storage is not None:
+            return
+        rows = self.num_cuda_pages * self.page_size
+        # +1 row: the reference kernels' scratch row (see module docstring).
+        self._cuda_storage = empty_unfilled((rows + 1, self.row_bytes), torch.uint8, self.device)
+        self._cuda_pages = self._cuda_storage[:rows]
+        self.kernel_handle = None
+
     @property
     def page_bytes(self) -> int:
         return self.page_size * self.row_bytes
 
     @property
     def total_bytes(self) -> tuple[int, int]:
-        """(device tier bytes, host tier bytes) this pool holds."""
-        return self.cuda_pages.numel(), self.host_pages.numel()
+        """(device tier bytes, host tier bytes) this pool holds (while resident)."""
+        return self.num_cuda_pages * self.page_bytes, self.host_pages.numel()
 
     def reset(self) -> None:
         """Return every page to its ring in id order. Allocates nothing; flags are left alone."""
@@ -253,6 +308,20 @@ class PagePools:
         for pool in self._pools.values():
             pool.reset()
         self.flags.reset()
+
+    def release_device_tiers(self) -> None:
+        """Free every pool's device-tier payload between steps (see
+        :meth:`PagePool.release_device_tier`)."""
+        for pool in self._pools.values():
+            pool.release_device_tier()
+
+    def acquire_device_tiers(self) -> None:
+        for pool in self._pools.values():
+            pool.acquire_device_tier()
+
+    @property
+    def device_tiers_resident(self) -> bool:
+        return all(pool.device_tier_resident for pool in self._pools.values())
 
     def total_bytes(self) -> tuple[int, int]:
         cuda = sum(p.total_bytes[0] for p in self._pools.values())

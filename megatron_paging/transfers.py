@@ -19,28 +19,15 @@ from typing import Any, Protocol
 
 import torch
 
+from megatron_paging.pool import empty_unfilled
 from megatron_paging.record import PageRecord
 
 
 def reload_destination(shape, dtype: torch.dtype, device) -> torch.Tensor:
-    """An uninitialized buffer for a reload to write into, never pre-filled.
-
-    Under ``torch.use_deterministic_algorithms(True)`` (Megatron's ``--deterministic-mode``)
-    ``torch.empty`` fills every new buffer with NaN, a full-capacity write on the compute stream
-    per reloaded record. A reload writes the live rows and nothing reads the others (the parity
-    tests run with that NaN fill: no padding row reaches a result), so the fill is skipped here
-    and only here. The setting is restored before returning; autograd's backward thread is the
-    only allocator running while the main thread waits in ``backward()``.
-    """
-    deterministic = torch.utils.deterministic
-    fill = deterministic.fill_uninitialized_memory
-    if not fill or not torch.are_deterministic_algorithms_enabled():
-        return torch.empty(shape, dtype=dtype, device=device)
-    deterministic.fill_uninitialized_memory = False
-    try:
-        return torch.empty(shape, dtype=dtype, device=device)
-    finally:
-        deterministic.fill_uninitialized_memory = fill
+    """An uninitialized buffer for a reload to write into, never pre-filled: a reload writes
+    the live rows and nothing reads the others (the parity tests run with Megatron's
+    deterministic NaN fill, so no padding row reaches a result); see :func:`empty_unfilled`."""
+    return empty_unfilled(shape, dtype, device)
 
 
 class Parker(Protocol):

@@ -30,6 +30,8 @@ bf = _load()  # the entry point: main() and its glue; the rest is in benchmarks/
 from frontier import arms as frontier_arms  # noqa: E402 (benchmarks/ is on sys.path now)
 from frontier.arms import (  # noqa: E402
     ARMS,
+    PAGED_FAMILY,
+    REMOVED_ARMS,
     SIZES,
     budget_extra,
     estimate_memory,
@@ -56,6 +58,8 @@ from frontier.logs import (  # noqa: E402
     parity,
     parse_iterations,
     parse_report,
+    refresh_memory_split,
+    removed_runs,
     steady_step_ms,
     summarize,
 )
@@ -66,9 +70,11 @@ from frontier.plan import (  # noqa: E402
     estimate_run_s,
     fits,
     frontier_tasks,
+    load_runs,
     parse_only,
     remaining,
 )
+from frontier.report import table as report_table  # noqa: E402
 from frontier.targets import budget_target, evaluate_targets  # noqa: E402
 
 MIB = 2**20
@@ -89,7 +95,12 @@ def test_arm_table_and_flags():
     assert {a for a, arm in ARMS.items() if arm.needs_offload} == {
         "mcore_offload", "paged_offload", "paged_stash_plus_offload"}
     assert not ARMS["unpaged"].paged and not ARMS["recompute_moe"].paged
-    assert ARMS["paged_recompute_attn_norm"].paged
+    assert ARMS["paged_recompute_core_attn"].paged
+    assert PAGED_FAMILY == ("paged", "paged_recompute_core_attn")
+    # layernorm recompute needs TE in Megatron-Core 0.19.2: the arm is gone, and says why.
+    assert "paged_recompute_attn_norm" not in ARMS
+    assert "CheckpointWithoutOutput" in REMOVED_ARMS["paged_recompute_attn_norm"]
+    assert not any("layernorm" in arm.flags for arm in ARMS.values())
     extra = frontier_extra("expert_heavy", "recompute_moe", iters=7)
     assert extra[-3:] == ["--deterministic-mode", "--train-iters", "7"]
     flags = resolve_flags(extra)
@@ -110,9 +121,9 @@ def test_script_argv_is_what_the_example_gets():
     assert resolve_flags(paged)["--paging-implementation"] == ["mcore"]
     unpaged = model_config(script_argv(frontier_extra("small", "unpaged"), paged=False))
     assert not unpaged["paged"] and unpaged["seq_length"] == 2048
-    recompute = model_config(
-        script_argv(frontier_extra("small", "paged_recompute_attn_norm"), paged=True))
-    assert recompute["recompute_modules"] == ["core_attn", "layernorm"]
+    recompute = script_argv(frontier_extra("small", "paged_recompute_core_attn"), paged=True)
+    assert model_config(recompute)["recompute_modules"] == ["core_attn"]
+    assert resolve_flags(recompute)["--recompute-granularity"] == ["selective"]
 
 
 def test_offload_arms_wait_for_the_flag(tmp_path):
@@ -177,7 +188,8 @@ def test_sizes_fit_one_h200_and_experts_dominate_where_claimed():
 # ----------------------------------------------------------------------------- log parsing
 
 
-def _log(ms=(5000.0, 2000.0, 1500.0, 1000.0, 1010.0, 990.0), report=True, steady=9000.0):
+def _log(ms=(5000.0, 2000.0, 1500.0, 1000.0, 1010.0, 990.0), report=True, steady=9000.0,
+         fb=None):
     lines = ["using world size: 1"]
     for i, m in enumerate(ms, 1):
         lines.append(
@@ -188,7 +200,9 @@ def _log(ms=(5000.0, 2000.0, 1500.0, 1000.0, 1010.0, 990.0), report=True, steady
     if report:
         lines.append(
             f"paging-example rank 0: peak_allocated_mib={steady + 50:.1f} "
-            f"steady_peak_allocated_mib={steady:.1f} peak_reserved_mib={steady + 500:.1f} "
+            f"steady_peak_allocated_mib={steady:.1f} "
+            + (f"steady_fb_peak_allocated_mib={fb:.1f} " if fb is not None else "")
+            + f"peak_reserved_mib={steady + 500:.1f} "
             "pool_cuda_mib=211.5 pool_host_mib=0.0 param_mib=1000.0 grad_mib=1000.0 "
             "optimizer_state_mib=6000.0 paging_mode=paged paged_steps=6 graph_replays=0 "
             "overflow_actions=-")
@@ -204,9 +218,17 @@ def test_parse_megatron_log_and_memory_split():
     report = parse_report(text)
     assert report["steady_peak_allocated_mib"] == 9000.0 and report["paging_mode"] == "paged"
     assert report["overflow_actions"] == "-"
-    split = memory_split(report)
-    assert split == {"state_mib": 8000.0, "activation_mib": 1000.0}
+    # An older report without the forward-backward peak: the step peak, and it says so.
+    assert memory_split(report) == {"state_mib": 8000.0, "activation_mib": 1000.0,
+                                    "activation_source": "steady_peak_allocated_mib"}
     assert memory_split({"param_mib": 1.0}) == {}
+    # The step peak set by the optimizer (9000) is not activation memory: the fb peak (8600) is.
+    report = parse_report(_log(fb=8600.0))
+    assert report["steady_fb_peak_allocated_mib"] == 8600.0
+    assert memory_split(report) == {"state_mib": 8000.0, "activation_mib": 600.0,
+                                    "activation_source": "steady_fb_peak_allocated_mib"}
+    state_only = {"param_mib": 1.0, "grad_mib": 1.0, "optimizer_state_mib": 1.0}
+    assert memory_split(state_only) == {}
     assert classify(text, 0, False) == "ok"
     assert classify(_log(report=False), 0, False) == "error"  # exit 0 but no final report
     oom = _log(report=False) + "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate"
@@ -247,14 +269,41 @@ def test_targets_pass_and_miss_from_numbers():
         "paged": _row(1005.0, 3500.0, parity=eq),
         "mcore_manager": _row(1200.0, 3500.0, parity={"bitwise_equal": False}),
         "recompute_moe": _row(1300.0, 2200.0),
-        "paged_recompute_attn_norm": _row(1080.0, 2100.0),
+        "paged_recompute_core_attn": _row(1080.0, 2100.0),
+        "paged_offload": _row(1000.0, 2000.0, parity=eq),
     }
     t = evaluate_targets({"expert_heavy": rows})["expert_heavy"]
     rec = t["paged_1.2x_faster_than_recompute_moe_at_le_its_activation"]
     assert rec["per_arm"]["paged"]["met"] is False  # faster, but more activation memory
     assert rec["per_arm"]["paged"]["activation_le_recompute"] is False
-    assert rec["per_arm"]["paged_recompute_attn_norm"]["met"] is True  # 1.204x at 2100 MiB
+    assert rec["per_arm"]["paged_recompute_core_attn"]["met"] is True  # 1.204x at 2100 MiB
     assert rec["status"] == "PASS" and rec["required"]
+    # Our offloading arm is computed the same way beside the verdict, never in it.
+    assert set(rec["per_arm"]) == {"paged", "paged_recompute_core_attn"}
+    off = rec["informational_per_arm"]["paged_offload"]
+    assert off["speedup_vs_recompute_moe"] == pytest.approx(1.3) and off["met"] is True
+    assert off["activation_mib"] == 2000.0 and off["recompute_activation_mib"] == 2200.0
+    assert "not the strict target" in rec["informational_note"]
+    lines = report_table({"gpu": None, "commit": "x", "summary": {"expert_heavy": rows},
+                          "budget": {"outcomes": {}}, "skipped": {}, "remaining": [],
+                          "targets": {"expert_heavy": t}})
+    info = [line for line in lines if "informational, not the strict target" in line]
+    assert len(info) == 1 and "[paged_offload: 1.30x, act 2000 vs 2200 MiB]" in info[0]
+    assert any(line.startswith("expert_heavy       paged_recompute_core_attn ") for line in lines)
+    assert not any("* = from the step peak" in line for line in lines)
+    rows["recompute_moe"]["activation_source"] = "steady_peak_allocated_mib"  # an older record
+    lines = report_table({"gpu": None, "commit": "x", "summary": {"expert_heavy": rows},
+                          "budget": {"outcomes": {}}, "skipped": {}, "remaining": [],
+                          "targets": {"expert_heavy": t}})
+    assert any(line.startswith("expert_heavy       recompute_moe ") and "2200.0*" in line
+               for line in lines)
+    assert any("* = from the step peak" in line for line in lines)
+    del rows["recompute_moe"]["activation_source"]
+    rows_off = {k: v for k, v in rows.items() if k != "paged_recompute_core_attn"}
+    rec_off = evaluate_targets({"expert_heavy": rows_off})["expert_heavy"][
+        "paged_1.2x_faster_than_recompute_moe_at_le_its_activation"]
+    assert rec_off["status"] == "MISS" and rec_off["informational_per_arm"]["paged_offload"][
+        "met"]  # a passing informational arm does not pass the target
     act = t["paged_activation_le_1.1x_live_plus_one_layer"]
     assert act["bound_mib"] == pytest.approx(1648.0)
     assert act["met"] is False and act["status"] == "MISS"  # 3500 MiB of all activations
@@ -266,6 +315,8 @@ def test_targets_pass_and_miss_from_numbers():
     assert over["within_noise"] is True  # 0.5% from the limit, 2% of spread
     assert t["paged_step_le_0.9x_mcore_manager"]["status"] == "PASS"
     assert t["bitwise_parity_of_exact_arms"]["status"] == "MISS"
+    assert t["paged_step_peak_le_unpaged_step_peak"] == {
+        "status": "NOT RUN", "met": None, "informational": True}  # rows without step peaks
     # Slower paging misses; a missing arm is NOT RUN, not a pass.
     rows["paged"] = _row(1100.0, 3500.0, spread=0.001, parity=eq)
     del rows["mcore_manager"]
@@ -276,6 +327,48 @@ def test_targets_pass_and_miss_from_numbers():
     assert not t["paged_1.2x_faster_than_recompute_moe_at_le_its_activation"]["required"]
     assert evaluate_targets({"small": {}})["small"][
         "paged_activation_le_1.1x_live_plus_one_layer"]["status"] == "NOT RUN"
+
+
+def test_step_peak_target_is_informational():
+    # The H200's expert_heavy numbers: the pool lives through the optimizer step's peak.
+    rows = {"unpaged": _row(1031.3, 4066.9, steady_peak_allocated_mib=35579.2,
+                            steady_fb_peak_allocated_mib=33420.7),
+            "paged": _row(1222.2, 3795.2, steady_peak_allocated_mib=36987.4,
+                          steady_fb_peak_allocated_mib=33149.0, pool_cuda_mib=1408.1)}
+    t = evaluate_targets({"expert_heavy": rows})["expert_heavy"][
+        "paged_step_peak_le_unpaged_step_peak"]
+    assert t["status"] == "MISS" and t["informational"] is True
+    assert t["difference_mib"] == pytest.approx(1408.2) and t["pool_cuda_mib"] == 1408.1
+    assert t["paged_fb_peak_mib"] < t["unpaged_fb_peak_mib"]
+    rows["paged"]["steady_peak_allocated_mib"] = 35000.0
+    assert evaluate_targets({"expert_heavy": rows})["expert_heavy"][
+        "paged_step_peak_le_unpaged_step_peak"]["status"] == "PASS"
+
+
+def test_resumed_file_gets_the_current_split_and_keeps_removed_arms_out(tmp_path):
+    mem = {"steady_peak_allocated_mib": 35579.2, "steady_fb_peak_allocated_mib": 33420.7,
+           "param_mib": 3261.5, "grad_mib": 6523.1, "optimizer_state_mib": 19569.2}
+    runs = {
+        "expert_heavy:unpaged": {"kind": "arm", "size": "expert_heavy", "arm": "unpaged",
+                                 "status": "ok", "memory": mem, "activation_mib": 6225.4},
+        "expert_heavy:paged_recompute_attn_norm": {
+            "kind": "arm", "size": "expert_heavy", "arm": "paged_recompute_attn_norm",
+            "status": "error", "memory": {}},
+        "expert_heavy:gone": {"kind": "arm", "size": "expert_heavy", "arm": "gone",
+                              "status": "ok", "memory": {}, "activation_mib": 1.0},
+    }
+    path = tmp_path / "f.json"
+    path.write_text(json.dumps({"benchmark": "frontier", "runs": runs, "calls": []}))
+    loaded, calls = load_runs(path)
+    unpaged = loaded["expert_heavy:unpaged"]
+    assert unpaged["activation_mib"] == pytest.approx(33420.7 - 29353.8)
+    assert unpaged["activation_source"] == "steady_fb_peak_allocated_mib"
+    assert "activation_mib" not in loaded["expert_heavy:gone"]  # nothing measured: no split
+    assert set(summarize(loaded)["expert_heavy"]) == {"unpaged"}
+    removed = removed_runs(loaded)
+    assert removed["expert_heavy:paged_recompute_attn_norm"]["reason"].startswith("replaced by")
+    assert removed["expert_heavy:gone"]["reason"] == "not an arm of this tree"
+    assert refresh_memory_split({}) == {}
 
 
 def test_budget_target():
@@ -483,7 +576,11 @@ act = 3000.0 - (200 if paged else 0) - (1500 if "moe" in mods else 0) - (
 act *= seq / 2048
 ms = (1200.0 if mcore else 1005.0 if paged else 1000.0) + (300 if "moe" in mods else 0)
 ms *= seq / 2048
-steady = 8000.0 + act
+fb = 8000.0 + act
+# The optimizer step's transient (2000) and a pool that lives through it set the step peak where
+# the activations are small, as on the H200 (frontier_h200.json).
+pool = 250.0 if paged else 0.0
+steady = max(fb, 8000.0 + 2000.0 + pool)
 fraction = os.environ.get("MEGATRON_PAGING_MEMORY_FRACTION")
 for i in range(1, iters + 1):
     print(f" [t] iteration {i:8d}/{iters:8d} | elapsed time per iteration (ms): "
@@ -496,8 +593,9 @@ with open(os.environ["MEGATRON_PAGING_LOSS_LOG"] + ".rank0", "w") as f:
     for i in range(iters * 8):
         f.write(f"{(loss + i / 64).hex()} 2048\n")
 print(f"paging-example rank 0: peak_allocated_mib={steady:.1f} "
-      f"steady_peak_allocated_mib={steady:.1f} peak_reserved_mib={steady + 100:.1f} "
-      "pool_cuda_mib=0.0 pool_host_mib=0.0 param_mib=1000.0 grad_mib=1000.0 "
+      f"steady_peak_allocated_mib={steady:.1f} steady_fb_peak_allocated_mib={fb:.1f} "
+      f"peak_reserved_mib={steady + 100:.1f} pool_cuda_mib={pool:.1f} pool_host_mib=0.0 "
+      "param_mib=1000.0 grad_mib=1000.0 "
       f"optimizer_state_mib=6000.0 paging_mode=x paged_steps={iters if paged else 0} "
       "graph_replays=0 overflow_actions=-")
 '''
@@ -535,6 +633,11 @@ def test_driver_end_to_end_resume_and_time_budget(fake_example, capsys):
     assert paged["status"] == "ok" and paged["timed_iterations"] == 2
     assert paged["step_ms"]["median"] == pytest.approx(1005.0)
     assert paged["activation_mib"] == pytest.approx(2800.0)
+    assert paged["activation_source"] == "steady_fb_peak_allocated_mib"
+    # recompute_moe's step peak is the optimizer's (10000); its activations are the fb peak's.
+    rec = data["runs"]["small:recompute_moe"]
+    assert rec["memory"]["steady_peak_allocated_mib"] == pytest.approx(10000.0)
+    assert rec["activation_mib"] == pytest.approx(1500.0)
     assert paged["argv"][-3:] == ["--deterministic-mode", "--train-iters", "5"]
     assert "--moe-paged-stash" in paged["argv"] and paged["env"]["PAGED"] == "1"
     assert data["gpu"] is None or isinstance(data["gpu"], str)
@@ -548,8 +651,13 @@ def test_driver_end_to_end_resume_and_time_budget(fake_example, capsys):
     runs["small:paged"] = {**runs["small:paged"], "memory": {
         **runs["small:paged"]["memory"], "paged_steps": 0.0}}
     assert summarize(runs)["small"]["paged"]["paged_as_asked"] is False
+    assert summary["paged"]["steady_fb_peak_allocated_mib"] == pytest.approx(10800.0)
     targets = data["targets"]["small"]
     assert targets["paged_step_le_1.01x_unpaged"]["status"] == "PASS"
+    peak = targets["paged_step_peak_le_unpaged_step_peak"]
+    assert peak["status"] == "PASS" and peak["informational"]
+    assert (peak["paged_step_peak_mib"], peak["unpaged_step_peak_mib"]) == (10800.0, 11000.0)
+
     assert targets["paged_1.2x_faster_than_recompute_moe_at_le_its_activation"][
         "status"] == "MISS"  # 1.29x faster but 2800 > 1500 MiB
     assert out.with_suffix(".png").exists()
@@ -570,11 +678,29 @@ def test_driver_end_to_end_resume_and_time_budget(fake_example, capsys):
     assert any(r["status"] == "oom" for r in budget_runs)
     assert all(r["env"]["MEGATRON_PAGING_MEMORY_FRACTION"] for r in budget_runs)
     assert "targets:" in printed and "left to run" not in printed.split("targets:")[0]
-    # Report only: nothing runs, the table comes back from the file.
+    # Report only: nothing runs, the table comes back from the file. The file may hold a removed
+    # arm's run and splits written under the old definition (step peak - state).
+    data = json.loads(out.read_text())
+    old = dict(data["runs"]["small:recompute_moe"])
+    old.update(key="small:paged_recompute_attn_norm", arm="paged_recompute_attn_norm",
+               status="error", memory={}, activation_mib=None, step_ms=None)
+    data["runs"][old["key"]] = old
+    data["runs"]["small:recompute_moe"]["activation_mib"] = 2000.0  # stale: step-based
+    data["runs"]["small:recompute_moe"].pop("activation_source")
+    out.write_text(json.dumps(data))
+    capsys.readouterr()
     assert bf.main(["--out", str(out), "--resume", "--report-only", "--sizes", "small",
                     "--arms", "unpaged,paged,recompute_moe", "--iters", "5", "--budget",
                     "no"]) == 0
-    assert len(json.loads(out.read_text())["calls"]) == 3  # report-only adds no call
+    printed = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert len(data["calls"]) == 3  # report-only adds no call
+    assert data["runs"]["small:recompute_moe"]["activation_mib"] == pytest.approx(1500.0)
+    assert data["summary"]["small"]["recompute_moe"]["activation_mib"] == pytest.approx(1500.0)
+    assert "paged_recompute_attn_norm" not in data["summary"]["small"]
+    assert data["removed_arms"]["small:paged_recompute_attn_norm"]["status"] == "error"
+    assert "removed arm, not reported: small:paged_recompute_attn_norm (error)" in printed
+    assert "fb MiB" in printed and "left to run" not in printed
 
 
 # ----------------------------------------------------------------------------- Megatron's parser
@@ -599,5 +725,11 @@ def test_every_runnable_arm_parses_with_megatron_and_our_flags():
                 continue
             argv = script_argv(frontier_extra(size, name), arm.paged)
             args = parser.parse_args(argv)
-            flags.paging_config(args, environ={}, cuda_available=False)
+            flags.paging_config(args, environ={}, cuda_available=False, te_available=False)
             assert args.deterministic_mode and args.moe_paged_stash == arm.paged, (size, name)
+    # The removed arm's flags are refused at start-up without TE, not in the first forward.
+    removed = script_argv([*SIZES["expert_heavy"].flags, "--recompute-granularity", "selective",
+                           "--recompute-modules", "core_attn", "layernorm"], True)
+    with pytest.raises(ValueError, match="--recompute-modules layernorm needs Transformer Eng"):
+        flags.paging_config(parser.parse_args(removed), environ={}, cuda_available=False,
+                            te_available=False)

@@ -41,6 +41,7 @@ BAD = {
     "growth_factor": ([NAN, INF, True, "2", None], "must be a finite number"),
     "offload_host_factor": ([NAN, INF, True, "1.25", None], "must be a finite number"),
     "offload_max_ctas": ([0, -1, 8.0, True, None], "must be a positive integer"),
+    "pool_residency": (["auto", "", None, True], "must be one of ('persistent', 'step')"),
 }
 # Values at the edge of what each field accepts.
 GOOD = {
@@ -55,6 +56,7 @@ GOOD = {
     "growth_factor": [1.0001, 2, 10.0],
     "offload_host_factor": [1, 1.0, 3.5],
     "offload_max_ctas": [1, 132],
+    "pool_residency": ["persistent", "step"],
 }
 
 

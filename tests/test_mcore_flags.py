@@ -53,11 +53,13 @@ def test_defaults_and_megatron_names(parser):
     assert args.moe_paged_stash_buffer_size_factor_cuda == pytest.approx(1.10)
     assert args.moe_paged_stash_buffer_size_factor_cpu == 0.0
     assert args.moe_flex_dispatcher_backend == "static"
-    assert flags.paging_config(args, environ={}, cuda_available=False) == PagingConfig()
+    # Eager Megatron runs free the pages between steps (--paging-pool-residency auto).
+    eager = PagingConfig(pool_residency="step")
+    assert flags.paging_config(args, environ={}, cuda_available=False) == eager
     assert (args.paging_overflow_policy, args.paging_gemm_backend) == ("rerun", "auto")
     assert (args.paging_core_attention, args.paging_sdpa_backend) == ("sdpa", "auto")
-    options = flags.install_options(args, PagingConfig())
-    assert options == dict(replace_paged_stash=True, config=PagingConfig())
+    options = flags.install_options(args, eager)
+    assert options == dict(replace_paged_stash=True, config=eager)
 
 
 def test_our_flags_parse(parser):
@@ -80,7 +82,7 @@ def test_our_flags_parse(parser):
     assert config == PagingConfig(
         page_size=32, cuda_factor=-1.25, host_factor=0.5, kernel_backend="reference",
         max_ctas=512, prefetch_distance=2, overlap=False, overflow_policy="grow",
-        growth_factor=2.5,
+        growth_factor=2.5, pool_residency="step",
     )
     assert flags.install_options(args, config) == dict(replace_paged_stash=True, config=config)
 
@@ -185,9 +187,94 @@ def test_mcore_implementation_takes_the_gemm_backend_only(parser):
 def test_full_iteration_graphs_are_accepted_with_paging(parser):
     argv = BASE + ["--cuda-graph-impl", "full_iteration"]
     config = flags.paging_config(parser.parse_args(argv), environ={}, cuda_available=False)
-    assert config == PagingConfig()
+    assert config == PagingConfig()  # auto keeps the pages a captured graph points at
+
+
+@pytest.mark.parametrize(
+    "extra, residency",
+    [([], "step"), (["--paging-pool-residency", "persistent"], "persistent"),
+     (["--paging-pool-residency", "step"], "step"),
+     (["--cuda-graph-impl", "full_iteration", "--paging-pool-residency", "persistent"],
+      "persistent")],
+)
+def test_pool_residency_flag(parser, extra, residency):
+    config = flags.paging_config(parser.parse_args(BASE + extra), environ={}, cuda_available=False)
+    assert config.pool_residency == residency
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [(BASE + ["--cuda-graph-impl", "full_iteration", "--paging-pool-residency", "step"],
+      "--paging-pool-residency step cannot be combined with --cuda-graph-impl full_iteration"),
+     (BASE + ["--paging-implementation", "mcore", "--paging-pool-residency", "persistent"],
+      "--paging-pool-residency have no effect with --paging-implementation mcore"),
+     (["--paging-pool-residency", "step"],
+      "--paging-pool-residency only apply with --moe-paged-stash")],
+)
+def test_pool_residency_refusals(parser, argv, message):
+    with pytest.raises(ValueError) as error:
+        flags.validate_paging_args(parser.parse_args(argv), environ={}, cuda_available=False)
+    assert str(error.value).startswith(message) and "\n" not in str(error.value)
 
 
 def test_gemm_backend_also_selects_the_unpaged_controls_gemms(parser):
     args = _validate(parser, ["--paging-gemm-backend", "grouped"])
     assert not args.moe_paged_stash and args.paging_gemm_backend == "grouped"
+
+
+@pytest.mark.parametrize("modules", [["layernorm"], ["core_attn", "layernorm"], ["moe_act"],
+                                     ["gdn_norm_out", "core_attn"]])
+@pytest.mark.parametrize("paged", [True, False])
+def test_recompute_through_checkpoint_without_output_needs_te(parser, modules, paged):
+    argv = (BASE if paged else []) + [
+        "--recompute-granularity", "selective", "--recompute-modules", *modules]
+    args = parser.parse_args(argv)
+    with pytest.raises(ValueError) as error:
+        flags.paging_config(args, environ={}, cuda_available=False, te_available=False)
+    needs_te = " ".join(m for m in modules if m in flags.TE_RECOMPUTE_MODULES)
+    message = str(error.value)
+    assert message.startswith(f"--recompute-modules {needs_te} needs Transformer Engine")
+    assert "CheckpointWithoutOutput" in message and "\n" not in message
+    with pytest.raises(ValueError, match="needs Transformer Engine"):
+        flags.validate_paging_args(args, environ={}, cuda_available=False, te_available=False)
+    # With Transformer Engine installed, Megatron-Core's own path works.
+    flags.paging_config(args, environ={}, cuda_available=False, te_available=True)
+
+
+@pytest.mark.parametrize("modules", [["core_attn"], ["moe"], ["mlp"], ["core_attn", "moe"],
+                                     ["mla_up_proj"]])
+def test_recompute_without_checkpoint_without_output_runs_without_te(parser, modules):
+    argv = BASE + ["--recompute-granularity", "selective", "--recompute-modules", *modules]
+    config = flags.paging_config(parser.parse_args(argv), environ={}, cuda_available=False,
+                                 te_available=False)
+    assert config == PagingConfig(pool_residency="step")
+
+
+def test_recompute_check_only_for_selective_granularity(parser):
+    # Full recompute checkpoints whole layers (tensor_parallel.checkpoint), not these modules.
+    args = parser.parse_args(["--recompute-granularity", "full", "--recompute-method", "uniform",
+                              "--recompute-modules", "layernorm"])
+    flags.paging_config(args, environ={}, cuda_available=False, te_available=False)
+    # args without the attributes (a bare namespace) pass too.
+    flags.paging_config(argparse.Namespace(), environ={}, cuda_available=False,
+                        te_available=False)
+
+
+def test_transformer_engine_is_detected_when_not_injected(parser, monkeypatch):
+    args = parser.parse_args(["--recompute-granularity", "selective", "--recompute-modules",
+                              "layernorm"])
+    real = flags.importlib.util.find_spec
+    seen = []
+
+    def find_spec(name, *rest):
+        seen.append(name)
+        return object() if name == "transformer_engine" else real(name, *rest)
+
+    monkeypatch.setattr(flags.importlib.util, "find_spec", find_spec)
+    flags.paging_config(args, environ={}, cuda_available=False)
+    assert "transformer_engine" in seen
+    monkeypatch.setattr(flags.importlib.util, "find_spec",
+                        lambda name, *rest: None if name == "transformer_engine" else real(
+                            name, *rest))
+    with pytest.raises(ValueError, match="--recompute-modules layernorm needs Transformer"):
+        flags.paging_config(args, environ={}, cuda_available=False)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from common import spread
 
-from .arms import ARMS, CONTROL, WARMUP_ITERS, expert_bytes, model_config
+from .arms import ARMS, CONTROL, REMOVED_ARMS, WARMUP_ITERS, expert_bytes, model_config
 
 if TYPE_CHECKING:
     from .plan import Task
@@ -73,13 +73,39 @@ def steady_step_ms(iterations: list[dict], warmup: int = WARMUP_ITERS) -> list[f
     return [r["ms"] for r in iterations if r["iteration"] > warmup]
 
 
+FB_PEAK = "steady_fb_peak_allocated_mib"
+STEP_PEAK = "steady_peak_allocated_mib"
+SPLIT_KEYS = ("state_mib", "activation_mib", "activation_source")
+
+
 def memory_split(report: dict) -> dict:
-    """Activation memory = steady peak allocated - (parameters + gradients + optimizer state)."""
-    keys = ("steady_peak_allocated_mib", "param_mib", "grad_mib", "optimizer_state_mib")
+    """Activation memory = steady forward-backward peak - (parameters + gradients + optimizer
+    state); ``activation_source`` names the peak used.
+
+    Not the whole step's peak: where the optimizer step peaks above the forward-backward (its
+    transient buffers, plus whatever persists through it, such as a page pool), step peak - state
+    measures the optimizer, not the activations. A report without the forward-backward peak (an
+    older example) falls back to the step peak and says so.
+    """
+    keys = ("param_mib", "grad_mib", "optimizer_state_mib")
     if not all(isinstance(report.get(k), float) for k in keys):
         return {}
+    source = next((k for k in (FB_PEAK, STEP_PEAK) if isinstance(report.get(k), float)), None)
+    if source is None:
+        return {}
     state = report["param_mib"] + report["grad_mib"] + report["optimizer_state_mib"]
-    return {"state_mib": state, "activation_mib": report["steady_peak_allocated_mib"] - state}
+    return {"state_mib": state, "activation_mib": report[source] - state,
+            "activation_source": source}
+
+
+def refresh_memory_split(runs: dict) -> dict:
+    """Recompute every record's split from its raw report, so a file written under an earlier
+    definition reads with the current one (the report's numbers are what was measured)."""
+    for rec in runs.values():
+        for key in SPLIT_KEYS:
+            rec.pop(key, None)
+        rec.update(memory_split(rec.get("memory") or {}))
+    return runs
 
 
 def spread_of(values: list[float]) -> dict | None:
@@ -129,28 +155,35 @@ def parity(losses: list[str], control: list[str]) -> dict | None:
             "lengths": [len(losses), len(control)], "max_rel_loss_diff": max(diffs)}
 
 
+def removed_runs(runs: dict) -> dict:
+    """{key: what it was} of the frontier runs whose arm is no longer in ``ARMS``."""
+    return {key: {"arm": rec["arm"], "size": rec.get("size"), "status": rec.get("status"),
+                  "reason": REMOVED_ARMS.get(rec["arm"], "not an arm of this tree")}
+            for key, rec in runs.items() if rec.get("kind") == "arm" and rec["arm"] not in ARMS}
+
+
 def summarize(runs: dict) -> dict:
-    """{size: {arm: row}} of the frontier runs, with parity against the size's control."""
+    """{size: {arm: row}} of the frontier runs of the current arms (:func:`removed_runs` lists
+    the others), with parity against the size's control."""
     out: dict = {}
     for rec in runs.values():
-        if rec["kind"] != "arm":
+        if rec["kind"] != "arm" or rec["arm"] not in ARMS:
             continue
         control = runs.get(f"{rec['size']}:{CONTROL}")
         row = {k: rec.get(k) for k in (
-            "status", "seq", "activation_mib", "state_mib", "live_expert_mib",
-            "capacity_expert_mib", "one_layer_capacity_mib", "paged_bound_mib", "tokens_per_s",
-            "commit")}  # fmt: skip
+            "status", "seq", "activation_mib", "activation_source", "state_mib",
+            "live_expert_mib", "capacity_expert_mib", "one_layer_capacity_mib",
+            "paged_bound_mib", "tokens_per_s", "commit")}  # fmt: skip
         mem = rec.get("memory", {})
-        for k in ("steady_peak_allocated_mib", "peak_allocated_mib", "peak_reserved_mib",
+        for k in (STEP_PEAK, FB_PEAK, "peak_allocated_mib", "peak_reserved_mib",
                   "pool_cuda_mib", "overflow_actions", "paging_mode", "paged_steps"):
             row[k] = mem.get(k)
         # A paged arm whose engine never paged would be a second control: say so.
-        row["paged_as_asked"] = (not ARMS[rec["arm"]].paged or bool(mem.get("paged_steps"))
-                                 if rec["arm"] in ARMS else None)
+        row["paged_as_asked"] = not ARMS[rec["arm"]].paged or bool(mem.get("paged_steps"))
         step = rec.get("step_ms")
         row["step_ms"] = step["median"] if step else None
         row["step_spread"] = step
-        row["parity_required"] = ARMS[rec["arm"]].exact if rec["arm"] in ARMS else False
+        row["parity_required"] = ARMS[rec["arm"]].exact
         if rec["arm"] != CONTROL and control and control.get("status") == "ok":
             row["parity"] = parity(rec.get("microbatch_losses", []),
                                    control.get("microbatch_losses", []))

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from . import arms as arm_table  # .SCRIPT read per run: a test points it at a fake
 from .arms import ARMS, ROOT, SIZES, frontier_extra, script_argv, skip_reason
-from .logs import make_record, read_losses
+from .logs import make_record, read_losses, refresh_memory_split
 
 if TYPE_CHECKING:
     from .budget import BudgetOptions
@@ -127,13 +127,14 @@ def fits(now: float, deadline: float | None, estimate_s: float) -> bool:
 
 
 def load_runs(path: Path | None) -> tuple[dict, list]:
-    """(runs, calls) of an earlier call's file (empty when there is none)."""
+    """(runs, calls) of an earlier call's file (empty when there is none), the runs' memory split
+    recomputed under the current definition."""
     if path is None or not path.exists():
         return {}, []
     data = json.loads(path.read_text())
     if data.get("benchmark") != "frontier":
         raise ValueError(f"{path} is not a frontier result (benchmark={data.get('benchmark')!r})")
-    return dict(data.get("runs", {})), list(data.get("calls", []))
+    return refresh_memory_split(dict(data.get("runs", {}))), list(data.get("calls", []))
 
 
 def provenance(runs: dict, current: dict) -> dict:

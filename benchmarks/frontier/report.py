@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from common import figure
 
 from .arms import ARMS, COMMON_FLAGS, SIZES, WARMUP_ITERS, expert_bytes, model_config, skip_reason
-from .logs import summarize
+from .logs import FB_PEAK, STEP_PEAK, removed_runs, summarize
 from .plan import provenance
 from .targets import _ok, _status, evaluate_targets
 
@@ -48,13 +48,16 @@ def build_result(current: dict, settings: dict, runs: dict, calls: list, skipped
         "method": (
             "each run = examples/run_pretrain_1gpu.sh + the size's and the arm's flags; "
             f"step time = median of iterations > {WARMUP_ITERS} (Megatron's 'elapsed time per "
-            "iteration'), spread = common.spread; activation = steady_peak_allocated_mib - "
-            "(param_mib + grad_mib + optimizer_state_mib) as the example prints them; live "
+            "iteration'), spread = common.spread; activation = steady_fb_peak_allocated_mib "
+            "(the forward-backward peak; the step peak only where a record lacks it, named by "
+            "activation_source) - (param_mib + grad_mib + optimizer_state_mib) as the example "
+            "prints them; peak = steady_peak_allocated_mib, the whole step's; live "
             "expert bytes computed from the flags (frontier/arms.py: expert_bytes); parity = every "
             "microbatch loss (float.hex) equal to the unpaged run of the same size"),
         "sizes": sizes,
         "arms": arms,
         "skipped": skipped,
+        "removed_arms": removed_runs(runs),
         "summary": summary,
         "budget": {"options": asdict(opts) if opts else None, "outcomes": budget or {}},
         "targets": evaluate_targets(summary, budget),
@@ -80,8 +83,9 @@ def _fmt(value, spec: str = ".1f", none: str = "-") -> str:
 def table(result: dict) -> list[str]:
     lines = [f"frontier: {result.get('gpu') or 'no GPU'}, commit {result.get('commit')}"]
     head = (f"{'size':<18} {'arm':<26} {'status':<7} {'step ms':>8} {'spread':>7} "
-            f"{'peak MiB':>9} {'act MiB':>9} {'live MiB':>9} {'bitwise':>8}")
+            f"{'peak MiB':>9} {'fb MiB':>9} {'act MiB':>9} {'live MiB':>9} {'bitwise':>8}")
     lines += [head, "-" * len(head)]
+    fallback = False
     for size, rows in result["summary"].items():
         for arm in ARMS:
             row = rows.get(arm)
@@ -90,12 +94,18 @@ def table(result: dict) -> list[str]:
             spread = (row.get("step_spread") or {}).get("relative_spread")
             par = row.get("parity")
             status = row["status"] if row.get("paged_as_asked") is not False else "nopage"
+            act = _fmt(row.get("activation_mib"))
+            if row.get("activation_source") == STEP_PEAK:
+                act, fallback = act + "*", True
             lines.append(
                 f"{size:<18} {arm:<26} {status:<7} {_fmt(row['step_ms']):>8} "
                 f"{_fmt(spread * 100 if spread is not None else None, '.1f') + '%':>7} "
-                f"{_fmt(row.get('steady_peak_allocated_mib')):>9} "
-                f"{_fmt(row.get('activation_mib')):>9} {_fmt(row.get('live_expert_mib')):>9} "
+                f"{_fmt(row.get(STEP_PEAK)):>9} {_fmt(row.get(FB_PEAK)):>9} "
+                f"{act:>9} {_fmt(row.get('live_expert_mib')):>9} "
                 f"{'-' if par is None else ('yes' if par['bitwise_equal'] else 'NO'):>8}")
+    lines.append("peak = steady step peak (optimizer step included); fb = forward-backward peak; "
+                 "act = fb - params - grads - optimizer state"
+                 + ("; * = from the step peak (no fb peak in the record)" if fallback else ""))
     outcomes = result["budget"]["outcomes"]
     if outcomes:
         opts = result["budget"]["options"]
@@ -129,13 +139,21 @@ def table(result: dict) -> list[str]:
                              f"{_status(t['expert_share_met'])}" if "expert_share_met" in t
                              else "") + ")")
             elif name.startswith("paged_1.2x"):
-                detail = "".join(
-                    f" [{a}: {v['speedup_vs_recompute_moe']:.2f}x, act "
-                    f"{v['activation_mib']:.0f} vs {v['recompute_activation_mib']:.0f} MiB]"
-                    for a, v in t["per_arm"].items())
+                detail = "".join(_vs_recompute(a, v) for a, v in t["per_arm"].items())
                 if t.get("required"):
                     detail += " (required at this size)"
+            elif name.startswith("paged_step_peak") and t.get("met") is not None:
+                detail = (f" (paged {t['paged_step_peak_mib']:.0f} vs unpaged "
+                          f"{t['unpaged_step_peak_mib']:.0f} MiB, pool "
+                          f"{_fmt(t.get('pool_cuda_mib'), '.0f')} MiB)")
+            if t.get("informational") is True:
+                detail += " (informational)"
             lines.append(f"  {scope}: {name}: {t['status']}{detail}")
+            for a, v in t.get("informational_per_arm", {}).items():
+                lines.append(f"  {scope}:   informational, not the strict target:"
+                             f"{_vs_recompute(a, v)}: {_status(v['met'])}")
+    for key, r in result.get("removed_arms", {}).items():
+        lines.append(f"removed arm, not reported: {key} ({r['status']}): {r['reason']}")
     if result["skipped"]:
         lines.append("skipped: " + "; ".join(f"{k}: {v}" for k, v in result["skipped"].items()))
     if result["remaining"]:
@@ -143,11 +161,18 @@ def table(result: dict) -> list[str]:
     return lines
 
 
+def _vs_recompute(arm: str, v: dict) -> str:
+    return (f" [{arm}: {v['speedup_vs_recompute_moe']:.2f}x, act {v['activation_mib']:.0f} vs "
+            f"{v['recompute_activation_mib']:.0f} MiB]")
+
+
 def plot(result: dict):
     def draw(png: Path) -> None:
         sizes = [s for s, rows in result["summary"].items()
                  if any(_ok(r) and r.get("activation_mib") is not None for r in rows.values())]
         outcomes = result["budget"]["outcomes"]
+        if not any(o["candidates"] for o in outcomes.values()):
+            outcomes = {}  # no candidate has run: an empty panel would read as "none fit"
         panels = len(sizes) + (1 if outcomes else 0)
         if panels == 0:
             return
@@ -160,12 +185,17 @@ def plot(result: dict):
                 if not _ok(row) or row.get("activation_mib") is None:
                     continue
                 s = row["step_spread"]
+                # Hollow: the record lacks the forward-backward peak (step peak used).
+                hollow = row.get("activation_source") == STEP_PEAK
                 ax.errorbar([row["activation_mib"] / 1024], [s["median"]],
                             yerr=[[s["median"] - s["min"]], [s["max"] - s["median"]]],
-                            fmt="o", color=colors.get(arm, "k"), capsize=3, label=arm)
+                            fmt="o", color=colors.get(arm, "k"), capsize=3,
+                            mfc="none" if hollow else None,
+                            label=arm + (" (step peak)" if hollow else ""))
             live = next((r.get("live_expert_mib") for r in result["summary"][size].values()
                          if r.get("live_expert_mib")), None)
-            ax.set_xlabel("activation memory (GiB): steady peak - params - grads - optimizer")
+            ax.set_xlabel("activation memory (GiB): forward-backward peak - params - grads - "
+                          "optimizer state", fontsize=8)
             ax.set_ylabel("median step time (ms), bars: min-max")
             ax.set_title(f"{size}" + (f" (live expert rows {live / 1024:.2f} GiB)"
                                       if live else ""), fontsize=9)
@@ -178,7 +208,8 @@ def plot(result: dict):
             ax.bar(names, seqs, color=[colors.get(n, "k") for n in names])
             for j, n in enumerate(names):
                 tps = outcomes[n]["tokens_per_s"]
-                ax.text(j, seqs[j], f"{tps:.0f} tok/s" if tps else "none fit", ha="center",
+                label = "not run" if not outcomes[n]["candidates"] else "none fit"
+                ax.text(j, seqs[j], f"{tps:.0f} tok/s" if tps else label, ha="center",
                         va="bottom", fontsize=7)
             opts = result["budget"]["options"]
             ax.set_ylabel("longest sequence trained")

@@ -50,17 +50,21 @@ offending flags for every meaningless or conflicting combination, before any mod
 ``--paging-core-attention sdpa``, and its
 ``cudnn`` is refused with ``--deterministic-mode``; ``--paging-implementation mcore`` rejects the
 flags only our engine and runner read; Megatron features that cannot run with paging (per-layer
-CUDA graphs) are refused by name.
+CUDA graphs) are refused by name. Paged or not, ``--recompute-granularity selective`` with a
+``--recompute-modules`` entry that Megatron-Core runs through ``CheckpointWithoutOutput``
+(:data:`TE_RECOMPUTE_MODULES`) is refused when Transformer Engine is not installed.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 
 from megatron_paging.config import (
     MAX_CTAS_ENV,
+    POOL_RESIDENCIES,
     ConfigError,
     PagingConfig,
     kernel_backend_choices,
@@ -105,6 +109,7 @@ PAGING_DEFAULTS = {
     "paging_offload_backend": "mcore",
     "paging_offload_host_factor": 1.25,
     "paging_offload_max_ctas": 8,
+    "paging_pool_residency": "auto",
 }
 IMPLEMENTATIONS = ("ours", "mcore")
 OFFLOAD_BACKENDS = ("mcore", "paged")
@@ -121,6 +126,7 @@ OURS_ONLY = (
     "paging_max_ctas",
     "paging_overflow_policy",
     "paging_growth_factor",
+    "paging_pool_residency",
 )
 # PagingConfig field -> the flag that sets it (errors name the flag).
 FLAG_OF_FIELD = {
@@ -135,9 +141,17 @@ FLAG_OF_FIELD = {
     "growth_factor": "--paging-growth-factor",
     "offload_host_factor": "--paging-offload-host-factor",
     "offload_max_ctas": "--paging-offload-max-ctas",
+    "pool_residency": "--paging-pool-residency",
 }
 # Megatron's CUDA-graph modes that cannot capture paging (full_iteration can).
 UNSUPPORTED_GRAPH_IMPLS = ("local", "transformer_engine")
+# Selective-recompute modules that Megatron-Core 0.19.2 wraps in
+# tensor_parallel.CheckpointWithoutOutput() with its default fp8=False, which it stores as
+# ``fp8 is not None`` (True) and so calls TE's FP8GlobalStateManager, a NameError without TE:
+# layernorm (transformer_layer.py, fine_grained_callables.py), moe_act (TEGroupedMLP, the only
+# expert module that implements it) and gdn_norm_out (gated delta net). mla_up_proj passes
+# fp8=config.fp8 or config.fp4, None without fp8, and gets through.
+TE_RECOMPUTE_MODULES = ("layernorm", "moe_act", "gdn_norm_out")
 
 
 # Our flags: dest -> add_argument keywords (the default comes from PAGING_DEFAULTS).
@@ -194,6 +208,12 @@ OUR_FLAGS = {
     "paging_offload_max_ctas": dict(
         type=int, help="grid bound of the copy kernels for offloaded live rows (PCIe-bound)"
     ),
+    "paging_pool_residency": dict(
+        choices=("auto", *POOL_RESIDENCIES),
+        help="device page tier: freed between steps so the optimizer step can use its memory "
+        "(step), kept for the run (persistent, what a captured CUDA graph needs), or auto "
+        "(persistent with --cuda-graph-impl full_iteration, else step)",
+    ),
 }
 
 
@@ -227,7 +247,9 @@ def add_paging_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def paging_config(args, environ=None, cuda_available: bool | None = None) -> PagingConfig:
+def paging_config(
+    args, environ=None, cuda_available: bool | None = None, te_available: bool | None = None
+) -> PagingConfig:
     """The run's :class:`PagingConfig` from ``args``; one ``ValueError`` naming the flags (or the
     environment variable) for a bad value or a meaningless combination."""
     environ = os.environ if environ is None else environ
@@ -235,6 +257,8 @@ def paging_config(args, environ=None, cuda_available: bool | None = None) -> Pag
         import torch
 
         cuda_available = torch.cuda.is_available()
+    if te_available is None:
+        te_available = importlib.util.find_spec("transformer_engine") is not None
     stash = bool(getattr(args, "moe_paged_stash", False))
     offload = getattr(args, "paging_offload_backend", "mcore") == "paged"
     paged = stash or offload
@@ -263,6 +287,7 @@ def paging_config(args, environ=None, cuda_available: bool | None = None) -> Pag
             )
 
     _check_core_attention(args)
+    _check_recompute_modules(args, te_available)
     backend = getattr(args, "moe_flex_dispatcher_backend", None)
     if backend == STATIC_BACKEND and getattr(args, "moe_token_dispatcher_type", None) != "flex":
         raise ValueError(
@@ -293,6 +318,7 @@ def paging_config(args, environ=None, cuda_available: bool | None = None) -> Pag
             growth_factor=args.paging_growth_factor,
             offload_host_factor=getattr(args, "paging_offload_host_factor", 1.25),
             offload_max_ctas=getattr(args, "paging_offload_max_ctas", 8),
+            pool_residency=_pool_residency(args),
         )
     except ConfigError as error:
         raise ConfigError(*_flag_words(error)) from None
@@ -303,6 +329,21 @@ def paging_config(args, environ=None, cuda_available: bool | None = None) -> Pag
             "available)"
         )
     return config
+
+
+def _pool_residency(args) -> str:
+    """``auto``: free the pages between eager steps; keep them when a graph captures the step."""
+    residency = getattr(args, "paging_pool_residency", "auto")
+    graphed = getattr(args, "cuda_graph_impl", "none") == "full_iteration"
+    if residency == "step" and graphed:
+        raise ValueError(
+            "--paging-pool-residency step cannot be combined with --cuda-graph-impl "
+            "full_iteration (the captured graph holds the pages' addresses); use persistent "
+            "or auto"
+        )
+    if residency == "auto":
+        return "persistent" if graphed else "step"
+    return residency
 
 
 def _flag_words(error: ConfigError) -> tuple[str, str]:
@@ -318,6 +359,21 @@ def _check_core_attention(args) -> None:
         raise ValueError(
             "--paging-sdpa-backend cudnn is not deterministic (PyTorch excludes cuDNN attention "
             "under --deterministic-mode); use auto or flash"
+        )
+
+
+def _check_recompute_modules(args, te_available: bool) -> None:
+    """Refused at start-up rather than as a NameError in the first forward (paged or not: the
+    example builds every model, the unpaged control's too, from a TE-free spec)."""
+    if te_available or getattr(args, "recompute_granularity", None) != "selective":
+        return
+    modules = getattr(args, "recompute_modules", None) or []
+    needs_te = [m for m in modules if m in TE_RECOMPUTE_MODULES]
+    if needs_te:
+        raise ValueError(
+            f"--recompute-modules {' '.join(needs_te)} needs Transformer Engine: Megatron-Core "
+            "0.19.2's CheckpointWithoutOutput calls TE's FP8GlobalStateManager even without fp8; "
+            "recompute core_attn, mlp or moe instead"
         )
 
 
@@ -392,9 +448,11 @@ def _check_offload(args) -> None:
             )
 
 
-def validate_paging_args(args, environ=None, cuda_available: bool | None = None) -> None:
+def validate_paging_args(
+    args, environ=None, cuda_available: bool | None = None, te_available: bool | None = None
+) -> None:
     """Raise ``ValueError`` (one message naming the flags) for a bad or meaningless setting."""
-    paging_config(args, environ, cuda_available)
+    paging_config(args, environ, cuda_available, te_available)
 
 
 def install_options(args, config: PagingConfig | None = None) -> dict:
