@@ -143,8 +143,9 @@ def table(result: dict) -> list[str]:
                 if t.get("required"):
                     detail += " (required at this size)"
             elif name.startswith("paged_step_peak") and t.get("met") is not None:
-                detail = (f" (paged {t['paged_step_peak_mib']:.0f} vs unpaged "
-                          f"{t['unpaged_step_peak_mib']:.0f} MiB, pool "
+                detail = (f" (paged {t['paged_step_peak_mib']:.1f} vs unpaged "
+                          f"{t['unpaged_step_peak_mib']:.1f} MiB, "
+                          f"{t['difference_mib']:+.1f} MiB; pool "
                           f"{_fmt(t.get('pool_cuda_mib'), '.0f')} MiB)")
             if t.get("informational") is True:
                 detail += " (informational)"
