@@ -116,6 +116,9 @@ class PagingConfig:
         the memory between steps (the optimizer step) does not carry the pool. ``step`` cannot
         be captured in a CUDA graph (the pages' addresses change), and the engine refuses it
         there.
+    hold_last_slot: a committed slot's stash waits for the next commit; a slot whose backward
+        starts first (the last layer before a backward) is never stashed or reloaded, and
+        calibration sizes the pool without it (docs/scheduler.md).
     """
 
     page_size: int = 64
@@ -130,6 +133,7 @@ class PagingConfig:
     offload_host_factor: float = 1.25
     offload_max_ctas: int = 8
     pool_residency: str = "persistent"
+    hold_last_slot: bool = False
 
     def __post_init__(self):
         positive_int("page_size", self.page_size)
@@ -144,8 +148,9 @@ class PagingConfig:
         if self.max_ctas is not None:
             positive_int("max_ctas", self.max_ctas)
         non_negative_int("prefetch_distance", self.prefetch_distance)
-        if not isinstance(self.overlap, bool):
-            raise ConfigError("overlap", f"must be True or False, got {self.overlap!r}")
+        for name in ("overlap", "hold_last_slot"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(name, f"must be True or False, got {getattr(self, name)!r}")
         if self.overflow_policy not in overflow_policy_choices():
             raise ConfigError(
                 "overflow_policy",

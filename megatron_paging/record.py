@@ -47,6 +47,18 @@ class RecordLayout:
     kernel_handle: object = None
 
     @classmethod
+    def cached(cls, cache: dict, capacity_rows: int, row_bytes: int, page_size: int,
+               segments, device) -> RecordLayout:
+        """The layout for this record shape from ``cache``, validated (made) on first use: a
+        save then costs one allocation and at most one copy kernel."""
+        static = None if segments is None else tuple((int(a), int(n)) for a, n in segments)
+        key = (capacity_rows, row_bytes, static, device, page_size)
+        layout = cache.get(key)
+        if layout is None:
+            layout = cache[key] = cls.new(capacity_rows, row_bytes, page_size, static)
+        return layout
+
+    @classmethod
     def new(
         cls,
         capacity_rows: int,

@@ -1,38 +1,20 @@
 """PagingScheduler: when each record is stashed and reloaded, and on which stream.
 
-Lifecycle of one record (see docs/scheduler.md for the timeline):
+A record's life (timeline and rules in docs/scheduler.md): ``open_slot(chunk, layer,
+microbatch)`` opens a layer's forward; ``save(tensor, live_rows, ...)`` makes a pending record
+(the live count is cloned now); ``commit()`` ends the forward: the paging stream waits on a
+compute-stream event and stashes the slot's records in issue order, and the group joins the
+slot's FIFO (``hold_last_slot``: one commit later, see :meth:`PagingScheduler._hold`);
+``backward_slot_start`` reloads the slot (and prefetches ``prefetch_distance`` slots below, at
+the start or, with ``prefetch_at_end``, at ``backward_slot_end``); ``unpack`` makes the compute
+stream wait on the record's reload only when autograd needs it (late wait).
 
-1. ``open_slot(chunk, layer, microbatch)`` — a layer's forward begins; its records are
-   annotated with this slot and microbatch.
-2. ``save(tensor, live_rows, segments)`` — a capacity buffer the model marked; the live count is
-   cloned now, so a dispatcher that overwrites its own tensor for the next microbatch cannot
-   change it. The record is *pending*: nothing is copied yet.
-3. ``commit()`` — the layer's forward is done (its final consumer ran). The compute stream
-   records an event, the paging stream waits on it and stashes the slot's pending records in
-   issue order. The group joins the slot's FIFO. The source stays referenced until the stash is
-   known complete (see *source lifetimes* below).
-4. ``backward_slot_start(chunk, layer, microbatch)`` — that layer's backward begins: its group
-   is reloaded if no prefetch did it yet, and the groups of the next ``prefetch_distance`` paged
-   slots below it (same chunk and microbatch) are reloaded ahead. A reload allocates its
-   destination on the compute stream, records an event there, and the paging stream waits on it
-   before filling the destination.
-5. ``unpack(handle)`` — autograd needs the tensor: only now does the compute stream wait on the
-   record's reload event (late wait), once per record.
-
-Every stash and reload runs on the backend's one paging stream, so the pools' freelists mutate
-in issue order. Per slot ``(chunk, layer)`` groups form a FIFO; a reload takes the group of the
-microbatch whose backward runs, which in a pipeline schedule is the oldest one (the log records
-whether it was). Nothing waits for "all stashes" before a reload: each wait names the exact event
-it needs.
-
-Source lifetimes (stash sources polled or, under capture, waited on at the next commit;
-offload sources handed to the allocator with ``record_stream``), nested slots and commit-order
-prefetch, and delayed weight gradients (``wgrad_only`` records stay paged until
-``wgrad_slot_start``): docs/scheduler.md.
-
-``overlap=False`` is the no-overlap control: stash and reload run synchronously on the compute
-stream at commit / slot start, with no prefetch. Without pools (calibration) a :class:`Parker`
-stands in for the kernels.
+One paging stream carries every stash and reload, so freelists mutate in issue order; per slot
+``(chunk, layer)`` groups form a FIFO and a reload takes its microbatch's group. No wait covers
+"all stashes": each names its event. Source lifetimes, nested slots, delayed weight gradients
+(``wgrad_only`` records stay paged until ``wgrad_slot_start``) and the no-overlap control
+(``overlap=False``: everything on the compute stream) are in docs/scheduler.md. Without pools
+(calibration) a :class:`Parker` stands in for the kernels.
 """
 
 from __future__ import annotations
@@ -53,8 +35,6 @@ from megatron_paging.transfers import PagedHandle, Parker, Transfers, reload_des
 
 BACKWARD = "backward"
 WGRAD = "wgrad"
-
-
 
 
 @dataclass
@@ -102,6 +82,9 @@ class PagingScheduler:
         self.config = config
         self.prefetch_distance = config.prefetch_distance
         self.overlap = config.overlap
+        self.hold_last_slot = config.hold_last_slot
+        # (chunk, layer, microbatch, handles, position) of the held newest slot (see _hold)
+        self._held: tuple | None = None
         self.max_ctas = config.grid_bound
         self.page_size = pools.page_size if pools is not None else config.page_size
         # Resolved once: every pool of a scheduler lives on one device.
@@ -209,7 +192,8 @@ class PagingScheduler:
                 "rows of equal size"
             )
         row_bytes = tensor.numel() // capacity_rows * tensor.element_size()
-        layout = self._layout(capacity_rows, row_bytes, segments, live_rows)
+        layout = RecordLayout.cached(self._layouts, capacity_rows, row_bytes, self.page_size,
+                                     segments, live_rows.device)
         # An integer tensor never requires grad: no detach (one tensor object less per save).
         record = layout.new_record(live_rows, snapshot=not live_rows_private)
         wgrad_only = bool(wgrad_only)
@@ -237,7 +221,8 @@ class PagingScheduler:
         return handle
 
     def commit(self) -> None:
-        """End of the open slot's forward: stash its pending records on the paging stream."""
+        """End of the open slot's forward: stash its pending records on the paging stream
+        (with ``hold_last_slot``: hold them until another slot commits; see :meth:`_hold`)."""
         if not self._open_slots:
             raise RuntimeError("commit() without an open slot")
         (chunk, layer, microbatch), handles = self._open_slots.pop()
@@ -246,14 +231,25 @@ class PagingScheduler:
             "commit", chunk=chunk, layer=layer, microbatch=microbatch,
             records=[h.id for h in handles],
         )
+        held, self._held = self._held, None
+        if held is not None:  # another slot committed: the held one is stashed now
+            self._stash(*held)
         if not handles:
             return
         handles = self.transfers.offload_room(handles)
+        if not handles:
+            return
+        position = next(self._positions)
+        self._layers[BACKWARD][(chunk, microbatch)][layer] = position
+        if self.hold_last_slot and not any(h.offload for h in handles):
+            self._held = (chunk, layer, microbatch, handles, position)
+            return
+        self._stash(chunk, layer, microbatch, handles, position)
+
+    def _stash(self, chunk, layer, microbatch, handles, position) -> None:
         if self.parker is not None:
             for h in handles:
                 self.transfers.park(h)
-        elif not handles:
-            pass
         elif not self.overlap:
             self.transfers.launch_group(self.backend.compute_stream(), "stash", handles)
             for h in handles:
@@ -270,13 +266,25 @@ class PagingScheduler:
             tracked = self.transfers.hand_over_offload_sources(handles, paging)
             if tracked:
                 self._sources.append((done, tracked))
-        if not handles:
-            return
-        position = next(self._positions)
         self._fifo[BACKWARD][(chunk, layer)].append(_Group(microbatch, handles, position))
-        self._layers[BACKWARD][(chunk, microbatch)][layer] = position
 
-
+    def _hold(self, handle: PagedHandle | None = None, slot: tuple | None = None) -> bool:
+        """Whether ``handle`` (or ``slot``) is the held slot's: the newest commit, whose
+        backward started before another slot committed (the last layer before a backward).
+        Its records become resident (the sources are the tensors): stashing would copy rows
+        out and straight back while the reload buffer coexists with the pages."""
+        held = self._held
+        if held is None or (slot is not None and held[:3] != slot) or (
+            handle is not None and not any(h is handle for h in held[3])
+        ):
+            return False
+        self._held = None
+        chunk, layer, microbatch, handles, _ = held
+        self.backend.note("resident", chunk=chunk, layer=layer, microbatch=microbatch,
+                          records=[h.id for h in handles])
+        for h in handles:
+            h.tensor, h.source = h.source, None
+        return True
 
     # --------------------------------------------------------------- backward
 
@@ -295,13 +303,8 @@ class PagingScheduler:
         self, chunk: int, layer: int, microbatch: int, defer_wgrad: bool = False
     ) -> None:
         """Backward of slot ``(chunk, layer)`` is done: prefetch the ``prefetch_distance`` paged
-        slots below it, if its start left that to now.
-
-        The copies then run beside the rest of the layer's backward (attention, mostly
-        compute-bound) instead of beside the slot's own first kernels (the activation's
-        backward, memory-bound like the copies), and no reload destination coexists with the
-        slot's own backward buffers.
-        """
+        slots below it, if its start left that to now (the copies then run beside the rest of
+        the backward, not beside its memory-bound first kernels; docs/scheduler.md)."""
         position = self._prefetch_at_end.pop((chunk, layer, microbatch), None)
         if position is None or not self.overlap:
             return
@@ -336,6 +339,7 @@ class PagingScheduler:
         """
         if any(h is handle for _, pending in self._open_slots for h in pending):
             return handle.source
+        self._hold(handle=handle)
         compute = None
         if handle.tensor is None:  # nobody reloaded it ahead: do it now
             compute = self._reload([handle], "demand")
@@ -360,12 +364,15 @@ class PagingScheduler:
             done = self.backend.record(self.backend.paging_stream, "finish")
             self.backend.wait(self.backend.compute_stream(), done, "finish")
             self._paging_used = False
+        held, self._held = self._held, None
+        left = 0 if held is None else sum(1 for h in held[3] if h.tensor is None)
+        for h in held[3] if held is not None else ():
+            h.source = None  # its backward never ran: nothing was stashed, nothing to reload
         for _, handles in self._sources:
             for h in handles:
                 h.source = None
         self._sources.clear()
         self._prefetch_at_end.clear()
-        left = 0
         for branch in (BACKWARD, WGRAD):
             for groups in self._fifo[branch].values():
                 left += sum(1 for g in groups for h in g.handles if h.tensor is None)
@@ -374,16 +381,6 @@ class PagingScheduler:
         return left
 
     # -------------------------------------------------------------- internals
-    def _layout(self, capacity_rows, row_bytes, segments, live_rows) -> RecordLayout:
-        static = None if segments is None else tuple((int(a), int(n)) for a, n in segments)
-        key = (capacity_rows, row_bytes, static, live_rows.device, self.page_size)
-        layout = self._layouts.get(key)
-        if layout is None:  # first record of this shape: full validation
-            layout = self._layouts[key] = RecordLayout.new(
-                capacity_rows, row_bytes, self.page_size, static
-            )
-        return layout
-
     def _slot_start(
         self, branch, chunk, layer, microbatch, defer_wgrad, prefetch_at_end=False
     ) -> None:
@@ -397,6 +394,8 @@ class PagingScheduler:
         position = layers.pop(layer, None)
         if not layers:
             del self._layers[branch][(chunk, microbatch)]
+        if branch == BACKWARD:
+            self._hold(slot=(chunk, layer, microbatch))
         compute = self._reload_slot(branch, chunk, layer, microbatch, defer_wgrad, "slot")
         if not self.overlap or position is None:
             return
@@ -476,8 +475,6 @@ class PagingScheduler:
             self.backend.keep_alive(h.tensor, paging)
             h.alloc_stream = compute
         return compute
-
-
 
 
     def _release_sources(self, capturing: bool = False, compute=None) -> None:

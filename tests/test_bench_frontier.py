@@ -91,12 +91,14 @@ def _cfg(**over):
 
 def test_arm_table_and_flags():
     assert [a for a, arm in ARMS.items() if arm.exact] == [
-        "paged", "mcore_manager", "mcore_offload", "paged_offload", "paged_stash_plus_offload"]
+        "paged", "paged_hold", "mcore_manager", "mcore_offload", "paged_offload",
+        "paged_stash_plus_offload"]
     assert {a for a, arm in ARMS.items() if arm.needs_offload} == {
         "mcore_offload", "paged_offload", "paged_stash_plus_offload"}
     assert not ARMS["unpaged"].paged and not ARMS["recompute_moe"].paged
     assert ARMS["paged_recompute_core_attn"].paged
-    assert PAGED_FAMILY == ("paged", "paged_recompute_core_attn")
+    assert PAGED_FAMILY == ("paged", "paged_hold", "paged_recompute_core_attn")
+    assert ARMS["paged_hold"].paged and ARMS["paged_hold"].exact
     # layernorm recompute needs TE in Megatron-Core 0.19.2: the arm is gone, and says why.
     assert "paged_recompute_attn_norm" not in ARMS
     assert "CheckpointWithoutOutput" in REMOVED_ARMS["paged_recompute_attn_norm"]
@@ -138,9 +140,9 @@ def test_offload_arms_wait_for_the_flag(tmp_path):
     tasks, skipped = frontier_tasks(["small"], list(ARMS), None, {}, 12, offload=False)
     assert set(skipped) == {"small:mcore_offload", "small:paged_offload",
                             "small:paged_stash_plus_offload"}
-    assert len(tasks) == 5
+    assert len(tasks) == 6
     tasks, skipped = frontier_tasks(["small"], list(ARMS), None, {}, 12, offload=True)
-    assert not skipped and len(tasks) == 8
+    assert not skipped and len(tasks) == 9
 
 
 # ----------------------------------------------------------------------------- arithmetic

@@ -42,6 +42,7 @@ BAD = {
     "offload_host_factor": ([NAN, INF, True, "1.25", None], "must be a finite number"),
     "offload_max_ctas": ([0, -1, 8.0, True, None], "must be a positive integer"),
     "pool_residency": (["auto", "", None, True], "must be one of ('persistent', 'step')"),
+    "hold_last_slot": ([0, 1, None, "yes"], "must be True or False"),
 }
 # Values at the edge of what each field accepts.
 GOOD = {
@@ -57,6 +58,7 @@ GOOD = {
     "offload_host_factor": [1, 1.0, 3.5],
     "offload_max_ctas": [1, 132],
     "pool_residency": ["persistent", "step"],
+    "hold_last_slot": [True, False],
 }
 
 

@@ -113,6 +113,10 @@ def test_example_trains_paged_bitwise_equal_to_unpaged(tmp_path):
     assert len(unpaged) == 3 * MICROBATCHES
     assert all(float.fromhex(v) == float.fromhex(v) for v in unpaged)  # no NaN
     assert paged == unpaged
+    # Holding the last layer before each backward: same losses, a pool a layer smaller.
+    held, held_log = _train(tmp_path / "hold", paged=True, extra=("--paging-hold-last-slot",))
+    assert held == unpaged and _report(held_log)["paging_mode"] == "paged"
+    assert float(_report(held_log)["pool_cuda_mib"]) < float(_report(log)["pool_cuda_mib"])
 
 
 @pytest.mark.multigpu

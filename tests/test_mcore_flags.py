@@ -202,6 +202,18 @@ def test_pool_residency_flag(parser, extra, residency):
     assert config.pool_residency == residency
 
 
+def test_hold_last_slot_flag(parser):
+    args = parser.parse_args(BASE + ["--paging-hold-last-slot"])
+    assert flags.paging_config(args, environ={}, cuda_available=False).hold_last_slot
+    assert not flags.paging_config(parser.parse_args(BASE), environ={},
+                                   cuda_available=False).hold_last_slot
+    for argv, words in ((["--paging-hold-last-slot"], "only apply with --moe-paged-stash"),
+                        (BASE + ["--paging-implementation", "mcore", "--paging-hold-last-slot"],
+                         "have no effect with --paging-implementation mcore")):
+        with pytest.raises(ValueError, match=words):
+            flags.validate_paging_args(parser.parse_args(argv), environ={}, cuda_available=False)
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [(BASE + ["--cuda-graph-impl", "full_iteration", "--paging-pool-residency", "step"],

@@ -38,6 +38,9 @@ ARMS: dict[str, Arm] = {
     for a in (
         Arm("unpaged", False, (), False, "control: no paging, same static capacity"),
         Arm("paged", True, (), True, "--moe-paged-stash through megatron-paging"),
+        Arm("paged_hold", True, ("--paging-hold-last-slot",), True,
+            "paged; a layer is stashed when the next commits, so the last layer before each "
+            "backward is never copied and the pool is a layer smaller"),
         Arm("mcore_manager", True, ("--paging-implementation", "mcore"), True,
             "--moe-paged-stash through Megatron-Core 0.19.2's own manager and Triton kernels"),
         Arm("recompute_moe", False,
@@ -67,7 +70,7 @@ ARMS: dict[str, Arm] = {
 }  # fmt: skip
 # The control every other arm is compared with, and the arms that page (recompute target).
 CONTROL = "unpaged"
-PAGED_FAMILY = ("paged", "paged_recompute_core_attn")
+PAGED_FAMILY = ("paged", "paged_hold", "paged_recompute_core_attn")
 # Shown beside the recompute target, not part of its verdict: it pages live expert rows to the
 # pinned host tier rather than keeping them on the device, a different trade.
 RECOMPUTE_INFORMATIONAL = ("paged_offload",)

@@ -20,6 +20,15 @@ if TYPE_CHECKING:
     from .budget import BudgetOptions
 
 
+# One colour per arm, by name (a new arm keeps the others' colours in old plots' order).
+ARM_COLORS = {
+    "unpaged": "grey", "paged": "tab:blue", "paged_hold": "tab:olive",
+    "mcore_manager": "tab:orange", "recompute_moe": "tab:red",
+    "paged_recompute_core_attn": "tab:cyan", "mcore_offload": "tab:brown",
+    "paged_offload": "tab:purple", "paged_stash_plus_offload": "tab:green",
+}
+
+
 def build_result(current: dict, settings: dict, runs: dict, calls: list, skipped: dict,
                  offload: bool, budget: dict | None, opts: BudgetOptions | None,
                  left: list) -> dict:
@@ -178,8 +187,7 @@ def plot(result: dict):
         if panels == 0:
             return
         fig = figure(5.2 * panels, 4.6)
-        colors = dict(zip(ARMS, ("grey", "tab:blue", "tab:orange", "tab:red", "tab:cyan",
-                                 "tab:brown", "tab:purple", "tab:green"), strict=True))
+        colors = {arm: ARM_COLORS.get(arm, "black") for arm in ARMS}
         for i, size in enumerate(sizes):
             ax = fig.add_subplot(1, panels, i + 1)
             for arm, row in result["summary"][size].items():

@@ -110,6 +110,7 @@ PAGING_DEFAULTS = {
     "paging_offload_host_factor": 1.25,
     "paging_offload_max_ctas": 8,
     "paging_pool_residency": "auto",
+    "paging_hold_last_slot": False,
 }
 IMPLEMENTATIONS = ("ours", "mcore")
 OFFLOAD_BACKENDS = ("mcore", "paged")
@@ -127,6 +128,7 @@ OURS_ONLY = (
     "paging_overflow_policy",
     "paging_growth_factor",
     "paging_pool_residency",
+    "paging_hold_last_slot",
 )
 # PagingConfig field -> the flag that sets it (errors name the flag).
 FLAG_OF_FIELD = {
@@ -142,6 +144,7 @@ FLAG_OF_FIELD = {
     "offload_host_factor": "--paging-offload-host-factor",
     "offload_max_ctas": "--paging-offload-max-ctas",
     "pool_residency": "--paging-pool-residency",
+    "hold_last_slot": "--paging-hold-last-slot",
 }
 # Megatron's CUDA-graph modes that cannot capture paging (full_iteration can).
 UNSUPPORTED_GRAPH_IMPLS = ("local", "transformer_engine")
@@ -213,6 +216,10 @@ OUR_FLAGS = {
         help="device page tier: freed between steps so the optimizer step can use its memory "
         "(step), kept for the run (persistent, what a captured CUDA graph needs), or auto "
         "(persistent with --cuda-graph-impl full_iteration, else step)",
+    ),
+    "paging_hold_last_slot": dict(
+        action="store_true", help="stash a layer only once the next one commits: the last layer "
+        "before a backward is never copied, and the pool is sized without it",
     ),
 }
 
@@ -319,6 +326,7 @@ def paging_config(
             offload_host_factor=getattr(args, "paging_offload_host_factor", 1.25),
             offload_max_ctas=getattr(args, "paging_offload_max_ctas", 8),
             pool_residency=_pool_residency(args),
+            hold_last_slot=getattr(args, "paging_hold_last_slot", False),
         )
     except ConfigError as error:
         raise ConfigError(*_flag_words(error)) from None

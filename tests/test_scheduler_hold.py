@@ -1,0 +1,164 @@
+"""``hold_last_slot``: a committed slot's stash waits for the next commit, and a slot whose
+backward starts first (the last layer before a backward) is never stashed or reloaded. Checked
+on the CPU with real schedule generators: the same gradients as the unpaged control, fewer
+copies, a smaller calibrated pool, and capture rules kept."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from megatron_paging.config import PagingConfig
+from megatron_paging.engine import PAGED, PagingEngine
+from megatron_paging.paging import PagingContext
+from megatron_paging.scheduler import PagingScheduler
+from megatron_paging.streams import CpuStreamBackend
+from megatron_paging.tools.pipeline_sim import parameter_grads, run_schedule, synthetic_chunks
+from tests.test_engine import CPU, PAGE, ROWS, WIDTH, FakeCapture, all_free, make_pools
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+SHAPE = (32, 16)
+LAYERS = 3
+
+
+def cfg(hold: bool) -> PagingConfig:
+    return PagingConfig(page_size=PAGE, kernel_backend="reference", hold_last_slot=hold)
+
+
+def schedule(name: str):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron_paging.mcore import schedules
+    if name == "no_pipelining":  # Megatron's PP = 1 order: F0 B0 F1 B1 ...
+        return 1, schedules.one_f_one_b(pp=1, rank=0, microbatches=3)
+    if name == "1f1b":
+        return 1, schedules.one_f_one_b(pp=2, rank=0, microbatches=4)
+    if name == "interleaved":
+        return 2, schedules.interleaved_one_f_one_b(pp=2, rank=1, vpp=2, microbatches=4)
+    return 2, schedules.dualpipev(pp=2, rank=1, microbatches=5)
+
+
+def zero_grads(chunks) -> None:
+    for p in (p for layers in chunks for layer in layers for p in layer.parameters()):
+        p.grad = None
+
+
+def paged_run(hold: bool, name: str, steps: int = 3, backend=None):
+    num_chunks, ops = schedule(name)
+    chunks = synthetic_chunks(num_chunks, LAYERS, seed=5)
+    backend = backend or CpuStreamBackend()
+    engine = PagingEngine(cfg(hold), stream_backend=backend)
+    context = PagingContext(engine)
+    for _ in range(steps):  # calibration, then paged steps
+        zero_grads(chunks)
+        start = len(backend.log)
+        assert run_schedule(chunks, ops, context, SHAPE, seed=5) == 0
+    assert engine.mode == PAGED and all_free(engine.pools)
+    return chunks, engine, backend.log[start:]
+
+
+@pytest.mark.parametrize("name", ["no_pipelining", "1f1b", "interleaved", "dualpipev"])
+def test_held_slots_give_the_controls_gradients_bit_for_bit(name):
+    num_chunks, ops = schedule(name)
+    control = synthetic_chunks(num_chunks, LAYERS, seed=5)
+    run_schedule(control, ops, PagingContext(None), SHAPE, seed=5)
+    expected = parameter_grads(control)
+    for hold in (False, True):
+        chunks, _, log = paged_run(hold, name)
+        got = parameter_grads(chunks)
+        assert expected.keys() == got.keys() and expected
+        assert all(torch.equal(expected[k], got[k]) for k in expected), (name, hold)
+        stashes = [e for e in log if e.op == "launch" and e.kind == "stash"]
+        reloads = [e for e in log if e.op == "launch" and e.kind == "reload"]
+        assert len(stashes) == len(reloads) > 0
+
+
+def test_at_pp1_the_last_layer_of_every_microbatch_is_never_copied_and_the_pool_shrinks():
+    _, plain_engine, plain_log = paged_run(False, "no_pipelining")
+    _, held_engine, held_log = paged_run(True, "no_pipelining")
+    microbatches = 3
+
+    def copies(log, kind):
+        return sum(1 for e in log if e.op == "launch" and e.kind == kind)
+
+    # One launch per record: every layer's without the hold, all but the last layer's with it.
+    per_slot = copies(plain_log, "stash") // (LAYERS * microbatches)
+    assert per_slot > 0 and copies(plain_log, "stash") == per_slot * LAYERS * microbatches
+    assert copies(held_log, "stash") == copies(held_log, "reload")
+    assert copies(held_log, "stash") == per_slot * (LAYERS - 1) * microbatches
+    resident = [e.info for e in held_log if e.op == "note" and e.kind == "resident"]
+    assert [(i["layer"], i["microbatch"]) for i in resident] == [
+        (LAYERS - 1, mb) for mb in range(microbatches)
+    ]
+    # Calibration saw one layer less in flight: the pool is smaller.
+    plain_pages = sum(p.num_cuda_pages for p in plain_engine.pools)
+    held_pages = sum(p.num_cuda_pages for p in held_engine.pools)
+    assert held_pages < plain_pages
+
+
+def test_the_held_slot_is_stashed_at_the_next_commit_in_commit_order():
+    backend = CpuStreamBackend()
+    pools = make_pools(8 * ROWS)
+    scheduler = PagingScheduler(backend, pools, config=cfg(True))
+    live = torch.tensor(5)
+    sources = [torch.randn(ROWS, WIDTH) for _ in range(3)]
+    handles = []
+    for layer, source in enumerate(sources):
+        scheduler.open_slot(0, layer, 0)
+        handles.append(scheduler.save(source, live))
+        scheduler.commit()
+    wanted = (("note", "commit"), ("launch", "stash"))
+    kinds = [(e.op, e.kind) for e in backend.log if (e.op, e.kind) in wanted]
+    # commit 0 (held), commit 1 -> stash 0 (held 1), commit 2 -> stash 1 (held 2)
+    assert kinds == [("note", "commit"), ("note", "commit"), ("launch", "stash"),
+                     ("note", "commit"), ("launch", "stash")]
+    for layer in reversed(range(3)):
+        scheduler.backward_slot_start(0, layer, 0)
+        out = scheduler.unpack(handles[layer])
+        assert torch.equal(out[:5], sources[layer][:5])
+    assert handles[2].tensor is sources[2]  # held: the source itself, no copy
+    assert scheduler.finish() == 0 and all_free(pools)
+
+
+def test_a_held_slot_whose_backward_never_runs_is_counted_and_dropped():
+    backend = CpuStreamBackend()
+    pools = make_pools()
+    scheduler = PagingScheduler(backend, pools, config=cfg(True))
+    scheduler.open_slot(0, 0, 0)
+    handle = scheduler.save(torch.randn(ROWS, WIDTH), torch.tensor(3))
+    scheduler.commit()
+    assert scheduler.finish() == 1
+    assert handle.source is None and handle.tensor is None and all_free(pools)
+    assert not backend.entries("launch")
+
+
+def test_unpack_before_the_slot_start_resolves_the_held_records():
+    scheduler = PagingScheduler(CpuStreamBackend(), make_pools(), config=cfg(True))
+    source = torch.randn(ROWS, WIDTH)
+    scheduler.open_slot(0, 0, 0)
+    handle = scheduler.save(source, torch.tensor(ROWS))
+    scheduler.commit()
+    assert scheduler.unpack(handle) is source
+    scheduler.backward_slot_start(0, 0, 0)  # nothing left to reload
+    assert scheduler.finish() == 0
+
+
+def test_a_captured_step_with_held_slots_keeps_the_capture_rules():
+    backend = FakeCapture()
+    backend.end_capture()
+    num_chunks, ops = schedule("dualpipev")
+    chunks = synthetic_chunks(num_chunks, LAYERS, seed=5)
+    engine = PagingEngine(cfg(True), stream_backend=backend)
+    context = PagingContext(engine)
+    for _ in range(2):
+        zero_grads(chunks)
+        assert run_schedule(chunks, ops, context, SHAPE, seed=5) == 0
+    zero_grads(chunks)
+    backend.begin_capture()
+    assert run_schedule(chunks, ops, context, SHAPE, seed=5) == 0
+    backend.end_capture()
+    assert backend.violations == [] and backend.counts["stash"] > 0
+    assert backend.counts["stash"] == backend.counts["reload"]
+    assert all_free(engine.pools) and CPU.type == "cpu"
