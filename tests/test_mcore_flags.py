@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("megatron.training")
 
 from megatron_paging.config import PagingConfig  # noqa: E402
-from megatron_paging.mcore import flags  # noqa: E402
+from megatron_paging.mcore import flag_checks, flags  # noqa: E402
 
 BASE = [
     "--moe-paged-stash",
@@ -243,7 +243,7 @@ def test_recompute_through_checkpoint_without_output_needs_te(parser, modules, p
     args = parser.parse_args(argv)
     with pytest.raises(ValueError) as error:
         flags.paging_config(args, environ={}, cuda_available=False, te_available=False)
-    needs_te = " ".join(m for m in modules if m in flags.TE_RECOMPUTE_MODULES)
+    needs_te = " ".join(m for m in modules if m in flag_checks.TE_RECOMPUTE_MODULES)
     message = str(error.value)
     assert message.startswith(f"--recompute-modules {needs_te} needs Transformer Engine")
     assert "CheckpointWithoutOutput" in message and "\n" not in message

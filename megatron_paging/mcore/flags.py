@@ -32,6 +32,11 @@ flag                            default   meaning
                                           activation offloading, or ours (docs/offload.md)
 ``--paging-offload-host-factor`` 1.25     offload host tier = this x calibrated live-row peak
 ``--paging-offload-max-ctas``   8         grid bound of the kernels of offloaded live rows
+``--paging-pool-residency``     auto      ``step`` (device pages freed between steps) |
+                                          ``persistent`` | ``auto`` (persistent under
+                                          full-iteration graphs, else step)
+``--paging-hold-last-slot``     off       stash a layer when the next one commits; the last
+                                          layer before a backward is never copied
 ==============================  ========  ===================================================
 
 It also adds ``static`` to the choices of Megatron's ``--moe-flex-dispatcher-backend`` (our
@@ -51,15 +56,14 @@ offending flags for every meaningless or conflicting combination, before any mod
 ``cudnn`` is refused with ``--deterministic-mode``; ``--paging-implementation mcore`` rejects the
 flags only our engine and runner read; Megatron features that cannot run with paging (per-layer
 CUDA graphs) are refused by name. Paged or not, ``--recompute-granularity selective`` with a
-``--recompute-modules`` entry that Megatron-Core runs through ``CheckpointWithoutOutput``
-(:data:`TE_RECOMPUTE_MODULES`) is refused when Transformer Engine is not installed.
+``--recompute-modules`` entry that Megatron-Core runs through ``CheckpointWithoutOutput`` is
+refused when Transformer Engine is not installed. The refusals live in :mod:`.flag_checks`.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import math
 import os
 
 from megatron_paging.config import (
@@ -75,7 +79,15 @@ from megatron_paging.kernels import REGISTRY
 from megatron_paging.mcore.attention import CORE_ATTENTIONS, SDPA_BACKENDS
 from megatron_paging.mcore.dispatcher import STATIC_BACKEND
 from megatron_paging.mcore.experts import GEMM_BACKENDS
-from megatron_paging.mcore.offload import EXPERT_MODULES
+from megatron_paging.mcore.flag_checks import (
+    CORE_ATTENTION_DEFAULT,
+    SDPA_BACKEND_DEFAULT,
+    check_core_attention,
+    check_megatron_combinations,
+    check_offload,
+    check_recompute_modules,
+    pool_residency,
+)
 
 # Megatron-Core's own flags (added only when the parser lacks them): flag -> add_argument kwargs.
 MCORE_FLAGS = {
@@ -104,8 +116,8 @@ PAGING_DEFAULTS = {
     "paging_kernel_backend": "auto",
     "paging_gemm_backend": "auto",
     "paging_implementation": "ours",
-    "paging_core_attention": "sdpa",
-    "paging_sdpa_backend": "auto",
+    "paging_core_attention": CORE_ATTENTION_DEFAULT,
+    "paging_sdpa_backend": SDPA_BACKEND_DEFAULT,
     "paging_offload_backend": "mcore",
     "paging_offload_host_factor": 1.25,
     "paging_offload_max_ctas": 8,
@@ -146,17 +158,6 @@ FLAG_OF_FIELD = {
     "pool_residency": "--paging-pool-residency",
     "hold_last_slot": "--paging-hold-last-slot",
 }
-# Megatron's CUDA-graph modes that cannot capture paging (full_iteration can).
-UNSUPPORTED_GRAPH_IMPLS = ("local", "transformer_engine")
-# Selective-recompute modules that Megatron-Core 0.19.2 wraps in
-# tensor_parallel.CheckpointWithoutOutput() with its default fp8=False, which it stores as
-# ``fp8 is not None`` (True) and so calls TE's FP8GlobalStateManager, a NameError without TE:
-# layernorm (transformer_layer.py, fine_grained_callables.py), moe_act (TEGroupedMLP, the only
-# expert module that implements it) and gdn_norm_out (gated delta net). mla_up_proj passes
-# fp8=config.fp8 or config.fp4, None without fp8, and gets through.
-TE_RECOMPUTE_MODULES = ("layernorm", "moe_act", "gdn_norm_out")
-
-
 # Our flags: dest -> add_argument keywords (the default comes from PAGING_DEFAULTS).
 OUR_FLAGS = {
     "paging_max_ctas": dict(
@@ -284,7 +285,7 @@ def paging_config(
             "--paging-offload-backend paged"
         )
     if offload:
-        _check_offload(args)
+        check_offload(args)
     if getattr(args, "paging_implementation", "ours") == "mcore":
         unused = [flag for dest, flag in ours_set.items() if dest in OURS_ONLY]
         if unused:
@@ -293,8 +294,8 @@ def paging_config(
                 "(Megatron-Core's own paged-stash manager, kernels and step runner)"
             )
 
-    _check_core_attention(args)
-    _check_recompute_modules(args, te_available)
+    check_core_attention(args)
+    check_recompute_modules(args, te_available)
     backend = getattr(args, "moe_flex_dispatcher_backend", None)
     if backend == STATIC_BACKEND and getattr(args, "moe_token_dispatcher_type", None) != "flex":
         raise ValueError(
@@ -306,7 +307,7 @@ def paging_config(
     try:
         env_max_ctas = max_ctas_from_env(environ)
         if stash:
-            _check_megatron_combinations(args)
+            check_megatron_combinations(args)
         max_ctas = args.paging_max_ctas
         if max_ctas is not None and env_max_ctas is not None and env_max_ctas != max_ctas:
             raise ValueError(
@@ -325,7 +326,7 @@ def paging_config(
             growth_factor=args.paging_growth_factor,
             offload_host_factor=getattr(args, "paging_offload_host_factor", 1.25),
             offload_max_ctas=getattr(args, "paging_offload_max_ctas", 8),
-            pool_residency=_pool_residency(args),
+            pool_residency=pool_residency(args),
             hold_last_slot=getattr(args, "paging_hold_last_slot", False),
         )
     except ConfigError as error:
@@ -339,121 +340,8 @@ def paging_config(
     return config
 
 
-def _pool_residency(args) -> str:
-    """``auto``: free the pages between eager steps; keep them when a graph captures the step."""
-    residency = getattr(args, "paging_pool_residency", "auto")
-    graphed = getattr(args, "cuda_graph_impl", "none") == "full_iteration"
-    if residency == "step" and graphed:
-        raise ValueError(
-            "--paging-pool-residency step cannot be combined with --cuda-graph-impl "
-            "full_iteration (the captured graph holds the pages' addresses); use persistent "
-            "or auto"
-        )
-    if residency == "auto":
-        return "persistent" if graphed else "step"
-    return residency
-
-
 def _flag_words(error: ConfigError) -> tuple[str, str]:
     return FLAG_OF_FIELD.get(error.field, error.field), error.problem
-
-
-def _check_core_attention(args) -> None:
-    core = getattr(args, "paging_core_attention", PAGING_DEFAULTS["paging_core_attention"])
-    sdpa = getattr(args, "paging_sdpa_backend", PAGING_DEFAULTS["paging_sdpa_backend"])
-    if core != "sdpa" and sdpa != PAGING_DEFAULTS["paging_sdpa_backend"]:
-        raise ValueError(f"--paging-sdpa-backend {sdpa} needs --paging-core-attention sdpa")
-    if core == "sdpa" and sdpa == "cudnn" and getattr(args, "deterministic_mode", False):
-        raise ValueError(
-            "--paging-sdpa-backend cudnn is not deterministic (PyTorch excludes cuDNN attention "
-            "under --deterministic-mode); use auto or flash"
-        )
-
-
-def _check_recompute_modules(args, te_available: bool) -> None:
-    """Refused at start-up rather than as a NameError in the first forward (paged or not: the
-    example builds every model, the unpaged control's too, from a TE-free spec)."""
-    if te_available or getattr(args, "recompute_granularity", None) != "selective":
-        return
-    modules = getattr(args, "recompute_modules", None) or []
-    needs_te = [m for m in modules if m in TE_RECOMPUTE_MODULES]
-    if needs_te:
-        raise ValueError(
-            f"--recompute-modules {' '.join(needs_te)} needs Transformer Engine: Megatron-Core "
-            "0.19.2's CheckpointWithoutOutput calls TE's FP8GlobalStateManager even without fp8; "
-            "recompute core_attn, mlp or moe instead"
-        )
-
-
-def _check_megatron_combinations(args) -> None:
-    """Megatron features that cannot run with paging, refused by name."""
-    rank_factor = getattr(args, "moe_expert_rank_capacity_factor", None)
-    if rank_factor is None:
-        raise ValueError(
-            "--moe-paged-stash needs --moe-expert-rank-capacity-factor (the static expert "
-            "capacity that paging shrinks to live rows)"
-        )
-    if (
-        isinstance(rank_factor, bool)
-        or not isinstance(rank_factor, (int, float))
-        or not math.isfinite(rank_factor)
-        or rank_factor <= 0
-    ):
-        raise ValueError(f"--moe-expert-rank-capacity-factor must be > 0, got {rank_factor}")
-    graph_impl = getattr(args, "cuda_graph_impl", "none")
-    if graph_impl in UNSUPPORTED_GRAPH_IMPLS:
-        raise ValueError(
-            f"--cuda-graph-impl {graph_impl} cannot be combined with --moe-paged-stash "
-            "(per-layer graphs capture an expert forward apart from the backward that reloads "
-            "it); use --cuda-graph-impl full_iteration"
-        )
-
-
-def _check_offload(args) -> None:
-    """``--paging-offload-backend paged``: what it needs and what it cannot serve."""
-    if not getattr(args, "fine_grained_activation_offloading", False):
-        raise ValueError(
-            "--paging-offload-backend paged needs --fine-grained-activation-offloading "
-            "--offload-modules ..."
-        )
-    if getattr(args, "paging_implementation", "ours") == "mcore":
-        raise ValueError(
-            "--paging-offload-backend paged runs on megatron-paging's runtime; it cannot be "
-            "combined with --paging-implementation mcore"
-        )
-    modules = set(getattr(args, "offload_modules", None) or [])
-    experts = sorted(modules & set(EXPERT_MODULES))
-    if experts and getattr(args, "moe_expert_rank_capacity_factor", None) is None:
-        # Live rows fill a host tier sized at calibration; only the step runner that comes with
-        # a static capacity reads its overflow flag before the optimizer step.
-        raise ValueError(
-            f"--offload-modules {' '.join(experts)} with --paging-offload-backend paged needs "
-            "--moe-expert-rank-capacity-factor (static expert capacity; its step runner checks "
-            "the host tier's overflow flag)"
-        )
-    if "fused_group_mlp" in modules:
-        raise ValueError(
-            "--offload-modules fused_group_mlp needs Transformer Engine's op fuser; with "
-            "--paging-offload-backend paged offload expert_fc1 and moe_act instead"
-        )
-    graph_impl = getattr(args, "cuda_graph_impl", "none")
-    if graph_impl in UNSUPPORTED_GRAPH_IMPLS:
-        raise ValueError(
-            f"--cuda-graph-impl {graph_impl} cannot be combined with --paging-offload-backend "
-            "paged (per-layer graphs split a group's offload from its reload); use "
-            "--cuda-graph-impl full_iteration"
-        )
-    for dest, flag, default in (
-        ("delay_offload_until_cuda_graph", "--delay-offload-until-cuda-graph", False),
-        ("fine_grained_offloading_max_inflight_offloads",
-         "--fine-grained-offloading-max-inflight-offloads", None),
-    ):
-        if getattr(args, dest, default) != default:
-            raise ValueError(
-                f"{flag} has no effect with --paging-offload-backend paged (offloads run on the "
-                "paging stream, which the compute stream waits on only where it reads a "
-                "reloaded tensor)"
-            )
 
 
 def validate_paging_args(
