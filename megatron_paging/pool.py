@@ -241,7 +241,8 @@ class PagePool:
 
     @property
     def total_bytes(self) -> tuple[int, int]:
-        """(device tier bytes, host tier bytes) this pool holds (while resident)."""
+        """(device tier bytes, host tier bytes) of this pool; the device tier's size whether or not
+        its pages are resident (``pool_residency='step'`` frees them between steps)."""
         return self.num_cuda_pages * self.page_bytes, self.host_pages.numel()
 
     def reset(self) -> None:
