@@ -76,3 +76,34 @@ def one_cpu_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+class _FillSpy:
+    """Records, for every ``torch.empty`` call while spying, whether the deterministic fill was
+    on at that moment."""
+
+    def __init__(self, monkeypatch):
+        self._monkeypatch, self._real_empty, self.seen = monkeypatch, torch.empty, []
+
+    def spy(self) -> None:
+        def spying_empty(*args, **kwargs):
+            self.seen.append(torch.utils.deterministic.fill_uninitialized_memory)
+            return self._real_empty(*args, **kwargs)
+
+        self._monkeypatch.setattr(torch, "empty", spying_empty)
+
+    def unspy(self) -> None:
+        self._monkeypatch.setattr(torch, "empty", self._real_empty)
+
+
+@pytest.fixture
+def deterministic_fill(monkeypatch):
+    """Deterministic algorithms on for the test (Megatron's ``--deterministic-mode``: torch.empty
+    NaN-fills every new buffer), restored afterwards; yields a :class:`_FillSpy`."""
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert torch.utils.deterministic.fill_uninitialized_memory
+        yield _FillSpy(monkeypatch)
+    finally:
+        torch.use_deterministic_algorithms(was)

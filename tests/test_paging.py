@@ -434,38 +434,25 @@ def test_slot_end_marker_reports_the_end_of_the_slots_backward():
     context.finish()
 
 
-def test_reload_destinations_skip_the_deterministic_nan_fill(monkeypatch):
+def test_reload_destinations_skip_the_deterministic_nan_fill(monkeypatch, deterministic_fill):
     """``--deterministic-mode`` makes torch.empty write NaN over every new buffer: a reload
     destination skips that full-capacity write (only its live rows are ever read) and the
     setting is back in place afterwards."""
     from megatron_paging import scheduler as scheduler_module
     from megatron_paging.transfers import reload_destination
 
-    seen = []
-    real_empty = torch.empty
-
-    def spying_empty(*args, **kwargs):
-        seen.append(torch.utils.deterministic.fill_uninitialized_memory)
-        return real_empty(*args, **kwargs)
-
-    was = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        assert torch.utils.deterministic.fill_uninitialized_memory
-        assert torch.isnan(torch.empty(64)).all()  # what the fill costs: every element written
-        monkeypatch.setattr(torch, "empty", spying_empty)
-        out = reload_destination((ROWS, WIDTH), torch.float32, "cpu")
-        assert out.shape == (ROWS, WIDTH) and seen == [False]
-        assert torch.utils.deterministic.fill_uninitialized_memory
-        monkeypatch.setattr(torch, "empty", real_empty)
-        calls = []
-        monkeypatch.setattr(
-            scheduler_module, "reload_destination",
-            lambda *a: calls.append(a) or reload_destination(*a),
-        )
-        scheduler, handle, source = stashed_and_prefetched(CpuStreamBackend())
-        assert calls == [((ROWS, WIDTH), torch.float32, torch.device("cpu"))]
-        assert torch.equal(scheduler.unpack(handle)[:9], source[:9])
-        assert scheduler.finish() == 0
-    finally:
-        torch.use_deterministic_algorithms(was)
+    assert torch.isnan(torch.empty(64)).all()  # what the fill costs: every element written
+    deterministic_fill.spy()
+    out = reload_destination((ROWS, WIDTH), torch.float32, "cpu")
+    assert out.shape == (ROWS, WIDTH) and deterministic_fill.seen == [False]
+    assert torch.utils.deterministic.fill_uninitialized_memory
+    deterministic_fill.unspy()
+    calls = []
+    monkeypatch.setattr(
+        scheduler_module, "reload_destination",
+        lambda *a: calls.append(a) or reload_destination(*a),
+    )
+    scheduler, handle, source = stashed_and_prefetched(CpuStreamBackend())
+    assert calls == [((ROWS, WIDTH), torch.float32, torch.device("cpu"))]
+    assert torch.equal(scheduler.unpack(handle)[:9], source[:9])
+    assert scheduler.finish() == 0

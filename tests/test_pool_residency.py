@@ -89,30 +89,18 @@ def test_step_residency_is_refused_under_capture_before_anything_changes():
     assert backend.violations == []
 
 
-def test_the_pages_are_allocated_without_the_deterministic_nan_fill(monkeypatch):
+def test_the_pages_are_allocated_without_the_deterministic_nan_fill(deterministic_fill):
     """Under ``--deterministic-mode`` ``torch.empty`` NaN-fills new buffers; a page is read only
     after a stash wrote it, so acquiring the device tier each step skips that write."""
     pool = PagePool(ROW_BYTES, PAGE, num_cuda_pages=2)
     pool.release_device_tier()
-    seen = []
-    real_empty = torch.empty
-
-    def spying_empty(*args, **kwargs):
-        seen.append(torch.utils.deterministic.fill_uninitialized_memory)
-        return real_empty(*args, **kwargs)
-
-    was = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        assert torch.utils.deterministic.fill_uninitialized_memory
-        monkeypatch.setattr(torch, "empty", spying_empty)
-        pool.acquire_device_tier()
-        assert seen == [False] and torch.utils.deterministic.fill_uninitialized_memory
-        assert pool.cuda_pages.shape == (2 * PAGE, ROW_BYTES)
-        pool.acquire_device_tier()  # already resident: nothing allocated
-        assert seen == [False]
-    finally:
-        torch.use_deterministic_algorithms(was)
+    deterministic_fill.spy()
+    pool.acquire_device_tier()
+    seen = deterministic_fill.seen
+    assert seen == [False] and torch.utils.deterministic.fill_uninitialized_memory
+    assert pool.cuda_pages.shape == (2 * PAGE, ROW_BYTES)
+    pool.acquire_device_tier()  # already resident: nothing allocated
+    assert seen == [False]
 
 
 def test_a_grown_pool_set_is_released_after_the_step_that_grew():
