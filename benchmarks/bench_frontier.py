@@ -99,11 +99,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-gib", type=float, default=36.0,
                         help="memory cap in GiB (MEGATRON_PAGING_MEMORY_FRACTION = cap / total)")
     parser.add_argument("--budget-iters", type=int, default=BUDGET_ITERS)
-    parser.add_argument("--budget-max-runs", type=int, default=5, help="candidates per arm")
-    parser.add_argument("--budget-resolution", type=int, default=512,
+    parser.add_argument("--budget-max-runs", type=int, default=BudgetOptions.max_runs,
+                        help="candidates per arm")
+    parser.add_argument("--budget-resolution", type=int, default=BudgetOptions.resolution,
                         help="stop bisecting when fit and failure are this many tokens apart")
-    parser.add_argument("--budget-unit", type=int, default=512, help="lengths are multiples")
-    parser.add_argument("--budget-max-seq", type=int, default=65536)
+    parser.add_argument("--budget-unit", type=int, default=BudgetOptions.unit,
+                        help="lengths are multiples")
+    parser.add_argument("--budget-max-seq", type=int, default=BudgetOptions.max_seq)
+    parser.add_argument("--budget-alloc-conf", default=BudgetOptions.alloc_conf,
+                        help="PYTORCH_CUDA_ALLOC_CONF of every budget candidate ('' for the "
+                        "allocator's default: the cap then measures its fragmentation too)")
     parser.add_argument("--iters", type=int, default=FRONTIER_ITERS,
                         help=f"iterations per frontier run (the first {WARMUP_ITERS} untimed)")
     parser.add_argument("--time-budget-s", type=float, default=None,
@@ -131,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     budget_arms = tuple(_csv(args.budget_arms, ARMS, "budget arms"))
     opts = None if args.budget == "no" else BudgetOptions(
         args.budget_size, budget_arms, args.budget_gib, args.budget_iters, args.budget_max_runs,
-        args.budget_resolution, args.budget_unit, args.budget_max_seq)
+        args.budget_resolution, args.budget_unit, args.budget_max_seq, args.budget_alloc_conf)
     offload = offload_available()
     current = header("frontier")
     current["argv"] = sys.argv[1:] if argv is None else argv
@@ -166,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     def outcomes() -> dict:
         if opts is None:
             return {}
-        return {arm: budget_outcome(budget_records(runs, opts.size, arm, opts.cap_gib,
-                                                   opts.iters), opts) for arm in opts.arms}
+        return {arm: budget_outcome(budget_records(runs, opts, arm), opts)
+                for arm in opts.arms}
 
     def result() -> dict:
         b = outcomes()

@@ -29,7 +29,9 @@ from megatron_paging.record import PageRecord
 
 PAGE_SIZE = 64
 PATHS = ("tile", "bulk", "cuda")  # "cuda": the dispatch rule's choice
-BULK_VARIANTS = ("bulk-16k", "bulk-8k")  # the bulk pipeline's other configurations
+BULK_VARIANTS = ("bulk-16k", "bulk-8k")  # the bulk pipeline's other configurations (default)
+# Every variant the wrapper knows (--variants picks; docs/kernels.md "Tuning attempts").
+ALL_BULK_VARIANTS = tuple(p for p in cuda_ops.PATHS if p.startswith("bulk-"))
 
 
 @dataclass(frozen=True)
@@ -86,13 +88,13 @@ class Case:
         self.pool.flags.reset()
 
     def stash(self, path="cuda", max_ctas=DEFAULT_MAX_CTAS):
-        if path in BULK_VARIANTS:
+        if path in ALL_BULK_VARIANTS:
             cuda_ops.copy(False, self.src, self.record, self.pool, max_ctas, path)
         else:
             kernels.stash(self.src, self.record, self.pool, backend=path, max_ctas=max_ctas)
 
     def reload(self, path="cuda", max_ctas=DEFAULT_MAX_CTAS):
-        if path in BULK_VARIANTS:
+        if path in ALL_BULK_VARIANTS:
             cuda_ops.copy(True, self.dst, self.record, self.pool, max_ctas, path)
         else:
             kernels.reload(self.dst, self.record, self.pool, backend=path, max_ctas=max_ctas)
@@ -154,9 +156,10 @@ def target_met(regime: Regime, ours: float, copy: float) -> tuple[str, bool]:
     return f">= {share:.0%} of copy_", ours >= share * copy
 
 
-def bench_regime(regime: Regime, timer: CudaTimer, mcore, bulk: bool) -> dict:
+def bench_regime(regime: Regime, timer: CudaTimer, mcore, bulk: bool,
+                 variants: tuple[str, ...] = BULK_VARIANTS) -> dict:
     case = Case(regime, mcore)
-    paths = [p for p in (*PATHS, *BULK_VARIANTS) if bulk or not p.startswith("bulk")]
+    paths = [p for p in (*PATHS, *variants) if bulk or not p.startswith("bulk")]
     ms = {}
     for path in paths:
         case.verify(path)
@@ -189,21 +192,22 @@ def bench_regime(regime: Regime, timer: CudaTimer, mcore, bulk: bool) -> dict:
     return row
 
 
-def bench_max_ctas(timer: CudaTimer, sweep: list[int], bulk: bool) -> list[dict]:
+def bench_max_ctas(timer: CudaTimer, sweep: list[int], bulk: bool,
+                   variants: tuple[str, ...] = BULK_VARIANTS, gemm: bool = True) -> list[dict]:
     """GB/s vs max_ctas per path, and a bf16 8192^3 GEMM's time with paging on another stream."""
     case = Case(REGIMES[0], None)
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    gemm_alone = timer(lambda: a @ b)
+    gemm_alone = timer(lambda: a @ b) if gemm else None
     paging_stream = torch.cuda.Stream()
     rows = []
-    for path in [p for p in ("tile", "bulk", *BULK_VARIANTS) if bulk or p == "tile"]:
+    for path in [p for p in ("tile", "bulk", *variants) if bulk or p == "tile"]:
         for max_ctas in sweep:
             stash_ms = timer(lambda m=max_ctas, p=path: case.stash(p, m), case.reset)
             reload_ms = timer(lambda m=max_ctas, p=path: case.reload(p, m),
                               lambda m=max_ctas, p=path: case.reset_and_stash(p, m))
             concurrent = []
-            for _ in range(5):
+            for _ in range(5 if gemm else 0):
                 case.reset()
                 torch.cuda.synchronize()
                 start = torch.cuda.Event(enable_timing=True)
@@ -217,13 +221,13 @@ def bench_max_ctas(timer: CudaTimer, sweep: list[int], bulk: bool) -> list[dict]
                 end.record()
                 torch.cuda.synchronize()
                 concurrent.append(start.elapsed_time(end))
-            gemm_with = statistics.median(concurrent)
+            gemm_with = statistics.median(concurrent) if concurrent else None
             rows.append({
                 "path": path, "max_ctas": max_ctas,
                 "stash_ms": stash_ms, "stash_gbps": gbps(case.moved, stash_ms),
                 "reload_ms": reload_ms, "reload_gbps": gbps(case.moved, reload_ms),
                 "gemm_alone_ms": gemm_alone, "gemm_with_paging_ms": gemm_with,
-                "gemm_slowdown": gemm_with / gemm_alone,
+                "gemm_slowdown": gemm_with / gemm_alone if gemm_with is not None else None,
             })
     return rows
 
@@ -239,10 +243,12 @@ def few_sm_target(sweep: list[dict]) -> dict:
             "best": {k: best[k] for k in ("path", "max_ctas", "stash_gbps", "reload_gbps")}}
 
 
-def print_table(rows: list[dict], sweep: list[dict]) -> None:
-    cols = ("tile_stash", "tile_reload", "bulk_stash", "bulk_reload", "bulk-16k_stash",
-            "bulk-8k_stash", "cuda_stash", "cuda_reload", "mcore_stash", "mcore_reload",
-            "copy_stash_direction")
+def print_table(rows: list[dict], sweep: list[dict],
+                variants: tuple[str, ...] = BULK_VARIANTS) -> None:
+    cols = ("tile_stash", "tile_reload", "bulk_stash", "bulk_reload",
+            *(f"{v}_{op}" for v in variants for op in ("stash", "reload")),
+            "cuda_stash", "cuda_reload", "mcore_stash", "mcore_reload",
+            "copy_stash_direction", "copy_reload_direction")
     print(f"{'regime':<30} " + " ".join(f"{c.replace('_direction', ''):>12}" for c in cols)
           + "  rule  targets (cuda stash/reload)")
     for row in rows:
@@ -255,12 +261,16 @@ def print_table(rows: list[dict], sweep: list[dict]) -> None:
         print(f"{row['regime']:<30} {figs}  {row['dispatch_rule_path']:>4}  "
               f"{row['target_stash']['target']}: {marks}")
     print("GB/s, bytes read + written.\n")
-    print(f"{'path':>8} {'max_ctas':>8} {'stash GB/s':>11} {'reload GB/s':>12} {'GEMM ms':>9} "
+    print(f"{'path':>11} {'max_ctas':>8} {'stash GB/s':>11} {'reload GB/s':>12} {'GEMM ms':>9} "
           f"{'GEMM+paging':>12} {'slowdown':>9}")
     for s in sweep:
-        print(f"{s['path']:>8} {s['max_ctas']:>8} {s['stash_gbps']:>11.0f} "
-              f"{s['reload_gbps']:>12.0f} {s['gemm_alone_ms']:>9.3f} "
-              f"{s['gemm_with_paging_ms']:>12.3f} {s['gemm_slowdown']:>9.3f}")
+        print(f"{s['path']:>11} {s['max_ctas']:>8} {s['stash_gbps']:>11.0f} "
+              f"{s['reload_gbps']:>12.0f} {_fig(s['gemm_alone_ms'], 9)} "
+              f"{_fig(s['gemm_with_paging_ms'], 12)} {_fig(s['gemm_slowdown'], 9)}")
+
+
+def _fig(value: float | None, width: int) -> str:
+    return f"{'n/a':>{width}}" if value is None else f"{value:>{width}.3f}"
 
 
 def plot(rows: list[dict], sweep: list[dict], png: Path) -> None:
@@ -279,7 +289,9 @@ def plot(rows: list[dict], sweep: list[dict], png: Path) -> None:
     bars.set_ylabel("GB/s (read + written), log scale")
     bars.set_title(f"paging kernels on {torch.cuda.get_device_name()}", fontsize=9)
     bars.legend(fontsize=7)
-    for path, style in (("tile", "o-"), ("bulk", "s-"), ("bulk-16k", "^-"), ("bulk-8k", "v-")):
+    curve_paths = ("tile", "bulk", *ALL_BULK_VARIANTS)
+    for path, marker in zip(curve_paths, "os^v<>dpP"[: len(curve_paths)], strict=True):
+        style = f"{marker}-"
         points = [s for s in sweep if s["path"] == path]
         if points:
             curve.plot([s["max_ctas"] for s in points], [s["stash_gbps"] for s in points], style,
@@ -310,7 +322,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="JSON path (PNG beside it)")
     parser.add_argument("--reps", type=int, default=30, help="timed calls per figure")
     parser.add_argument("--max-ctas", default="8,16,32,64,132,264,2048", help="the sweep")
+    parser.add_argument("--variants", default=",".join(BULK_VARIANTS),
+                        help=f"bulk variants beside the default, of {ALL_BULK_VARIANTS} "
+                        "('' for none)")
+    parser.add_argument("--regimes", default=None,
+                        help="indices of the regimes to run (default: all), e.g. 0,1,2")
+    parser.add_argument("--no-gemm", action="store_true",
+                        help="skip the concurrent-GEMM interference figures of the sweep")
     args = parser.parse_args(argv)
+    variants = tuple(v for v in args.variants.split(",") if v)
+    bad = [v for v in variants if v not in ALL_BULK_VARIANTS]
+    if bad:
+        parser.error(f"--variants: unknown {bad}; choose from {ALL_BULK_VARIANTS}")
+    try:
+        regimes = (REGIMES if args.regimes is None
+                   else [REGIMES[int(i)] for i in args.regimes.split(",")])
+    except (ValueError, IndexError):
+        parser.error(f"--regimes: indices 0..{len(REGIMES) - 1}, got {args.regimes!r}")
     if not torch.cuda.is_available():
         print("error: the kernel benchmark needs a CUDA device")
         return 2
@@ -320,12 +348,13 @@ def main(argv: list[str] | None = None) -> int:
     bulk = cuda_ops.bulk_supported(torch.cuda.current_device())
     timer = CudaTimer(args.reps)
     rows = []
-    for regime in REGIMES:
-        rows.append(bench_regime(regime, timer, mcore, bulk))
+    for regime in regimes:
+        rows.append(bench_regime(regime, timer, mcore, bulk, variants))
         torch.cuda.empty_cache()  # the regime's buffers are gone with its Case
         print(f"measured {regime.name}", flush=True)
-    sweep = bench_max_ctas(timer, [int(v) for v in args.max_ctas.split(",")], bulk)
-    print_table(rows, sweep)
+    sweep = bench_max_ctas(timer, [int(v) for v in args.max_ctas.split(",")], bulk, variants,
+                           gemm=not args.no_gemm)
+    print_table(rows, sweep, variants)
     result = header(
         "kernels",
         triton=triton.__version__,
@@ -336,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         bulk_supported=bulk,
         method="median of per-call CUDA events, L2 flushed before each call, "
         f"{args.reps} calls; GB/s = (bytes read + bytes written) / time",
+        variants=list(variants),
         regimes=rows,
         max_ctas_sweep=sweep,
         few_sm_target=few_sm_target(sweep),

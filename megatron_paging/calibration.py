@@ -7,7 +7,9 @@ only here: calibration is the one step that synchronizes.
 
 While parking it tracks, per pool key (row bytes), the rows in flight (parked, not yet unparked)
 over the whole schedule and their peak; :meth:`Calibrator.size_pools` turns the peak into
-:class:`~megatron_paging.pool.PagePools`.
+:class:`~megatron_paging.pool.PagePools`. Records of a held slot that stayed resident
+(``hold_last_slot``) are never parked: :meth:`Calibrator.hold` logs them apart, and they size
+only a key that no parked record has (a later step may stash that slot: its key needs a pool).
 
 Sizing follows Megatron-Core's sign convention for the buffer-size factors: a positive factor
 scales the peak of the *average-token hints* (``record.annotations["avg_rows"]``, Megatron's
@@ -77,6 +79,13 @@ class Calibrator:
         self.events: list[tuple[int, tuple[int, ...], int | None, int]] = []
         self.rows_in_flight: dict[int, int] = {}
         self.peak_rows: dict[int, int] = {}
+        # Resident held slots' records, same form: each slot's +1s then its -1s (see hold).
+        self.held_events: list[tuple[int, tuple[int, ...], int | None, int]] = []
+
+    @property
+    def saw_records(self) -> bool:
+        """Whether any paged record was parked or held (then :meth:`size_pools` has keys)."""
+        return bool(self.events or self.held_events)
 
     def park(self, tensor: torch.Tensor, record: PageRecord) -> ParkedRecord:
         """Keep ``tensor`` until backward as a compact copy of ``record``'s live prefixes."""
@@ -84,15 +93,7 @@ class Calibrator:
         if not self.paging:
             return ParkedRecord(tensor, (), (), None, tracked=False, **meta)
         rows = as_rows(tensor, record.capacity_rows, record.row_bytes, "parked tensor")
-        live_counts = tuple(int(n) for n in record.live_rows.tolist())  # calibration: host read ok
-        for live, seg_rows in zip(live_counts, record.segment_rows, strict=True):
-            if not 0 <= live <= seg_rows:
-                raise ValueError(
-                    f"record live_rows={list(live_counts)} outside [0, segment rows "
-                    f"{list(record.segment_rows)}]"
-                )
-        avg_rows = record.annotations.get("avg_rows")
-        avg_rows = None if avg_rows is None else int(avg_rows)
+        live_counts, avg_rows = _counts(record)
         self._track(record.row_bytes, live_counts, avg_rows, +1)
         if live_counts == record.segment_rows:
             return ParkedRecord(tensor, (), live_counts, avg_rows, tracked=True, **meta)
@@ -114,6 +115,15 @@ class Calibrator:
             rows[start : start + prefix.shape[0]] = prefix
         return out
 
+    def hold(self, records) -> None:
+        """A held slot's ``records`` became resident (``hold_last_slot``): never parked, so not
+        in flight, but a later step may stash the slot. They count, as one slot in flight, only
+        for a key that no parked record has (:meth:`peak_page_rows`)."""
+        if not self.paging:
+            return
+        counts = [(record.row_bytes, *_counts(record)) for record in records]
+        self.held_events += [(*c, sign) for sign in (+1, -1) for c in counts]
+
     def _track(self, row_bytes: int, live_counts, avg_rows, sign: int) -> None:
         self.events.append((row_bytes, live_counts, avg_rows, sign))
         in_flight = self.rows_in_flight.get(row_bytes, 0) + sign * sum(live_counts)
@@ -128,14 +138,17 @@ class Calibrator:
         Every segment's live prefix occupies ``ceil(live / page_size)`` whole pages, so a pool of
         exactly this many rows holds the calibrated schedule without overflow. ``average=True``
         counts each record's average-token hint instead of its live rows, for the keys whose
-        every record carried one (the others keep the measured peak).
+        every record carried one (the others keep the measured peak). A key only resident held
+        slots had (:meth:`hold`) gets the peak of those slots, one at a time.
         """
+        parked = {event[0] for event in self.events}
+        events = self.events + [e for e in self.held_events if e[0] not in parked]
         hinted = {}
-        for row_bytes, _, avg_rows, _ in self.events:
+        for row_bytes, _, avg_rows, _ in events:
             hinted[row_bytes] = hinted.get(row_bytes, True) and avg_rows is not None
         in_flight: dict[int, int] = {}
         peak: dict[int, int] = {}
-        for row_bytes, live_counts, avg_rows, sign in self.events:
+        for row_bytes, live_counts, avg_rows, sign in events:
             if average and hinted[row_bytes]:
                 pages = ceil_div(avg_rows, page_size)
             else:
@@ -150,6 +163,7 @@ class Calibrator:
         page_size = config.page_size
         cuda_peak = self.peak_page_rows(page_size, average=config.cuda_factor > 0)
         host_peak = self.peak_page_rows(page_size, average=config.host_factor > 0)
+        live_peak = self.peak_page_rows(1)  # = peak_rows, plus the keys only held slots had
         pools = PagePools(page_size, device)
         sizes = []
         for row_bytes in sorted(cuda_peak):
@@ -157,7 +171,7 @@ class Calibrator:
             host_rows = math.ceil(host_peak[row_bytes] * abs(config.host_factor))
             pool = pools.add(row_bytes, cuda_rows, host_rows)
             sizes.append(
-                f"row_bytes={row_bytes}: peak {self.peak_rows[row_bytes]} live rows "
+                f"row_bytes={row_bytes}: peak {live_peak[row_bytes]} live rows "
                 f"({cuda_peak[row_bytes]} sized) -> {pool.num_cuda_pages} CUDA / "
                 f"{pool.num_host_pages} host pages"
             )
@@ -169,6 +183,20 @@ class Calibrator:
             "; ".join(sizes) if sizes else "no paged records seen",
         )
         return pools
+
+
+def _counts(record: PageRecord) -> tuple[tuple[int, ...], int | None]:
+    """A record's live count per segment (checked; a host read: calibration only) and its
+    average-token hint."""
+    live_counts = tuple(int(n) for n in record.live_rows.tolist())
+    for live, seg_rows in zip(live_counts, record.segment_rows, strict=True):
+        if not 0 <= live <= seg_rows:
+            raise ValueError(
+                f"record live_rows={list(live_counts)} outside [0, segment rows "
+                f"{list(record.segment_rows)}]"
+            )
+    avg_rows = record.annotations.get("avg_rows")
+    return live_counts, None if avg_rows is None else int(avg_rows)
 
 
 __all__ = ["Calibrator", "ParkedRecord"]

@@ -176,16 +176,16 @@ class PagingEngine:
                 self.steps,
             )
         offloaded = calibrating and offload_calibrator.saw_records
-        if calibrating and (calibrator.peak_rows or offloaded):
+        if calibrating and (calibrator.saw_records or offloaded):
             if offloaded:
                 self._set_offload_pools(offload_calibrator.size(
                     self.config.page_size, self.config.offload_host_factor, self._device
                 ))
             # Without stash records the stash pools are empty: a later stash record then
-            # fails with the pool lookup's "calibration did not see a record of this row size".
+            # fails with the stash's "no page pool for row_bytes=..." error.
             self._set_pools(
                 calibrator.size_pools(self.config, self._device)
-                if calibrator.peak_rows else PagePools(self.config.page_size, self._device)
+                if calibrator.saw_records else PagePools(self.config.page_size, self._device)
             )
         if self.pools is not None and self.config.pool_residency == "step":
             # After finish(): the paging stream is joined, no page holds a record any more.

@@ -166,8 +166,9 @@ class PagePool:
             self.num_host_pages, dtype=torch.int64, device=self.device
         )
         # The CUDA kernels' last CTA commits ring counters and flags; this counts finished CTAs
-        # and is back at 0 after every launch. Allocated here so capture never allocates it.
-        self.kernel_done_counter = torch.zeros(1, dtype=torch.int32, device=self.device)
+        # and is back at 0 after every launch; the second entry is the dynamic bulk variant's
+        # tile ticket (same rule). Allocated here so capture never allocates it.
+        self.kernel_done_counter = torch.zeros(2, dtype=torch.int32, device=self.device)
         # What a kernel backend caches about this pool (e.g. the CUDA kernels' pointer block);
         # made outside any CUDA-graph capture, see kernels.prepare().
         self.kernel_handle = None

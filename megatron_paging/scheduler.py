@@ -284,6 +284,8 @@ class PagingScheduler:
                           records=[h.id for h in handles])
         for h in handles:
             h.tensor, h.source = h.source, None
+        if self.parker is not None:  # calibration: a key only held slots have needs a pool too
+            self.parker.hold([h.record for h in handles])
         return True
 
     # --------------------------------------------------------------- backward

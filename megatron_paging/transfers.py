@@ -32,11 +32,14 @@ def reload_destination(shape, dtype: torch.dtype, device) -> torch.Tensor:
 
 class Parker(Protocol):
     """Calibration's stand-in for pools: ``park`` at commit, ``unpark`` at reload, both on the
-    compute stream; the scheduler keeps what ``park`` returned and nothing else."""
+    compute stream; the scheduler keeps what ``park`` returned and nothing else. With
+    ``hold_last_slot``, ``hold`` gets the records of a held slot that stayed resident."""
 
     def park(self, tensor: torch.Tensor, record: PageRecord) -> Any: ...
 
     def unpark(self, parked: Any, record: PageRecord) -> torch.Tensor: ...
+
+    def hold(self, records: list[PageRecord]) -> None: ...
 
 
 @dataclass(eq=False)
@@ -177,9 +180,19 @@ class Transfers:
 
     def _pool_for(self, h: PagedHandle):
         """The pool a record pages through and the kernels' grid bound for it."""
-        if h.offload is None:
-            return self.pools[h.record.row_bytes], self.max_ctas
-        return self._offload().pools[h.record.row_bytes], self.offload_max_ctas
+        pools, max_ctas = (
+            (self.pools, self.max_ctas) if h.offload is None
+            else (self._offload().pools, self.offload_max_ctas)
+        )
+        try:
+            return pools[h.record.row_bytes], max_ctas
+        except KeyError:  # one line, not a KeyError's quoted message
+            raise RuntimeError(
+                f"paging: no {'offload' if h.offload else 'page'} pool for row_bytes="
+                f"{h.record.row_bytes} (pools: {sorted(p.row_bytes for p in pools)}): the "
+                "calibration step saw no record of this row size; recalibrate "
+                "(engine.release_pools()) with a step that saves one"
+            ) from None
 
     def _offload(self):
         if self.offload is None:

@@ -21,6 +21,7 @@
 #  `git archive <commit> megatron_paging | tar -x -C .old_tree`), that tree too ("before").
 #  frontier: benchmarks/bench_frontier.py, resumable over several calls (docs/benchmarks.md):
 #  FRONTIER_TIME_S its own time budget (default 500 s; the step's limit is 40 s more),
+#  BENCH_KERNELS_ARGS: more bench_kernels.py arguments ("--regimes 0,1 --variants bulk-dyn ...").
 #  FRONTIER_RESUME an earlier call's frontier.json carried in the tree (e.g.
 #  benchmarks/results/frontier_h200.json), FRONTIER_ARGS more arguments ("--budget only", ...).)
 set -u
@@ -85,8 +86,9 @@ for step in "${steps[@]}"; do
       else
         echo "sanitizer: skipped (compute-sanitizer or scripts/sanitizer_run.py missing)" | tee -a "$LOG"
       fi ;;
+    # shellcheck disable=SC2086
     bench-kernels) run_step bench-kernels 300 python3 benchmarks/bench_kernels.py \
-                     --out "$OUT/kernels.json" ;;
+                     --out "$OUT/kernels.json" ${BENCH_KERNELS_ARGS:-} ;;
     host-cost)
       run_step host-cost 120 python3 benchmarks/bench_host_cost.py --label after \
         --out "$OUT/host_after.json"

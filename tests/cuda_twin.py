@@ -58,7 +58,7 @@ def assert_same_pool(ref: PagePool, got: PagePool) -> None:
     assert torch.equal(ref.flags.values, got.flags.values), "flags"
     assert torch.equal(ref.cuda_pages, got.cuda_pages), "device tier payload"
     assert torch.equal(ref.host_pages, got.host_pages), "host tier payload"
-    assert int(got.kernel_done_counter) == 0, "completion counter not reset"
+    assert got.kernel_done_counter.tolist() == [0, 0], "completion counter or ticket not reset"
 
 
 def assert_same_record(ref: PageRecord, got: PageRecord) -> None:
@@ -74,11 +74,13 @@ def live_row_mask(record: PageRecord, live: list[int]) -> torch.Tensor:
 
 
 class Twin:
-    """The same pool and records twice: one driven by the reference, one by ``backend``."""
+    """The same pool and records twice: one driven by the reference, one by ``backend`` (or,
+    with ``copy_path``, by that ``cuda_ops`` path, e.g. a bulk variant no backend names)."""
 
-    def __init__(self, backend, row_bytes, page_size, cuda_pages, host_pages, max_ctas=None):
+    def __init__(self, backend, row_bytes, page_size, cuda_pages, host_pages, max_ctas=None,
+                 copy_path=None):
         self.backend, self.row_bytes, self.page_size = backend, row_bytes, page_size
-        self.max_ctas = max_ctas
+        self.max_ctas, self.copy_path = max_ctas, copy_path
         self.ref = make_pool(row_bytes, page_size, cuda_pages, host_pages)
         self.got = make_pool(row_bytes, page_size, cuda_pages, host_pages)
 
@@ -91,7 +93,7 @@ class Twin:
 
     def stash(self, src, recs):
         kernels.stash(src, recs[0], self.ref, backend="reference")
-        kernels.stash(src, recs[1], self.got, backend=self.backend, max_ctas=self.max_ctas)
+        self._copy(False, src, recs[1])
         assert_same_pool(self.ref, self.got)
         assert_same_record(*recs)
 
@@ -99,13 +101,24 @@ class Twin:
         dsts = [poisoned(recs[0].capacity_rows, self.row_bytes, torch.uint8).view(dtype)]
         dsts.append(dsts[0].clone())
         kernels.reload(dsts[0], recs[0], self.ref, backend="reference")
-        kernels.reload(dsts[1], recs[1], self.got, backend=self.backend, max_ctas=self.max_ctas)
+        self._copy(True, dsts[1], recs[1])
         assert_same_pool(self.ref, self.got)
         assert torch.equal(as_bytes(dsts[0]), as_bytes(dsts[1])), "reload destination"
         # Independently of the reference: rows outside the live prefixes stay poisoned.
         outside = ~live_row_mask(recs[1], live)
         assert bool((dsts[1].view(torch.uint8)[outside] == POISON).all())
         return dsts[1]
+
+    def _copy(self, reload, tensor, record):
+        if self.copy_path is not None:
+            from megatron_paging.kernels import cuda_ops
+
+            cuda_ops.copy(reload, tensor, record, self.got, self.max_ctas or 2048,
+                          self.copy_path)
+        elif reload:
+            kernels.reload(tensor, record, self.got, backend=self.backend, max_ctas=self.max_ctas)
+        else:
+            kernels.stash(tensor, record, self.got, backend=self.backend, max_ctas=self.max_ctas)
 
     def round_trip(self, src, capacity, live, segments=None, dtype=torch.uint8):
         recs = self.records(capacity, live, segments)

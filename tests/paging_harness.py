@@ -315,7 +315,7 @@ class Harness:
         assert self.flags.read() == self.model_flags.as_dict()
         for pool, model in zip(self.pools, self.models, strict=True):
             # The CUDA kernels' completion counter is back at 0 after every launch.
-            assert int(pool.kernel_done_counter) == 0
+            assert pool.kernel_done_counter.tolist() == [0, 0]
             assert pool.free_list_head.tolist() == [model.tiers[t].head for t in (DEVICE, HOST)]
             assert pool.free_list_tail.tolist() == [model.tiers[t].tail for t in (DEVICE, HOST)]
             assert pool.free_list_cuda.tolist() == model.tiers[DEVICE].ring

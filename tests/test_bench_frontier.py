@@ -45,6 +45,7 @@ from frontier.arms import (  # noqa: E402
 )
 from frontier.budget import (  # noqa: E402
     BudgetOptions,
+    budget_env,
     budget_outcome,
     budget_records,
     next_budget_task,
@@ -421,8 +422,8 @@ def test_predicted_start():
     rec = {"status": "ok", "seq": 4096, "activation_mib": 4096.0, "state_mib": 8000.0,
            "key": "expert_heavy:unpaged"}
     s = predict_start(rec, 40960.0, 4096, 512, 65536)
-    # usable = 0.9 x 40960 - 8000 = 28864 MiB at 1 MiB per token -> 28864 -> 28672
-    assert s["start"] == 28672 and s["step_ratio"] == 0.125
+    # usable = 0.97 x 40960 - 8000 = 31731 MiB at 1 MiB per token -> 31731 -> 31232
+    assert s["start"] == 31232 and s["step_ratio"] == 0.125
     assert s["predicted_from"] == "expert_heavy:unpaged"
     assert predict_start(None, 40960.0, 4096, 512, 65536) == {
         "start": 4096, "step_ratio": 1.0, "predicted_seq": None, "predicted_from": None}
@@ -432,8 +433,9 @@ def test_predicted_start():
 
 def _budget_record(opts, arm, seq, status, search, step=1000.0):
     task = Task("budget", opts.size, arm, tuple(budget_extra(opts.size, arm, seq)),
-                opts.iters, seq, {}, search, opts.cap_gib)
+                opts.iters, seq, budget_env(opts, 0.25), search, opts.cap_gib)
     return {"key": task.key, "kind": "budget", "size": opts.size, "arm": arm, "seq": seq,
+            "env": {"PAGED": "1", **task.env},
             "train_iters": opts.iters, "status": status, "cap_gib": opts.cap_gib,
             "search": search, "memory": {}, "wall_s": 60.0,
             "step_ms": {"median": step} if status == "ok" else None,
@@ -452,6 +454,9 @@ def test_budget_driver_resumes_and_stops_on_errors():
         runs[task.key] = _budget_record(opts, task.arm, task.seq, "ok" if ok else "oom",
                                         task.search)
         assert task.env["MEGATRON_PAGING_MEMORY_FRACTION"] == f"{opts.cap_gib * 1024 / 143771:.6f}"
+        # The cap measures activation memory, not the caching allocator's fragmentation.
+        assert task.env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+        assert task.key.endswith(":expandable_segments:True")
         return runs[task.key] if len(calls) < 3 else None  # the time budget ends call 1
 
     assert run_budget(opts, runs, 143771.0, execute, base_seq=4096, offload=False) is False
@@ -469,8 +474,11 @@ def test_budget_driver_resumes_and_stops_on_errors():
         return runs[task.key]
 
     assert run_budget(opts, runs, 143771.0, execute2, base_seq=4096, offload=False)
-    out = {arm: budget_outcome(budget_records(runs, opts.size, arm, opts.cap_gib, 5), opts)
-           for arm in opts.arms}
+    out = {arm: budget_outcome(budget_records(runs, opts, arm), opts) for arm in opts.arms}
+    # Candidates run under another allocator configuration are not this search's.
+    plain = BudgetOptions(arms=opts.arms, max_runs=6, alloc_conf="")
+    assert budget_records(runs, plain, "unpaged") == []
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in budget_env(plain, 0.25)
     assert out["unpaged"]["concluded"] and out["paged"]["concluded"]
     assert out["unpaged"]["max_seq"] <= 9000 < out["unpaged"]["first_failure_above"]
     assert out["paged"]["max_seq"] > out["unpaged"]["max_seq"]
@@ -621,7 +629,8 @@ def test_driver_end_to_end_resume_and_time_budget(fake_example, capsys):
     out = fake_example / "res" / "frontier.json"
     common = ["--out", str(out), "--sizes", "small", "--arms", "unpaged,paged,recompute_moe",
               "--iters", "5", "--budget-arms", "unpaged,paged", "--budget-size", "small",
-              "--budget-gib", "12", "--budget-max-runs", "3"]
+              "--budget-gib", "12", "--budget-max-runs", "3",
+              "--budget-unit", "512", "--budget-resolution", "512"]
     # Call 1: a time budget too short for anything stops cleanly and says what is left.
     assert bf.main([*common, "--time-budget-s", "1"]) == 0
     data = json.loads(out.read_text())

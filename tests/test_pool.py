@@ -115,7 +115,7 @@ def test_new_pool_state_and_views():
     assert pool.free_list_head.tolist() == [0, 0] and pool.free_list_tail.tolist() == [3, 2]
     assert pool.free_list_capacity.tolist() == [3, 2]
     assert pool.free_pages() == (3, 2) and flags.read() == NO_FLAGS
-    assert pool.kernel_done_counter.tolist() == [0]
+    assert pool.kernel_done_counter.tolist() == [0, 0]
     assert pool.kernel_done_counter.dtype == torch.int32
     assert pool.kernel_handle is None
     assert pool.has_host_tier and pool.page_bytes == PAGE_SIZE * ROW_BYTES

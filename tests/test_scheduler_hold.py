@@ -15,12 +15,18 @@ from megatron_paging.engine import PAGED, PagingEngine
 from megatron_paging.paging import PagingContext
 from megatron_paging.scheduler import PagingScheduler
 from megatron_paging.streams import CpuStreamBackend
-from megatron_paging.tools.pipeline_sim import parameter_grads, run_schedule, synthetic_chunks
+from megatron_paging.tools.pipeline_sim import (
+    SyntheticMoELayer,
+    parameter_grads,
+    run_schedule,
+    synthetic_chunks,
+)
 from tests.test_engine import CPU, PAGE, ROWS, WIDTH, FakeCapture, all_free, make_pools
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 SHAPE = (32, 16)
 LAYERS = 3
+WIDE_FFN = 40  # a last layer with this expert width saves rows no other layer has
 
 
 def cfg(hold: bool) -> PagingConfig:
@@ -162,3 +168,71 @@ def test_a_captured_step_with_held_slots_keeps_the_capture_rules():
     assert backend.violations == [] and backend.counts["stash"] > 0
     assert backend.counts["stash"] == backend.counts["reload"]
     assert all_free(engine.pools) and CPU.type == "cpu"
+
+
+def wide_last_layer_chunks(num_chunks: int, layers: int = LAYERS):
+    """Synthetic chunks whose last layer has a wider expert GEMM: its ``h`` and ``a`` records
+    (``WIDE_FFN`` float32 per row) are of a row size that only that layer saves."""
+    chunks = synthetic_chunks(num_chunks, layers, seed=5)
+    for c, chunk in enumerate(chunks):
+        chunk[-1] = SyntheticMoELayer(SHAPE[0], SHAPE[1], WIDE_FFN, 2, seed=7000 + c)
+    return chunks
+
+
+@pytest.mark.parametrize("layers", [LAYERS, 1])
+def test_a_row_size_only_held_slots_carry_at_calibration_gets_a_pool_for_a_later_stash(layers):
+    # Calibrated at PP = 1, the last layer is held and resident in every microbatch: its row size
+    # is never parked (with one layer, no record is). A later 1F1B step stashes that layer (the
+    # next microbatch's forward commits first): its key needs a pool all the same. (1F1B keeps
+    # more microbatches in flight than the calibrated order: a host tier takes the excess.)
+    wide = WIDE_FFN * 4
+    _, calibration_ops = schedule("no_pipelining")
+    num_chunks, ops = schedule("1f1b")
+    control = wide_last_layer_chunks(num_chunks, layers)
+    run_schedule(control, ops, PagingContext(None), SHAPE, seed=5)
+    expected = parameter_grads(control)
+    backend = CpuStreamBackend()
+    chunks = wide_last_layer_chunks(num_chunks, layers)
+    config = PagingConfig(page_size=PAGE, kernel_backend="reference", hold_last_slot=True,
+                          host_factor=2.0)
+    engine = PagingEngine(config, stream_backend=backend)
+    context = PagingContext(engine)
+    assert run_schedule(chunks, calibration_ops, context, SHAPE, seed=5) == 0
+    assert wide in engine.pools and engine.pools[wide].num_cuda_pages > 0
+    for _ in range(2):
+        zero_grads(chunks)
+        start = len(backend.log)
+        assert run_schedule(chunks, ops, context, SHAPE, seed=5) == 0
+    stashed = {e.info["pool_key"] for e in backend.log[start:]
+               if e.op == "launch" and e.kind == "stash"}
+    assert wide in stashed and engine.mode == PAGED and all_free(engine.pools)
+    assert not engine.flags.read()["overflow"]
+    got = parameter_grads(chunks)
+    assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in got)
+
+
+def test_held_only_sizing_keeps_the_smaller_pool_of_keys_other_layers_park():
+    # The wide key is sized for one held slot in flight (at PP = 1 what it is without the hold);
+    # the key every layer has (the routed buffer) keeps the pool a layer smaller.
+    _, ops = schedule("no_pipelining")
+    pages = {}
+    for hold in (False, True):
+        engine = PagingEngine(cfg(hold), stream_backend=CpuStreamBackend())
+        assert run_schedule(wide_last_layer_chunks(1), ops, PagingContext(engine), SHAPE,
+                            seed=5) == 0
+        pages[hold] = {p.row_bytes: p.num_cuda_pages for p in engine.pools}
+    wide, buffer = WIDE_FFN * 4, SHAPE[1] * 4
+    assert pages[False].keys() == pages[True].keys() and {wide, buffer} <= pages[True].keys()
+    assert pages[True][wide] == pages[False][wide] > 0
+    assert pages[True][buffer] < pages[False][buffer]
+
+
+def test_a_stash_without_a_pool_for_its_row_size_names_it():
+    scheduler = PagingScheduler(CpuStreamBackend(), make_pools(), config=cfg(True))
+    scheduler.open_slot(0, 0, 0)
+    scheduler.save(torch.randn(ROWS, 2 * WIDTH), torch.tensor(3))
+    scheduler.commit()  # held
+    scheduler.open_slot(0, 1, 0)
+    with pytest.raises(RuntimeError, match=f"row_bytes={2 * WIDTH * 4}") as excinfo:
+        scheduler.commit()  # stashes the held slot: no pool of its row size
+    assert "\n" not in str(excinfo.value)

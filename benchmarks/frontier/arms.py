@@ -19,7 +19,7 @@ OFFLOAD_FLAG = "--paging-offload-backend"
 MIB = 2**20
 WARMUP_ITERS = 3  # dropped: 1 calibrates, 2 sizes the pools and Adam's state, 3 settles
 FRONTIER_ITERS = 12  # -> 9 timed iterations per arm
-BUDGET_ITERS = 5  # -> 2 timed iterations per budget candidate (enough for tokens/s)
+BUDGET_ITERS = 7  # -> 4 timed iterations per budget candidate (2 gave time/token spreads of ~10%)
 COMMON_FLAGS = ("--deterministic-mode",)  # every arm, every run
 
 

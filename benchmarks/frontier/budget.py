@@ -19,7 +19,15 @@ from .arms import (
 )
 from .plan import Task
 
-RESERVE_FRACTION = 0.9  # budget prediction: the allocator's reserve/fragmentation headroom
+# Budget prediction: the allocator's headroom under the cap. 0.9 started the 2026-12-01 search
+# ~1.7k tokens below where the arms' forward-backward peaks reach the cap; with expandable
+# segments little is lost to fragmentation.
+RESERVE_FRACTION = 0.97
+ALLOC_ENV = "PYTORCH_CUDA_ALLOC_CONF"
+# Without it the cap measured the caching allocator's fragmentation, not activation memory: at
+# 36 GiB every arm failed in the optimizer step with 1.2-1.9 GiB reserved but unallocated
+# (2026-12-01, ca915e0, docs/benchmarks.md). Megatron users commonly run with it.
+DEFAULT_ALLOC_CONF = "expandable_segments:True"
 
 
 @dataclass(frozen=True)
@@ -28,10 +36,11 @@ class BudgetOptions:
     arms: tuple[str, ...] = DEFAULT_BUDGET_ARMS
     cap_gib: float = 36.0
     iters: int = BUDGET_ITERS
-    max_runs: int = 5
-    resolution: int = 512
-    unit: int = 512
+    max_runs: int = 6
+    resolution: int = 256
+    unit: int = 256
     max_seq: int = 65536
+    alloc_conf: str = DEFAULT_ALLOC_CONF  # PYTORCH_CUDA_ALLOC_CONF of every candidate ("": none)
 
 
 def _floor_to(x: float, unit: int) -> int:
@@ -87,9 +96,19 @@ def predict_start(frontier: dict | None, cap_mib: float, base_seq: int, unit: in
     return {"start": base_seq, "step_ratio": 1.0, "predicted_seq": None, "predicted_from": None}
 
 
-def budget_records(runs: dict, size: str, arm: str, cap_gib: float, iters: int) -> list[dict]:
-    return [r for r in runs.values() if r["kind"] == "budget" and r["size"] == size
-            and r["arm"] == arm and r.get("cap_gib") == cap_gib and r["train_iters"] == iters]
+def budget_records(runs: dict, opts: BudgetOptions, arm: str) -> list[dict]:
+    """The arm's candidates run under exactly these options (size, cap, iterations, allocator)."""
+    return [r for r in runs.values() if r["kind"] == "budget" and r["size"] == opts.size
+            and r["arm"] == arm and r.get("cap_gib") == opts.cap_gib
+            and r["train_iters"] == opts.iters
+            and r.get("env", {}).get(ALLOC_ENV, "") == opts.alloc_conf]
+
+
+def budget_env(opts: BudgetOptions, fraction: float) -> dict:
+    env = {"MEGATRON_PAGING_MEMORY_FRACTION": f"{fraction:.6f}"}
+    if opts.alloc_conf:
+        env[ALLOC_ENV] = opts.alloc_conf
+    return env
 
 
 def budget_outcome(records: list[dict], opts: BudgetOptions) -> dict:
@@ -121,7 +140,7 @@ def next_budget_task(opts: BudgetOptions, runs: dict, arm: str, fraction: float,
                      base_seq: int) -> Task | None:
     """The arm's next budget candidate as a task, or None when its search is over (concluded,
     or stopped by a candidate that failed other than by running out of memory)."""
-    records = budget_records(runs, opts.size, arm, opts.cap_gib, opts.iters)
+    records = budget_records(runs, opts, arm)
     if any(r["status"] not in ("ok", "oom") for r in records):
         return None  # an error is not a memory limit: the search stops and says so
     search = records[0]["search"] if records else predict_start(
@@ -132,8 +151,7 @@ def next_budget_task(opts: BudgetOptions, runs: dict, arm: str, fraction: float,
     if seq is None:
         return None
     return Task("budget", opts.size, arm, tuple(budget_extra(opts.size, arm, seq, opts.iters)),
-                opts.iters, seq, {"MEGATRON_PAGING_MEMORY_FRACTION": f"{fraction:.6f}"},
-                search, opts.cap_gib)
+                opts.iters, seq, budget_env(opts, fraction), search, opts.cap_gib)
 
 
 def run_budget(opts: BudgetOptions, runs: dict, total_mib: float, execute,
@@ -160,7 +178,7 @@ def run_budget(opts: BudgetOptions, runs: dict, total_mib: float, execute,
             print(f"frontier: skip budget {arm}: {reason}", flush=True)
             continue
         while (task := next_budget_task(opts, runs, arm, fraction, base_seq)) is not None:
-            count = len(budget_records(runs, opts.size, arm, opts.cap_gib, opts.iters))
+            count = len(budget_records(runs, opts, arm))
             if execute(task, f"[budget {arm} run {count + 1}/{opts.max_runs}]") is None:
                 return False
             if task.key not in runs:  # nothing recorded: the same task again would loop

@@ -51,13 +51,17 @@ class Task:
     def key(self) -> str:
         if self.kind == "arm":
             return f"{self.size}:{self.arm}"
-        return f"budget:{self.size}:{self.arm}:{self.seq}:{self.cap_gib:g}GiB"
+        alloc = self.env.get("PYTORCH_CUDA_ALLOC_CONF")
+        return (f"budget:{self.size}:{self.arm}:{self.seq}:{self.cap_gib:g}GiB"
+                + (f":{alloc}" if alloc else ""))
 
     @property
     def log_name(self) -> str:
         if self.kind == "arm":
             return f"frontier_{self.size}_{self.arm}"
-        return f"frontier_budget_{self.size}_{self.arm}_s{self.seq}"
+        alloc = "_expandable" if "expandable_segments:True" in self.env.get(
+            "PYTORCH_CUDA_ALLOC_CONF", "") else ""
+        return f"frontier_budget_{self.size}_{self.arm}_s{self.seq}{alloc}"
 
 
 def parse_only(only: str | None) -> list[tuple[str, str]] | None:

@@ -118,8 +118,10 @@ def table(result: dict) -> list[str]:
     outcomes = result["budget"]["outcomes"]
     if outcomes:
         opts = result["budget"]["options"]
+        alloc = opts.get("alloc_conf") or "the allocator's default"
         lines.append(f"budget: {opts['size']} under {opts['cap_gib']:g} GiB "
-                     f"(MEGATRON_PAGING_MEMORY_FRACTION), {opts['iters']} iterations per run")
+                     f"(MEGATRON_PAGING_MEMORY_FRACTION), {opts['iters']} iterations per run, "
+                     f"PYTORCH_CUDA_ALLOC_CONF {alloc}")
         for arm, o in outcomes.items():
             lines.append(
                 f"  {arm:<26} max seq {_fmt(o['max_seq'], 'd'):>6}  tokens/s "

@@ -17,8 +17,9 @@ Path rule (:func:`choose_path`), per record, from host-static facts only:
 Inside a bulk launch, tiles of the pinned host tier and the zero fill after an overflow still
 move cooperatively (bulk copies are not used on mapped host memory).
 
-Each pool carries a one-int32 completion counter (``pool.kernel_done_counter``) that the
-kernels' last CTA uses to commit freelist counters and flags; it is 0 between launches. All
+Each pool carries a two-int32 completion counter (``pool.kernel_done_counter``): the
+kernels' last CTA uses the first to commit freelist counters and flags, the dynamic bulk
+variant takes tiles from the second; both are 0 between launches. All
 stashes and reloads of one pool must be ordered on one stream (the freelists need that anyway).
 """
 
@@ -35,8 +36,11 @@ from megatron_paging.record import PageRecord, RecordLayout
 
 TILE, BULK = 0, 1
 # "bulk-16k" / "bulk-8k": the bulk pipeline with smaller tiles and more stages (same shared
-# memory), reachable here for the kernel benchmark's comparison (docs/kernels.md).
-PATHS = {"tile": TILE, "bulk": BULK, "bulk-16k": 2, "bulk-8k": 3}
+# memory); "bulk-stride" / "bulk-dyn": the default pipeline with tiles interleaved across CTAs /
+# taken from a shared ticket; "bulk-deep": 7 stages, 5 loads ahead. Reachable here for the
+# kernel benchmark's comparison (docs/kernels.md), never chosen by the rule.
+PATHS = {"tile": TILE, "bulk": BULK, "bulk-16k": 2, "bulk-8k": 3, "bulk-stride": 4,
+         "bulk-dyn": 5, "bulk-deep": 6}
 # Below this capacity a launch is too short for the bulk pipeline to pay (measured, see
 # docs/kernels.md): the tile path takes it.
 BULK_MIN_CAPACITY_BYTES = 1 << 20

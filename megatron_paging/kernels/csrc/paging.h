@@ -30,6 +30,12 @@ enum class CopyPath : int {
   // kBulk is the default they are measured against, see docs/kernels.md).
   kBulkSmallTiles = 2,
   kBulkTinyTiles = 3,
+  // The default pipeline with other tile-to-CTA assignments or more bytes in flight (benchmark
+  // variants, docs/kernels.md "Tuning attempts"): tiles interleaved across CTAs, tiles taken
+  // from a shared ticket in small batches, and 7 stages with 5 loads ahead (few segments only).
+  kBulkInterleaved = 4,
+  kBulkDynamic = 5,
+  kBulkDeep = 6,
 };
 
 struct PoolView {
@@ -41,6 +47,7 @@ struct PoolView {
   const int64_t* capacity;   // [2], ring capacity per tier
   int64_t* flags;            // [3]: overflow, host_spill, invalid_live (shared by every pool)
   unsigned int* done_counter;  // [1], 0 between launches (the last CTA resets it)
+  unsigned int* tile_ticket;   // [1] or null: next tile a CTA takes (kBulkDynamic), 0 between launches
   int64_t page_size;
   int64_t row_bytes;
 };

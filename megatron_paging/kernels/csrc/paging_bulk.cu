@@ -19,6 +19,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <type_traits>
 
 #include "paging.h"
 #include "paging_device.cuh"
@@ -41,7 +42,13 @@ namespace {
 // other configurations trade tile size for stages at the same shared memory (more, smaller
 // copies in flight: better for small pages such as 224-byte rows); the benchmark measures all of
 // them (docs/kernels.md) and CopyPath::kBulk names the default.
-template <int kTileKiB, int kStagesN, int kAheadN>
+// How a CTA finds its tiles: one contiguous range per CTA (the default: consecutive tiles share
+// a page id and both sides move in long runs), tiles interleaved across CTAs (tile t -> CTA
+// t % grid: at any moment all CTAs work on neighbouring addresses, as a plain copy kernel's
+// blocks do), or batches taken from a shared ticket (a CTA on a slower SM simply takes fewer).
+enum class TileOrder { kContiguous, kInterleaved, kDynamic };
+
+template <int kTileKiB, int kStagesN, int kAheadN, TileOrder kOrderN = TileOrder::kContiguous>
 struct BulkConfig {
   static constexpr int64_t kTileBytes = int64_t{kTileKiB} * 1024;
   static constexpr int kStages = kStagesN;
@@ -53,17 +60,28 @@ struct BulkConfig {
   // exactly this many younger stores (see BulkPipe::push).
   static constexpr int kStoresReading = kStages - kLoadsAhead - 1;
   static constexpr size_t kSmemBytes = size_t{kStages} * kTileBytes;
+  static constexpr TileOrder kOrder = kOrderN;
   static_assert(kLoadsAhead >= 1 && kLoadsAhead <= kStages - 1,
                 "a stage must be free for the next load while kLoadsAhead loads are pending");
   static_assert(kStoresReading >= 0, "the stage count covers the loads ahead");
   static_assert(kTileBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
   static_assert(kTileBytes < (1 << 20), "an mbarrier transaction count is below 2^20 bytes");
-  static_assert(kSmemBytes <= 192 * 1024, "the stage ring fits next to the static plan");
+  // 224 KiB only beside the few-segment plan (launch_bulk_config keeps larger tables on the
+  // default ring): a block may opt into 227 KiB in all.
+  static_assert(kSmemBytes <= 224 * 1024, "the stage ring fits next to the static plan");
 };
 using BulkDefault = BulkConfig<32, 6, 4>;
 using BulkSmallTiles = BulkConfig<16, 12, 9>;
 using BulkTinyTiles = BulkConfig<8, 24, 20>;
-// The largest ring of all configurations (bulk_supported checks the device can give it).
+using BulkInterleaved = BulkConfig<32, 6, 4, TileOrder::kInterleaved>;
+using BulkDynamic = BulkConfig<32, 6, 4, TileOrder::kDynamic>;
+using BulkDeep = BulkConfig<32, 7, 5>;
+// Tiles a dynamic CTA takes per ticket: small enough that the last batches even out the CTAs'
+// finishing times (4 x 32 KiB is ~5 us of one CTA's copy rate), large enough that consecutive
+// tiles still share a page id load.
+constexpr int kTicketTiles = 4;
+// The largest ring the default and the variants every table size uses (bulk_supported checks the
+// device can give it; BulkDeep asks for more and its launch reports the error if refused).
 constexpr size_t kBulkMaxSmemBytes = 192 * 1024;
 
 constexpr int kThreads = 256;
@@ -212,21 +230,23 @@ struct BulkPipe {
 };
 
 // Warp 0 alone walks the CTA's tiles when every tile may use the copy engine: its 32 lanes
-// resolve 32 consecutive tiles at once (their page-id loads in flight together, each lane writing
-// its tile's page record / recycling its page), then lane 0 issues their bulk copies. Consecutive
-// tiles mostly share a page, so the page-id loads of a batch mostly hit one address.
+// resolve up to 32 tiles at once (their page-id loads in flight together, each lane writing its
+// tile's page record / recycling its page), then lane 0 issues their bulk copies. Tiles are
+// begin, begin + stride, ... below end; with stride 1 consecutive tiles mostly share a page, so
+// the page-id loads of a batch mostly hit one address.
 template <bool kReload, int N, typename C>
 __device__ void walk_tiles_solo(const PagingArgs& a, const Segments<N>& seg, const Plan<N>& plan,
                                 const Decision& d, BulkPipe<C>& pipe, int64_t begin,
-                                int64_t end) {
+                                int64_t end, int64_t stride, int batch = 32) {
   const int lane = threadIdx.x & 31;
-  for (int64_t base = begin; base < end; base += 32) {
+  for (int64_t base = begin; base < end; base += batch * stride) {
     device::Tile tile{nullptr, nullptr, 0};
-    if (base + lane < end) {
-      tile = device::resolve_tile<kReload>(a, seg, plan, d, base + lane, true);
+    const int64_t t = base + lane * stride;
+    if (lane < batch && t < end) {
+      tile = device::resolve_tile<kReload>(a, seg, plan, d, t, true);
     }
-    const int64_t left = end - base;
-    const int count = left < 32 ? static_cast<int>(left) : 32;
+    const int64_t left = (end - base + stride - 1) / stride;
+    const int count = left < batch ? static_cast<int>(left) : batch;
     const auto my_user = reinterpret_cast<unsigned long long>(tile.user);
     const auto my_paged = reinterpret_cast<unsigned long long>(tile.paged);
     const auto my_bytes = static_cast<long long>(tile.bytes);
@@ -239,6 +259,30 @@ __device__ void walk_tiles_solo(const PagingArgs& a, const Segments<N>& seg, con
       uint8_t* const p = reinterpret_cast<uint8_t*>(paged);
       pipe.push(kReload ? u : p, kReload ? p : u, static_cast<uint32_t>(bytes));
     }
+  }
+}
+
+// The dynamic order: warp 0 takes kTicketTiles tiles at a time from the shared ticket, asking
+// for the next batch before issuing the current one so the atomic's round trip overlaps the
+// copies in flight. Every tile index is taken by exactly one CTA, so each page record is still
+// written / each page recycled exactly once.
+template <bool kReload, int N, typename C>
+__device__ void walk_tiles_dynamic(const PagingArgs& a, const Segments<N>& seg,
+                                   const Plan<N>& plan, const Decision& d, BulkPipe<C>& pipe,
+                                   int64_t tiles) {
+  const int lane = threadIdx.x & 31;
+  unsigned int* const ticket = a.pool.tile_ticket;
+  auto take = [&]() -> int64_t {
+    unsigned int got = 0;
+    if (lane == 0) got = atomicAdd(ticket, static_cast<unsigned int>(kTicketTiles));
+    return static_cast<int64_t>(__shfl_sync(0xffffffffu, got, 0));
+  };
+  int64_t next = take();
+  while (next < tiles) {
+    const int64_t base = next;
+    next = take();
+    const int64_t end = min(tiles, base + kTicketTiles);
+    walk_tiles_solo<kReload>(a, seg, plan, d, pipe, base, end, 1, kTicketTiles);
   }
 }
 
@@ -276,12 +320,22 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t tiles = plan.total_pages * a.tiles_per_page;
 
   if (solo) {
-    // A contiguous range of tiles per CTA: consecutive tiles share pages (one page-id load per
-    // page) and both sides are read and written in long sequential runs.
-    const int64_t per_cta = (tiles + gridDim.x - 1) / gridDim.x;
-    const int64_t begin = min(tiles, int64_t{blockIdx.x} * per_cta);
-    const int64_t end = min(tiles, begin + per_cta);
-    if (threadIdx.x < 32) walk_tiles_solo<kReload>(a, seg, plan, d, pipe, begin, end);
+    // Uniform across the CTA: a pool whose counter has no ticket entry keeps the default order.
+    const bool dynamic = C::kOrder == TileOrder::kDynamic && a.pool.tile_ticket != nullptr &&
+                         tiles < (int64_t{1} << 31);
+    if (threadIdx.x >= 32) {
+      // Nothing to walk: straight to the slot zeroing and the commit barrier.
+    } else if constexpr (C::kOrder == TileOrder::kInterleaved) {
+      walk_tiles_solo<kReload>(a, seg, plan, d, pipe, blockIdx.x, tiles, gridDim.x);
+    } else if (dynamic) {
+      walk_tiles_dynamic<kReload>(a, seg, plan, d, pipe, tiles);
+    } else {
+      // A contiguous range of tiles per CTA: consecutive tiles share pages (one page-id load
+      // per page) and both sides are read and written in long sequential runs.
+      const int64_t per_cta = (tiles + gridDim.x - 1) / gridDim.x;
+      const int64_t begin = min(tiles, int64_t{blockIdx.x} * per_cta);
+      walk_tiles_solo<kReload>(a, seg, plan, d, pipe, begin, min(tiles, begin + per_cta), 1);
+    }
   } else if (d.active || d.zero_fill) {
     for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
       // Every tile of this CTA goes through here exactly once per thread, so thread 0 writes
@@ -360,7 +414,9 @@ cudaError_t launch_bulk_config(const CopyLaunch& launch, cudaStream_t stream) {
   if (launch.layout.num_segments <= kFewSegments) {
     return launch_bulk_n<kFewSegments, C>(launch, stream);
   }
-  return launch_bulk_n<kMaxSegments, C>(launch, stream);
+  // The deep ring leaves no room for the 1024-segment plan: larger tables take the default.
+  using Wide = std::conditional_t<(C::kSmemBytes > kBulkMaxSmemBytes), BulkDefault, C>;
+  return launch_bulk_n<kMaxSegments, Wide>(launch, stream);
 }
 
 }  // namespace
@@ -371,6 +427,12 @@ cudaError_t launch_bulk(const CopyLaunch& launch, cudaStream_t stream) {
       return launch_bulk_config<BulkSmallTiles>(launch, stream);
     case CopyPath::kBulkTinyTiles:
       return launch_bulk_config<BulkTinyTiles>(launch, stream);
+    case CopyPath::kBulkInterleaved:
+      return launch_bulk_config<BulkInterleaved>(launch, stream);
+    case CopyPath::kBulkDynamic:
+      return launch_bulk_config<BulkDynamic>(launch, stream);
+    case CopyPath::kBulkDeep:
+      return launch_bulk_config<BulkDeep>(launch, stream);
     default:
       return launch_bulk_config<BulkDefault>(launch, stream);
   }

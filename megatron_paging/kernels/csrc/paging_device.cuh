@@ -268,6 +268,8 @@ __device__ void commit(const PagingArgs& a, const Decision& d) {
     if (d.active) a.pool.tail[d.tier] = d.ring_start + d.ring_pages;
   }
   *a.pool.done_counter = 0u;
+  // Every CTA took its last ticket before it arrived, so no one reads the ticket any more.
+  if (a.pool.tile_ticket != nullptr) *a.pool.tile_ticket = 0u;
 }
 
 // ---- CTA-cooperative byte movement (the tile path; the bulk path uses it for the host tier) --

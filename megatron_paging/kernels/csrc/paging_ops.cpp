@@ -139,6 +139,7 @@ struct Pool {
     PAGING_REQUIRE(flags.numel() == 3,
                    "flags must hold 3 entries (overflow, host_spill, invalid_live)");
     PAGING_REQUIRE(done_counter.numel() >= 1, "done_counter must hold 1 entry");
+    // A second entry, when there is one, is the tile ticket of the dynamic bulk variant.
     view.num_pages[0] = cuda_pages.size(0) / page_size;
     view.num_pages[1] = host_pages.size(0) / page_size;
     PAGING_REQUIRE(free_list_cuda.numel() >= view.num_pages[0], "free_list_cuda has ",
@@ -155,6 +156,7 @@ struct Pool {
     view.capacity = capacity.data_ptr<int64_t>();
     view.flags = flags.data_ptr<int64_t>();
     view.done_counter = reinterpret_cast<unsigned int*>(done_counter.data_ptr<int32_t>());
+    view.tile_ticket = done_counter.numel() >= 2 ? view.done_counter + 1 : nullptr;
     view.page_size = page_size;
     view.row_bytes = row_bytes;
     tensors = {cuda_pages, host_pages, free_list_cuda, free_list_host, head,
@@ -236,8 +238,8 @@ std::string copy(bool reload, const at::Tensor& user, const Pool& pool, const La
   PAGING_REQUIRE(max_ctas > 0 && max_ctas <= INT32_MAX, "max_ctas must be a positive int32, got ",
                  max_ctas);
   PAGING_REQUIRE(path >= static_cast<int64_t>(CopyPath::kTile) &&
-                     path <= static_cast<int64_t>(CopyPath::kBulkTinyTiles),
-                 "path must be 0 (tile), 1 (bulk) or 2-3 (bulk variants), got ", path);
+                     path <= static_cast<int64_t>(CopyPath::kBulkDeep),
+                 "path must be 0 (tile), 1 (bulk) or 2-6 (bulk variants), got ", path);
 
   const c10::cuda::CUDAGuard guard(device);
   CopyLaunch launch{};
