@@ -3,14 +3,25 @@
 Stashes and reloads multi-segment records of several row sizes through the CUDA kernels, with a
 host tier that the last records spill to, then checks the bytes; once through the tile path and
 once through the bulk path (sm90; aligned rows use the bulk pipeline, the others its
-cooperative fallback). Exit status 0 when every reload matches; compute-sanitizer adds its own
-error exit code.
+cooperative fallback), and through the bulk tile orders that are candidates for its default
+(``bulk-stride``, ``bulk-dyn`` with its shared ticket, ``bulk-auto``; docs/kernels.md "Tile
+order"). Exit status 0 when every reload matches; compute-sanitizer adds its own error exit
+code.
 """
 
 import torch
 
 from megatron_paging import PagePool, PageRecord
 from megatron_paging.kernels import cuda_ops, reload, stash
+
+ORDER_VARIANTS = ("bulk-stride", "bulk-dyn", "bulk-auto")
+
+
+def copy(path: str, reload_: bool, tensor, record, pool, max_ctas: int) -> None:
+    if path in ORDER_VARIANTS:
+        cuda_ops.copy(reload_, tensor, record, pool, max_ctas, path)
+    else:
+        (reload if reload_ else stash)(tensor, record, pool, backend=path, max_ctas=max_ctas)
 
 
 def run(path: str) -> int:
@@ -26,11 +37,11 @@ def run(path: str) -> int:
             live = torch.tensor([page_size + 5 - i, page_size - 1 - i], device=device)
             src = torch.randint(0, 256, (capacity, row_bytes), dtype=torch.uint8, device=device)
             record = PageRecord.new(capacity, row_bytes, page_size, live, segments)
-            stash(src, record, pool, backend=path, max_ctas=7 + i)
+            copy(path, False, src, record, pool, 7 + i)
             records.append((src, record, live, segments))
         for src, record, live, segments in reversed(records):
             dst = torch.full_like(src, 0xA5)
-            reload(dst, record, pool, backend=path, max_ctas=64)
+            copy(path, True, dst, record, pool, 64)
             if pool.flags.read()["overflow"]:
                 continue
             for (start, _), n in zip(segments, live.tolist(), strict=True):
@@ -44,7 +55,7 @@ def run(path: str) -> int:
 def main() -> int:
     paths = ["tile"]
     if cuda_ops.bulk_supported(torch.cuda.current_device()):
-        paths.append("bulk")
+        paths += ["bulk", *ORDER_VARIANTS]
     failures = sum(run(path) for path in paths)
     print(f"sanitizer run ({', '.join(paths)}): {failures} mismatches")
     return 1 if failures else 0

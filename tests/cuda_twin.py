@@ -74,13 +74,14 @@ def live_row_mask(record: PageRecord, live: list[int]) -> torch.Tensor:
 
 
 class Twin:
-    """The same pool and records twice: one driven by the reference, one by ``backend`` (or,
-    with ``copy_path``, by that ``cuda_ops`` path, e.g. a bulk variant no backend names)."""
+    """The same pool and records twice: one driven by the reference, one by ``backend`` (a
+    kernel backend or a ``cuda_ops`` bulk variant, see :func:`copy_with`; ``copy_path``
+    overrides it)."""
 
     def __init__(self, backend, row_bytes, page_size, cuda_pages, host_pages, max_ctas=None,
                  copy_path=None):
         self.backend, self.row_bytes, self.page_size = backend, row_bytes, page_size
-        self.max_ctas, self.copy_path = max_ctas, copy_path
+        self.max_ctas, self.path = max_ctas, copy_path or backend
         self.ref = make_pool(row_bytes, page_size, cuda_pages, host_pages)
         self.got = make_pool(row_bytes, page_size, cuda_pages, host_pages)
 
@@ -110,15 +111,7 @@ class Twin:
         return dsts[1]
 
     def _copy(self, reload, tensor, record):
-        if self.copy_path is not None:
-            from megatron_paging.kernels import cuda_ops
-
-            cuda_ops.copy(reload, tensor, record, self.got, self.max_ctas or 2048,
-                          self.copy_path)
-        elif reload:
-            kernels.reload(tensor, record, self.got, backend=self.backend, max_ctas=self.max_ctas)
-        else:
-            kernels.stash(tensor, record, self.got, backend=self.backend, max_ctas=self.max_ctas)
+        copy_with(self.path, reload, tensor, record, self.got, self.max_ctas)
 
     def round_trip(self, src, capacity, live, segments=None, dtype=torch.uint8):
         recs = self.records(capacity, live, segments)
@@ -127,6 +120,20 @@ class Twin:
         inside = live_row_mask(recs[1], live)
         assert torch.equal(dst.view(torch.uint8)[inside], src.view(torch.uint8)[inside])
         return recs
+
+
+def copy_with(path: str, reload: bool, tensor, record, pool, max_ctas=None) -> None:
+    """One stash or reload through ``path``: a kernel backend name (``tile``, ``bulk``, ...)
+    or a ``cuda_ops`` bulk variant (``bulk-auto``, ``bulk-stride``, ...: benchmark and test
+    paths that no backend names)."""
+    if path.startswith("bulk-"):
+        from megatron_paging.kernels import cuda_ops
+
+        cuda_ops.copy(reload, tensor, record, pool, 2048 if max_ctas is None else max_ctas, path)
+    elif reload:
+        kernels.reload(tensor, record, pool, backend=path, max_ctas=max_ctas)
+    else:
+        kernels.stash(tensor, record, pool, backend=path, max_ctas=max_ctas)
 
 
 def random_segments(rng: random.Random):

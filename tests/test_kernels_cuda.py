@@ -1,4 +1,5 @@
-"""The CUDA kernels on both copy paths (backends ``tile`` and ``bulk``) against the reference and
+"""The CUDA kernels on both copy paths (backends ``tile`` and ``bulk``, and ``bulk-auto``: the bulk
+pipeline with its per-launch tile order) against the reference and
 against Megatron-Core's Triton kernels; and the path rule (``cuda_ops.choose_path``).
 
 Every comparison is byte-exact: pool payload (both tiers), rings, head/tail, flags, page records,
@@ -21,6 +22,7 @@ from cuda_twin import (
     as_bytes,
     assert_same_pool,
     assert_same_record,
+    copy_with,
     live_row_mask,
     make_pool,
     needs_sm90,
@@ -37,10 +39,12 @@ from megatron_paging.pool import PagePool
 from megatron_paging.record import PageRecord
 
 
-@pytest.fixture(params=["tile", pytest.param("bulk", marks=needs_sm90)])
+@pytest.fixture(params=["tile", pytest.param("bulk", marks=needs_sm90),
+                        pytest.param("bulk-auto", marks=needs_sm90)])
 def path(request) -> str:
-    """The kernel backend that forces one copy path."""
-    if request.param == "bulk":
+    """The kernel backend that forces one copy path, or ``bulk-auto``: the bulk pipeline with
+    the tile order chosen per launch (the candidate default, docs/kernels.md "Tile order")."""
+    if request.param.startswith("bulk"):
         require_bulk()
     return request.param
 
@@ -118,7 +122,7 @@ def test_misaligned_buffers(path, offset, row_bytes):
     twin.stash(src, recs)
     out = torch.full((capacity * row_bytes + 64,), POISON, dtype=torch.uint8, device="cuda")
     dst = out[offset : offset + capacity * row_bytes].view(capacity, row_bytes)
-    kernels.reload(dst, recs[1], twin.got, backend=path)
+    copy_with(path, True, dst, recs[1], twin.got)
     torch.cuda.synchronize()
     assert torch.equal(dst[:250], src[:250]) and torch.equal(dst[260:290], src[260:290])
     assert bool((dst[250:260] == POISON).all()) and bool((dst[290:] == POISON).all())
@@ -235,7 +239,7 @@ def test_pool_over_2_31_elements(path):
     record = PageRecord.new(
         capacity, row_bytes, page_size, torch.tensor(live, device="cuda"), segments
     )
-    kernels.stash(src, record, pool, backend=path)
+    copy_with(path, False, src, record, pool)
     torch.cuda.synchronize()
     assert int(record.page_record.max()) == num_pages - 1
     assert int(record.page_record.min()) == num_pages - record.max_pages
@@ -252,7 +256,7 @@ def test_pool_over_2_31_elements(path):
     assert torch.equal(pool.cuda_pages[pool_rows], src[src_rows])
     del src_rows
     dst = torch.full_like(src, POISON)
-    kernels.reload(dst, record, pool, backend=path)
+    copy_with(path, True, dst, record, pool)
     torch.cuda.synchronize()
     mask = live_row_mask(record, live)
     assert torch.equal(dst[capacity - 10_000 :], src[capacity - 10_000 :])
@@ -276,9 +280,9 @@ def _graph_case(backend, max_ctas, host_pages):
 
     stash_graph, reload_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
     with torch.cuda.graph(stash_graph):
-        kernels.stash(src, recs[1], twin.got, backend=backend, max_ctas=max_ctas)
+        copy_with(backend, False, src, recs[1], twin.got, max_ctas)
     with torch.cuda.graph(reload_graph):
-        kernels.reload(dst_got, recs[1], twin.got, backend=backend, max_ctas=max_ctas)
+        copy_with(backend, True, dst_got, recs[1], twin.got, max_ctas)
 
     rng = random.Random(max_ctas)
     for step in range(8):
@@ -355,7 +359,7 @@ def test_matches_megatron_core_triton(path, dtype, hidden):
                                        page_size=page_size)
             theirs.offload_to_stash(buf)
             ours = PageRecord.new(max_tokens, row_bytes, page_size, count.clone())
-            kernels.stash(src, ours, pool, backend=path)
+            copy_with(path, False, src, ours, pool)
             compare(theirs, ours)
             stashed.append((theirs, ours))
         elif stashed:
@@ -363,7 +367,7 @@ def test_matches_megatron_core_triton(path, dtype, hidden):
             theirs._tensor = poisoned(max_tokens, row_bytes, torch.uint8).view(dtype)
             theirs.reload_from_stash(buf)
             dst = poisoned(max_tokens, row_bytes, torch.uint8).view(dtype)
-            kernels.reload(dst, ours, pool, backend=path)
+            copy_with(path, True, dst, ours, pool)
             compare()
             expected = as_bytes(theirs._tensor).clone()
             if overflow.item():

@@ -37,10 +37,11 @@ from megatron_paging.record import PageRecord, RecordLayout
 TILE, BULK = 0, 1
 # "bulk-16k" / "bulk-8k": the bulk pipeline with smaller tiles and more stages (same shared
 # memory); "bulk-stride" / "bulk-dyn": the default pipeline with tiles interleaved across CTAs /
-# taken from a shared ticket; "bulk-deep": 7 stages, 5 loads ahead. Reachable here for the
-# kernel benchmark's comparison (docs/kernels.md), never chosen by the rule.
+# taken from a shared ticket; "bulk-deep": 7 stages, 5 loads ahead; "bulk-auto": the order
+# chosen per launch from its grid (docs/kernels.md "Tile order"). Reachable here for the
+# kernel benchmark's comparison and the GPU tests, never chosen by the rule.
 PATHS = {"tile": TILE, "bulk": BULK, "bulk-16k": 2, "bulk-8k": 3, "bulk-stride": 4,
-         "bulk-dyn": 5, "bulk-deep": 6}
+         "bulk-dyn": 5, "bulk-deep": 6, "bulk-auto": 7}
 # Below this capacity a launch is too short for the bulk pipeline to pay (measured, see
 # docs/kernels.md): the tile path takes it.
 BULK_MIN_CAPACITY_BYTES = 1 << 20

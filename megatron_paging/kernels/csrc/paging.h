@@ -36,6 +36,9 @@ enum class CopyPath : int {
   kBulkInterleaved = 4,
   kBulkDynamic = 5,
   kBulkDeep = 6,
+  // The default pipeline with the tile order chosen per launch from the grid (candidate for
+  // the default, docs/kernels.md "Tile order").
+  kBulkAdaptive = 7,
 };
 
 struct PoolView {

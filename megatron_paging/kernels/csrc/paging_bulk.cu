@@ -46,7 +46,8 @@ namespace {
 // a page id and both sides move in long runs), tiles interleaved across CTAs (tile t -> CTA
 // t % grid: at any moment all CTAs work on neighbouring addresses, as a plain copy kernel's
 // blocks do), or batches taken from a shared ticket (a CTA on a slower SM simply takes fewer).
-enum class TileOrder { kContiguous, kInterleaved, kDynamic };
+// kAdaptive picks one of the three per launch from the grid it got (see adaptive_order).
+enum class TileOrder { kContiguous, kInterleaved, kDynamic, kAdaptive };
 
 template <int kTileKiB, int kStagesN, int kAheadN, TileOrder kOrderN = TileOrder::kContiguous>
 struct BulkConfig {
@@ -76,10 +77,25 @@ using BulkTinyTiles = BulkConfig<8, 24, 20>;
 using BulkInterleaved = BulkConfig<32, 6, 4, TileOrder::kInterleaved>;
 using BulkDynamic = BulkConfig<32, 6, 4, TileOrder::kDynamic>;
 using BulkDeep = BulkConfig<32, 7, 5>;
+using BulkAdaptive = BulkConfig<32, 6, 4, TileOrder::kAdaptive>;
 // Tiles a dynamic CTA takes per ticket: small enough that the last batches even out the CTAs'
 // finishing times (4 x 32 KiB is ~5 us of one CTA's copy rate), large enough that consecutive
 // tiles still share a page id load.
 constexpr int kTicketTiles = 4;
+
+// The adaptive order, from kernels_bulk_orders_h200.json (docs/kernels.md "Tile order"): with
+// a few tiles per CTA the contiguous split is best (a ticket per batch costs more than it
+// evens out: 224-byte rows); on up to 32 CTAs the interleaved order (each batch's resolution
+// is exposed at ~95 GB/s per CTA, the ticket loses there); otherwise the ticket.
+constexpr int64_t kAdaptiveMinTilesPerCta = 8;
+constexpr unsigned int kAdaptiveMaxInterleavedCtas = 32;
+
+__device__ __forceinline__ TileOrder adaptive_order(int64_t tiles, bool has_ticket) {
+  const int64_t per_cta = (tiles + gridDim.x - 1) / gridDim.x;
+  if (per_cta < kAdaptiveMinTilesPerCta) return TileOrder::kContiguous;
+  if (gridDim.x <= kAdaptiveMaxInterleavedCtas) return TileOrder::kInterleaved;
+  return has_ticket ? TileOrder::kDynamic : TileOrder::kContiguous;
+}
 // The largest ring the default and the variants every table size uses (bulk_supported checks the
 // device can give it; BulkDeep asks for more and its launch reports the error if refused).
 constexpr size_t kBulkMaxSmemBytes = 192 * 1024;
@@ -321,11 +337,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (solo) {
     // Uniform across the CTA: a pool whose counter has no ticket entry keeps the default order.
-    const bool dynamic = C::kOrder == TileOrder::kDynamic && a.pool.tile_ticket != nullptr &&
-                         tiles < (int64_t{1} << 31);
+    const bool has_ticket = a.pool.tile_ticket != nullptr && tiles < (int64_t{1} << 31);
+    const TileOrder order = C::kOrder == TileOrder::kAdaptive ? adaptive_order(tiles, has_ticket)
+                                                               : C::kOrder;
+    const bool dynamic = order == TileOrder::kDynamic && has_ticket;
     if (threadIdx.x >= 32) {
       // Nothing to walk: straight to the slot zeroing and the commit barrier.
-    } else if constexpr (C::kOrder == TileOrder::kInterleaved) {
+    } else if (order == TileOrder::kInterleaved) {
       walk_tiles_solo<kReload>(a, seg, plan, d, pipe, blockIdx.x, tiles, gridDim.x);
     } else if (dynamic) {
       walk_tiles_dynamic<kReload>(a, seg, plan, d, pipe, tiles);
@@ -433,6 +451,8 @@ cudaError_t launch_bulk(const CopyLaunch& launch, cudaStream_t stream) {
       return launch_bulk_config<BulkDynamic>(launch, stream);
     case CopyPath::kBulkDeep:
       return launch_bulk_config<BulkDeep>(launch, stream);
+    case CopyPath::kBulkAdaptive:
+      return launch_bulk_config<BulkAdaptive>(launch, stream);
     default:
       return launch_bulk_config<BulkDefault>(launch, stream);
   }
