@@ -136,6 +136,39 @@ def copy_with(path: str, reload: bool, tensor, record, pool, max_ctas=None) -> N
         kernels.stash(tensor, record, pool, backend=path, max_ctas=max_ctas)
 
 
+def run_random_case(seed: int, path: str, row_elems, page_sizes, invalid_rate: float = 0.1,
+                    max_ctas=(None, 1, 3, 64)) -> None:
+    """Random multi-segment stashes and FIFO reloads through ``path`` (see :func:`copy_with`),
+    each compared byte for byte with the reference: dtype, row size (``row_elems`` elements),
+    page size, tier sizes and grid bound drawn from ``seed``; with ``invalid_rate`` some live
+    counts are invalid (sticky overflow from there on)."""
+    rng = random.Random(seed)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dtype = rng.choice(DTYPES)
+    row_bytes = torch.empty(0, dtype=dtype).element_size() * rng.choice(row_elems)
+    page_size = rng.choice(page_sizes)
+    segments, capacity = random_segments(rng)
+    capacity = max(capacity, 1)
+    full_pages = sum(-(-rows // page_size) for _, rows in segments)
+    twin = Twin(path, row_bytes, page_size, cuda_pages=rng.randint(0, 2 * full_pages + 1),
+                host_pages=rng.choice([0, rng.randint(0, 2 * full_pages + 1)]),
+                max_ctas=rng.choice(max_ctas))
+    stashed = []
+    for _ in range(rng.randint(3, 6)):
+        live = [rng.randint(0, rows) for _, rows in segments]
+        if rng.random() < invalid_rate:
+            live[rng.randrange(len(live))] = rng.choice([-1, segments[0][1] + 200])
+        src = random_rows(capacity, row_bytes, torch.uint8, gen).view(dtype)
+        recs = twin.records(capacity, live, segments)
+        twin.stash(src, recs)
+        stashed.append((recs, live))
+        if rng.random() < 0.5:
+            recs, live = stashed.pop(0)  # FIFO, like the scheduler
+            twin.reload(recs, dtype, live)
+    for recs, live in stashed:
+        twin.reload(recs, dtype, live)
+
+
 def random_segments(rng: random.Random):
     segments, row = [], 0
     for _ in range(rng.randint(1, 4)):

@@ -8,11 +8,9 @@ poisoned reload destinations); GPU only (sm90).
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
-from cuda_twin import DTYPES, Twin, needs_sm90, on_gpu, random_rows, random_segments, require_bulk
+from cuda_twin import Twin, needs_sm90, on_gpu, random_rows, require_bulk, run_random_case
 
 from megatron_paging.kernels import cuda_ops
 
@@ -28,29 +26,9 @@ def variant(request) -> str:
 @on_gpu
 @pytest.mark.parametrize("seed", range(8))
 def test_variant_matches_reference_random(variant, seed):
-    rng = random.Random(seed)
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    dtype = rng.choice(DTYPES)
-    elem = torch.empty(0, dtype=dtype).element_size()
-    row_bytes = elem * rng.choice([16, 112, 224, 2880, 7168])  # bulk-aligned rows
-    page_size = rng.choice([1, 4, 16, 64])
-    segments, capacity = random_segments(rng)
-    full_pages = sum(-(-rows // page_size) for _, rows in segments)
-    twin = Twin("bulk", row_bytes, page_size, cuda_pages=rng.randint(0, 2 * full_pages + 1),
-                host_pages=rng.choice([0, rng.randint(0, 2 * full_pages + 1)]),
-                max_ctas=rng.choice([None, 1, 3, 64]), copy_path=variant)
-    stashed = []
-    for _ in range(rng.randint(3, 6)):
-        live = [rng.randint(0, rows) for _, rows in segments]
-        src = random_rows(max(capacity, 1), row_bytes, torch.uint8, gen).view(dtype)
-        recs = twin.records(max(capacity, 1), live, segments)
-        twin.stash(src, recs)
-        stashed.append((recs, live))
-        if rng.random() < 0.5:
-            recs, live = stashed.pop(0)
-            twin.reload(recs, dtype, live)
-    for recs, live in stashed:
-        twin.reload(recs, dtype, live)
+    # Bulk-aligned rows (multiples of 16 bytes) so the variant's pipeline moves them.
+    run_random_case(seed, variant, row_elems=[16, 112, 224, 2880, 7168],
+                    page_sizes=[1, 4, 16, 64], invalid_rate=0.0)
 
 
 @on_gpu

@@ -16,7 +16,6 @@ import pytest
 import torch
 from cuda_twin import (
     BULK_TILE,
-    DTYPES,
     POISON,
     Twin,
     as_bytes,
@@ -29,8 +28,8 @@ from cuda_twin import (
     on_gpu,
     poisoned,
     random_rows,
-    random_segments,
     require_bulk,
+    run_random_case,
 )
 
 from megatron_paging import kernels
@@ -52,32 +51,8 @@ def path(request) -> str:
 @on_gpu
 @pytest.mark.parametrize("seed", range(24))
 def test_matches_reference_random(path, seed):
-    rng = random.Random(seed)
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    dtype = rng.choice(DTYPES)
-    elem = torch.empty(0, dtype=dtype).element_size()
-    row_bytes = elem * rng.choice([1, 3, 7, 112, 224, 2880, 7168])
-    page_size = rng.choice([1, 2, 4, 16, 64])
-    segments, capacity = random_segments(rng)
-    capacity = max(capacity, 1)
-    full_pages = sum(-(-rows // page_size) for _, rows in segments)
-    twin = Twin(path, row_bytes, page_size, cuda_pages=rng.randint(0, 2 * full_pages + 1),
-                host_pages=rng.choice([0, rng.randint(0, 2 * full_pages + 1)]),
-                max_ctas=rng.choice([None, 1, 3, 64]))
-    stashed = []
-    for _ in range(rng.randint(3, 6)):
-        live = [rng.randint(0, rows) for _, rows in segments]
-        if rng.random() < 0.1:  # an invalid count: sticky overflow from here on
-            live[rng.randrange(len(live))] = rng.choice([-1, segments[0][1] + 200])
-        src = random_rows(capacity, row_bytes, torch.uint8, gen).view(dtype)
-        recs = twin.records(capacity, live, segments)
-        twin.stash(src, recs)
-        stashed.append((recs, live, src))
-        if rng.random() < 0.5:
-            recs, live, src = stashed.pop(0)  # FIFO, like the scheduler
-            twin.reload(recs, dtype, live)
-    for recs, live, _ in stashed:
-        twin.reload(recs, dtype, live)
+    run_random_case(seed, path, row_elems=[1, 3, 7, 112, 224, 2880, 7168],
+                    page_sizes=[1, 2, 4, 16, 64])
 
 
 @on_gpu
