@@ -59,3 +59,19 @@ def test_variant_with_more_segments_than_the_few_segment_table(variant):
     twin = Twin("bulk", row_bytes, page_size, cuda_pages=64, host_pages=0, copy_path=variant)
     src = random_rows(capacity, row_bytes, torch.uint8, gen)
     twin.round_trip(src, capacity, [33, 0, 17, 1, 16, 33, 5, 32, 2], segments)
+
+
+@on_gpu
+@pytest.mark.parametrize("max_ctas", [1, 8, 2048])
+def test_variant_host_tier_only(variant, max_ctas):
+    """A pool with no device pages: every record goes to the pinned host tier (mapped into the
+    device), which only ``bulk-host`` moves with the bulk pipeline; the others copy it
+    cooperatively. Big rows, several pages, so the pipeline wraps its stages."""
+    row_bytes, page_size, capacity = 14336, 64, 640
+    gen = torch.Generator(device="cuda").manual_seed(max_ctas)
+    twin = Twin("bulk", row_bytes, page_size, cuda_pages=0, host_pages=24, max_ctas=max_ctas,
+                copy_path=variant)
+    src = random_rows(capacity, row_bytes, torch.uint8, gen)
+    recs = twin.round_trip(src, capacity, [capacity - 37])
+    assert int(recs[1].spilled_to_host) == 1
+    twin.round_trip(src, capacity, [5])

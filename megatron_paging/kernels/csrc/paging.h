@@ -39,6 +39,8 @@ enum class CopyPath : int {
   // The default pipeline with the tile order chosen per launch from the grid (candidate for
   // the default, docs/kernels.md "Tile order").
   kBulkAdaptive = 7,
+  // kBulkAdaptive with host-tier pages through the pipeline too (a measurement variant).
+  kBulkHostTier = 8,
 };
 
 struct PoolView {

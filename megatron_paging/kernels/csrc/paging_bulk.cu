@@ -12,7 +12,8 @@
 //
 // Tiles the copy engine may not take go through the cooperative copy of the tile path instead,
 // decided per tile and uniformly across the CTA: host-tier pages (bulk copies to mapped pinned
-// memory are not guaranteed), the zero fill of a reload after an overflow, and any tile whose
+// memory are not guaranteed; only the bulk-host measurement variant sends them through the
+// pipeline), the zero fill of a reload after an overflow, and any tile whose
 // addresses or size are not multiples of 16 bytes (the host dispatch should never send one).
 
 #include <cuda_runtime.h>
@@ -49,7 +50,8 @@ namespace {
 // kAdaptive picks one of the three per launch from the grid it got (see adaptive_order).
 enum class TileOrder { kContiguous, kInterleaved, kDynamic, kAdaptive };
 
-template <int kTileKiB, int kStagesN, int kAheadN, TileOrder kOrderN = TileOrder::kContiguous>
+template <int kTileKiB, int kStagesN, int kAheadN, TileOrder kOrderN = TileOrder::kContiguous,
+          bool kHostTierN = false>
 struct BulkConfig {
   static constexpr int64_t kTileBytes = int64_t{kTileKiB} * 1024;
   static constexpr int kStages = kStagesN;
@@ -62,6 +64,11 @@ struct BulkConfig {
   static constexpr int kStoresReading = kStages - kLoadsAhead - 1;
   static constexpr size_t kSmemBytes = size_t{kStages} * kTileBytes;
   static constexpr TileOrder kOrder = kOrderN;
+  // Whether host-tier pages (pinned memory mapped into the device) go through the pipeline too.
+  // Off in the default: the PTX ISA names no guarantee for bulk copies to mapped host memory,
+  // and the live-row host rate (~52 GB/s through the cooperative copy) is the open question
+  // this variant measures (docs/kernels.md "Tile order").
+  static constexpr bool kHostTier = kHostTierN;
   static_assert(kLoadsAhead >= 1 && kLoadsAhead <= kStages - 1,
                 "a stage must be free for the next load while kLoadsAhead loads are pending");
   static_assert(kStoresReading >= 0, "the stage count covers the loads ahead");
@@ -78,6 +85,7 @@ using BulkInterleaved = BulkConfig<32, 6, 4, TileOrder::kInterleaved>;
 using BulkDynamic = BulkConfig<32, 6, 4, TileOrder::kDynamic>;
 using BulkDeep = BulkConfig<32, 7, 5>;
 using BulkAdaptive = BulkConfig<32, 6, 4, TileOrder::kAdaptive>;
+using BulkHostTier = BulkConfig<32, 6, 4, TileOrder::kAdaptive, true>;
 // Tiles a dynamic CTA takes per ticket: small enough that the last batches even out the CTAs'
 // finishing times (4 x 32 KiB is ~5 us of one CTA's copy rate), large enough that consecutive
 // tiles still share a page id load.
@@ -323,14 +331,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Uniform across the CTA (d is): whether tiles may use the copy engine at all. The stage base
   // is 128-byte aligned by declaration; checking it costs nothing and keeps a surprise there
   // from becoming a faulting bulk copy.
-  const bool bulk_tier =
-      MEGATRON_PAGING_BULK_ARCH && d.active && d.tier == 0 && aligned16(bulk_stages);
+  const bool bulk_tier = MEGATRON_PAGING_BULK_ARCH && d.active &&
+                         (d.tier == 0 || C::kHostTier) && aligned16(bulk_stages);
   // Launch-wide alignment implies every tile's alignment: a tile starts at user + row * rb + lo
   // and at pages + page_id * page_size * rb + lo, with lo a multiple of tile_bytes, and ends at
   // min(lo + tile_bytes, rows * rb); all multiples of 16 when the bases, rb and tile_bytes are.
   // Then warp 0 alone walks the tiles and the other threads skip straight to the stash's slot
   // zeroing and the commit barrier.
-  const bool solo = bulk_tier && aligned16(a.user) && aligned16(a.pool.pages[0]) &&
+  const bool solo = bulk_tier && aligned16(a.user) && aligned16(a.pool.pages[d.tier]) &&
                     (a.pool.row_bytes & 15) == 0 && (a.tile_bytes & 15) == 0 &&
                     a.tile_bytes <= C::kTileBytes;
   const int64_t tiles = plan.total_pages * a.tiles_per_page;
@@ -453,6 +461,8 @@ cudaError_t launch_bulk(const CopyLaunch& launch, cudaStream_t stream) {
       return launch_bulk_config<BulkDeep>(launch, stream);
     case CopyPath::kBulkAdaptive:
       return launch_bulk_config<BulkAdaptive>(launch, stream);
+    case CopyPath::kBulkHostTier:
+      return launch_bulk_config<BulkHostTier>(launch, stream);
     default:
       return launch_bulk_config<BulkDefault>(launch, stream);
   }
