@@ -8,8 +8,12 @@ Hypothesis profiles (choose with ``HYPOTHESIS_PROFILE``; default ``ci``):
 * ``explore`` — random seeds, for hunting new failures locally; replay a failure with the
   ``@reproduce_failure`` blob it prints.
 
-``PYTEST_SHARD=i/n`` keeps every n-th collected test starting at the i-th (0-based), so n pytest
+``PYTEST_SHARD=i/n`` keeps the i-th (0-based) of n shards of the collected tests, so n pytest
 processes can share one GPU in one device call (``scripts/gpu_check.sh``'s ``PYTEST_SHARDS``).
+Tests are dealt in collection order to the shard with the least estimated time so far; the
+example's torchrun tests (40-135 s each on the H200, the rest well under 10 s) count as
+:data:`SLOW_TEST_SECONDS`, so they spread evenly instead of piling into one shard (at
+``ca915e0`` one shard of four held four of them, 313 s, and the call's limit cut another).
 """
 
 from __future__ import annotations
@@ -51,13 +55,29 @@ def _shard() -> tuple[int, int] | None:
     return index, count
 
 
+SLOW_TEST_FILES = ("test_example_pretrain.py",)
+SLOW_TEST_SECONDS = 60.0
+
+
+def _estimated_seconds(item) -> float:
+    path = str(getattr(item, "nodeid", item)).split("::", 1)[0]
+    return SLOW_TEST_SECONDS if path.endswith(SLOW_TEST_FILES) else 1.0
+
+
 def pytest_collection_modifyitems(config, items):
     shard = _shard()
     if shard is None:
         return
     index, count = shard
-    kept = [item for position, item in enumerate(items) if position % count == index]
-    dropped = [item for position, item in enumerate(items) if position % count != index]
+    # Same items, same order in every process, so every shard computes the same deal.
+    loads = [0.0] * count
+    owner = []
+    for item in items:
+        target = min(range(count), key=lambda s: loads[s])
+        loads[target] += _estimated_seconds(item)
+        owner.append(target)
+    kept = [item for item, s in zip(items, owner, strict=True) if s == index]
+    dropped = [item for item, s in zip(items, owner, strict=True) if s != index]
     config.hook.pytest_deselected(items=dropped)
     items[:] = kept
 

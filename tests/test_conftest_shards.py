@@ -28,6 +28,21 @@ def test_shards_partition_the_collected_tests(monkeypatch):
         assert sorted(shard_kept + shard_deselected) == sorted(items)
 
 
+def test_slow_tests_spread_over_the_shards(monkeypatch):
+    """The example's torchrun tests, collected next to each other, land in different shards,
+    and the light tests fill the shards that have fewer of them."""
+    slow = [f"tests/test_example_pretrain.py::test_{i}" for i in range(6)]
+    light = [f"tests/test_kernels.py::test_{i}" for i in range(30)]
+    items = light[:10] + slow + light[10:]
+    kept = [_shard(monkeypatch, f"{i}/4", items)[0] for i in range(4)]
+    per_shard = [sum(1 for t in k if t in slow) for k in kept]
+    assert sorted(per_shard) == [1, 1, 2, 2]
+    assert sorted(sum(kept, [])) == sorted(items)
+    loads = [60 * n + sum(1 for t in k if t in light) for n, k in zip(per_shard, kept,
+                                                                      strict=True)]
+    assert max(loads) - min(loads) <= 60
+
+
 def test_no_shard_keeps_everything(monkeypatch):
     monkeypatch.delenv("PYTEST_SHARD", raising=False)
     items = ["a", "b"]
