@@ -109,6 +109,16 @@ class Size:
 # expert_heavy_cap2 (not run by default): expert_heavy with capacity factor 2.0, the headroom a
 #   static capacity needs for EP imbalance; there paging's saving is 1 - 1.1/2 of the expert
 #   activations instead of 1 - 1.1/1.5 (see docs/benchmarks.md).
+# moe_compute (not run by default; sized here, never run yet): where recomputing the MoE layer
+#   costs more than the 1.2x the recompute target needs. On expert_heavy and small recompute
+#   costs only ~1.17x unpaged (frontier_h200.json): the step is host-bound (~0.7 of ~1.1 s is
+#   device work), so even a free stash could not be 1.2x faster than recompute. Here: 32 experts
+#   top-8, moe-ffn 3072, seq 8192: experts 32 x (1024 x 6144 + 3072 x 1024) = 302M per layer ->
+#   ~2.5B parameters -> ~40 GB of state; 65536 tokens per step x ~4.8 GFLOP/token (6 x 670M
+#   active parameters + causal attention at 8192) = ~315 TFLOP, ~1 s of GPU time at 300 TFLOP/s,
+#   so device work reaches the host's ~1 s, and recompute's extra MoE forward (2 x 604M x 65536 =
+#   ~79 TFLOP) adds ~25%. Expert activations: 98304 capacity rows x 7168 bf16 columns = 1.4 GB
+#   per layer, 11.3 GB over 8 layers.
 SIZES: dict[str, Size] = {
     s.name: s
     for s in (
@@ -122,6 +132,10 @@ SIZES: dict[str, Size] = {
               "--seq-length", "4096", "--max-position-embeddings", "4096",
               "--moe-expert-rank-capacity-factor", "2.0"),
              "expert_heavy with static capacity factor 2.0 (EP-imbalance headroom)"),
+        Size("moe_compute",
+             ("--num-experts", "32", "--moe-router-topk", "8", "--moe-ffn-hidden-size", "3072",
+              "--seq-length", "8192", "--max-position-embeddings", "8192"),
+             "MoE compute dominates the step: 32 experts top-8, moe-ffn 3072, seq 8192"),
     )
 }  # fmt: skip
 DEFAULT_SIZES = ("expert_heavy", "small")
