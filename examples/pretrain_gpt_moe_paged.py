@@ -266,6 +266,7 @@ def report_memory(api, implementation: str) -> None:
         f"median_host_step_ms={PROBE.median_host_ms():.1f} "
         f"median_host_fb_ms={PROBE.median_host_ms(forward_backward=True):.1f} "
         f"peak_reserved_mib={torch.cuda.max_memory_reserved() / mib:.1f} "
+        f"steady_alloc_retries={PROBE.steady_alloc_retries()} "
         f"pool_cuda_mib={cuda_bytes / mib:.1f} pool_host_mib={host_bytes / mib:.1f} "
         + "".join(f"{k}={v:.1f} " for k, v in state.items())
         + f"paging_mode={mode} paged_steps={steps} graph_replays={replays} "

@@ -77,6 +77,9 @@ class StepProbe:
         self.host_fb_ms: dict[int, float] = {}
         self.host_step_ms: dict[int, float] = {}
         self.host_t0 = 0.0
+        # The caching allocator's retries (free every cached block, then cudaMalloc again) from
+        # the third step on: near a memory cap they, not the model, can set the step time.
+        self.retries_at_step3: int | None = None
         self.profiler = None
         self.profile_t0 = 0.0
 
@@ -88,6 +91,8 @@ class StepProbe:
         torch.cuda.reset_peak_memory_stats()
         self.iteration = iteration
         self.host_t0 = time.thread_time()
+        if iteration == 3:
+            self.retries_at_step3 = alloc_retries()
         if iteration == self.memory_iteration:
             self.recording = True
             torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
@@ -195,10 +200,17 @@ class StepProbe:
         times = sorted(t for i, t in source.items() if i >= first_iteration)
         return times[len(times) // 2] if times else float("nan")
 
+    def steady_alloc_retries(self) -> int:
+        return alloc_retries() - self.retries_at_step3 if self.retries_at_step3 is not None else 0
+
     def peak_mib(self, first_iteration: int = 1, forward_backward: bool = False) -> float:
         source = self.fb_peaks if forward_backward else self.step_peaks
         peaks = [p for i, p in source.items() if i >= first_iteration]
         return max(peaks) if peaks else 0.0
+
+
+def alloc_retries() -> int:
+    return int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
 
 
 PROBE = StepProbe(

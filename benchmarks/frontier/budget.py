@@ -132,6 +132,8 @@ def budget_outcome(records: list[dict], opts: BudgetOptions) -> dict:
         "steady_peak_allocated_mib": best["memory"].get("steady_peak_allocated_mib")
         if best else None,
         "activation_mib": best.get("activation_mib") if best else None,
+        # allocator retries in the timed steps: a slow step near the cap is the allocator's
+        "steady_alloc_retries": best["memory"].get("steady_alloc_retries") if best else None,
         "errors": errors, "search": search, "concluded": concluded,
     }
 

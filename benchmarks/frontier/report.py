@@ -126,7 +126,8 @@ def table(result: dict) -> list[str]:
             lines.append(
                 f"  {arm:<26} max seq {_fmt(o['max_seq'], 'd'):>6}  tokens/s "
                 f"{_fmt(o['tokens_per_s'], '.0f'):>8}  "
-                f"us/token {_fmt(o['time_per_token_us'], '.2f')}"
+                f"us/token {_fmt(o['time_per_token_us'], '.2f')}  alloc retries "
+                f"{_fmt(o.get('steady_alloc_retries'), '.0f')}"
                 f"  tried {o['candidates']}{'' if o['concluded'] else '  (not concluded)'}")
     lines.append("targets:")
     for scope, targets in result["targets"].items():
