@@ -4,8 +4,9 @@ Stashes and reloads multi-segment records of several row sizes through the CUDA 
 host tier that the last records spill to, then checks the bytes; once through the tile path and
 once through the bulk path (sm90; aligned rows use the bulk pipeline, the others its
 cooperative fallback), and through the bulk tile orders that are candidates for its default
-(``bulk-stride``, ``bulk-dyn`` with its shared ticket, ``bulk-auto``, and ``bulk-host`` with
-host-tier pages through the pipeline; docs/kernels.md "Tile order"). Exit status 0 when every
+(``bulk-stride``, ``bulk-dyn`` with its shared ticket, ``bulk-contig``, and ``bulk-host`` with
+host-tier pages through the pipeline; docs/kernels.md "Tile order"; ``bulk`` chooses one of the
+first three per launch). Exit status 0 when every
 reload matches; compute-sanitizer adds its own error exit code.
 """
 
@@ -14,7 +15,7 @@ import torch
 from megatron_paging import PagePool, PageRecord
 from megatron_paging.kernels import cuda_ops, reload, stash
 
-ORDER_VARIANTS = ("bulk-stride", "bulk-dyn", "bulk-auto", "bulk-host")
+ORDER_VARIANTS = ("bulk-stride", "bulk-dyn", "bulk-contig", "bulk-host")
 
 
 def copy(path: str, reload_: bool, tensor, record, pool, max_ctas: int) -> None:

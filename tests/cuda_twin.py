@@ -124,7 +124,7 @@ class Twin:
 
 def copy_with(path: str, reload: bool, tensor, record, pool, max_ctas=None) -> None:
     """One stash or reload through ``path``: a kernel backend name (``tile``, ``bulk``, ...)
-    or a ``cuda_ops`` bulk variant (``bulk-auto``, ``bulk-stride``, ...: benchmark and test
+    or a ``cuda_ops`` bulk variant (``bulk-contig``, ``bulk-stride``, ...: benchmark and test
     paths that no backend names)."""
     if path.startswith("bulk-"):
         from megatron_paging.kernels import cuda_ops

@@ -1,5 +1,6 @@
-"""The CUDA kernels on both copy paths (backends ``tile`` and ``bulk``, and ``bulk-auto``: the bulk
-pipeline with its per-launch tile order) against the reference and
+"""The CUDA kernels on both copy paths (backends ``tile`` and ``bulk``, whose tile order is chosen
+per launch, and ``bulk-contig``: the bulk pipeline with every CTA on one contiguous range of
+tiles, the order a small grid or a short launch gets) against the reference and
 against Megatron-Core's Triton kernels; and the path rule (``cuda_ops.choose_path``).
 
 Every comparison is byte-exact: pool payload (both tiers), rings, head/tail, flags, page records,
@@ -39,10 +40,11 @@ from megatron_paging.record import PageRecord
 
 
 @pytest.fixture(params=["tile", pytest.param("bulk", marks=needs_sm90),
-                        pytest.param("bulk-auto", marks=needs_sm90)])
+                        pytest.param("bulk-contig", marks=needs_sm90)])
 def path(request) -> str:
-    """The kernel backend that forces one copy path, or ``bulk-auto``: the bulk pipeline with
-    the tile order chosen per launch (the candidate default, docs/kernels.md "Tile order")."""
+    """The kernel backend that forces one copy path, or ``bulk-contig``: the bulk pipeline in
+    the contiguous tile order only (the default chooses per launch, docs/kernels.md "Tile
+    order"), so that every order the default may pick runs the whole suite."""
     if request.param.startswith("bulk"):
         require_bulk()
     return request.param

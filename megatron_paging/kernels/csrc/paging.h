@@ -36,10 +36,10 @@ enum class CopyPath : int {
   kBulkInterleaved = 4,
   kBulkDynamic = 5,
   kBulkDeep = 6,
-  // The default pipeline with the tile order chosen per launch from the grid (candidate for
-  // the default, docs/kernels.md "Tile order").
-  kBulkAdaptive = 7,
-  // kBulkAdaptive with host-tier pages through the pipeline too (a measurement variant).
+  // The default pipeline with every CTA on one contiguous range of tiles, whatever its grid
+  // (the default before kBulk chose the order per launch, docs/kernels.md "Tile order").
+  kBulkContiguous = 7,
+  // kBulk with host-tier pages through the pipeline too (a measurement variant).
   kBulkHostTier = 8,
 };
 
