@@ -238,9 +238,16 @@ def few_sm_target(sweep: list[dict]) -> dict:
     best = max(few, key=lambda s: min(s["stash_gbps"], s["reload_gbps"]), default=None)
     if best is None:
         return {"target": ">= 3000 GB/s with <= 32 CTAs", "met": False, "best": None}
+    keys = ("path", "max_ctas", "stash_gbps", "reload_gbps")
     ok = best["stash_gbps"] >= 3000 and best["reload_gbps"] >= 3000
+    # The default path on its own: a variant meeting the target is not what users run.
+    default = max((s for s in few if s["path"] == "bulk"),
+                  key=lambda s: min(s["stash_gbps"], s["reload_gbps"]), default=None)
     return {"target": ">= 3000 GB/s with <= 32 CTAs", "met": ok,
-            "best": {k: best[k] for k in ("path", "max_ctas", "stash_gbps", "reload_gbps")}}
+            "best": {k: best[k] for k in keys},
+            "met_by_default_path": bool(default and default["stash_gbps"] >= 3000
+                                        and default["reload_gbps"] >= 3000),
+            "default_path": {k: default[k] for k in keys} if default else None}
 
 
 def print_table(rows: list[dict], sweep: list[dict],

@@ -6,8 +6,8 @@ once through the bulk path (sm90; aligned rows use the bulk pipeline, the others
 cooperative fallback), and through the bulk tile orders that are candidates for its default
 (``bulk-stride``, ``bulk-dyn`` with its shared ticket, ``bulk-contig``, and ``bulk-host`` with
 host-tier pages through the pipeline; docs/kernels.md "Tile order"; ``bulk`` chooses one of the
-first three per launch). Exit status 0 when every
-reload matches; compute-sanitizer adds its own error exit code.
+first three per launch), and the two other rings (``bulk-2cta``, ``bulk-64k``). Exit status 0
+when every reload matches; compute-sanitizer adds its own error exit code.
 """
 
 import torch
@@ -15,7 +15,7 @@ import torch
 from megatron_paging import PagePool, PageRecord
 from megatron_paging.kernels import cuda_ops, reload, stash
 
-ORDER_VARIANTS = ("bulk-stride", "bulk-dyn", "bulk-contig", "bulk-host")
+ORDER_VARIANTS = ("bulk-stride", "bulk-dyn", "bulk-contig", "bulk-host", "bulk-2cta", "bulk-64k")
 
 
 def copy(path: str, reload_: bool, tensor, record, pool, max_ctas: int) -> None:

@@ -41,6 +41,10 @@ ARMS: dict[str, Arm] = {
         Arm("paged_hold", True, ("--paging-hold-last-slot",), True,
             "paged; a layer is stashed when the next commits, so the last layer before each "
             "backward is never copied and the pool is a layer smaller"),
+        Arm("paged_persistent", True, ("--paging-pool-residency", "persistent"), True,
+            "paged; the pool's pages kept across steps (the residency full-iteration graphs "
+            "use) instead of returned after each eager step: at a memory cap, whether taking "
+            "them again every step is what makes the allocator retry"),
         Arm("mcore_manager", True, ("--paging-implementation", "mcore"), True,
             "--moe-paged-stash through Megatron-Core 0.19.2's own manager and Triton kernels"),
         Arm("recompute_moe", False,

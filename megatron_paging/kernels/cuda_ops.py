@@ -40,10 +40,12 @@ TILE, BULK = 0, 1
 # taken from a shared ticket; "bulk-deep": 7 stages, 5 loads ahead; "bulk-contig": every CTA
 # on one contiguous range of tiles (the default "bulk" chooses the order per launch from its
 # grid, docs/kernels.md "Tile order"); "bulk-host": "bulk" with host-tier pages through the
-# pipeline too. Reachable here for the kernel benchmark's
+# pipeline too; "bulk-2cta" / "bulk-64k": "bulk" on a 96 KiB ring (two CTAs per SM) / with
+# 64 KiB tiles (docs/kernels.md "Full-grid gap"). Reachable here for the kernel benchmark's
 # comparison and the GPU tests, never chosen by the rule.
 PATHS = {"tile": TILE, "bulk": BULK, "bulk-16k": 2, "bulk-8k": 3, "bulk-stride": 4,
-         "bulk-dyn": 5, "bulk-deep": 6, "bulk-contig": 7, "bulk-host": 8}
+         "bulk-dyn": 5, "bulk-deep": 6, "bulk-contig": 7, "bulk-host": 8,
+         "bulk-2cta": 9, "bulk-64k": 10}
 # Below this capacity a launch is too short for the bulk pipeline to pay (measured, see
 # docs/kernels.md): the tile path takes it.
 BULK_MIN_CAPACITY_BYTES = 1 << 20

@@ -41,6 +41,11 @@ enum class CopyPath : int {
   kBulkContiguous = 7,
   // kBulk with host-tier pages through the pipeline too (a measurement variant).
   kBulkHostTier = 8,
+  // kBulk's order on other rings, for the full-grid gap to copy_ (docs/kernels.md "Full-grid
+  // gap"): half the ring (96 KiB, so two CTAs share an SM: twice the issuing threads and plans
+  // at the same bytes in flight per SM), and 64 KiB tiles (half as many bulk operations).
+  kBulkTwoPerSm = 9,
+  kBulkLargeTiles = 10,
 };
 
 struct PoolView {

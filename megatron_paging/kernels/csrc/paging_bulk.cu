@@ -88,6 +88,8 @@ using BulkDynamic = BulkConfig<32, 6, 4, TileOrder::kDynamic>;
 using BulkDeep = BulkConfig<32, 7, 5>;
 using BulkContiguous = BulkConfig<32, 6, 4>;  // the default before the adaptive order
 using BulkHostTier = BulkConfig<32, 6, 4, TileOrder::kAdaptive, true>;
+using BulkTwoPerSm = BulkConfig<32, 3, 2, TileOrder::kAdaptive>;
+using BulkLargeTiles = BulkConfig<64, 3, 2, TileOrder::kAdaptive>;
 // Tiles a dynamic CTA takes per ticket: small enough that the last batches even out the CTAs'
 // finishing times (4 x 32 KiB is ~5 us of one CTA's copy rate), large enough that consecutive
 // tiles still share a page id load.
@@ -465,6 +467,10 @@ cudaError_t launch_bulk(const CopyLaunch& launch, cudaStream_t stream) {
       return launch_bulk_config<BulkContiguous>(launch, stream);
     case CopyPath::kBulkHostTier:
       return launch_bulk_config<BulkHostTier>(launch, stream);
+    case CopyPath::kBulkTwoPerSm:
+      return launch_bulk_config<BulkTwoPerSm>(launch, stream);
+    case CopyPath::kBulkLargeTiles:
+      return launch_bulk_config<BulkLargeTiles>(launch, stream);
     default:
       return launch_bulk_config<BulkDefault>(launch, stream);
   }

@@ -238,8 +238,8 @@ std::string copy(bool reload, const at::Tensor& user, const Pool& pool, const La
   PAGING_REQUIRE(max_ctas > 0 && max_ctas <= INT32_MAX, "max_ctas must be a positive int32, got ",
                  max_ctas);
   PAGING_REQUIRE(path >= static_cast<int64_t>(CopyPath::kTile) &&
-                     path <= static_cast<int64_t>(CopyPath::kBulkHostTier),
-                 "path must be 0 (tile), 1 (bulk) or 2-8 (bulk variants), got ", path);
+                     path <= static_cast<int64_t>(CopyPath::kBulkLargeTiles),
+                 "path must be 0 (tile), 1 (bulk) or 2-10 (bulk variants), got ", path);
 
   const c10::cuda::CUDAGuard guard(device);
   CopyLaunch launch{};
