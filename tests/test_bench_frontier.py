@@ -51,6 +51,7 @@ from frontier.budget import (  # noqa: E402
     next_budget_task,
     next_candidate,
     predict_start,
+    probe_task,
     run_budget,
 )
 from frontier.logs import (  # noqa: E402
@@ -506,6 +507,51 @@ def test_budget_driver_resumes_and_stops_on_errors():
     # An execute that records nothing cannot loop the search forever.
     assert run_budget(BudgetOptions(arms=("paged",)), {}, 143771.0, lambda t, label: {},
                       base_seq=4096, offload=False) is False
+
+
+def test_budget_probe_times_each_arm_at_the_controls_longest_length():
+    """After its search, an arm runs once more at the control's longest length (its own
+    candidates rarely land there), which the target reads as the equal-length comparison."""
+    opts = BudgetOptions(arms=("unpaged", "paged", "recompute_moe"), max_runs=4,
+                         resolution=512, unit=512)
+    limits = {"unpaged": 7424, "paged": 7936, "recompute_moe": 12288}
+    # paged is slower per token only where it runs at the cap (the allocator's retries)
+    def step_ms(arm, seq):
+        return seq * 8 * (40.0 if seq > limits["unpaged"] and arm == "paged" else 30.0) / 1e3
+
+    # paged's search starts from its frontier run (7680 predicted), so its own candidates
+    # (7680, 8704, 8192) miss the control's longest; recompute doubles from 4096
+    runs = {"expert_heavy:paged": {"kind": "arm", "status": "ok", "seq": 4096,
+                                   "activation_mib": 4096.0, "state_mib": 28000.0,
+                                   "key": "expert_heavy:paged"}}
+    labels = []
+
+    def execute(task, label):
+        labels.append(label)
+        ok = task.seq <= limits[task.arm]
+        runs[task.key] = _budget_record(opts, task.arm, task.seq, "ok" if ok else "oom",
+                                        task.search, step=step_ms(task.arm, task.seq))
+        return runs[task.key]
+
+    assert run_budget(opts, runs, 143771.0, execute, base_seq=4096, offload=False)
+    out = {arm: budget_outcome(budget_records(runs, opts, arm), opts) for arm in opts.arms}
+    control_max = out["unpaged"]["max_seq"]
+    assert control_max == 7168  # 4096, 8192 OOM, 6144, 7168 (4 runs)
+    assert out["paged"]["max_seq"] == 7680 and out["recompute_moe"]["max_seq"] == 12288
+    for arm in ("paged", "recompute_moe"):
+        assert str(control_max) in out[arm]["candidates"]  # the probe ran
+        assert out[arm]["time_per_token_us_by_seq"][str(control_max)] == pytest.approx(30.0)
+        assert probe_task(opts, runs, arm, 0.25) is None  # and only once
+    assert sum("longest" in label for label in labels) == 2
+    assert probe_task(opts, runs, "unpaged", 0.25) is None
+    t = budget_target(out)
+    assert t["time_per_token_ratio_at_unpaged_max"] == pytest.approx(1.0)
+    assert remaining([], runs, out, opts) == []
+    # Before the probe has run, what is left says so.
+    del runs[next(k for k, r in runs.items() if r.get("arm") == "paged" and r["seq"] == 7168)]
+    out = {arm: budget_outcome(budget_records(runs, opts, arm), opts) for arm in opts.arms}
+    assert remaining([], runs, out, opts) == [
+        "budget:expert_heavy:paged (not yet timed at unpaged's longest, 7168)"]
 
 
 # ----------------------------------------------------------------------------- resume, time

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from .arms import (
     ARMS,
     BUDGET_ITERS,
+    CONTROL,
     DEFAULT_BUDGET_ARMS,
     SIZES,
     budget_extra,
@@ -134,6 +135,9 @@ def budget_outcome(records: list[dict], opts: BudgetOptions) -> dict:
         "activation_mib": best.get("activation_mib") if best else None,
         # allocator retries in the timed steps: a slow step near the cap is the allocator's
         "steady_alloc_retries": best["memory"].get("steady_alloc_retries") if best else None,
+        # every length that trained, so that arms compare at one length (the control's longest)
+        "time_per_token_us_by_seq": {str(r["seq"]): r["time_per_token_us"]
+                                     for r in sorted(oks, key=lambda r: r["seq"])},
         "errors": errors, "search": search, "concluded": concluded,
     }
 
@@ -154,6 +158,24 @@ def next_budget_task(opts: BudgetOptions, runs: dict, arm: str, fraction: float,
         return None
     return Task("budget", opts.size, arm, tuple(budget_extra(opts.size, arm, seq, opts.iters)),
                 opts.iters, seq, budget_env(opts, fraction), search, opts.cap_gib)
+
+
+def probe_task(opts: BudgetOptions, runs: dict, arm: str, fraction: float) -> Task | None:
+    """One more candidate for an arm whose search is over: the control's longest length, so
+    that both are timed per token at one sequence (at its own longest length an arm runs at
+    the cap, where the allocator's retries can set the step time). None when the control's
+    search is not over, the arm already has that length, or the arm is the control."""
+    if arm == CONTROL:
+        return None
+    control = budget_outcome(budget_records(runs, opts, CONTROL), opts)
+    seq = control["max_seq"]
+    records = budget_records(runs, opts, arm)
+    if not control["concluded"] or seq is None or not records:
+        return None
+    if any(r["seq"] == seq for r in records):
+        return None
+    return Task("budget", opts.size, arm, tuple(budget_extra(opts.size, arm, seq, opts.iters)),
+                opts.iters, seq, budget_env(opts, fraction), records[0]["search"], opts.cap_gib)
 
 
 def run_budget(opts: BudgetOptions, runs: dict, total_mib: float, execute,
@@ -186,5 +208,10 @@ def run_budget(opts: BudgetOptions, runs: dict, total_mib: float, execute,
             if task.key not in runs:  # nothing recorded: the same task again would loop
                 print(f"frontier: budget {task.key} left no record; stopping the search",
                       flush=True)
+                return False
+        if any(r["status"] not in ("ok", "oom") for r in budget_records(runs, opts, arm)):
+            continue  # the search stopped at an error: no comparison to make
+        if (task := probe_task(opts, runs, arm, fraction)) is not None:
+            if execute(task, f"[budget {arm} at {CONTROL}'s longest, {task.seq}]") is None:
                 return False
     return True

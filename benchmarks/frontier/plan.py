@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import arms as arm_table  # .SCRIPT read per run: a test points it at a fake
-from .arms import ARMS, ROOT, SIZES, frontier_extra, script_argv, skip_reason
+from .arms import ARMS, CONTROL, ROOT, SIZES, frontier_extra, script_argv, skip_reason
 from .logs import make_record, read_losses, refresh_memory_split
 
 if TYPE_CHECKING:
@@ -169,6 +169,13 @@ def remaining(tasks: list[Task], runs: dict, budget: dict, opts: BudgetOptions |
             out = budget.get(arm)
             if not out or not out["concluded"]:
                 left.append(f"budget:{opts.size}:{arm} (search not concluded)")
+                continue
+            control = budget.get(CONTROL)
+            seq = control and control["concluded"] and control["max_seq"]
+            if (arm != CONTROL and seq and not out["errors"]
+                    and str(seq) not in out["candidates"]):
+                left.append(f"budget:{opts.size}:{arm} (not yet timed at {CONTROL}'s longest, "
+                            f"{seq})")
     return left
 
 

@@ -138,6 +138,10 @@ def table(result: dict) -> list[str]:
                             f"{targets['unpaged_max_seq']}, time/token ratio "
                             f"{targets['time_per_token_ratio']:.3f})"
                             if targets.get("met") is not None else ""))
+            if targets.get("time_per_token_ratio_at_unpaged_max"):
+                lines.append(f"    informational: at unpaged's longest length "
+                             f"({targets['unpaged_max_seq']}) paged's time/token is "
+                             f"{targets['time_per_token_ratio_at_unpaged_max']:.3f}x unpaged's")
             continue
         for name, t in targets.items():
             detail = ""

@@ -127,6 +127,10 @@ def budget_target(outcomes: dict) -> dict:
     longer = p["max_seq"] > u["max_seq"]
     ratio = p["time_per_token_us"] / u["time_per_token_us"]
     met = longer and ratio <= 1.01
+    # Informational: both at unpaged's longest length, where paged is below the cap.
+    same = (p.get("time_per_token_us_by_seq") or {}).get(str(u["max_seq"]))
     return {"paged_max_seq": p["max_seq"], "unpaged_max_seq": u["max_seq"], "longer": longer,
             "time_per_token_ratio": ratio, "met": met, "status": _status(met),
-            "concluded": bool(p.get("concluded") and u.get("concluded"))}
+            "concluded": bool(p.get("concluded") and u.get("concluded")),
+            "time_per_token_ratio_at_unpaged_max": same / u["time_per_token_us"] if same
+            else None}
