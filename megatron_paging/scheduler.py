@@ -349,7 +349,8 @@ class PagingScheduler:
             self.backend.note("unpack", record=handle.id)
             if compute is None:
                 compute = self.backend.compute_stream()
-            self.backend.wait(compute, handle.reload_event, "unpack")
+            if handle.first_wait_on(compute):
+                self.backend.wait(compute, handle.reload_event, "unpack")
             handle.waited = True
             if compute != handle.alloc_stream:  # consumed on another stream than allocated on
                 self.backend.keep_alive(handle.tensor, compute)
@@ -469,9 +470,9 @@ class PagingScheduler:
         self.transfers.launch_group(
             paging, "reload", handles, reason=reason, oldest=oldest, branch=branch
         )
-        done = self.backend.record(paging, "reload-done")
+        done, waiters = self.backend.record(paging, "reload-done"), []
         for h in handles:
-            h.reload_event = done
+            h.reload_event, h.reload_waiters = done, waiters
             # Autograd may drop a prefetched tensor without unpacking it (so without the compute
             # stream ever waiting): its memory must not be reused before the paging write ends.
             self.backend.keep_alive(h.tensor, paging)

@@ -63,6 +63,9 @@ class PagedHandle:
     reload_event: Any = None
     alloc_stream: Any = None  # the compute stream the reload destination was allocated on
     waited: bool = False
+    # Streams already waiting on reload_event: one list shared by the handles of a reload group
+    # (they share the event), so that a stream waits once per group, not once per handle.
+    reload_waiters: list | None = None
     notes: dict = field(default_factory=dict)  # chunk, layer, microbatch (the record's, if any)
     offload: str | None = None
     host_range: tuple[int, int] | None = None
@@ -76,6 +79,16 @@ class PagedHandle:
             wgrad_only=wgrad_only, source=tensor, offload="whole",
             notes=dict(chunk=chunk, layer=layer, microbatch=microbatch, wgrad_only=wgrad_only),
         )
+
+    def first_wait_on(self, stream) -> bool:
+        """Whether ``stream`` must still wait for this handle's reload (and note that it will).
+        A stream that already waited on the group's event is ordered after it for good."""
+        if self.reload_waiters is None:
+            return True
+        if any(s == stream for s in self.reload_waiters):
+            return False
+        self.reload_waiters.append(stream)
+        return True
 
     @property
     def slot(self) -> tuple[int, int]:
