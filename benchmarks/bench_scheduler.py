@@ -11,9 +11,10 @@ inputs; the paged arms must reproduce the unpaged gradients bitwise.
 Writes JSON (GPU name, date, git commit, settings, per-arm step times with their spread and
 peak memory, paging overhead in percent) and a PNG next to it. Per arm it also reports the
 host's issue time of a step (``host_ms``: close to the step time means host-bound) and, from
-one profiled step, the GPU-busy time (union of all kernel intervals) and the paging kernels'
-own time. The default layer sizes make the step GPU-bound so that the arms compare paging cost.
-``paged_ctas_<n>`` arms bound the paging kernels' grid (``--paging-ctas``).
+one profiled step, the GPU-busy time (union of all kernel intervals), the idle gaps by cause
+(kernel_timeline.idle_gaps: a late host launch or an op queued behind a dependency) and the
+paging kernels' own time. The default layer sizes make the step GPU-bound so that the arms
+compare paging cost. ``paged_ctas_<n>`` arms bound the paging kernels' grid (``--paging-ctas``).
 """
 
 from __future__ import annotations
@@ -148,6 +149,10 @@ def main() -> None:
               f"  busy {r.get('gpu_busy_ms', float('nan')):9.3f} ms"
               f"  paging kernels {r.get('paging_kernel_ms', float('nan')):8.3f} ms"
               f"  peak {r['peak_allocated_gib']:.2f} GiB", flush=True)
+        if gaps := r.get("idle_gaps"):
+            print(f"{'':18s} idle gaps: host-late {gaps['host_gaps']} / {gaps['host_ms']:.2f} ms"
+                  f", queued {gaps['queued_gaps']} / {gaps['queued_ms']:.2f} ms"
+                  f", unknown {gaps['unknown_gaps']} / {gaps['unknown_ms']:.2f} ms", flush=True)
     flags = pools.flags.read()
     unpaged = results["unpaged"]["step_ms_median"]
     overhead = {k: 100.0 * (v["step_ms_median"] / unpaged - 1) for k, v in results.items()}

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from megatron_paging.env import git_commit
+from megatron_paging.tools.kernel_timeline import idle_gaps, summarize, timeline_record
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -105,33 +106,25 @@ def figure(width: float = 9, height: float = 4.5):
 
 
 def gpu_busy(step: Callable[[], object]) -> dict:
-    """GPU-busy time (union of kernel intervals) and the paging kernels' own time, one step."""
+    """GPU-busy time (union of device-op intervals), the paging kernels' own time, and the idle
+    gaps of one profiled step (``kernel_timeline.idle_gaps``: ended by a late host launch or by
+    an op already queued behind a dependency). Host activity is profiled too, for the launch
+    times; its overhead lengthens host-late gaps, so compare them between arms, not with the
+    unprofiled step time."""
     try:
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             step()
-        kernels = [
-            (e.time_range.start, e.time_range.end, e.name)
-            for e in prof.events()
-            if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > 0
-        ]
+        record = timeline_record(prof.events(), iteration=0, wall_ms=0.0)
     except Exception as error:  # noqa: BLE001 - profiling is a diagnostic, never fatal
         return {"gpu_busy_error": repr(error)}
-    if not kernels:
+    if not record["rows"]:
         return {"gpu_busy_error": "the profiler saw no CUDA kernels"}
-    busy, end = 0.0, float("-inf")
-    for start, stop, _ in sorted(kernels):
-        if stop > end:
-            busy += stop - max(start, end)
-            end = stop
-    paging = sum(
-        stop - start
-        for start, stop, name in kernels
-        if "megatron_paging" in name or "tile_kernel" in name or "bulk_kernel" in name
-    )
-    return {"gpu_busy_ms": busy / 1e3, "paging_kernel_ms": paging / 1e3,
-            "kernels_per_step": len(kernels)}
+    summary, gaps = summarize(record), idle_gaps(record)
+    return {"gpu_busy_ms": summary["busy_ms"], "paging_kernel_ms": summary["paging_sum_ms"],
+            "paging_hidden_ms": summary["paging_hidden_ms"],
+            "kernels_per_step": summary["kernels"], "idle_gaps": gaps}
 
 
 def host_profile(step: Callable[[], object], top: int = 25) -> list[str]:

@@ -10,6 +10,7 @@ import pytest
 
 from megatron_paging.tools.kernel_timeline import (
     differences,
+    idle_gaps,
     load,
     main,
     summarize,
@@ -73,3 +74,50 @@ def test_differences_rank_kernels_by_time_changed(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "paging kernels 2: 0.03 ms, 0.03 ms of it beside other kernels" in out
     assert "kernels whose time differs most (a.json.gz -> b.rank0)" in out
+    assert ("idle gaps >= 2 us: host-late 0 / 0.00 ms, queued 0 / 0.00 ms, unknown 1 / 0.04 ms"
+            in out)
+
+
+def cpu_call(name, correlation, start):
+    """A CUDA runtime call on the host, as the profiler records it (CPU activity)."""
+    return NS(name=name, device_type=CPU, is_user_annotation=False, id=correlation,
+              device_resource_id=0, time_range=NS(start=start, end=start + 3))
+
+
+def kernel(name, stream, start, end, correlation):
+    return NS(name=name, device_type=CUDA, is_user_annotation=False, id=correlation,
+              device_resource_id=stream, time_range=NS(start=start, end=end))
+
+
+def test_idle_gaps_tell_a_late_host_from_a_queued_dependency():
+    events = [
+        cpu_call("cudaLaunchKernel", 1, 0), kernel("gemm", 7, 10, 100, 1),
+        # launched at 20, long before the device went idle at 100: held back until 130 by a
+        # stream wait -> a queued gap of 30 us
+        cpu_call("cudaLaunchKernel", 2, 20), kernel("bulk_kernel<true, 8>", 20, 130, 140, 2),
+        # launched at 160, after the device went idle at 140 -> a host gap of 25 us
+        cpu_call("cuLaunchKernel", 3, 160), kernel("gemm", 7, 165, 200, 3),
+        # a 1 us gap is below the threshold
+        cpu_call("cudaLaunchKernel", 4, 150), kernel("fill", 7, 201, 210, 4),
+        # an aten op whose id happens to equal a kernel's correlation id is not its launch
+        NS(name="aten::mm", device_type=CPU, is_user_annotation=False, id=5,
+           device_resource_id=0, time_range=NS(start=500, end=501)),
+        kernel("fill", 7, 230, 240, 5),
+    ]
+    record = timeline_record(events, 2, 0.0)
+    assert record["launch_us"] == [-10.0, 10.0, 150.0, 140.0, None]
+    g = idle_gaps(record, min_us=2.0)
+    assert (g["queued_gaps"], g["host_gaps"], g["unknown_gaps"]) == (1, 1, 1)
+    assert g["queued_ms"] == pytest.approx(0.030)
+    assert g["host_ms"] == pytest.approx(0.025)
+    assert g["unknown_ms"] == pytest.approx(0.020)  # [210, 230]: its launch is not known
+    assert g["queued_after"] == [("bulk_kernel<true, 8>", 1, pytest.approx(0.030))]
+    assert idle_gaps(record, min_us=26.0)["host_gaps"] == 0  # 25 us < threshold
+
+
+def test_idle_gaps_of_a_record_without_launch_times():
+    record = timeline_record(EVENTS, 1, 0.0)
+    del record["launch_us"]  # as the example wrote records before launch times
+    g = idle_gaps(record)
+    assert g["unknown_gaps"] == 1 and g["unknown_ms"] == pytest.approx(0.040)  # [100, 140]
+    assert g["host_gaps"] == g["queued_gaps"] == 0

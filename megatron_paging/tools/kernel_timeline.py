@@ -4,7 +4,10 @@ The example's ``MEGATRON_PAGING_PROFILE_JSON`` writes :func:`timeline_record` of
 iteration; ``python -m megatron_paging.tools.kernel_timeline A.json [B.json]`` prints
 :func:`summarize` of each file and, for two files, the kernels whose device time differs most
 (the question a "paged step is N ms slower" result leaves open: paging kernels that were not
-hidden, or compute kernels slowed by copies running beside them).
+hidden, or compute kernels slowed by copies running beside them), and :func:`idle_gaps`: the
+stretches in which no device op runs, each classed by the op that ends it — launched by the
+host only after the device went idle (``host``: the host is late) or already queued and held
+back by a stream dependency or the device's front end (``queued``).
 
 A diagnostic outside the paging runtime; it reads profiler events only.
 """
@@ -27,21 +30,33 @@ def is_paging_kernel(name: str) -> bool:
 
 def timeline_record(events, iteration: int, wall_ms: float) -> dict:
     """Device activity of ``events`` (``profiler.events()``) as a compact JSON-able record:
-    one row ``[name index, stream, start us, duration us]`` per kernel, memcpy or memset."""
+    one row ``[name index, stream, start us, duration us]`` per kernel, memcpy or memset, and
+    ``launch_us``: per row, when the host called the CUDA runtime for it (``None`` unless the
+    profile recorded CPU activity too). A device op and its runtime call share the correlation
+    id (``FunctionEvent.id``); only runtime calls (names from ``cu``) are matched, since other
+    CPU events' ids are not correlation ids."""
     names: dict[str, int] = {}
-    rows = []
+    rows, launches = [], {}
     for e in events:
-        if e.device_type.name != "CUDA" or e.is_user_annotation:
+        if e.device_type.name != "CUDA":
+            if e.name.startswith("cu") and getattr(e, "id", None) is not None:
+                launches.setdefault(e.id, float(e.time_range.start))
+            continue
+        if e.is_user_annotation:
             continue
         index = names.setdefault(e.name, len(names))
         start = float(e.time_range.start)
-        rows.append([index, int(e.device_resource_id), start, float(e.time_range.end) - start])
+        rows.append([index, int(e.device_resource_id), start, float(e.time_range.end) - start,
+                     getattr(e, "id", None)])
     rows.sort(key=lambda r: r[2])
     t0 = rows[0][2] if rows else 0.0
+    launch_us = [round(launches[r[4]] - t0, 3) if r[4] in launches else None for r in rows]
     for r in rows:
+        del r[4]
         r[2] = round(r[2] - t0, 3)
         r[3] = round(r[3], 3)
-    return {"iteration": iteration, "wall_ms": wall_ms, "names": list(names), "rows": rows}
+    return {"iteration": iteration, "wall_ms": wall_ms, "names": list(names), "rows": rows,
+            "launch_us": launch_us}
 
 
 def _union_us(intervals) -> float:
@@ -77,6 +92,38 @@ def summarize(record: dict) -> dict:
         "paging_hidden_ms": _overlap_us(paging, other) / 1e3,
         "streams": {s: {"kernels": len(v), "busy_ms": _union_us(v) / 1e3}
                     for s, v in sorted(streams.items())},
+    }
+
+
+def idle_gaps(record: dict, min_us: float = 2.0, top: int = 8) -> dict:
+    """The stretches of at least ``min_us`` with no device op running, classed by the op that
+    ends each one: ``host`` if its runtime call came after the device went idle (the device
+    waited for the host), ``queued`` if it was already launched (it waited on a stream
+    dependency, an event, or the front end), ``unknown`` without launch times. ``queued_after``:
+    the ops that most often end a queued gap, by name, with their summed gap time."""
+    rows, launch = record["rows"], record.get("launch_us") or [None] * len(record["rows"])
+    order = sorted(range(len(rows)), key=lambda i: rows[i][2])
+    totals = {"host": [0, 0.0], "queued": [0, 0.0], "unknown": [0, 0.0]}
+    after: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    end = None
+    for i in order:
+        start, stop = rows[i][2], rows[i][2] + rows[i][3]
+        if end is not None and start - end >= min_us:
+            gap = start - end
+            kind = ("unknown" if launch[i] is None else "host" if launch[i] > end else "queued")
+            totals[kind][0] += 1
+            totals[kind][1] += gap
+            if kind == "queued":
+                entry = after[record["names"][rows[i][0]]]
+                entry[0] += 1
+                entry[1] += gap
+        end = stop if end is None else max(end, stop)
+    ranked = sorted(after.items(), key=lambda kv: kv[1][1], reverse=True)[:top]
+    return {
+        "min_us": min_us,
+        **{f"{k}_gaps": v[0] for k, v in totals.items()},
+        **{f"{k}_ms": v[1] / 1e3 for k, v in totals.items()},
+        "queued_after": [(name, n, us / 1e3) for name, (n, us) in ranked],
     }
 
 
@@ -122,6 +169,12 @@ def main(argv=None) -> None:
               f"of it beside other kernels")
         for stream, v in s["streams"].items():
             print(f"    stream {stream}: {v['kernels']} ops, busy {v['busy_ms']:.1f} ms")
+        g = idle_gaps(record)
+        print(f"    idle gaps >= {g['min_us']:g} us: host-late {g['host_gaps']} / "
+              f"{g['host_ms']:.2f} ms, queued {g['queued_gaps']} / {g['queued_ms']:.2f} ms, "
+              f"unknown {g['unknown_gaps']} / {g['unknown_ms']:.2f} ms")
+        for name, n, ms in g["queued_after"]:
+            print(f"      queued gap before {name[:70]}: {n} x, {ms:.2f} ms")
     if len(records) == 2:
         a, b = (p.name for p in args.records)
         print(f"kernels whose time differs most ({a} -> {b}):")
