@@ -49,7 +49,7 @@ namespace {
 // blocks do), or batches taken from a shared ticket (a CTA on a slower SM simply takes fewer).
 // kAdaptive picks one of the three per launch from the grid it got (see adaptive_order); it is
 // the default since it measured at least as fast as each fixed order in every regime
-// (kernels_h200.json at 965172b: 32 CTAs 3066/3041 GB/s, full grid 3845/3857).
+// (kernels_bulk_host_h200.json at 965172b: 32 CTAs 3066/3041 GB/s, full grid 3845/3857).
 enum class TileOrder { kContiguous, kInterleaved, kDynamic, kAdaptive };
 
 template <int kTileKiB, int kStagesN, int kAheadN, TileOrder kOrderN = TileOrder::kContiguous,
