@@ -297,8 +297,9 @@ def plot(rows: list[dict], sweep: list[dict], png: Path) -> None:
     bars.set_title(f"paging kernels on {torch.cuda.get_device_name()}", fontsize=9)
     bars.legend(fontsize=7)
     curve_paths = ("tile", "bulk", *ALL_BULK_VARIANTS)
-    for path, marker in zip(curve_paths, "os^v<>dpP"[: len(curve_paths)], strict=True):
-        style = f"{marker}-"
+    markers = "os^v<>dpPXh*"  # cycled: the variant list grows with the experiments
+    for i, path in enumerate(curve_paths):
+        style = f"{markers[i % len(markers)]}-"
         points = [s for s in sweep if s["path"] == path]
         if points:
             curve.plot([s["max_ctas"] for s in points], [s["stash_gbps"] for s in points], style,

@@ -107,9 +107,9 @@ class PagingContext:
         self.scheduler: PagingScheduler | None = None  # the open step's, once a slot opened
         self._forward: tuple[int, int] | None = None  # (chunk, microbatch)
         self._backward: tuple[int, int, bool] | None = None  # (chunk, microbatch, defer)
-        # Open forward slots, innermost last: (slot, saved, marks). An offload group opens
-        # inside a layer slot (open_offload_group) and commits first.
-        self._slots: list[tuple[tuple, list[_Saved], dict[int, _Mark]]] = []
+        # Open forward slots, innermost last: (slot, saved, marks, live-count snapshots). An
+        # offload group opens inside a layer slot (open_offload_group) and commits first.
+        self._slots: list[tuple[tuple, list[_Saved], dict[int, _Mark], dict]] = []
         self._backward_layer: int | None = None
         # Slots whose input carries an end marker (_GroupStart, slot_end_marker): their
         # backward's end is reported, so the slots below are prefetched then.
@@ -193,7 +193,7 @@ class PagingContext:
             self.scheduler = self.engine.scheduler_for(torch.device(device))
         slot = (int(chunk), layer if isinstance(layer, tuple) else int(layer), int(microbatch))
         self.scheduler.open_slot(*slot)
-        self._slots.append((slot, [], {}))
+        self._slots.append((slot, [], {}, {}))
 
     def open_offload_group(self, chunk: int, key: tuple, microbatch: int, device) -> None:
         """An offload group's forward begins (it may nest in an open layer slot): its saved
@@ -257,7 +257,9 @@ class PagingContext:
         """Page ``tensor`` (a capacity buffer, rows first) if autograd saves it in this slot.
 
         Args:
-            live_rows: device int tensor, one live count per segment; cloned now.
+            live_rows: device int tensor, one live count per segment; copied now (one copy per
+                slot for marks that share an unchanged tensor, as a layer's buffers share its
+                dispatcher's counts).
             segments: ``(start_row, rows)`` per segment; default one segment of all rows.
             wgrad_only: only the layer's weight gradient reads it (may stay paged until a
                 deferred wgrad runs).
@@ -269,9 +271,25 @@ class PagingContext:
         if not isinstance(live_rows, torch.Tensor):
             raise TypeError(f"live_rows must be a tensor, got {type(live_rows).__name__}")
         self._marks[id(tensor)] = _Mark(
-            tensor, live_rows.detach().clone(), segments, bool(wgrad_only), True, None
+            tensor, self._live_snapshot(live_rows), segments, bool(wgrad_only), True, None
         )
         return tensor
+
+    def _live_snapshot(self, live_rows: torch.Tensor) -> torch.Tensor:
+        """A private copy of ``live_rows``, shared by the open slot's marks of the same tensor
+        while its version counter says nobody wrote it in between (each copy is an allocation
+        and a kernel on the step's host path). Integer tensors never require grad: no detach."""
+        snapshots = self._slots[-1][3]
+        try:
+            version = live_rows._version
+        except RuntimeError:  # an inference tensor keeps no version counter: copy every time
+            return live_rows.clone()
+        known = snapshots.get(id(live_rows))
+        if known is not None and known[0] is live_rows and known[1] == version:
+            return known[2]
+        copy = live_rows.clone()
+        snapshots[id(live_rows)] = (live_rows, version, copy)
+        return copy
 
     def pack_marked(
         self,
@@ -316,7 +334,7 @@ class PagingContext:
         """The open slot's forward is done: stash its marked saved tensors (one record each)."""
         if self._slot is None:
             raise RuntimeError("group_commit() without a group_start()")
-        slot, saved, marks = self._slots.pop()
+        slot, saved, marks, _ = self._slots.pop()
         scheduler = self.scheduler
         for s in saved:
             mark = s.mark or marks.get(id(s.tensor))

@@ -135,8 +135,9 @@ class CudaStreamBackend:
 
     Host cost matters here (every call is on the training step's critical host path): the
     device index is resolved once, ``compute_stream()`` asks CUDA for the current stream by
-    index (the scheduler calls it at most once per public call), and ``scope`` makes the paging
-    stream current once per group so that ``launch`` inside it only calls ``fn``.
+    index and returns one cached Python object per stream (the scheduler calls it at most once
+    per public call), and ``scope`` makes the paging stream current once per group, setting
+    and restoring it directly, so that ``launch`` inside it only calls ``fn``.
 
     Args:
         device: the CUDA device; the current device when omitted.
@@ -156,9 +157,21 @@ class CudaStreamBackend:
         self.device_index = self.device.index
         self.paging_stream = torch.cuda.Stream(self.device, priority=priority)
         self._scoped = None  # the stream a ``scope`` made current, if any
+        # One Python object per CUDA stream, keyed by torch's (id, device, type) triple:
+        # torch.cuda.current_stream builds a new one per call, several times per layer.
+        self._streams: dict[tuple, torch.cuda.Stream] = {}
+        self._current = getattr(torch._C, "_cuda_getCurrentStream", None)
 
     def compute_stream(self) -> torch.cuda.Stream:
-        return torch.cuda.current_stream(self.device_index)
+        if self._current is None:  # a torch without the binding: the public call
+            return torch.cuda.current_stream(self.device_index)
+        key = self._current(self.device_index)
+        stream = self._streams.get(key)
+        if stream is None:
+            stream = self._streams[key] = torch.cuda.Stream(
+                stream_id=key[0], device_index=key[1], device_type=key[2]
+            )
+        return stream
 
     def capturing(self) -> bool:
         return torch.cuda.is_current_stream_capturing()
@@ -182,8 +195,18 @@ class CudaStreamBackend:
             return
         previous, self._scoped = self._scoped, stream
         try:
-            with torch.cuda.stream(stream):
+            if torch.cuda.current_device() != self.device_index:
+                with torch.cuda.stream(stream):  # it also switches and restores the device
+                    yield
+                return
+            # Same device: set and restore the stream directly (what torch.cuda.stream does
+            # there, without its two current_stream() objects per use).
+            restore = self.compute_stream()
+            torch.cuda.set_stream(stream)
+            try:
                 yield
+            finally:
+                torch.cuda.set_stream(restore)
         finally:
             self._scoped = previous
 

@@ -47,3 +47,16 @@ def test_few_sm_target_default_path_meets_it():
 def test_few_sm_target_without_few_sm_rows():
     out = bench_kernels.few_sm_target([_row("bulk", 64, 3874.0, 3883.0)])
     assert out == {"target": ">= 3000 GB/s with <= 32 CTAs", "met": False, "best": None}
+
+
+def test_plot_draws_a_curve_for_every_path(tmp_path, monkeypatch):
+    """The sweep plot has a line style for each of the (growing) list of bulk variants: the
+    H200 run at 79a3c2f lost its PNG when the variants outnumbered the markers."""
+    monkeypatch.setattr(bench_kernels.torch.cuda, "get_device_name", lambda *a: "test GPU")
+    paths = ("tile", "bulk", *bench_kernels.ALL_BULK_VARIANTS)
+    sweep = [_row(p, c, 1000.0 + i, 900.0 + i) for i, p in enumerate(paths) for c in (32, 64)]
+    gbps = {"tile_stash": 3691.0, "copy_stash_direction": 4208.0}
+    rows = [{"regime": "bf16 h7168", "gbps": gbps}]
+    png = tmp_path / "kernels.png"
+    bench_kernels.plot(rows, sweep, png)
+    assert png.stat().st_size > 0

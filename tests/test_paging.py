@@ -77,6 +77,35 @@ def test_marks_are_matched_by_identity_before_or_after_the_saving_op():
     assert pools[ROW_BYTES].free_pages()[0] == PAGES
 
 
+def test_marks_of_one_slot_share_a_live_count_copy_until_it_is_written():
+    """Marks of an unchanged live-count tensor share one copy (one allocation and kernel per
+    slot, not per mark); an in-place write in between makes a new copy, and the records keep
+    the counts each mark saw."""
+    w = torch.randn(WIDTH, WIDTH, requires_grad=True)
+    x = torch.randn(ROWS, WIDTH)
+    live = torch.tensor([ROWS - 3])
+    context, backend, pools = paged()
+    context.begin_step()
+    with context.forward(0, 0):
+        a = context.group_start(x, 0) @ w
+        b, c = a * 3, a * 5
+        context.mark(a, live)
+        context.mark(b, live)
+        live.fill_(ROWS - 5)  # the dispatcher overwrites its counts in place
+        context.mark(c, live)
+        marks = list(context._marks.values())
+        y = context.group_commit(_Square.apply(a) + _Square.apply(b) + _Square.apply(c))
+    assert marks[0].live_rows is marks[1].live_rows  # one copy for the unchanged tensor
+    assert marks[2].live_rows is not marks[0].live_rows
+    assert [int(m.live_rows) for m in marks] == [ROWS - 3, ROWS - 3, ROWS - 5]
+    assert [int(m.handle.record.live_rows) for m in marks] == [ROWS - 3, ROWS - 3, ROWS - 5]
+    live.fill_(0)  # later writes reach no record
+    y.sum().backward()
+    assert context.finish() == 0
+    assert [int(m.handle.record.live_rows) for m in marks] == [ROWS - 3, ROWS - 3, ROWS - 5]
+    assert pools[ROW_BYTES].free_pages()[0] == PAGES
+
+
 def test_pack_marked_capacity_rows_annotations_private_live_rows_and_dedupe():
     context, backend, pools = paged()
     t = torch.randn(2 * ROWS, WIDTH // 2, requires_grad=True)  # ROWS capacity rows of 32 bytes

@@ -317,6 +317,30 @@ def test_cuda_backend_streams():
         CudaStreamBackend("cpu")
 
 
+def test_cuda_backend_scope_sets_and_restores_the_current_stream():
+    """compute_stream() hands out one object per CUDA stream; scope makes the paging stream
+    current (nested scopes of it are free) and restores the stream it found, also a side
+    stream, also after an exception."""
+    from megatron_paging.streams import CudaStreamBackend
+
+    backend = CudaStreamBackend()
+    side = torch.cuda.Stream()
+    assert backend.compute_stream() is backend.compute_stream()
+    with torch.cuda.stream(side):
+        assert backend.compute_stream() == side
+        with backend.scope(backend.paging_stream):
+            assert torch.cuda.current_stream() == backend.paging_stream
+            with backend.scope(backend.paging_stream):
+                assert torch.cuda.current_stream() == backend.paging_stream
+            assert torch.cuda.current_stream() == backend.paging_stream
+        assert torch.cuda.current_stream() == side
+        with pytest.raises(KeyError), backend.scope(backend.paging_stream):
+            raise KeyError("inside the scope")
+        assert torch.cuda.current_stream() == side
+        assert backend._scoped is None
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+
+
 # Last in this file: if CUDA rejects the capture (the bug it checks for), no test here follows.
 def test_gpu_captured_step_whose_slot_pages_nothing():
     """A captured paged step whose slot stashes nothing never forks the paging stream into the
