@@ -114,26 +114,51 @@ class RecordLayout:
     def max_pages(self) -> int:
         return sum(ceil_div(n, self.page_size) for n in self.segment_rows)
 
-    def new_record(self, live_rows: torch.Tensor, snapshot: bool = True) -> PageRecord:
+    def new_record(self, live_rows: torch.Tensor, snapshot: bool = True,
+                   defer_buffer: bool = False) -> PageRecord:
         """A record over ``live_rows``: copied when ``snapshot``, else kept (already private).
 
         The live-count copy, ``page_record`` and ``spilled_to_host`` share one uninitialized
         int64 buffer: one allocation and at most one copy kernel per record. Every stash
         kernel writes ``page_record`` and ``spilled_to_host`` before anything reads them.
+        ``defer_buffer`` (a private int64 count: nothing to copy now) leaves the last two
+        unset for :func:`attach_buffers`, which gives a whole group one buffer.
         """
         segments = self.num_segments
         _check_live_rows(live_rows, segments)
         own = segments if snapshot or live_rows.dtype != torch.int64 else 0
+        if defer_buffer and not own:
+            live = live_rows if live_rows.dim() == 1 else live_rows.reshape(-1)
+            return PageRecord(self, live, None, None)
         packed = torch.empty(own + self.page_slots + 1, dtype=torch.int64,
                              device=live_rows.device)
         # One op for the three pieces (two slices cost twice as much host time). "Unsafe" only
         # means autograd keeps no view links: these int64 tensors never meet autograd.
         live, page_record, spilled = packed.unsafe_split_with_sizes([own, self.page_slots, 1])
         if own:
-            live.copy_(live_rows.reshape(-1))  # the snapshot: the caller may overwrite its tensor
+            # The snapshot: the caller may overwrite its tensor.
+            live.copy_(live_rows if live_rows.dim() == 1 else live_rows.reshape(-1))
         else:
             live = live_rows if live_rows.dim() == 1 else live_rows.reshape(-1)
         return PageRecord(self, live, page_record, spilled)
+
+
+def attach_buffers(records) -> None:
+    """Give every record still without ``page_record`` / ``spilled_to_host`` (made with
+    ``defer_buffer``) its two pieces of one int64 buffer per device: one allocation and one
+    split for a commit group, not one of each per record."""
+    waiting: dict[torch.device, list[PageRecord]] = {}
+    for record in records:
+        if record.page_record is None:
+            waiting.setdefault(record.live_rows.device, []).append(record)
+    for device, group in waiting.items():
+        sizes = []
+        for record in group:
+            sizes += (record.layout.page_slots, 1)
+        packed = torch.empty(sum(sizes), dtype=torch.int64, device=device)
+        pieces = packed.unsafe_split_with_sizes(sizes)  # views; see new_record
+        for i, record in enumerate(group):
+            record.page_record, record.spilled_to_host = pieces[2 * i], pieces[2 * i + 1]
 
 
 def _check_live_rows(live_rows, segments: int) -> None:
@@ -152,8 +177,9 @@ class PageRecord:
 
     layout: RecordLayout
     live_rows: torch.Tensor  # int64 [num_segments], on the record's device
-    page_record: torch.Tensor  # int64 [page_slots]
-    spilled_to_host: torch.Tensor  # int64 [1]
+    # int64 [page_slots] and [1]; None only between a deferred-buffer save and its commit
+    page_record: torch.Tensor | None
+    spilled_to_host: torch.Tensor | None
     # Optional scheduler annotations; the kernels ignore them.
     annotations: dict = field(default_factory=dict)
 
@@ -213,4 +239,4 @@ class PageRecord:
         )
 
 
-__all__ = ["PageRecord", "RecordLayout"]
+__all__ = ["PageRecord", "RecordLayout", "attach_buffers"]

@@ -30,7 +30,7 @@ import torch
 from megatron_paging import kernels
 from megatron_paging.config import PagingConfig
 from megatron_paging.pool import PagePools
-from megatron_paging.record import RecordLayout
+from megatron_paging.record import RecordLayout, attach_buffers
 from megatron_paging.transfers import PagedHandle, Parker, Transfers, reload_destination
 
 BACKWARD = "backward"
@@ -195,7 +195,10 @@ class PagingScheduler:
         layout = RecordLayout.cached(self._layouts, capacity_rows, row_bytes, self.page_size,
                                      segments, live_rows.device)
         # An integer tensor never requires grad: no detach (one tensor object less per save).
-        record = layout.new_record(live_rows, snapshot=not live_rows_private)
+        # A private count needs no copy now: the record's buffer comes with its group's at
+        # commit (one allocation per group).
+        record = layout.new_record(live_rows, snapshot=not live_rows_private,
+                                   defer_buffer=True)
         wgrad_only = bool(wgrad_only)
         record.annotations.update(
             chunk=chunk, layer=layer, microbatch=microbatch, wgrad_only=wgrad_only
@@ -226,6 +229,7 @@ class PagingScheduler:
         if not self._open_slots:
             raise RuntimeError("commit() without an open slot")
         (chunk, layer, microbatch), handles = self._open_slots.pop()
+        attach_buffers([h.record for h in handles if h.record is not None])
         self._release_sources()
         self.backend.note(
             "commit", chunk=chunk, layer=layer, microbatch=microbatch,

@@ -243,13 +243,18 @@ def test_save_commit_reload_unpack_allocation_counts(noop_kernels):
         tensor = scheduler.unpack(handle)
     scheduler.finish()
 
-    # A save: one buffer (live copy + page_record + spilled_to_host), split by one op.
-    assert private.allocations == ["aten.empty.memory_format"]
-    assert private.views == ["aten.unsafe_split_with_sizes.default"] and not private.writes
+    # A private save makes nothing: its page_record and spilled_to_host come with the group's
+    # one buffer at commit. A snapshot save: one buffer (live copy + page_record +
+    # spilled_to_host), split by one op, and the copy.
+    assert private.allocations == private.views == private.writes == []
     assert snapshot.allocations == ["aten.empty.memory_format"]
+    assert snapshot.views == ["aten.unsafe_split_with_sizes.default"]
     assert snapshot.writes == ["aten.copy_.default"]  # the live-count snapshot
-    # Commit and unpack make no tensors; a reload allocates exactly one destination per record.
-    assert commit.allocations == [] and commit.views == []
+    # Commit: one buffer and one split for the group's private records; unpack makes no
+    # tensors; a reload allocates exactly one destination per record.
+    assert commit.allocations == ["aten.empty.memory_format"]
+    assert commit.views == ["aten.unsafe_split_with_sizes.default"]
+    assert handle.record.page_record.numel() == handle.record.layout.page_slots
     assert reload.allocations == ["aten.empty.memory_format"] * 2 and reload.views == []
     assert unpack.allocations == [] and unpack.views == []
     assert tensor.shape == tensors[0].shape
@@ -327,14 +332,14 @@ def test_mcore_api_steady_state_allocation_counts(noop_kernels):
     assert counters["open"].allocations == ["aten._to_copy.default"] * LAYERS
     assert counters["open"].views == ["aten.view.default"] * LAYERS
     assert counters["open"].writes == []
-    # The pack hook only takes note; the commit makes one record buffer per record (no
+    # The pack hook only takes note; the commit makes one record buffer per group (no
     # live-count snapshot: the group's copy is private) and stashes.
     assert counters["pack"].allocations == counters["pack"].views == []
     assert counters["pack"].writes == []
-    assert counters["commit"].allocations == ["aten.empty.memory_format"] * LAYERS * RECORDS
+    assert counters["commit"].allocations == ["aten.empty.memory_format"] * LAYERS
     assert counters["commit"].writes == []
-    # One split of the record buffer per record, and the commit's identity view per group.
-    group_views = ["aten.unsafe_split_with_sizes.default"] * RECORDS + ["aten.view.default"]
+    # One record buffer per group, split once, and the commit's identity view per group.
+    group_views = ["aten.unsafe_split_with_sizes.default", "aten.view.default"]
     assert counters["commit"].views == group_views * LAYERS
     assert counters["unpack"].allocations == [] and counters["unpack"].views == []
     assert counters["unpack"].writes == []
