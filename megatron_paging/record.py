@@ -127,19 +127,18 @@ class RecordLayout:
         segments = self.num_segments
         _check_live_rows(live_rows, segments)
         own = segments if snapshot or live_rows.dtype != torch.int64 else 0
+        flat = live_rows if live_rows.dim() == 1 else live_rows.reshape(-1)
         if defer_buffer and not own:
-            live = live_rows if live_rows.dim() == 1 else live_rows.reshape(-1)
-            return PageRecord(self, live, None, None)
+            return PageRecord(self, flat, None, None)
         packed = torch.empty(own + self.page_slots + 1, dtype=torch.int64,
                              device=live_rows.device)
         # One op for the three pieces (two slices cost twice as much host time). "Unsafe" only
         # means autograd keeps no view links: these int64 tensors never meet autograd.
         live, page_record, spilled = packed.unsafe_split_with_sizes([own, self.page_slots, 1])
         if own:
-            # The snapshot: the caller may overwrite its tensor.
-            live.copy_(live_rows if live_rows.dim() == 1 else live_rows.reshape(-1))
+            live.copy_(flat)  # the snapshot: the caller may overwrite its tensor
         else:
-            live = live_rows if live_rows.dim() == 1 else live_rows.reshape(-1)
+            live = flat
         return PageRecord(self, live, page_record, spilled)
 
 
