@@ -19,10 +19,33 @@ from pathlib import Path
 EXPERT_MODULES = ("experts", "both")
 
 
+def control_of(run: dict, mode: str) -> str | None:
+    """The no-offloading control an arm is compared with: the graphed one for graphed arms."""
+    for control in (("graphed_unpaged",) if "graphed" in mode else ()) + ("unpaged",):
+        if control in run["summary"] and control != mode:
+            return control
+    return None
+
+
+def bitwise_to_control(run: dict, mode: str) -> bool | None:
+    """Every microbatch loss (float.hex, from the loss logs) equal to the control's."""
+    control = control_of(run, mode)
+    if control is None:
+        return None
+    ours = run["runs"][mode].get("microbatch_losses")
+    theirs = run["runs"][control].get("microbatch_losses")
+    if not ours or not theirs:  # runs without loss logs: what the run script said
+        return run["summary"][mode].get("bitwise_equal_to_unpaged")
+    return ours == theirs
+
+
 def arm_stats(run: dict, mode: str, first_step: int = 3) -> dict:
     """Median step ms (from ``first_step``: step 1 calibrates, 2 allocates), its quartiles,
     and what the mode's report line said."""
     summary = run["summary"][mode]
+    warmup = run["runs"][mode].get("graph_warmup_steps")
+    if "graphed" in mode and warmup is not None:  # eager warm-up steps, then the capture step
+        first_step = max(first_step, warmup + 2)
     times = [r["ms"] for r in run["runs"][mode]["iterations"] if r["iteration"] >= first_step]
     quartiles = statistics.quantiles(times, n=4) if len(times) >= 4 else [None, None, None]
     return {
@@ -43,7 +66,8 @@ def arm_stats(run: dict, mode: str, first_step: int = 3) -> dict:
         "offload_host_mib": _float(summary.get("offload_host_mib")),
         "offload_rows_live_mib": _float(summary.get("offload_rows_live_mib")),
         "offload_rows_capacity_mib": _float(summary.get("offload_rows_capacity_mib")),
-        "bitwise_equal_to_unpaged": summary.get("bitwise_equal_to_unpaged"),
+        "control": control_of(run, mode),
+        "bitwise_equal_to_control": bitwise_to_control(run, mode),
         "graph_replays": summary.get("graph_replays"),
     }
 
@@ -63,7 +87,8 @@ def compare(run: dict) -> list[dict]:
         if baseline not in run["summary"]:
             continue
         ours, theirs = arm_stats(run, mode), arm_stats(run, baseline)
-        control = arm_stats(run, "unpaged") if "unpaged" in run["summary"] else None
+        control_mode = control_of(run, mode)
+        control = arm_stats(run, control_mode) if control_mode else None
         ratio = ours["median_step_ms"] / theirs["median_step_ms"]
         spread = max(ours["relative_iqr"] or 0, theirs["relative_iqr"] or 0)
         row = {
@@ -107,8 +132,8 @@ def plot(runs: list[tuple[str, dict]], png: Path) -> None:
         modes = list(run["summary"])
         stats = {m: arm_stats(run, m) for m in modes}
         ok = [m for m in modes if stats[m]["median_step_ms"] is not None]
-        colors = ["grey" if m == "unpaged" else "tab:orange" if "_mcore_" in m else "tab:blue"
-                  for m in ok]
+        colors = ["grey" if m.endswith("unpaged") else "tab:orange" if "_mcore_" in m
+                  else "tab:blue" for m in ok]
         med = [stats[m]["median_step_ms"] for m in ok]
         err = [[med[i] - (stats[m]["p25_step_ms"] or med[i]) for i, m in enumerate(ok)],
                [(stats[m]["p75_step_ms"] or med[i]) - med[i] for i, m in enumerate(ok)]]
@@ -165,8 +190,8 @@ def main(argv=None) -> int:
         for m, s in entry["arms"].items():
             print(f"  {m:<36} {s['median_step_ms'] or float('nan'):>8.1f} ms "
                   f"(IQR {100 * (s['relative_iqr'] or 0):.0f}%) fb peak "
-                  f"{s['fb_peak_mib'] or float('nan'):>8.1f} MiB bitwise "
-                  f"{s['bitwise_equal_to_unpaged']}")
+                  f"{s['fb_peak_mib'] or float('nan'):>8.1f} MiB bitwise to "
+                  f"{s['control']}: {s['bitwise_equal_to_control']}")
         for row in entry["ours_vs_mcore"]:
             print(f"  {row['module_set']}: ours/mcore step {row['step_ratio_ours_over_mcore']:.3f}"
                   f" (within spread: {row['step_ratio_within_spread']}), fb peak "

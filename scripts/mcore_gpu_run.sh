@@ -12,9 +12,12 @@
 #                      (mcore | paged) of the module set (experts: expert_fc1 moe_act; dense:
 #                      attn_norm qkv_linear core_attn attn_proj mlp_norm; both), with
 #                      --moe-paged-stash when the name has _stash, full-iteration CUDA graphs
-#                      when it has _graphed (e.g. offload_paged_dense_stash_graphed)
+#                      when it has _graphed (e.g. offload_paged_dense_stash_graphed); a
+#                      graphed mcore mode gets --fine-grained-offloading-max-inflight-offloads
+#                      2, or N from an _inflightN token (offload_mcore_dense_graphed_inflight0)
 # then print per-step losses / grad norms, bitwise parity of every microbatch loss against the
-# control, peak memory and step time, and write $OUT/mcore_run.json.
+# control (graphed modes also against graphed_unpaged when it ran), peak memory and step time,
+# and write $OUT/mcore_run.json.
 #
 # Usage: bash scripts/mcore_gpu_run.sh [OUT] ; env: STEPS (20), MODES ("unpaged paged mcore"),
 #        DETERMINISTIC (1: --deterministic-mode, needed for bitwise parity), EXTRA (more flags),
@@ -54,7 +57,15 @@ for mode in $MODES; do
       paged=0; [[ "_${rest}_" == *_stash_* ]] && paged=1
       impl=(--fine-grained-activation-offloading --offload-modules "${mods[@]}"
             --paging-offload-backend "$backend")
-      [[ "_${rest}_" == *_graphed_* ]] && impl+=(--cuda-graph-impl full_iteration) ;;
+      if [[ "_${rest}_" == *_graphed_* ]]; then
+        impl+=(--cuda-graph-impl full_iteration)
+        # Megatron-Core's own backend refuses full-iteration graphs without an in-flight cap;
+        # a mode token inflightN picks it (default 2; ours ignores the cap, docs/offload.md).
+        if [ "$backend" = mcore ]; then
+          cap=2; [[ "_${rest}_" =~ _inflight([0-9]+)_ ]] && cap=${BASH_REMATCH[1]}
+          impl+=(--fine-grained-offloading-max-inflight-offloads "$cap")
+        fi
+      fi ;;
     *) echo "unknown mode $mode"; exit 2 ;;
   esac
   echo "=== mcore run: $mode ($STEPS steps) -> $log"
@@ -121,6 +132,7 @@ except OSError:
 from megatron_paging.env import git_commit
 commit = git_commit()
 control = runs.get("unpaged", {}).get("microbatch_losses")
+graphed_control = runs.get("graphed_unpaged", {}).get("microbatch_losses")
 summary = {}
 for mode, run in runs.items():
     its = run["iterations"]
@@ -138,6 +150,10 @@ for mode, run in runs.items():
         steady_steps=len(timed),
         bitwise_equal_to_unpaged=(run["microbatch_losses"] == control and bool(control))
         if mode != "unpaged" else None,
+        # graphed arms against the graphed control of the same call, when it ran
+        **({"bitwise_equal_to_graphed_unpaged":
+            run["microbatch_losses"] == graphed_control and bool(graphed_control)}
+           if "graphed" in mode and mode != "graphed_unpaged" and graphed_control else {}),
         **run["memory"],
     )
 print()

@@ -50,3 +50,33 @@ def test_arms_are_compared_within_one_run(tmp_path):
     assert row["expert_bytes"]["moved_over_capacity"] == pytest.approx(0.76)
     assert row["fb_saving_vs_unpaged_mib"] == {"ours": 180.0, "mcore": 200.0}
     assert (tmp_path / "out.png").stat().st_size > 0
+
+
+def test_graphed_arms_use_the_graphed_control_and_skip_the_capture_steps(tmp_path):
+    losses = ["0x1.5p+3", "0x1.4p+3"]
+    run = _run(
+        {"unpaged": [900, 800] + [300] * 6, "graphed_unpaged": [900, 800, 700, 700] + [100] * 4,
+         "offload_mcore_dense_graphed": [900, 800, 700, 700] + [200] * 4,
+         "offload_paged_dense_graphed": [900, 800, 700, 700] + [210] * 4},
+        {"unpaged": 1000.0, "graphed_unpaged": 1000.0, "offload_mcore_dense_graphed": 900.0,
+         "offload_paged_dense_graphed": 910.0},
+    )
+    for mode in run["runs"]:
+        run["runs"][mode]["graph_warmup_steps"] = 2 if "graphed" in mode else None
+        run["runs"][mode]["microbatch_losses"] = list(losses)
+    run["runs"]["offload_mcore_dense_graphed"]["microbatch_losses"] = ["0x1.5p+3", "0x1.3p+3"]
+    (tmp_path / "g").mkdir()
+    (tmp_path / "g" / "mcore_run.json").write_text(json.dumps(run))
+    out = tmp_path / "out.json"
+    assert report_offload.main([str(tmp_path / "g"), "--json", str(out)]) == 0
+    (entry,) = json.loads(out.read_text())["runs"]
+    arms = entry["arms"]
+    assert arms["offload_paged_dense_graphed"]["median_step_ms"] == 210  # steps 1-3 dropped
+    assert arms["offload_paged_dense_graphed"]["control"] == "graphed_unpaged"
+    assert arms["offload_paged_dense_graphed"]["bitwise_equal_to_control"] is True
+    assert arms["offload_mcore_dense_graphed"]["bitwise_equal_to_control"] is False
+    assert arms["graphed_unpaged"]["control"] == "unpaged"
+    (row,) = entry["ours_vs_mcore"]
+    assert row["step_ratio_ours_over_mcore"] == pytest.approx(1.05)
+    assert not row["targets"]["step_time_le_mcore"] and not row["targets"]["gpu_peak_le_mcore"]
+    assert row["fb_saving_vs_unpaged_mib"] == {"ours": 90.0, "mcore": 100.0}
