@@ -201,6 +201,7 @@ def _context_layer_us(backend, calls: int, repeats: int, kernel_backend: str = "
     out["paged_minus_unpaged"] = out["paged"] - out["unpaged"]
     out["paged_minus_unpaged_min"] = out["paged_min"] - out["unpaged_min"]
     out["counts_per_layer"] = counts
+    out["profile_per_layer_us"] = _profile_per_layer(steps, microbatches)
     out["layer"] = f"{tokens} tokens, hidden {hidden}, ffn {ffn}, {segments} segments, 3 records"
     return out
 
@@ -249,6 +250,37 @@ def _counts_per_layer(steps: dict, microbatches: int) -> dict:
     for name in steps:
         out[name]["by_op"] = {op: n / microbatches for op, n in out[name]["by_op"].items()}
     return out
+
+
+def _profile_per_layer(steps: dict, microbatches: int, repeats: int = 5, top: int = 25) -> dict:
+    """Where the paged layer's extra host time goes: cProfile's own time per function (C
+    functions and methods included, e.g. an event record or the autograd engine's backward),
+    in us per layer, paged minus unpaged, the largest differences first. Profiler overhead
+    inflates every entry alike, so read them against each other, not as absolute costs."""
+    import cProfile
+    import pstats
+
+    own = {}
+    for name, step in steps.items():
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(repeats):
+            step()
+        profile.disable()
+        stats = pstats.Stats(profile).stats  # {(file, line, func): (cc, nc, tottime, cum, ...)}
+        scale = 1e6 / (repeats * microbatches)
+        own[name] = {}
+        for (path, line, func), entry in stats.items():
+            key = f"{Path(path).name}:{line}:{func}" if line else func
+            own[name][key] = own[name].get(key, 0.0) + entry[2] * scale
+    paged, unpaged = own["paged"], own["unpaged"]
+    diff = {key: paged.get(key, 0.0) - unpaged.get(key, 0.0) for key in paged.keys() | unpaged}
+    rows = sorted(diff.items(), key=lambda item: -abs(item[1]))[:top]
+    return {"total_paged": sum(paged.values()), "total_unpaged": sum(unpaged.values()),
+            "top_differences": [[key, round(d, 2), round(paged.get(key, 0.0), 2),
+                                 round(unpaged.get(key, 0.0), 2)] for key, d in rows],
+            "columns": ["function", "paged minus unpaged", "paged", "unpaged"],
+            "repeats": repeats}
 
 
 def _primitives_us(backend, calls: int, repeats: int) -> dict:
@@ -316,6 +348,14 @@ def measure_cpu(calls: int = 20, repeats: int = 15) -> dict:
                       "kernels move nothing (host Python cost only)"}
 
 
+def _print_profile(label: str, profile: dict, rows: int = 12) -> None:
+    print(f"{label}: profiled us per layer (own time, profiler overhead included): paged "
+          f"{profile['total_paged']:.1f}, unpaged {profile['total_unpaged']:.1f}; largest "
+          "differences:", flush=True)
+    for key, diff, paged, unpaged in profile["top_differences"][:rows]:
+        print(f"  {diff:+9.1f}  ({paged:8.1f} vs {unpaged:8.1f})  {key}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--label", default="after")
@@ -339,6 +379,7 @@ def main() -> None:
         extra = layer["counts_per_layer"]["paged_minus_unpaged"]
         print(f"{args.label} (cpu): paging adds {extra['aten_ops']:.2f} aten ops and "
               f"{extra['python_calls']:.1f} Python calls per layer: {extra['by_op']}", flush=True)
+        _print_profile(args.label, layer["profile_per_layer_us"])
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")
         return
@@ -350,6 +391,7 @@ def main() -> None:
     if layer := result.get("context_layer_us"):
         print(f"{args.label}: synthetic layer fwd+bwd {layer['unpaged']:.1f} us unpaged, "
               f"{layer['paged']:.1f} us paged (+{layer['paged_minus_unpaged']:.1f} us)", flush=True)
+        _print_profile(args.label, layer["profile_per_layer_us"])
     print(f"{args.label}: primitives (us) " + ", ".join(
         f"{k} {v:.1f}" for k, v in result["primitives_us"].items()), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)

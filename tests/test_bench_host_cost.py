@@ -39,3 +39,18 @@ def test_cpu_mode_counts_what_paging_adds_per_layer(bench_host_cost):
     assert "aten.slice.Tensor" not in by_op
     assert extra["aten_ops"] < 12
     assert extra["python_calls"] > 0
+
+
+def test_cpu_mode_profiles_where_the_extra_host_time_goes(bench_host_cost):
+    result = bench_host_cost.measure_cpu(calls=1, repeats=1)
+    profile = result["context_layer_us"]["profile_per_layer_us"]
+    rows = profile["top_differences"]
+    assert profile["columns"][0] == "function" and len(rows) > 5
+    # sorted by the size of the difference, each row's difference = paged - unpaged
+    assert [abs(r[1]) for r in rows] == sorted((abs(r[1]) for r in rows), reverse=True)
+    for _, diff, paged, unpaged in rows:
+        assert diff == pytest.approx(paged - unpaged, abs=0.02)
+    # the scheduler and its transfers run only in the paged arm
+    ours = [r for r in rows if r[0].startswith(("scheduler.py", "transfers.py"))]
+    assert ours and all(r[3] == 0 for r in ours)
+    assert profile["total_paged"] > profile["total_unpaged"] > 0
