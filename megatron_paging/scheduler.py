@@ -55,9 +55,8 @@ class PagingScheduler:
         parker: used instead of pools when ``pools`` is ``None`` (see module docstring).
         config: prefetch distance, overlap, kernel backend, grid bound and (without pools) the
             page size (trusted: validated where it was built).
-        layout_cache: a dict to keep validated record layouts in; pass the same one to the
-            schedulers of later steps (same page size) so a layout is validated once per run,
-            not once per step. Default: a private one.
+        layout_cache: a dict for validated record layouts, shared by the schedulers of later
+            steps (same page size): a layout is validated once per run. Default: a private one.
         offload: the host-only pools and arena offloaded records go to
             (:class:`~megatron_paging.offload.OffloadPools`); ``offload_parker`` instead while
             calibrating (:class:`~megatron_paging.offload.OffloadCalibrator`).
@@ -112,11 +111,13 @@ class PagingScheduler:
             branch: defaultdict(dict) for branch in (BACKWARD, WGRAD)
         }
         self._sources: deque[tuple[Any, list[PagedHandle]]] = deque()  # (stash-done, handles)
+        # id -> reloaded handle no stream waited on yet: autograd dropping it unread must not
+        # free memory the paging stream writes (released at unpack's wait or finish's join)
+        self._unwaited: dict[int, PagedHandle] = {}
         # (chunk, layer, microbatch) -> commit position of a slot whose backward started with
         # its prefetch left to its end (backward_slot_end)
         self._prefetch_at_end: dict[tuple, int] = {}
-        # Host-static record layout per (capacity_rows, row_bytes, segments, device, page size):
-        # validated once, so a save costs one allocation and at most one copy kernel.
+        # Record layouts per (capacity_rows, row_bytes, segments, device, page size)
         self._layouts: dict[tuple, RecordLayout] = {} if layout_cache is None else layout_cache
 
     # ---------------------------------------------------------------- forward
@@ -356,6 +357,7 @@ class PagingScheduler:
             if handle.first_wait_on(compute):
                 self.backend.wait(compute, handle.reload_event, "unpack")
             handle.waited = True
+            self._unwaited.pop(handle.id, None)
             if compute != handle.alloc_stream:  # consumed on another stream than allocated on
                 self.backend.keep_alive(handle.tensor, compute)
         return handle.tensor
@@ -371,6 +373,7 @@ class PagingScheduler:
             done = self.backend.record(self.backend.paging_stream, "finish")
             self.backend.wait(self.backend.compute_stream(), done, "finish")
             self._paging_used = False
+        self._unwaited.clear()  # the compute stream is ordered after every reload now
         held, self._held = self._held, None
         left = 0 if held is None else sum(1 for h in held[3] if h.tensor is None)
         for h in held[3] if held is not None else ():
@@ -477,9 +480,7 @@ class PagingScheduler:
         done, waiters = self.backend.record(paging, "reload-done"), []
         for h in handles:
             h.reload_event, h.reload_waiters = done, waiters
-            # Autograd may drop a prefetched tensor without unpacking it (so without the compute
-            # stream ever waiting): its memory must not be reused before the paging write ends.
-            self.backend.keep_alive(h.tensor, paging)
+            self._unwaited[h.id] = h  # not record_stream: see docs/scheduler.md
             h.alloc_stream = compute
         return compute
 

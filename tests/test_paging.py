@@ -328,14 +328,37 @@ def stashed_and_prefetched(backend) -> tuple[PagingScheduler, object, torch.Tens
     return scheduler, handle, source
 
 
-def test_a_reload_destination_is_kept_alive_for_the_paging_stream():
-    """Autograd may drop a prefetched tensor unread: the paging stream's write must pin it."""
+def test_a_prefetched_tensor_dropped_unread_stays_alive_until_finish_joins_the_paging_stream():
+    """Autograd may drop a prefetched tensor unread (no stream ever waited on its reload): the
+    scheduler holds it until ``finish`` has ordered the compute stream after the paging
+    stream, instead of ``record_stream`` on the paging stream, which would make every freed
+    destination wait for all paging work queued at its free."""
+    backend = CpuStreamBackend()
+    scheduler, handle, _ = stashed_and_prefetched(backend)
+    assert backend.entries(op="keep_alive") == []
+    destination = weakref.ref(handle.tensor)
+    del handle  # what autograd does with a saved tensor it never unpacks
+    gc.collect()
+    assert destination() is not None
+    assert scheduler.finish() == 0
+    joined = [e for e in backend.log if e.op == "wait" and e.stream == "compute"][-1]
+    assert joined.kind == "finish"
+    gc.collect()
+    assert destination() is None
+
+
+def test_an_unpacked_reload_is_not_held_by_the_scheduler():
+    """After unpack's wait the compute stream is ordered after the write: the tensor's memory
+    returns when autograd drops it, not at the end of the step."""
     backend = CpuStreamBackend()
     scheduler, handle, source = stashed_and_prefetched(backend)
-    kept = backend.entries(op="keep_alive")
-    assert [e.stream for e in kept] == ["paging"]
-    assert torch.equal(scheduler.unpack(handle)[:9], source[:9])
-    assert len(backend.entries(op="keep_alive")) == 1  # consumed where it was allocated
+    tensor = scheduler.unpack(handle)
+    assert torch.equal(tensor[:9], source[:9])
+    assert backend.entries(op="keep_alive") == []  # consumed where it was allocated
+    destination = weakref.ref(tensor)
+    del handle, tensor
+    gc.collect()
+    assert destination() is None
     assert scheduler.finish() == 0
 
 
@@ -355,7 +378,7 @@ def test_a_reload_consumed_on_another_stream_is_kept_alive_for_it():
     scheduler, handle, _ = stashed_and_prefetched(backend)
     backend.current = "side"
     scheduler.unpack(handle)
-    assert [e.stream for e in backend.entries(op="keep_alive")] == ["paging", "side"]
+    assert [e.stream for e in backend.entries(op="keep_alive")] == ["side"]
     assert scheduler.finish() == 0
 
 
