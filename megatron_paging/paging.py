@@ -35,6 +35,9 @@ import torch
 from megatron_paging.engine import OFF, PagingEngine
 from megatron_paging.scheduler import WGRAD, PagedHandle, PagingScheduler
 
+# -1 outside the autograd engine; inside a backward, the running graph task's id.
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
 
 @dataclass(eq=False)
 class _Mark:
@@ -124,6 +127,14 @@ class PagingContext:
         engine = self.engine
         return engine is not None and engine.step_open and engine.mode != OFF
 
+    @property
+    def pages_forward(self) -> bool:
+        """Whether a forward-side call pages now: the step pages, and this is not a forward
+        that autograd runs inside a backward (a recompute: Megatron's ``--recompute-modules``,
+        ``--recompute-granularity full``), whose saved tensors are read right after it: paging
+        them would only add a stash and a reload."""
+        return self.enabled and _graph_task_id() < 0
+
     # ------------------------------------------------------------------ step
     def begin_step(self, paging: bool = True) -> None:
         """Start a forward-backward (the engine's ``begin_step``)."""
@@ -187,7 +198,7 @@ class PagingContext:
 
     def open_slot(self, chunk: int, layer: int, microbatch: int, device) -> None:
         """A layer's forward begins: its records belong to ``(chunk, layer, microbatch)``."""
-        if not self.enabled:
+        if not self.pages_forward:
             return
         if self.scheduler is None:
             self.scheduler = self.engine.scheduler_for(torch.device(device))
@@ -219,7 +230,7 @@ class PagingContext:
 
     def group_start(self, tensor: torch.Tensor, layer: int) -> torch.Tensor:
         """Start of layer ``layer``'s forward inside ``forward(chunk, microbatch)`` (identity)."""
-        if not self.enabled:
+        if not self.pages_forward:
             return tensor
         return _GroupStart.apply(tensor, self, int(layer))
 
@@ -229,7 +240,7 @@ class PagingContext:
         """Identity on the input of the slot ``(chunk, layer, microbatch)`` that opens next
         (for callers that open slots with :meth:`open_slot`): when the slot's backward has
         produced this tensor's gradient, the slots below it are prefetched."""
-        if not self.enabled or not (torch.is_grad_enabled() and tensor.requires_grad):
+        if not self.pages_forward or not (torch.is_grad_enabled() and tensor.requires_grad):
             return tensor
         slot = (int(chunk), int(layer), int(microbatch))
         self._slot_ends.add(slot)
@@ -240,7 +251,7 @@ class PagingContext:
 
         Outside autograd (no grad, or an output that needs none) the slot is committed directly.
         """
-        if not self.enabled or self._slot is None:
+        if not self.pages_forward or self._slot is None:
             return tensor
         if not (torch.is_grad_enabled() and tensor.requires_grad):
             self.commit_slot()
@@ -264,7 +275,7 @@ class PagingContext:
             wgrad_only: only the layer's weight gradient reads it (may stay paged until a
                 deferred wgrad runs).
         """
-        if not self.enabled:
+        if not (self.pages_forward and torch.is_grad_enabled()):  # no_grad: nothing is saved
             return tensor
         if self._slot is None:
             raise RuntimeError("mark() must be called between group_start and group_commit")

@@ -4,6 +4,7 @@ start-up error of paging_config / validate_paging_args."""
 from __future__ import annotations
 
 import argparse
+import re
 
 import pytest
 
@@ -256,10 +257,39 @@ def test_recompute_through_checkpoint_without_output_needs_te(parser, modules, p
 @pytest.mark.parametrize("modules", [["core_attn"], ["moe"], ["mlp"], ["core_attn", "moe"],
                                      ["mla_up_proj"]])
 def test_recompute_without_checkpoint_without_output_runs_without_te(parser, modules):
-    argv = BASE + ["--recompute-granularity", "selective", "--recompute-modules", *modules]
+    # paged, except for moe: its recompute leaves the stash nothing (refused, test below)
+    base = [] if "moe" in modules else BASE
+    argv = base + ["--recompute-granularity", "selective", "--recompute-modules", *modules]
     config = flags.paging_config(parser.parse_args(argv), environ={}, cuda_available=False,
                                  te_available=False)
-    assert config == PagingConfig(pool_residency="step")
+    assert config == (PagingConfig() if "moe" in modules else PagingConfig(pool_residency="step"))
+
+
+@pytest.mark.parametrize(
+    "recompute, message",
+    [
+        (["--recompute-granularity", "selective", "--recompute-modules", "core_attn", "moe"],
+         "--moe-paged-stash with --recompute-granularity selective --recompute-modules moe "
+         "pages nothing (every MoE layer is recomputed in the backward); drop one of them"),
+        (["--recompute-granularity", "full", "--recompute-method", "uniform",
+          "--recompute-num-layers", "1"],
+         "--moe-paged-stash with --recompute-granularity full --recompute-method uniform pages "
+         "nothing"),
+    ],
+    ids=["selective-moe", "full-uniform"],
+)
+def test_recompute_of_every_moe_layer_is_refused_with_paged_stash(parser, recompute, message):
+    args = parser.parse_args(BASE + recompute)
+    with pytest.raises(ValueError, match=re.escape(message)) as error:
+        flags.paging_config(args, environ={}, cuda_available=False, te_available=False)
+    assert "\n" not in str(error.value)
+
+
+def test_block_recompute_of_some_layers_pages_the_others(parser):
+    args = parser.parse_args(BASE + ["--recompute-granularity", "full", "--recompute-method",
+                                     "block", "--recompute-num-layers", "2"])
+    assert flags.paging_config(args, environ={}, cuda_available=False, te_available=False) == (
+        PagingConfig(pool_residency="step"))
 
 
 def test_recompute_check_only_for_selective_granularity(parser):
@@ -290,3 +320,11 @@ def test_transformer_engine_is_detected_when_not_injected(parser, monkeypatch):
                             name, *rest))
     with pytest.raises(ValueError, match="--recompute-modules layernorm needs Transformer"):
         flags.paging_config(args, environ={}, cuda_available=False)
+
+
+def test_recompute_refusal_is_ours_only(parser):
+    """Megatron-Core's own manager (--paging-implementation mcore) keeps its behaviour."""
+    args = parser.parse_args(BASE + ["--paging-implementation", "mcore",
+                                     "--recompute-granularity", "selective",
+                                     "--recompute-modules", "moe"])
+    flags.paging_config(args, environ={}, cuda_available=False, te_available=False)

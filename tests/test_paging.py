@@ -174,6 +174,36 @@ def test_a_mark_autograd_does_not_save_is_an_error_at_commit(saved_as):
     assert "\n" not in message
 
 
+def test_a_layer_recomputed_inside_the_backward_is_not_paged():
+    """A reentrant checkpoint (Megatron's recompute) runs the forward without grad, then again
+    inside the backward, whose saved tensors are read right away: neither run pages."""
+    from torch.utils.checkpoint import checkpoint
+
+    w = torch.randn(WIDTH, WIDTH, requires_grad=True)
+    x = torch.randn(ROWS, WIDTH, requires_grad=True)
+
+    def layer(context, inp):
+        a = context.group_start(inp, 0) @ w
+        context.mark(a, torch.tensor(ROWS // 2))
+        return context.group_commit(_Square.apply(a))
+
+    def step(context):
+        context.begin_step()
+        with context.forward(0, 0):
+            y = checkpoint(lambda inp: layer(context, inp), x, use_reentrant=True)
+        y.sum().backward()
+        grads = (w.grad, x.grad)
+        w.grad = x.grad = None
+        assert context.finish() == 0
+        return grads
+
+    control = step(PagingContext(None))
+    context, backend, pools = paged()
+    assert all(torch.equal(a, b) for a, b in zip(step(context), control, strict=True))
+    assert backend.entries("launch") == []
+    assert pools[ROW_BYTES].free_pages()[0] == PAGES
+
+
 @pytest.mark.parametrize("how", ["no engine", "paging=False"])
 def test_a_disabled_context_pages_nothing_but_keeps_deferred_wgrads(how):
     backend = CpuStreamBackend()

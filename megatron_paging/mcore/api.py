@@ -115,8 +115,9 @@ class MCorePagingAPI:
     def get_paged_stash_context(
         self, name=None, max_num_tokens=None, num_tokens_tensor=None, avg_num_tokens=None
     ):
-        """Saved-tensor hooks that page the group's marked capacity-sized tensors."""
-        if not self.context.enabled:
+        """Saved-tensor hooks that page the group's marked capacity-sized tensors (none for a
+        recompute inside the backward: its tensors are read at once)."""
+        if not self.context.pages_forward:
             return nullcontext()
         if isinstance(max_num_tokens, bool) or not isinstance(max_num_tokens, int):
             raise TypeError(
@@ -153,7 +154,7 @@ class MCorePagingAPI:
 
     def paged_stash_group_commit(self, tensor, name=None):
         """Mark the end of a layer group: stash it now, reload it when backward reaches it."""
-        if not self.context.enabled:
+        if not self.context.pages_forward:  # a recompute leaves the layer count alone
             return tensor
         self._layer[self.vp_stage] += 1
         if self._group is None:

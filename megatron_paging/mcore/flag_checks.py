@@ -78,6 +78,23 @@ def check_megatron_combinations(args) -> None:
         or rank_factor <= 0
     ):
         raise ValueError(f"--moe-expert-rank-capacity-factor must be > 0, got {rank_factor}")
+    # A recompute whose forward covers every MoE layer saves no expert activation to page
+    # (the recomputed forward runs inside the backward, where paging stays off). Partial
+    # recompute (--recompute-method block) pages the layers it does not recompute.
+    granularity = getattr(args, "recompute_granularity", None)
+    if getattr(args, "paging_implementation", "ours") == "mcore":
+        granularity = None  # Megatron-Core's own manager: its behaviour, not ours to refuse
+    if granularity == "selective" and "moe" in (getattr(args, "recompute_modules", None) or []):
+        raise ValueError(
+            "--moe-paged-stash with --recompute-granularity selective --recompute-modules moe "
+            "pages nothing (every MoE layer is recomputed in the backward); drop one of them"
+        )
+    if granularity == "full" and getattr(args, "recompute_method", None) == "uniform":
+        raise ValueError(
+            "--moe-paged-stash with --recompute-granularity full --recompute-method uniform "
+            "pages nothing (every layer is recomputed in the backward); use --recompute-method "
+            "block to recompute some layers and page the others"
+        )
     graph_impl = getattr(args, "cuda_graph_impl", "none")
     if graph_impl in UNSUPPORTED_GRAPH_IMPLS:
         raise ValueError(

@@ -55,9 +55,10 @@ offending flags for every meaningless or conflicting combination, before any mod
 ``--paging-core-attention sdpa``, and its
 ``cudnn`` is refused with ``--deterministic-mode``; ``--paging-implementation mcore`` rejects the
 flags only our engine and runner read; Megatron features that cannot run with paging (per-layer
-CUDA graphs) are refused by name. Paged or not, ``--recompute-granularity selective`` with a
-``--recompute-modules`` entry that Megatron-Core runs through ``CheckpointWithoutOutput`` is
-refused when Transformer Engine is not installed. The refusals live in :mod:`.flag_checks`.
+CUDA graphs) or leave it nothing to page (a recompute of every MoE layer) are refused by
+name. Paged or not, ``--recompute-granularity selective`` with a ``--recompute-modules`` entry
+that Megatron-Core runs through ``CheckpointWithoutOutput`` is refused when Transformer Engine
+is not installed. The refusals live in :mod:`.flag_checks`.
 """
 
 from __future__ import annotations

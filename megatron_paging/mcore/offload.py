@@ -184,7 +184,8 @@ class PagedOffloadManager:
     # -- a module's group --------------------------------------------------------------------
     def group_start(self, name: str, tensor: torch.Tensor):
         """Open the next group of the running chunk-microbatch; None when it stays on device."""
-        if not (self.enabled and self.context.enabled and torch.is_grad_enabled()):
+        # (not in a recompute inside the backward: its tensors are read at once)
+        if not (self.enabled and self.context.pages_forward and torch.is_grad_enabled()):
             return None
         cm = (self._stage, self._microbatch.get(self._stage, 0))
         index = self._index[cm] = self._index.get(cm, -1) + 1
