@@ -111,6 +111,10 @@ class PagingConfig:
     offload_max_ctas: grid bound of the copy kernels for offloaded live-row records (PCIe, not
         HBM, bounds them: 8 CTAs reach 94% / 93% of pinned copy_ D2H / H2D on the H200, more
         only take SMs from the GEMMs; benchmarks/results/offload_h200.json).
+    offload_in_flight: inside a CUDA-graph capture, the compute stream waits on an offload's
+        copy (before its source's memory is reused) once more than this many groups of the same
+        module name are in flight (Megatron-Core's
+        ``--fine-grained-offloading-max-inflight-offloads``; eagerly it never waits).
     pool_residency: ``persistent`` keeps the device tier's pages allocated for the whole run;
         ``step`` frees them when a step ends and allocates them again when the next begins, so
         the memory between steps (the optimizer step) does not carry the pool. ``step`` cannot
@@ -132,6 +136,7 @@ class PagingConfig:
     growth_factor: float = 1.5
     offload_host_factor: float = 1.25
     offload_max_ctas: int = 8
+    offload_in_flight: int = 2
     pool_residency: str = "persistent"
     hold_last_slot: bool = False
 
@@ -163,6 +168,7 @@ class PagingConfig:
                 "offload_host_factor", f"must be >= 1, got {self.offload_host_factor!r}"
             )
         positive_int("offload_max_ctas", self.offload_max_ctas)
+        non_negative_int("offload_in_flight", self.offload_in_flight)
         if self.pool_residency not in POOL_RESIDENCIES:
             raise ConfigError(
                 "pool_residency",

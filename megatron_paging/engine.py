@@ -124,6 +124,12 @@ class PagingEngine:
                 )
             self.end_step()  # drivers that never end a step explicitly
         if paging and self.pools is None and capturing:  # refused before any state changes
+            if self.steps:  # eager paging steps ran, and none saved a record to page
+                raise CaptureError(
+                    f"paging: a CUDA-graph capture began, but the {self.steps} eager paging "
+                    "step(s) before it saved no record to page, so no page pools exist (is "
+                    "every MoE layer recomputed, or nothing marked?)"
+                )
             raise CaptureError(
                 "paging: a CUDA-graph capture began before the page pools were calibrated; "
                 "the first paging step must run eagerly (with --cuda-graph-impl "

@@ -254,7 +254,9 @@ class PagingContext:
         if not self.pages_forward or self._slot is None:
             return tensor
         if not (torch.is_grad_enabled() and tensor.requires_grad):
-            self.commit_slot()
+            # A forward without grad (a recompute's first pass, evaluation) saves nothing: its
+            # marks are not an error then.
+            self.commit_slot(strict=torch.is_grad_enabled())
             return tensor
         return _GroupCommit.apply(tensor, self)
 
@@ -275,7 +277,7 @@ class PagingContext:
             wgrad_only: only the layer's weight gradient reads it (may stay paged until a
                 deferred wgrad runs).
         """
-        if not (self.pages_forward and torch.is_grad_enabled()):  # no_grad: nothing is saved
+        if not self.pages_forward:
             return tensor
         if self._slot is None:
             raise RuntimeError("mark() must be called between group_start and group_commit")
@@ -341,8 +343,9 @@ class PagingContext:
             return self.scheduler.unpack(saved.handle)
         return saved.tensor
 
-    def commit_slot(self) -> tuple[int, int, int]:
-        """The open slot's forward is done: stash its marked saved tensors (one record each)."""
+    def commit_slot(self, strict: bool = True) -> tuple[int, int, int]:
+        """The open slot's forward is done: stash its marked saved tensors (one record each);
+        ``strict``: a mark autograd did not save is an error."""
         if self._slot is None:
             raise RuntimeError("group_commit() without a group_start()")
         slot, saved, marks, _ = self._slots.pop()
@@ -369,7 +372,7 @@ class PagingContext:
             s.handle, s.tensor, s.mark = mark.handle, None, None
         scheduler.commit()
         unmatched = [m for m in marks.values() if m.handle is None]
-        if unmatched:
+        if unmatched and strict:
             # A view, reshape or .contiguous() copy of the marked tensor (or nothing at all) was
             # saved: it would silently stay resident, so the memory saving would be a lie.
             chunk, layer, microbatch = slot

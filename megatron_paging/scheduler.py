@@ -31,6 +31,7 @@ from megatron_paging import kernels
 from megatron_paging.config import PagingConfig
 from megatron_paging.pool import PagePools
 from megatron_paging.record import RecordLayout, attach_buffers
+from megatron_paging.sources import SourceLifetimes
 from megatron_paging.transfers import PagedHandle, Parker, Transfers, reload_destination
 
 BACKWARD = "backward"
@@ -110,7 +111,7 @@ class PagingScheduler:
         self._layers: dict[str, dict[tuple[int, int], dict[Any, int]]] = {
             branch: defaultdict(dict) for branch in (BACKWARD, WGRAD)
         }
-        self._sources: deque[tuple[Any, list[PagedHandle]]] = deque()  # (stash-done, handles)
+        self._sources = SourceLifetimes(backend, config.offload_in_flight)
         # id -> reloaded handle no stream waited on yet: autograd dropping it unread must not
         # free memory the paging stream writes (released at unpack's wait or finish's join)
         self._unwaited: dict[int, PagedHandle] = {}
@@ -261,8 +262,6 @@ class PagingScheduler:
                 h.source = None  # same stream as every later use: safe to drop
         else:
             compute, paging = self.backend.compute_stream(), self.backend.paging_stream
-            if self.backend.capturing():
-                self._release_sources(capturing=True, compute=compute)
             commit_event = self.backend.record(compute, f"commit{(chunk, layer, microbatch)}")
             self.backend.wait(paging, commit_event, "commit")
             self._paging_used = True
@@ -270,7 +269,9 @@ class PagingScheduler:
             done = self.backend.record(paging, "stash-done")
             tracked = self.transfers.hand_over_offload_sources(handles, paging)
             if tracked:
-                self._sources.append((done, tracked))
+                self._sources.track(done, tracked)
+            if self.backend.capturing():
+                self._sources.release_captured(compute, done if tracked else None)
         self._fifo[BACKWARD][(chunk, layer)].append(_Group(microbatch, handles, position))
 
     def _hold(self, handle: PagedHandle | None = None, slot: tuple | None = None) -> bool:
@@ -378,9 +379,6 @@ class PagingScheduler:
         left = 0 if held is None else sum(1 for h in held[3] if h.tensor is None)
         for h in held[3] if held is not None else ():
             h.source = None  # its backward never ran: nothing was stashed, nothing to reload
-        for _, handles in self._sources:
-            for h in handles:
-                h.source = None
         self._sources.clear()
         self._prefetch_at_end.clear()
         for branch in (BACKWARD, WGRAD):
@@ -394,6 +392,8 @@ class PagingScheduler:
     def _slot_start(
         self, branch, chunk, layer, microbatch, defer_wgrad, prefetch_at_end=False
     ) -> None:
+        if branch == BACKWARD and len(self._sources) and self.backend.capturing():
+            self._sources.release_forward_of(self.backend.compute_stream(), chunk, microbatch)
         self._release_sources()
         self.backend.note(
             f"{branch}-slot-start", chunk=chunk, layer=layer, microbatch=microbatch
@@ -485,15 +485,8 @@ class PagingScheduler:
         return compute
 
 
-    def _release_sources(self, capturing: bool = False, compute=None) -> None:
-        """Drop sources whose stash finished (eager: poll; capture: compute waits first)."""
-        if not capturing and self.backend.capturing():
-            return  # no event queries inside a capture; the next commit releases
-        while self._sources and (capturing or self.backend.done(self._sources[0][0])):
-            done, handles = self._sources.popleft()
-            if capturing:
-                self.backend.wait(compute, done, "source-release")
-            for h in handles:
-                h.source = None
+    def _release_sources(self) -> None:
+        """Drop sources whose copy finished (eagerly polled; sources.py has the capture rule)."""
+        self._sources.poll()
 
 __all__ = ["BACKWARD", "WGRAD", "PagedHandle", "PagingScheduler", "Parker"]

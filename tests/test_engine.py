@@ -371,6 +371,19 @@ def test_begin_step_refuses_to_calibrate_under_capture(host_reads):
     assert engine.mode == CALIBRATE
 
 
+def test_a_capture_after_calibration_steps_that_saw_nothing_says_so():
+    backend = FakeCapture()
+    engine = PagingEngine(cfg(), stream_backend=backend)
+    for _ in range(2):  # eager paging steps whose layers save no marked tensor
+        engine.begin_step()
+        engine.end_step()
+    assert engine.pools is None and engine.steps == 2
+    backend.begin_capture()
+    with pytest.raises(CaptureError, match="the 2 eager paging step.s. before it saved no record"):
+        engine.begin_step()
+    backend.end_capture()
+
+
 def test_begin_step_refuses_a_capture_while_the_previous_step_is_open(host_reads):
     backend = FakeCapture()
     pools = make_pools()

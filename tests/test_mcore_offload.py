@@ -230,6 +230,14 @@ def test_paged_offload_alone_builds_a_config_with_its_flags(parser):
     assert flags.install_options(args, config)["offload_backend"] == "paged"
 
 
+@pytest.mark.parametrize(("extra", "in_flight"), [([], 2), (["3"], 3), (["0"], 0)])
+def test_megatron_in_flight_cap_sets_ours_under_graphs(parser, extra, in_flight):
+    argv = BASE + OFFLOAD + ["--cuda-graph-impl", "full_iteration"]
+    if extra:
+        argv += ["--fine-grained-offloading-max-inflight-offloads", *extra]
+    assert _config(parser, argv).offload_in_flight == in_flight
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -240,7 +248,11 @@ def test_paged_offload_alone_builds_a_config_with_its_flags(parser):
         (BASE + OFFLOAD + ["--cuda-graph-impl", "local"], "--cuda-graph-impl local"),
         (BASE + OFFLOAD + ["--delay-offload-until-cuda-graph"], "--delay-offload-until"),
         (BASE + OFFLOAD + ["--fine-grained-offloading-max-inflight-offloads", "2"],
-         "--fine-grained-offloading-max-inflight-offloads"),
+         "--fine-grained-offloading-max-inflight-offloads applies to --paging-offload-backend "
+         "paged only with --cuda-graph-impl full_iteration"),
+        (BASE + OFFLOAD + ["--cuda-graph-impl", "full_iteration",
+                           "--fine-grained-offloading-max-inflight-offloads", "-1"],
+         "--fine-grained-offloading-max-inflight-offloads must be a non-negative integer"),
         (BASE + OFFLOAD + ["--paging-offload-host-factor", "0.5"],
          "--paging-offload-host-factor must be >= 1"),
         (BASE + OFFLOAD + ["--paging-offload-max-ctas", "0"], "--paging-offload-max-ctas"),

@@ -138,17 +138,25 @@ def check_offload(args) -> None:
             "paged (per-layer graphs split a group's offload from its reload); use "
             "--cuda-graph-impl full_iteration"
         )
-    for dest, flag, default in (
-        ("delay_offload_until_cuda_graph", "--delay-offload-until-cuda-graph", False),
-        ("fine_grained_offloading_max_inflight_offloads",
-         "--fine-grained-offloading-max-inflight-offloads", None),
-    ):
-        if getattr(args, dest, default) != default:
-            raise ValueError(
-                f"{flag} has no effect with --paging-offload-backend paged (offloads run on the "
-                "paging stream, which the compute stream waits on only where it reads a "
-                "reloaded tensor)"
-            )
+    if getattr(args, "delay_offload_until_cuda_graph", False):
+        raise ValueError(
+            "--delay-offload-until-cuda-graph has no effect with --paging-offload-backend paged "
+            "(offloads run on the paging stream, which the compute stream waits on only where "
+            "it reads a reloaded tensor)"
+        )
+    in_flight = getattr(args, "fine_grained_offloading_max_inflight_offloads", None)
+    if in_flight is not None and graph_impl != "full_iteration":
+        raise ValueError(
+            "--fine-grained-offloading-max-inflight-offloads applies to --paging-offload-backend "
+            "paged only with --cuda-graph-impl full_iteration (eagerly the compute stream never "
+            "waits on an offload)"
+        )
+    if in_flight is not None and (isinstance(in_flight, bool) or not isinstance(in_flight, int)
+                                  or in_flight < 0):
+        raise ValueError(
+            "--fine-grained-offloading-max-inflight-offloads must be a non-negative integer, "
+            f"got {in_flight!r}"
+        )
 
 
 __all__ = [

@@ -49,11 +49,11 @@ offending flags for every meaningless or conflicting combination, before any mod
 ``--paging-offload-backend paged`` (those build the unpaged control's model too);
 ``--paging-offload-*`` need ``--paging-offload-backend paged``, which needs
 ``--fine-grained-activation-offloading`` and refuses what it cannot serve (per-layer CUDA graphs,
-``--delay-offload-until-cuda-graph``, ``--fine-grained-offloading-max-inflight-offloads``,
-``fused_group_mlp``, ``--paging-implementation mcore``, expert modules without
-``--moe-expert-rank-capacity-factor``); ``--paging-sdpa-backend`` needs
-``--paging-core-attention sdpa``, and its
-``cudnn`` is refused with ``--deterministic-mode``; ``--paging-implementation mcore`` rejects the
+``--delay-offload-until-cuda-graph``, ``--fine-grained-offloading-max-inflight-offloads``
+without full-iteration graphs, ``fused_group_mlp``, ``--paging-implementation mcore``, expert
+modules without ``--moe-expert-rank-capacity-factor``); ``--paging-sdpa-backend`` needs
+``--paging-core-attention sdpa``, and its ``cudnn`` is refused with ``--deterministic-mode``;
+``--paging-implementation mcore`` rejects the
 flags only our engine and runner read; Megatron features that cannot run with paging (per-layer
 CUDA graphs) or leave it nothing to page (a recompute of every MoE layer) are refused by
 name. Paged or not, ``--recompute-granularity selective`` with a ``--recompute-modules`` entry
@@ -327,6 +327,7 @@ def paging_config(
             growth_factor=args.paging_growth_factor,
             offload_host_factor=getattr(args, "paging_offload_host_factor", 1.25),
             offload_max_ctas=getattr(args, "paging_offload_max_ctas", 8),
+            offload_in_flight=_in_flight(args),
             pool_residency=pool_residency(args),
             hold_last_slot=getattr(args, "paging_hold_last_slot", False),
         )
@@ -343,6 +344,12 @@ def paging_config(
 
 def _flag_words(error: ConfigError) -> tuple[str, str]:
     return FLAG_OF_FIELD.get(error.field, error.field), error.problem
+
+
+def _in_flight(args) -> int:
+    """Megatron-Core's in-flight cap for offloads under graphs; unset: 2 (docs/offload.md)."""
+    value = getattr(args, "fine_grained_offloading_max_inflight_offloads", None)
+    return PagingConfig.offload_in_flight if value is None else value
 
 
 def validate_paging_args(

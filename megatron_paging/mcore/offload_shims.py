@@ -105,7 +105,7 @@ def lifted_post_init(original_post_init):
         lifted = [m for m in modules if m in EXPERT_MODULES]
         stash_lift = bool(getattr(self, "moe_paged_stash", False) and lifted)
         # Megatron-Core's full-iteration graphs need its max-inflight cap (its main stream may
-        # not wait on its D2H events); ours never waits on an offload except where it reloads.
+        # not wait on its D2H events); ours reads it from the arguments, default 2 (sources.py).
         inflight_lift = (
             getattr(self, "fine_grained_activation_offloading", False)
             and getattr(self, "cuda_graph_impl", "none") == "full_iteration"

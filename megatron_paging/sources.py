@@ -1,0 +1,104 @@
+"""When the memory of a buffer being copied out (a stash or offload *source*) may be reused.
+
+The scheduler hands every source whose copy it queued on the paging stream to a
+:class:`SourceLifetimes` (docs/scheduler.md, "Copy-input lifetimes"). Eagerly, each copy's done
+event is polled at later scheduler calls and the source dropped once the copy ended; offloaded
+sources do not come here eagerly (``Transfers.hand_over_offload_sources`` gives them to the
+allocator at once). Inside a CUDA-graph capture no event may be queried, so the compute stream
+waits on the copy instead, which orders every later reuse of the memory after it:
+
+* a stash (an HBM copy, microseconds) at the next commit;
+* an offload (a PCIe copy, milliseconds) only once ``offload_in_flight`` later groups of the
+  same module name have been committed — the meaning of Megatron-Core's
+  ``--fine-grained-offloading-max-inflight-offloads`` — so the copy overlaps that much forward
+  compute instead of stalling the next group's commit;
+* and whatever a forward left when the backward of the same chunk and microbatch begins.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from typing import Any
+
+
+def _offload_name(handles) -> Any:
+    """The module name of an offload group (its slot key is ``("offload", index, name)``), or
+    None for a stash group."""
+    first = handles[0]
+    if first.offload is None:
+        return None
+    key = first.notes.get("layer")
+    return key[-1] if isinstance(key, tuple) and key else key
+
+
+class SourceLifetimes:
+    """The sources whose copies may still run, oldest first, and the rule that drops them."""
+
+    def __init__(self, backend, offload_in_flight: int = 2):
+        self.backend = backend
+        self.offload_in_flight = offload_in_flight
+        # (copy-done event, handles, offload name or None, that name's commit number)
+        self._entries: deque[tuple[Any, list, Any, int]] = deque()
+        self._commits: dict[Any, int] = defaultdict(int)  # offload name -> groups tracked
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def track(self, done, handles) -> None:
+        """``handles``' sources stay referenced until their copy (``done``) is known over."""
+        name = _offload_name(handles)
+        number = 0
+        if name is not None:
+            number = self._commits[name]
+            self._commits[name] = number + 1
+        self._entries.append((done, handles, name, number))
+
+    def poll(self) -> None:
+        """Eagerly: drop the sources whose copies ended (in order; never inside a capture)."""
+        if self.backend.capturing():
+            return  # no event queries inside a capture; the next commit releases
+        while self._entries and self.backend.done(self._entries[0][0]):
+            _drop(self._entries.popleft()[1])
+
+    def release_captured(self, compute, current=None) -> None:
+        """Inside a capture, after a commit tracked its sources (``current``: that commit's
+        done event, or None): the compute stream waits on, then drops, every older stash source
+        and every offload source beyond the ``offload_in_flight`` newest groups of its name
+        (the committing one included)."""
+        self._release(compute, lambda done, handles, name, number: (
+            done is not current if name is None
+            else self._commits[name] - number > self.offload_in_flight))
+
+    def release_forward_of(self, compute, chunk: int, microbatch: int) -> None:
+        """Inside a capture, when the backward of ``(chunk, microbatch)`` begins: its forward is
+        over, so every source it left is waited on and dropped (not those of forwards that run
+        between backward slots, as in 1F1B, whose copies may have just begun)."""
+        self._release(compute, lambda done, handles, name, number: (
+            handles[0].notes.get("chunk") == chunk
+            and handles[0].notes.get("microbatch") == microbatch))
+
+    def _release(self, compute, due) -> None:
+        kept: deque = deque()
+        for entry in self._entries:
+            done, handles, name, number = entry
+            if not due(done, handles, name, number):
+                kept.append(entry)
+                continue
+            self.backend.wait(compute, done, "source-release")
+            _drop(handles)
+        self._entries = kept
+
+    def clear(self) -> None:
+        """End of step (after the paging stream was joined): drop everything."""
+        for _, handles, _, _ in self._entries:
+            _drop(handles)
+        self._entries.clear()
+        self._commits.clear()
+
+
+def _drop(handles) -> None:
+    for h in handles:
+        h.source = None
+
+
+__all__ = ["SourceLifetimes"]

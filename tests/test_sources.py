@@ -1,0 +1,95 @@
+"""SourceLifetimes: when a stash or offload source may be dropped. Eagerly by polling the copy's
+event; inside a CUDA-graph capture (simulated: the CPU backend claims to capture and refuses
+event queries) only after the compute stream waited on the copy — stashes at the next commit,
+offloads once more than ``offload_in_flight`` groups of their module name are in flight, and
+whatever a forward left when its backward begins."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_paging.sources import SourceLifetimes
+from megatron_paging.streams import COMPUTE, CpuStreamBackend
+
+
+class CapturingBackend(CpuStreamBackend):
+    def capturing(self):
+        return True
+
+    def done(self, event):
+        raise AssertionError("event queried during capture")
+
+
+def group(name=None, chunk=0, microbatch=0):
+    """One committed group's handle (offload groups carry their slot key, as the scheduler's)."""
+    layer = 0 if name is None else ("offload", 0, name)
+    return [SimpleNamespace(source=object(), offload=None if name is None else "whole",
+                            notes={"chunk": chunk, "layer": layer, "microbatch": microbatch})]
+
+
+def commit(sources, backend, handles):
+    done = backend.record("paging", "stash-done")
+    sources.track(done, handles)
+    sources.release_captured(COMPUTE, done)
+    return done
+
+
+def waited_on(backend):
+    return [e.event for e in backend.log if e.op == "wait" and e.kind == "source-release"]
+
+
+def test_eagerly_sources_go_when_their_copy_is_done():
+    backend = CpuStreamBackend()  # its events are always done
+    sources = SourceLifetimes(backend)
+    handles = group()
+    sources.track(backend.record("paging"), handles)
+    sources.poll()
+    assert handles[0].source is None and len(sources) == 0
+    assert waited_on(backend) == []  # no stream waits eagerly
+
+
+def test_under_capture_a_stash_source_goes_at_the_next_commit_after_a_compute_wait():
+    backend = CapturingBackend()
+    sources = SourceLifetimes(backend)
+    first, second = group(), group()
+    done = commit(sources, backend, first)
+    sources.poll()  # never queries inside a capture
+    assert first[0].source is not None and waited_on(backend) == []
+    commit(sources, backend, second)
+    assert first[0].source is None and waited_on(backend) == [done.id]
+    assert second[0].source is not None
+
+
+@pytest.mark.parametrize("in_flight", [0, 1, 2, 3])
+def test_under_capture_offloads_stay_in_flight_per_module_name(in_flight):
+    backend = CapturingBackend()
+    sources = SourceLifetimes(backend, offload_in_flight=in_flight)
+    qkv, norm = [], []
+    for _ in range(5):  # two module names interleaved, as a layer's groups are
+        qkv.append(group("qkv_linear"))
+        commit(sources, backend, qkv[-1])
+        norm.append(group("mlp_norm"))
+        commit(sources, backend, norm[-1])
+        for handles in (qkv, norm):
+            alive = [h[0].source is not None for h in handles]
+            # the newest in_flight groups of each name are in flight, the older ones waited on
+            assert alive == [False] * max(len(handles) - in_flight, 0) + [True] * min(
+                in_flight, len(handles))
+    assert len(waited_on(backend)) == 2 * max(5 - in_flight, 0)
+
+
+def test_a_backward_releases_what_its_own_forward_left_only():
+    backend = CapturingBackend()
+    sources = SourceLifetimes(backend, offload_in_flight=2)
+    mine = [group("core_attn", microbatch=0), group("core_attn", microbatch=0)]
+    other = [group("core_attn", microbatch=1)]  # a later forward (1F1B) between backward slots
+    for handles in mine + other:
+        commit(sources, backend, handles)
+    assert all(h[0].source is not None for h in mine[1:] + other)
+    sources.release_forward_of(COMPUTE, chunk=0, microbatch=0)
+    assert all(h[0].source is None for h in mine)
+    assert other[0][0].source is not None and len(sources) == 1
+    sources.clear()
+    assert other[0][0].source is None and len(sources) == 0
