@@ -232,7 +232,7 @@ class PagingScheduler:
             raise RuntimeError("commit() without an open slot")
         (chunk, layer, microbatch), handles = self._open_slots.pop()
         attach_buffers([h.record for h in handles if h.record is not None])
-        self._release_sources()
+        self._sources.poll()
         self.backend.note(
             "commit", chunk=chunk, layer=layer, microbatch=microbatch,
             records=[h.id for h in handles],
@@ -330,7 +330,7 @@ class PagingScheduler:
             raise ValueError(f"branch must be {BACKWARD!r} or {WGRAD!r}, got {branch!r}")
         if not self.overlap:
             return
-        self._release_sources()
+        self._sources.poll()
         layers = self._layers[branch].get((chunk, microbatch), {})
         layers = sorted(layers, key=layers.__getitem__, reverse=True)
         compute = None  # resolved by the first reload that needs it, then reused
@@ -394,7 +394,7 @@ class PagingScheduler:
     ) -> None:
         if branch == BACKWARD and len(self._sources) and self.backend.capturing():
             self._sources.release_forward_of(self.backend.compute_stream(), chunk, microbatch)
-        self._release_sources()
+        self._sources.poll()
         self.backend.note(
             f"{branch}-slot-start", chunk=chunk, layer=layer, microbatch=microbatch
         )
@@ -485,8 +485,5 @@ class PagingScheduler:
         return compute
 
 
-    def _release_sources(self) -> None:
-        """Drop sources whose copy finished (eagerly polled; sources.py has the capture rule)."""
-        self._sources.poll()
 
 __all__ = ["BACKWARD", "WGRAD", "PagedHandle", "PagingScheduler", "Parker"]

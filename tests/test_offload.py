@@ -9,6 +9,7 @@ import weakref
 
 import pytest
 import torch
+from capture import CapturingBackend
 
 from megatron_paging.config import PagingConfig
 from megatron_paging.engine import CALIBRATE, PAGED, PagingEngine
@@ -329,26 +330,12 @@ def test_offloaded_tensors_are_freed_at_the_commit():
     assert context.finish() == 0
 
 
-class _CaptureAfterCalibration(CpuStreamBackend):
-    """Pretends the steps after calibration run inside a CUDA-graph capture (no event queries)."""
-
-    capture = False
-
-    def capturing(self):
-        return self.capture
-
-    def done(self, event):
-        if self.capture:
-            raise AssertionError("event queried during capture")
-        return True
-
-
 @pytest.mark.parametrize("in_flight", [0, 1, 2])
 def test_under_capture_offload_sources_wait_only_past_the_in_flight_cap(in_flight):
     """Inside a capture the compute stream waits on an offload's copy (then drops its source)
     only once more than ``offload_in_flight`` groups of the module name are in flight, and on
     the rest when the backward of their microbatch begins; the round trips stay exact."""
-    backend = _CaptureAfterCalibration()
+    backend = CapturingBackend(capture=False)  # calibration eager, the next step captured
     context = _context(backend, offload_in_flight=in_flight)
     _step(context, [5, 9, 4, 6])  # calibration, eager
     backend.capture = True

@@ -7,6 +7,7 @@ from collections import defaultdict
 
 import pytest
 import torch
+from capture import CapturingBackend
 from cases import SCHEDULE_CASES
 
 from megatron_paging.config import PagingConfig
@@ -399,16 +400,6 @@ def test_argument_errors():
     context.begin_step()
     with pytest.raises(RuntimeError, match="group_start"):
         context.mark(torch.randn(4, 4), torch.tensor(1))
-
-
-class CapturingBackend(CpuStreamBackend):
-    """Pretends every call happens inside CUDA-graph capture, where events cannot be queried."""
-
-    def capturing(self):
-        return True
-
-    def done(self, event):
-        raise AssertionError("event queried during capture")
 
 
 def test_sources_under_capture_are_released_after_a_compute_wait():

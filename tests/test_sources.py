@@ -9,17 +9,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from capture import CapturingBackend
 
 from megatron_paging.sources import SourceLifetimes
 from megatron_paging.streams import COMPUTE, CpuStreamBackend
-
-
-class CapturingBackend(CpuStreamBackend):
-    def capturing(self):
-        return True
-
-    def done(self, event):
-        raise AssertionError("event queried during capture")
 
 
 def group(name=None, chunk=0, microbatch=0):
