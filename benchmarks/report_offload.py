@@ -61,6 +61,8 @@ def arm_stats(run: dict, mode: str, first_step: int = 3) -> dict:
         "peak_measured": "forward-backward" if "steady_fb_peak_allocated_mib" in summary
         else "whole step",
         "step_peak_mib": _float(summary.get("steady_peak_allocated_mib")),
+        # what the process took from the GPU (allocated + cached, whole run)
+        "peak_reserved_mib": _float(summary.get("peak_reserved_mib")),
         # main-thread CPU ms per step (None for runs older than the report field)
         "median_host_step_ms": _float(summary.get("median_host_step_ms")),
         "offload_host_mib": _float(summary.get("offload_host_mib")),

@@ -61,6 +61,7 @@ def test_graphed_arms_use_the_graphed_control_and_skip_the_capture_steps(tmp_pat
         {"unpaged": 1000.0, "graphed_unpaged": 1000.0, "offload_mcore_dense_graphed": 900.0,
          "offload_paged_dense_graphed": 910.0},
     )
+    run["summary"]["graphed_unpaged"]["peak_reserved_mib"] = "1500.0"
     for mode in run["runs"]:
         run["runs"][mode]["graph_warmup_steps"] = 2 if "graphed" in mode else None
         run["runs"][mode]["microbatch_losses"] = list(losses)
@@ -76,6 +77,7 @@ def test_graphed_arms_use_the_graphed_control_and_skip_the_capture_steps(tmp_pat
     assert arms["offload_paged_dense_graphed"]["bitwise_equal_to_control"] is True
     assert arms["offload_mcore_dense_graphed"]["bitwise_equal_to_control"] is False
     assert arms["graphed_unpaged"]["control"] == "unpaged"
+    assert arms["graphed_unpaged"]["peak_reserved_mib"] == 1500.0
     (row,) = entry["ours_vs_mcore"]
     assert row["step_ratio_ours_over_mcore"] == pytest.approx(1.05)
     assert not row["targets"]["step_time_le_mcore"] and not row["targets"]["gpu_peak_le_mcore"]
