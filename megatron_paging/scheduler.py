@@ -294,6 +294,13 @@ class PagingScheduler:
             self.parker.hold([h.record for h in handles])
         return True
 
+    def offload_window_closed(self, chunk: int, name, microbatch: int) -> None:
+        """The forward of ``(chunk, microbatch)`` passed a group of module ``name`` that stays
+        on the device: under capture its in-flight offload sources of that name go now."""
+        if len(self._sources) and self.backend.capturing():
+            self._sources.release_forward_of(self.backend.compute_stream(), chunk, microbatch,
+                                             name)
+
     # --------------------------------------------------------------- backward
 
     def backward_slot_start(

@@ -12,6 +12,9 @@ waits on the copy instead, which orders every later reuse of the memory after it
   same module name have been committed — the meaning of Megatron-Core's
   ``--fine-grained-offloading-max-inflight-offloads`` — so the copy overlaps that much forward
   compute instead of stalling the next group's commit;
+* what a forward left of a module name once it passes a group of that name it keeps on the
+  device (its last layer's, by Megatron-Core's margin: nothing of that name follows, and the
+  copies had a layer of compute to finish), so they are gone before its loss needs memory;
 * and whatever a forward left when the backward of the same chunk and microbatch begins.
 """
 
@@ -69,13 +72,15 @@ class SourceLifetimes:
             done is not current if name is None
             else self._commits[name] - number > self.offload_in_flight))
 
-    def release_forward_of(self, compute, chunk: int, microbatch: int) -> None:
+    def release_forward_of(self, compute, chunk: int, microbatch: int, name=None) -> None:
         """Inside a capture, when the backward of ``(chunk, microbatch)`` begins: its forward is
         over, so every source it left is waited on and dropped (not those of forwards that run
-        between backward slots, as in 1F1B, whose copies may have just begun)."""
-        self._release(compute, lambda done, handles, name, number: (
+        between backward slots, as in 1F1B, whose copies may have just begun). With ``name``:
+        only that forward's offload sources of that module name (its window closed)."""
+        self._release(compute, lambda done, handles, entry_name, number: (
             handles[0].notes.get("chunk") == chunk
-            and handles[0].notes.get("microbatch") == microbatch))
+            and handles[0].notes.get("microbatch") == microbatch
+            and (name is None or entry_name == name)))
 
     def _release(self, compute, due) -> None:
         kept: deque = deque()

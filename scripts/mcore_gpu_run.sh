@@ -13,8 +13,8 @@
 #                      attn_norm qkv_linear core_attn attn_proj mlp_norm; both), with
 #                      --moe-paged-stash when the name has _stash, full-iteration CUDA graphs
 #                      when it has _graphed (e.g. offload_paged_dense_stash_graphed); a
-#                      graphed mcore mode gets --fine-grained-offloading-max-inflight-offloads
-#                      2, or N from an _inflightN token (offload_mcore_dense_graphed_inflight0)
+#                      graphed mode gets --fine-grained-offloading-max-inflight-offloads 2,
+#                      or N from an _inflightN token (offload_mcore_dense_graphed_inflight0)
 # then print per-step losses / grad norms, bitwise parity of every microbatch loss against the
 # control (graphed modes also against graphed_unpaged when it ran), peak memory and step time,
 # and write $OUT/mcore_run.json.
@@ -60,11 +60,10 @@ for mode in $MODES; do
       if [[ "_${rest}_" == *_graphed_* ]]; then
         impl+=(--cuda-graph-impl full_iteration)
         # Megatron-Core's own backend refuses full-iteration graphs without an in-flight cap;
-        # a mode token inflightN picks it (default 2; ours ignores the cap, docs/offload.md).
-        if [ "$backend" = mcore ]; then
-          cap=2; [[ "_${rest}_" =~ _inflight([0-9]+)_ ]] && cap=${BASH_REMATCH[1]}
-          impl+=(--fine-grained-offloading-max-inflight-offloads "$cap")
-        fi
+        # both backends get the same one (ours: how many offload groups of a module may stay
+        # in flight under capture, docs/offload.md); an inflightN token picks it (default 2).
+        cap=2; [[ "_${rest}_" =~ _inflight([0-9]+)_ ]] && cap=${BASH_REMATCH[1]}
+        impl+=(--fine-grained-offloading-max-inflight-offloads "$cap")
       fi ;;
     *) echo "unknown mode $mode"; exit 2 ;;
   esac

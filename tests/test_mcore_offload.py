@@ -153,7 +153,10 @@ def engine_log(api):
     return api.engine._stream_backend.log
 
 
-def test_groups_the_plan_keeps_stay_on_the_device(offload_installed, model_parallel, cpu_router):  # noqa: F811
+def test_groups_the_plan_keeps_stay_on_the_device(offload_installed, model_parallel, cpu_router,  # noqa: F811
+                                                  monkeypatch):
+    from megatron_paging.scheduler import PagingScheduler
+
     _, api = offload_installed
     api.engine.release_pools()
     api.offload.plan = api.offload.log = None
@@ -163,6 +166,13 @@ def test_groups_the_plan_keeps_stay_on_the_device(offload_installed, model_paral
     # Both forwards, then both backwards: the second microbatch's backward follows its forward
     # at once, so the margin keeps its last group of each name (each name occurs once).
     assert plan is not None and plan.kept == {(0, 2, i) for i in range(len(DENSE))}
+    # Each kept group's end closes its name's in-flight window in the scheduler (what lets a
+    # capture drop that name's offload sources before the forward's end).
+    closed = []
+    monkeypatch.setattr(PagingScheduler, "offload_window_closed",
+                        lambda self, chunk, name, mb: closed.append((chunk, name, mb)))
+    _train(api, layer, config, offload=True, steps=1)
+    assert sorted(closed) == sorted((0, name, 2) for name in DENSE)
 
 
 def test_installer_rebinds_the_interface_and_restores_it(offload_installed):

@@ -358,3 +358,34 @@ def test_under_capture_offload_sources_wait_only_past_the_in_flight_cap(in_fligh
         assert torch.equal(context.unpack(saved[mb - 1]), originals[mb - 1])
     assert releases() - start == 4  # every copy was waited on before its memory was let go
     assert context.finish() == 0
+
+
+def test_under_capture_a_kept_group_closes_its_names_in_flight_window():
+    """The margin keeps a forward's last groups on the device: when the forward passes one, the
+    compute stream waits on (and drops) its in-flight offload sources of that name at once, so
+    they are not alive at the forward's end (the loss); the round trips stay exact."""
+    backend = CapturingBackend(capture=False)
+    context = _context(backend, offload_in_flight=2)
+    _step(context, [5, 9])  # calibration, eager
+    backend.capture = True
+    context.begin_step()
+    saved, originals = [], []
+    for index in range(2):
+        context.open_offload_group(0, ("offload", index, "core_attn"), 1, "cpu")
+        dense = torch.randn(6, HIDDEN)
+        saved.append(context.pack_offload(dense))
+        originals.append(dense.clone())
+        context.commit_slot()
+    def releases():
+        return sum(1 for e in backend.log if e.op == "wait" and e.kind == "source-release")
+
+    assert releases() == 0 and all(s.handle.source is not None for s in saved)
+    context.scheduler.offload_window_closed(0, "mlp_norm", 1)  # another name: nothing
+    context.scheduler.offload_window_closed(0, "core_attn", 2)  # another microbatch: nothing
+    assert all(s.handle.source is not None for s in saved) and releases() == 0
+    context.scheduler.offload_window_closed(0, "core_attn", 1)
+    assert all(s.handle.source is None for s in saved) and releases() == 2
+    for index in reversed(range(2)):
+        context.scheduler.backward_slot_start(0, ("offload", index, "core_attn"), 1)
+        assert torch.equal(context.unpack(saved[index]), originals[index])
+    assert context.finish() == 0

@@ -138,13 +138,19 @@ def test_gpu_paging_overlaps_compute():
     Timing events bracket each paging kernel on the paging stream and each GEMM block on the
     compute stream; the paging interval must intersect the GEMM interval (it started before the
     GEMMs ended and ended after they started). Speed is the benchmark's business, not asserted.
+
+    The copies run on a bounded grid (8 CTAs, ~230 GB/s: ~0.8 ms per record) so the paging queue
+    outlasts the host's issue of the eight commits. On a full grid each stash finished before a
+    loaded host issued the next commit, and the two intervals only touched (seen with five test
+    processes sharing the H200 host).
     """
     needs_cuda_kernels()
     records, rows, width = 8, 16384, 4096
     pools = PagePools(64, device="cuda")
     pools.add(width * 2, cuda_rows=records * rows)
     backend = _TimedBackend()
-    config = PagingConfig(page_size=64, prefetch_distance=records, kernel_backend="cuda")
+    config = PagingConfig(page_size=64, prefetch_distance=records, kernel_backend="cuda",
+                          max_ctas=8)
     scheduler = PagingScheduler(backend, pools, config=config)
     sources = [
         torch.randn(rows, width, device="cuda", dtype=torch.bfloat16) for _ in range(records)

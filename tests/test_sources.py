@@ -86,3 +86,20 @@ def test_a_backward_releases_what_its_own_forward_left_only():
     assert other[0][0].source is not None and len(sources) == 1
     sources.clear()
     assert other[0][0].source is None and len(sources) == 0
+
+
+def test_a_closed_window_releases_that_names_sources_of_that_forward_only():
+    """A forward passing a group of a name it keeps on the device (its last layer's) lets go of
+    its in-flight offload sources of that name, not other names', microbatches' or stashes'."""
+    backend = CapturingBackend()
+    sources = SourceLifetimes(backend, offload_in_flight=3)  # no commit releases any here
+    attn = [group("core_attn"), group("core_attn")]
+    norm = [group("mlp_norm")]
+    later = [group("core_attn", microbatch=1)]
+    for handles in attn + norm + later:
+        commit(sources, backend, handles)
+    assert waited_on(backend) == []
+    sources.release_forward_of(COMPUTE, chunk=0, microbatch=0, name="core_attn")
+    assert all(h[0].source is None for h in attn)
+    assert norm[0][0].source is not None and later[0][0].source is not None
+    assert len(waited_on(backend)) == 2 and len(sources) == 2

@@ -263,6 +263,13 @@ class PagedOffloadManager:
                     t.untyped_storage().resize_(0)
         return tensor
 
+    def kept_group_done(self, group: _Group) -> None:
+        """A group the plan keeps on the device ended its forward (the margin's last layer):
+        the forward's offload copies of that module name in flight need not stay in flight."""
+        scheduler = self.context.scheduler
+        if scheduler is not None:
+            scheduler.offload_window_closed(group.cm[0], group.name, group.cm[1])
+
     def backward_started(self, group: _Group) -> None:
         if self.log is not None:
             self.log.backward_group(group.cm)
@@ -320,6 +327,8 @@ def make_interface(manager: PagedOffloadManager) -> type:
 
         def group_offload(self, tensor, forced_released_tensors=None, delay_offload=False):
             group, self._group = self._group, None
+            if group is not None and group.kept:
+                manager.kept_group_done(group)
             if group is None or group.kept:
                 return tensor
             if isinstance(tensor, (tuple, list)):  # Megatron's rule: the first output carries it
