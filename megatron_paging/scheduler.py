@@ -111,7 +111,8 @@ class PagingScheduler:
         self._layers: dict[str, dict[tuple[int, int], dict[Any, int]]] = {
             branch: defaultdict(dict) for branch in (BACKWARD, WGRAD)
         }
-        self._sources = SourceLifetimes(backend, config.offload_in_flight)
+        # what the queued copies still read, and when it may go (also the offload backend's)
+        self.sources = SourceLifetimes(backend, config.offload_in_flight)
         # id -> reloaded handle no stream waited on yet: autograd dropping it unread must not
         # free memory the paging stream writes (released at unpack's wait or finish's join)
         self._unwaited: dict[int, PagedHandle] = {}
@@ -232,7 +233,7 @@ class PagingScheduler:
             raise RuntimeError("commit() without an open slot")
         (chunk, layer, microbatch), handles = self._open_slots.pop()
         attach_buffers([h.record for h in handles if h.record is not None])
-        self._sources.poll()
+        self.sources.poll()
         self.backend.note(
             "commit", chunk=chunk, layer=layer, microbatch=microbatch,
             records=[h.id for h in handles],
@@ -269,9 +270,9 @@ class PagingScheduler:
             done = self.backend.record(paging, "stash-done")
             tracked = self.transfers.hand_over_offload_sources(handles, paging)
             if tracked:
-                self._sources.track(done, tracked)
+                self.sources.track(done, tracked)
             if self.backend.capturing():
-                self._sources.release_captured(compute, done if tracked else None)
+                self.sources.release_captured(compute, done if tracked else None)
         self._fifo[BACKWARD][(chunk, layer)].append(_Group(microbatch, handles, position))
 
     def _hold(self, handle: PagedHandle | None = None, slot: tuple | None = None) -> bool:
@@ -293,13 +294,6 @@ class PagingScheduler:
         if self.parker is not None:  # calibration: a key only held slots have needs a pool too
             self.parker.hold([h.record for h in handles])
         return True
-
-    def offload_window_closed(self, chunk: int, name, microbatch: int) -> None:
-        """The forward of ``(chunk, microbatch)`` passed a group of module ``name`` that stays
-        on the device: under capture its in-flight offload sources of that name go now."""
-        if len(self._sources) and self.backend.capturing():
-            self._sources.release_forward_of(self.backend.compute_stream(), chunk, microbatch,
-                                             name)
 
     # --------------------------------------------------------------- backward
 
@@ -337,7 +331,7 @@ class PagingScheduler:
             raise ValueError(f"branch must be {BACKWARD!r} or {WGRAD!r}, got {branch!r}")
         if not self.overlap:
             return
-        self._sources.poll()
+        self.sources.poll()
         layers = self._layers[branch].get((chunk, microbatch), {})
         layers = sorted(layers, key=layers.__getitem__, reverse=True)
         compute = None  # resolved by the first reload that needs it, then reused
@@ -386,7 +380,7 @@ class PagingScheduler:
         left = 0 if held is None else sum(1 for h in held[3] if h.tensor is None)
         for h in held[3] if held is not None else ():
             h.source = None  # its backward never ran: nothing was stashed, nothing to reload
-        self._sources.clear()
+        self.sources.clear()
         self._prefetch_at_end.clear()
         for branch in (BACKWARD, WGRAD):
             for groups in self._fifo[branch].values():
@@ -399,9 +393,9 @@ class PagingScheduler:
     def _slot_start(
         self, branch, chunk, layer, microbatch, defer_wgrad, prefetch_at_end=False
     ) -> None:
-        if branch == BACKWARD and len(self._sources) and self.backend.capturing():
-            self._sources.release_forward_of(self.backend.compute_stream(), chunk, microbatch)
-        self._sources.poll()
+        if branch == BACKWARD and len(self.sources) and self.backend.capturing():
+            self.sources.release_forward_of(self.backend.compute_stream(), chunk, microbatch)
+        self.sources.poll()
         self.backend.note(
             f"{branch}-slot-start", chunk=chunk, layer=layer, microbatch=microbatch
         )

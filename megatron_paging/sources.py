@@ -40,8 +40,9 @@ class SourceLifetimes:
     def __init__(self, backend, offload_in_flight: int = 2):
         self.backend = backend
         self.offload_in_flight = offload_in_flight
-        # (copy-done event, handles, offload name or None, that name's commit number)
-        self._entries: deque[tuple[Any, list, Any, int]] = deque()
+        # (copy-done event, handles, offload name or None, that name's commit number, tensors
+        # whose storage is freed with the sources: Megatron's forced releases under capture)
+        self._entries: deque[tuple[Any, list, Any, int, list]] = deque()
         self._commits: dict[Any, int] = defaultdict(int)  # offload name -> groups tracked
 
     def __len__(self) -> int:
@@ -54,14 +55,30 @@ class SourceLifetimes:
         if name is not None:
             number = self._commits[name]
             self._commits[name] = number + 1
-        self._entries.append((done, handles, name, number))
+        self._entries.append((done, handles, name, number, []))
+
+    def free_with_sources(self, tensors) -> None:
+        """Inside a capture: free each tensor's storage (``resize_(0)``) once no queued copy
+        reads it: when the tracked source sharing it is dropped (after the compute stream
+        waited on its copy; eagerly the allocator's ``record_stream`` does this), or now if no
+        tracked source shares it (its copy read a contiguous copy, or was waited on already)."""
+        for tensor in tensors:
+            pointer = tensor.untyped_storage().data_ptr()
+            entry = next((e for e in reversed(self._entries) if any(
+                h.source is not None and h.source.untyped_storage().data_ptr() == pointer
+                for h in e[1])), None)
+            if entry is None:
+                tensor.untyped_storage().resize_(0)
+            else:
+                entry[4].append(tensor)
 
     def poll(self) -> None:
         """Eagerly: drop the sources whose copies ended (in order; never inside a capture)."""
         if self.backend.capturing():
             return  # no event queries inside a capture; the next commit releases
         while self._entries and self.backend.done(self._entries[0][0]):
-            _drop(self._entries.popleft()[1])
+            _, handles, _, _, freed = self._entries.popleft()
+            _drop(handles, freed)
 
     def release_captured(self, compute, current=None) -> None:
         """Inside a capture, after a commit tracked its sources (``current``: that commit's
@@ -82,28 +99,36 @@ class SourceLifetimes:
             and handles[0].notes.get("microbatch") == microbatch
             and (name is None or entry_name == name)))
 
+    def close_offload_window(self, chunk: int, name, microbatch: int) -> None:
+        """Inside a capture, when the forward of ``(chunk, microbatch)`` passed a group of
+        module ``name`` that stays on the device: its offload sources of that name go now."""
+        if self._entries and self.backend.capturing():
+            self.release_forward_of(self.backend.compute_stream(), chunk, microbatch, name)
+
     def _release(self, compute, due) -> None:
         kept: deque = deque()
         for entry in self._entries:
-            done, handles, name, number = entry
+            done, handles, name, number, freed = entry
             if not due(done, handles, name, number):
                 kept.append(entry)
                 continue
             self.backend.wait(compute, done, "source-release")
-            _drop(handles)
+            _drop(handles, freed)
         self._entries = kept
 
     def clear(self) -> None:
         """End of step (after the paging stream was joined): drop everything."""
-        for _, handles, _, _ in self._entries:
-            _drop(handles)
+        for _, handles, _, _, freed in self._entries:
+            _drop(handles, freed)
         self._entries.clear()
         self._commits.clear()
 
 
-def _drop(handles) -> None:
+def _drop(handles, freed=()) -> None:
     for h in handles:
         h.source = None
+    for tensor in freed:
+        tensor.untyped_storage().resize_(0)
 
 
 __all__ = ["SourceLifetimes"]

@@ -155,7 +155,7 @@ def engine_log(api):
 
 def test_groups_the_plan_keeps_stay_on_the_device(offload_installed, model_parallel, cpu_router,  # noqa: F811
                                                   monkeypatch):
-    from megatron_paging.scheduler import PagingScheduler
+    from megatron_paging.sources import SourceLifetimes
 
     _, api = offload_installed
     api.engine.release_pools()
@@ -169,7 +169,7 @@ def test_groups_the_plan_keeps_stay_on_the_device(offload_installed, model_paral
     # Each kept group's end closes its name's in-flight window in the scheduler (what lets a
     # capture drop that name's offload sources before the forward's end).
     closed = []
-    monkeypatch.setattr(PagingScheduler, "offload_window_closed",
+    monkeypatch.setattr(SourceLifetimes, "close_offload_window",
                         lambda self, chunk, name, mb: closed.append((chunk, name, mb)))
     _train(api, layer, config, offload=True, steps=1)
     assert sorted(closed) == sorted((0, name, 2) for name in DENSE)
@@ -402,3 +402,38 @@ def test_groups_must_close_innermost_first(offload_installed):
     inner_out.sum().backward()
     assert api.paged_stash_finish() == 0
     assert torch.equal(x.grad, torch.full_like(x, 6.0))
+
+
+def test_under_capture_forced_releases_wait_for_the_copy_and_stay_bitwise(
+    offload_installed, model_parallel, cpu_router, monkeypatch  # noqa: F811
+):
+    """Megatron's ``forced_released_tensors`` inside a (simulated) capture: not freed at the
+    commit (no ``record_stream`` there) but handed to the source lifetimes, which free them after
+    the compute stream's wait; the step stays bitwise equal to the one without offloading."""
+    from megatron_paging.sources import SourceLifetimes
+
+    _, api = offload_installed
+    api.engine.release_pools()
+    api.offload.plan = api.offload.log = None
+    layer, config = _layer(DENSE, False)
+    control = _train(api, layer, config, offload=False, steps=1)
+    _train(api, layer, config, offload=True, steps=2)  # calibration, then the plan's step
+    backend = api.engine._stream_backend
+    monkeypatch.setattr(backend, "capturing", lambda: True, raising=False)
+    handed = []
+    free = SourceLifetimes.free_with_sources
+
+    def spy(self, tensors):
+        handed.extend(tensors)
+        return free(self, tensors)
+
+    monkeypatch.setattr(SourceLifetimes, "free_with_sources", spy)
+    captured = _train(api, layer, config, offload=True, steps=1)
+    # core_attn's q/k/v, attn_proj's input, the norms' residuals of the offloaded microbatch
+    sizes = [t.untyped_storage().size() for t in handed]  # (a freed tensor cannot be printed)
+    handed.clear()
+    assert sizes and sizes == [0] * len(sizes), sizes
+    (l_c, g_c, h_c), (l_o, g_o, h_o) = control[0], captured[0]
+    assert all(torch.equal(a, b) for a, b in zip(l_c, l_o, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(g_c, g_o, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(h_c, h_o, strict=True))

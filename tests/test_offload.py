@@ -380,10 +380,10 @@ def test_under_capture_a_kept_group_closes_its_names_in_flight_window():
         return sum(1 for e in backend.log if e.op == "wait" and e.kind == "source-release")
 
     assert releases() == 0 and all(s.handle.source is not None for s in saved)
-    context.scheduler.offload_window_closed(0, "mlp_norm", 1)  # another name: nothing
-    context.scheduler.offload_window_closed(0, "core_attn", 2)  # another microbatch: nothing
+    context.scheduler.sources.close_offload_window(0, "mlp_norm", 1)  # another name: nothing
+    context.scheduler.sources.close_offload_window(0, "core_attn", 2)  # another microbatch: nothing
     assert all(s.handle.source is not None for s in saved) and releases() == 0
-    context.scheduler.offload_window_closed(0, "core_attn", 1)
+    context.scheduler.sources.close_offload_window(0, "core_attn", 1)
     assert all(s.handle.source is None for s in saved) and releases() == 2
     for index in reversed(range(2)):
         context.scheduler.backward_slot_start(0, ("offload", index, "core_attn"), 1)

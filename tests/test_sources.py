@@ -9,6 +9,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
 from capture import CapturingBackend
 
 from megatron_paging.sources import SourceLifetimes
@@ -103,3 +104,23 @@ def test_a_closed_window_releases_that_names_sources_of_that_forward_only():
     assert all(h[0].source is None for h in attn)
     assert norm[0][0].source is not None and later[0][0].source is not None
     assert len(waited_on(backend)) == 2 and len(sources) == 2
+
+
+def test_forced_releases_are_freed_with_their_source_after_the_compute_wait():
+    """Megatron's ``forced_released_tensors`` under capture: the storage goes (resized to 0)
+    when the source sharing it is dropped after the compute stream's wait, not at the commit;
+    one no queued copy reads (no tracked source shares it) goes at once."""
+    backend = CapturingBackend()
+    sources = SourceLifetimes(backend, offload_in_flight=1)
+    source = torch.arange(64.0)
+    view = source.view(8, 8)  # what Megatron holds: the same storage
+    stranger = torch.zeros(4)
+    handles = group("core_attn")
+    handles[0].source = source
+    commit(sources, backend, handles)
+    sources.free_with_sources([view, stranger])
+    assert stranger.untyped_storage().size() == 0
+    assert view.untyped_storage().size() > 0  # the copy may still read it
+    commit(sources, backend, group("core_attn"))  # past the cap: waited on, then freed
+    assert handles[0].source is None and waited_on(backend)
+    assert view.untyped_storage().size() == 0

@@ -19,9 +19,9 @@ stash):
   its live rows only, through the page-tile kernels into the host tier; any other CUDA tensor of
   at least ``--min-offloaded-tensor-size`` elements goes whole (one DMA copy into the pinned
   arena); parameters, tensors marked ``_do_not_offload`` and small tensors stay;
-* ``forced_released_tensors`` are released (``record_stream`` on the paging stream, storage
-  resized to 0) only if this group offloaded their storage, and never inside a CUDA-graph
-  capture;
+* ``forced_released_tensors`` are released (storage resized to 0) only if this group offloaded
+  their storage: eagerly at once with ``record_stream`` on the paging stream, inside a CUDA-graph
+  capture when the compute stream has waited on the copy (``SourceLifetimes``);
 * which groups offload after the calibration step: :mod:`.offload_plan` (Megatron-Core's margin,
   ``--delta-offload-bytes-across-pp-ranks`` and ``--activation-offload-fraction``).
 
@@ -253,14 +253,19 @@ class PagedOffloadManager:
             )
         tensor = self.context.group_commit(tensor)
         scheduler = self.context.scheduler
-        if forced_released_tensors and scheduler is not None and not scheduler.backend.capturing():
-            backend = scheduler.backend
-            releasable = group.releasable_storages()
-            for t in forced_released_tensors:
-                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in releasable:
-                    # The paging stream still reads it: reuse waits for that work.
-                    backend.keep_alive(t, backend.paging_stream)
-                    t.untyped_storage().resize_(0)
+        if not forced_released_tensors or scheduler is None:
+            return tensor
+        releasable = group.releasable_storages()
+        forced = [t for t in forced_released_tensors if isinstance(t, torch.Tensor)
+                  and t.untyped_storage().data_ptr() in releasable]
+        backend = scheduler.backend
+        if backend.capturing():
+            # No stream may be told to keep it: freed once the compute stream waited on its copy.
+            scheduler.sources.free_with_sources(forced)
+            return tensor
+        for t in forced:
+            backend.keep_alive(t, backend.paging_stream)  # reuse waits for the copy
+            t.untyped_storage().resize_(0)
         return tensor
 
     def kept_group_done(self, group: _Group) -> None:
@@ -268,7 +273,7 @@ class PagedOffloadManager:
         the forward's offload copies of that module name in flight need not stay in flight."""
         scheduler = self.context.scheduler
         if scheduler is not None:
-            scheduler.offload_window_closed(group.cm[0], group.name, group.cm[1])
+            scheduler.sources.close_offload_window(group.cm[0], group.name, group.cm[1])
 
     def backward_started(self, group: _Group) -> None:
         if self.log is not None:
