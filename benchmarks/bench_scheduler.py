@@ -13,8 +13,10 @@ peak memory, paging overhead in percent) and a PNG next to it. Per arm it also r
 host's issue time of a step (``host_ms``: close to the step time means host-bound) and, from
 one profiled step, the GPU-busy time (union of all kernel intervals), the idle gaps by cause
 (kernel_timeline.idle_gaps: a late host launch or an op queued behind a dependency) and the
-paging kernels' own time. The default layer sizes make the step GPU-bound so that the arms
-compare paging cost. ``paged_ctas_<n>`` arms bound the paging kernels' grid (``--paging-ctas``).
+paging kernels' own time, and (``cost_split``) how much of a paged arm's extra busy time is
+copies nothing hid and how much is compute slowed beside them. The default layer sizes make the
+step GPU-bound so that the arms compare paging cost. ``paged_ctas_<n>`` arms bound the paging
+kernels' grid (``--paging-ctas``).
 """
 
 from __future__ import annotations
@@ -43,6 +45,23 @@ def schedule(pp: int, vpp: int, microbatches: int):
         from megatron_paging.mcore.schedules import interleaved_one_f_one_b
     ops = interleaved_one_f_one_b(pp, vpp, 0, microbatches)
     return ops, vpp, f"megatron interleaved 1F1B pp={pp} vpp={vpp} rank=0"
+
+
+def cost_split(arm: dict, control: dict) -> dict | None:
+    """Where a paged arm's extra GPU-busy time over the control goes, in ms, from each arm's
+    profiled step (``gpu_busy``): ``exposed_copies`` = paging kernels with no other kernel
+    beside them; ``compute_slowdown`` = the rest of the extra busy time (the kernels beside the
+    copies ran longer, plus paging's own small ops). ``step_minus_control`` is the timed steps'
+    median difference, which the busy time should explain when the step is GPU-bound. None
+    without profiles."""
+    keys = ("gpu_busy_ms", "paging_kernel_ms", "paging_hidden_ms")
+    if any(k not in arm for k in keys) or "gpu_busy_ms" not in control:
+        return None
+    extra_busy = arm["gpu_busy_ms"] - control["gpu_busy_ms"]
+    exposed = arm["paging_kernel_ms"] - arm["paging_hidden_ms"]
+    return {"extra_busy": extra_busy, "exposed_copies": exposed,
+            "compute_slowdown": extra_busy - exposed,
+            "step_minus_control": arm["step_ms_median"] - control["step_ms_median"]}
 
 
 def main() -> None:
@@ -153,6 +172,12 @@ def main() -> None:
             print(f"{'':18s} idle gaps: host-late {gaps['host_gaps']} / {gaps['host_ms']:.2f} ms"
                   f", queued {gaps['queued_gaps']} / {gaps['queued_ms']:.2f} ms"
                   f", unknown {gaps['unknown_gaps']} / {gaps['unknown_ms']:.2f} ms", flush=True)
+    splits = {k: cost_split(v, results["unpaged"]) for k, v in results.items() if k != "unpaged"}
+    for name, split in splits.items():
+        if split is not None:
+            print(f"{name:18s} over unpaged: step {split['step_minus_control']:+7.2f} ms, GPU busy "
+                  f"{split['extra_busy']:+7.2f} = exposed copies {split['exposed_copies']:6.2f}"
+                  f" + compute slowdown {split['compute_slowdown']:+7.2f} ms", flush=True)
     flags = pools.flags.read()
     unpaged = results["unpaged"]["step_ms_median"]
     overhead = {k: 100.0 * (v["step_ms_median"] / unpaged - 1) for k, v in results.items()}
@@ -171,6 +196,7 @@ def main() -> None:
         sms=torch.cuda.get_device_properties(device).multi_processor_count,
         arms=results,
         overhead_percent_vs_unpaged=overhead,
+        cost_split_vs_unpaged_ms=splits,
         grads_bitwise_equal_to_unpaged=bitwise,
         flags=flags,
         fastest_paged_arm=best,
