@@ -59,7 +59,7 @@ class SourceLifetimes:
 
     def free_with_sources(self, tensors) -> None:
         """Inside a capture: free each tensor's storage (``resize_(0)``) once no queued copy
-        reads it: when the tracked source sharing it is dropped (after the compute stream
+        reads it: when the last tracked source sharing it is dropped (after the compute stream
         waited on its copy; eagerly the allocator's ``record_stream`` does this), or now if no
         tracked source shares it (its copy read a contiguous copy, or was waited on already)."""
         for tensor in tensors:
@@ -78,7 +78,8 @@ class SourceLifetimes:
             return  # no event queries inside a capture; the next commit releases
         while self._entries and self.backend.done(self._entries[0][0]):
             _, handles, _, _, freed = self._entries.popleft()
-            _drop(handles, freed)
+            _drop(handles)
+            self.free_with_sources(freed)  # or with an older copy's source that shares it
 
     def release_captured(self, compute, current=None) -> None:
         """Inside a capture, after a commit tracked its sources (``current``: that commit's
@@ -107,28 +108,32 @@ class SourceLifetimes:
 
     def _release(self, compute, due) -> None:
         kept: deque = deque()
+        freed = []
         for entry in self._entries:
-            done, handles, name, number, freed = entry
+            done, handles, name, number, tensors = entry
             if not due(done, handles, name, number):
                 kept.append(entry)
                 continue
             self.backend.wait(compute, done, "source-release")
-            _drop(handles, freed)
+            _drop(handles)
+            freed += tensors
         self._entries = kept
+        # A storage another copy still in flight reads (the same tensor saved by an older
+        # group) goes with that copy's source instead.
+        self.free_with_sources(freed)
 
     def clear(self) -> None:
         """End of step (after the paging stream was joined): drop everything."""
-        for _, handles, _, _, freed in self._entries:
-            _drop(handles, freed)
-        self._entries.clear()
+        entries, self._entries = self._entries, deque()
+        for _, handles, _, _, tensors in entries:
+            _drop(handles)
+            self.free_with_sources(tensors)
         self._commits.clear()
 
 
-def _drop(handles, freed=()) -> None:
+def _drop(handles) -> None:
     for h in handles:
         h.source = None
-    for tensor in freed:
-        tensor.untyped_storage().resize_(0)
 
 
 __all__ = ["SourceLifetimes"]

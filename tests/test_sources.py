@@ -19,7 +19,7 @@ from megatron_paging.streams import COMPUTE, CpuStreamBackend
 def group(name=None, chunk=0, microbatch=0):
     """One committed group's handle (offload groups carry their slot key, as the scheduler's)."""
     layer = 0 if name is None else ("offload", 0, name)
-    return [SimpleNamespace(source=object(), offload=None if name is None else "whole",
+    return [SimpleNamespace(source=torch.zeros(1), offload=None if name is None else "whole",
                             notes={"chunk": chunk, "layer": layer, "microbatch": microbatch})]
 
 
@@ -124,3 +124,23 @@ def test_forced_releases_are_freed_with_their_source_after_the_compute_wait():
     commit(sources, backend, group("core_attn"))  # past the cap: waited on, then freed
     assert handles[0].source is None and waited_on(backend)
     assert view.untyped_storage().size() == 0
+
+
+def test_a_forced_release_waits_for_every_copy_that_reads_its_storage():
+    """The same storage read by two queued copies (a tensor two groups saved): releasing the
+    newer group first must not free it while the older copy is still in flight."""
+    backend = CapturingBackend()
+    sources = SourceLifetimes(backend, offload_in_flight=3)
+    storage = torch.arange(64.0)
+    older, newer = group("core_attn"), group("attn_proj")
+    older[0].source, newer[0].source = storage, storage.view(8, 8)
+    commit(sources, backend, older)
+    commit(sources, backend, newer)
+    forced = storage.view(64)
+    sources.free_with_sources([forced])  # goes with the newest sharing source
+    sources.release_forward_of(COMPUTE, chunk=0, microbatch=0, name="attn_proj")
+    size = forced.untyped_storage().size()  # (a freed tensor cannot be printed)
+    assert newer[0].source is None and size > 0  # the older copy still reads it
+    sources.release_forward_of(COMPUTE, chunk=0, microbatch=0, name="core_attn")
+    size = forced.untyped_storage().size()
+    assert older[0].source is None and size == 0
