@@ -171,6 +171,34 @@ def test_missing_toolkit_is_named(monkeypatch, tmp_path):
         build.find_cuda_home()
 
 
+def test_a_lock_left_by_a_stopped_build_is_removed_not_waited_on(monkeypatch, tmp_path, capsys):
+    """torch's build lock is a plain file a killed build leaves behind (every later build then
+    waits forever); under our OS lock no other build of ours runs, so it is stale and goes."""
+    (tmp_path / "lock").write_text("")
+    library = tmp_path / "megatron_paging_kernels.so"
+    library.write_text("")
+    monkeypatch.setattr(build, "build_directory", lambda arch: tmp_path)
+    monkeypatch.setattr(build, "_check_toolchain", lambda: tmp_path)
+    seen = []
+
+    def fake_jit_load(cpp_extension, build_dir, cc, verbose):
+        seen.append((tmp_path / "lock").exists())  # torch would wait on it here
+        return _Module(library)
+
+    monkeypatch.setattr(build, "_jit_load", fake_jit_load)
+    monkeypatch.delitem(sys.modules, build.EXTENSION_NAME, raising=False)
+    assert build.load("9.0").__file__ == str(library)
+    assert seen == [False]
+    assert "left by a build that was stopped" in capsys.readouterr().err
+    build.load("9.0")  # no stale lock now: nothing said
+    assert seen == [False, False] and capsys.readouterr().err == ""
+
+
+class _Module:
+    def __init__(self, library):
+        self.__file__ = str(library)
+
+
 # ----------------------------------------------------------------------------- wrapper checks
 
 

@@ -12,6 +12,8 @@ and prints where the shared library is.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import os
 import shutil
@@ -108,6 +110,26 @@ def _headers_digest() -> str:
     return digest.hexdigest()[:16]
 
 
+@contextlib.contextmanager
+def _one_build_at_a_time(build_dir: Path):
+    """Builds into ``build_dir`` take turns under an OS file lock, which dies with its process.
+
+    torch's own build lock is a plain file (``lock``) that a killed build leaves behind, and
+    every later build then waits on it forever. Whoever holds our lock knows no other build of
+    ours is running, so a ``lock`` file found then is stale: it is removed, and said so."""
+    with open(build_dir / "build.flock", "a") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        stale = build_dir / "lock"
+        if stale.exists():
+            print(f"megatron-paging: removing {stale}, left by a build that was stopped",
+                  file=sys.stderr)
+            stale.unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(guard, fcntl.LOCK_UN)
+
+
 def load(arch: str | None = None, verbose: bool = False):
     """Build (if needed) and import the extension module; it needs no GPU to load.
 
@@ -121,26 +143,8 @@ def load(arch: str | None = None, verbose: bool = False):
     build_dir.mkdir(parents=True, exist_ok=True)
     cc = arch.replace(".", "")
     try:
-        module = cpp_extension.load(
-            name=EXTENSION_NAME,
-            sources=[str(s) for s in SOURCES],
-            # Our own -gencode keeps torch from adding its arch list and makes the arch part
-            # of the flags that decide whether a cached build is reused.
-            extra_cuda_cflags=[
-                # torch decides whether a cached build is current from the sources and flags
-                # only: the headers' digest in the flags makes a header edit rebuild too.
-                f"-DMEGATRON_PAGING_HEADERS={_headers_digest()}",
-                "-O3",
-                "-lineinfo",
-                "-std=c++17",
-                f"-gencode=arch=compute_{cc},code=sm_{cc}",
-                f"-gencode=arch=compute_{cc},code=compute_{cc}",
-            ],
-            extra_cflags=["-O2", "-std=c++17", f"-DMEGATRON_PAGING_HEADERS={_headers_digest()}"],
-            build_directory=str(build_dir),
-            is_python_module=True,
-            verbose=verbose,
-        )
+        with _one_build_at_a_time(build_dir):
+            module = _jit_load(cpp_extension, build_dir, cc, verbose)
     except Exception as exc:  # noqa: BLE001 - re-raised with the build folder named
         raise BuildError(
             f"building {EXTENSION_NAME} for sm_{cc} in {build_dir} failed: {exc}"
@@ -149,6 +153,29 @@ def load(arch: str | None = None, verbose: bool = False):
         raise BuildError(f"the build finished but left no {EXTENSION_NAME}*.so in {build_dir}")
     sys.modules[EXTENSION_NAME] = module  # torch imports it without registering it
     return module
+
+
+def _jit_load(cpp_extension, build_dir: Path, cc: str, verbose: bool):
+    return cpp_extension.load(
+        name=EXTENSION_NAME,
+        sources=[str(s) for s in SOURCES],
+        # Our own -gencode keeps torch from adding its arch list and makes the arch part
+        # of the flags that decide whether a cached build is reused.
+        extra_cuda_cflags=[
+            # torch decides whether a cached build is current from the sources and flags
+            # only: the headers' digest in the flags makes a header edit rebuild too.
+            f"-DMEGATRON_PAGING_HEADERS={_headers_digest()}",
+            "-O3",
+            "-lineinfo",
+            "-std=c++17",
+            f"-gencode=arch=compute_{cc},code=sm_{cc}",
+            f"-gencode=arch=compute_{cc},code=compute_{cc}",
+        ],
+        extra_cflags=["-O2", "-std=c++17", f"-DMEGATRON_PAGING_HEADERS={_headers_digest()}"],
+        build_directory=str(build_dir),
+        is_python_module=True,
+        verbose=verbose,
+    )
 
 
 def library_path(module) -> Path:
