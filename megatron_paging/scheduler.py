@@ -271,8 +271,7 @@ class PagingScheduler:
             tracked = self.transfers.hand_over_offload_sources(handles, paging)
             if tracked:
                 self.sources.track(done, tracked)
-            if self.backend.capturing():
-                self.sources.release_captured(compute, done if tracked else None)
+            self.sources.release_captured(compute, done if tracked else None)
         self._fifo[BACKWARD][(chunk, layer)].append(_Group(microbatch, handles, position))
 
     def _hold(self, handle: PagedHandle | None = None, slot: tuple | None = None) -> bool:
@@ -393,8 +392,8 @@ class PagingScheduler:
     def _slot_start(
         self, branch, chunk, layer, microbatch, defer_wgrad, prefetch_at_end=False
     ) -> None:
-        if branch == BACKWARD and len(self.sources) and self.backend.capturing():
-            self.sources.release_forward_of(self.backend.compute_stream(), chunk, microbatch)
+        if branch == BACKWARD:
+            self.sources.backward_begins(chunk, microbatch)
         self.sources.poll()
         self.backend.note(
             f"{branch}-slot-start", chunk=chunk, layer=layer, microbatch=microbatch
@@ -484,7 +483,6 @@ class PagingScheduler:
             self._unwaited[h.id] = h  # not record_stream: see docs/scheduler.md
             h.alloc_stream = compute
         return compute
-
 
 
 __all__ = ["BACKWARD", "WGRAD", "PagedHandle", "PagingScheduler", "Parker"]

@@ -85,7 +85,9 @@ class SourceLifetimes:
         """Inside a capture, after a commit tracked its sources (``current``: that commit's
         done event, or None): the compute stream waits on, then drops, every older stash source
         and every offload source beyond the ``offload_in_flight`` newest groups of its name
-        (the committing one included)."""
+        (the committing one included). Eagerly nothing (``poll`` does it)."""
+        if not self.backend.capturing():
+            return
         self._release(compute, lambda done, handles, name, number: (
             done is not current if name is None
             else self._commits[name] - number > self.offload_in_flight))
@@ -99,6 +101,12 @@ class SourceLifetimes:
             handles[0].notes.get("chunk") == chunk
             and handles[0].notes.get("microbatch") == microbatch
             and (name is None or entry_name == name)))
+
+    def backward_begins(self, chunk: int, microbatch: int) -> None:
+        """Inside a capture, when the backward of ``(chunk, microbatch)`` begins: what its
+        forward left goes now (``release_forward_of``)."""
+        if self._entries and self.backend.capturing():
+            self.release_forward_of(self.backend.compute_stream(), chunk, microbatch)
 
     def close_offload_window(self, chunk: int, name, microbatch: int) -> None:
         """Inside a capture, when the forward of ``(chunk, microbatch)`` passed a group of

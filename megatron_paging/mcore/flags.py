@@ -156,6 +156,7 @@ FLAG_OF_FIELD = {
     "growth_factor": "--paging-growth-factor",
     "offload_host_factor": "--paging-offload-host-factor",
     "offload_max_ctas": "--paging-offload-max-ctas",
+    "offload_in_flight": "--fine-grained-offloading-max-inflight-offloads",
     "pool_residency": "--paging-pool-residency",
     "hold_last_slot": "--paging-hold-last-slot",
 }
