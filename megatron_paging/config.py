@@ -115,6 +115,10 @@ class PagingConfig:
         copy (before its source's memory is reused) once more than this many groups of the same
         module name are in flight (Megatron-Core's
         ``--fine-grained-offloading-max-inflight-offloads``; eagerly it never waits).
+    stash_in_flight: eagerly, once more than this many committed stash groups wait for their
+        copies, the host waits for the oldest (their capacity-sized sources are allocated until
+        copied, beside the pool: a host far ahead of the GPU would hold them all); 0 = never
+        wait. Not inside a CUDA-graph capture (no host waits there; the compute stream waits).
     pool_residency: ``persistent`` keeps the device tier's pages allocated for the whole run;
         ``step`` frees them when a step ends and allocates them again when the next begins, so
         the memory between steps (the optimizer step) does not carry the pool. ``step`` cannot
@@ -137,6 +141,7 @@ class PagingConfig:
     offload_host_factor: float = 1.25
     offload_max_ctas: int = 8
     offload_in_flight: int = 2
+    stash_in_flight: int = 1
     pool_residency: str = "persistent"
     hold_last_slot: bool = False
 
@@ -169,6 +174,7 @@ class PagingConfig:
             )
         positive_int("offload_max_ctas", self.offload_max_ctas)
         non_negative_int("offload_in_flight", self.offload_in_flight)
+        non_negative_int("stash_in_flight", self.stash_in_flight)
         if self.pool_residency not in POOL_RESIDENCIES:
             raise ConfigError(
                 "pool_residency",

@@ -112,7 +112,9 @@ class PagingScheduler:
             branch: defaultdict(dict) for branch in (BACKWARD, WGRAD)
         }
         # what the queued copies still read, and when it may go (also the offload backend's)
-        self.sources = SourceLifetimes(backend, config.offload_in_flight)
+        self.sources = SourceLifetimes(
+            backend, config.offload_in_flight, config.stash_in_flight
+        )
         # id -> reloaded handle no stream waited on yet: autograd dropping it unread must not
         # free memory the paging stream writes (released at unpack's wait or finish's join)
         self._unwaited: dict[int, PagedHandle] = {}

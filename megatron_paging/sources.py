@@ -4,8 +4,13 @@ The scheduler hands every source whose copy it queued on the paging stream to a
 :class:`SourceLifetimes` (docs/scheduler.md, "Copy-input lifetimes"). Eagerly, each copy's done
 event is polled at later scheduler calls and the source dropped once the copy ended; offloaded
 sources do not come here eagerly (``Transfers.hand_over_offload_sources`` gives them to the
-allocator at once). Inside a CUDA-graph capture no event may be queried, so the compute stream
-waits on the copy instead, which orders every later reuse of the memory after it:
+allocator at once). Eagerly the host may also run ahead of the GPU: every stash group it commits
+before the paging stream copied the older ones keeps its capacity-sized sources allocated next to
+the preallocated pool, so more than ``stash_in_flight`` groups in flight make the host wait for
+the oldest copy (``--paging-max-inflight-stashes``; the bound of FSDP's ``limit_all_gathers``:
+the device never waits, the host only once it is that far ahead). Inside a CUDA-graph capture
+no event may be queried, so the compute stream waits on the copy instead, which orders every
+later reuse of the memory after it:
 
 * a stash (an HBM copy, microseconds) at the next commit;
 * an offload (a PCIe copy, milliseconds) only once ``offload_in_flight`` later groups of the
@@ -37,9 +42,10 @@ def _offload_name(handles) -> Any:
 class SourceLifetimes:
     """The sources whose copies may still run, oldest first, and the rule that drops them."""
 
-    def __init__(self, backend, offload_in_flight: int = 2):
+    def __init__(self, backend, offload_in_flight: int = 2, stash_in_flight: int = 0):
         self.backend = backend
         self.offload_in_flight = offload_in_flight
+        self.stash_in_flight = stash_in_flight  # eager host-lead bound; 0: none
         # (copy-done event, handles, offload name or None, that name's commit number, tensors
         # whose storage is freed with the sources: Megatron's forced releases under capture)
         self._entries: deque[tuple[Any, list, Any, int, list]] = deque()
@@ -56,6 +62,12 @@ class SourceLifetimes:
             number = self._commits[name]
             self._commits[name] = number + 1
         self._entries.append((done, handles, name, number, []))
+        if self.stash_in_flight and not self.backend.capturing():
+            # Eagerly only stash groups are tracked. Waiting on the oldest lets poll drop it
+            # (and every later one that is over too).
+            while len(self._entries) > self.stash_in_flight:
+                self.backend.host_wait(self._entries[0][0], "stashes-in-flight")
+                self.poll()
 
     def free_with_sources(self, tensors) -> None:
         """Inside a capture: free each tensor's storage (``resize_(0)``) once no queued copy

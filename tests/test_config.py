@@ -42,6 +42,7 @@ BAD = {
     "offload_host_factor": ([NAN, INF, True, "1.25", None], "must be a finite number"),
     "offload_max_ctas": ([0, -1, 8.0, True, None], "must be a positive integer"),
     "offload_in_flight": ([-1, 2.0, True, None], "must be a non-negative integer"),
+    "stash_in_flight": ([-1, 1.0, True, None, "1"], "must be a non-negative integer"),
     "pool_residency": (["auto", "", None, True], "must be one of ('persistent', 'step')"),
     "hold_last_slot": ([0, 1, None, "yes"], "must be True or False"),
 }
@@ -59,6 +60,7 @@ GOOD = {
     "offload_host_factor": [1, 1.0, 3.5],
     "offload_max_ctas": [1, 132],
     "offload_in_flight": [0, 2, 16],
+    "stash_in_flight": [0, 1, 8],
     "pool_residency": ["persistent", "step"],
     "hold_last_slot": [True, False],
 }

@@ -125,6 +125,8 @@ def test_max_ctas_comes_from_the_environment_when_no_flag_sets_it(parser):
          "--paging-prefetch-distance must be a non-negative integer, got -1"),
         (BASE + ["--paging-growth-factor", "1.0"], {}, False,
          "--paging-growth-factor must be > 1, got 1.0"),
+        (BASE + ["--paging-max-inflight-stashes", "-1"], {}, False,
+         "--paging-max-inflight-stashes must be a non-negative integer, got -1"),
         (BASE, {"MEGATRON_PAGING_MAX_CTAS": "lots"}, False,
          "MEGATRON_PAGING_MAX_CTAS must be a positive integer (it bounds the copy kernels' "
          "grid), got 'lots'"),
@@ -328,3 +330,17 @@ def test_recompute_refusal_is_ours_only(parser):
                                      "--recompute-granularity", "selective",
                                      "--recompute-modules", "moe"])
     flags.paging_config(args, environ={}, cuda_available=False, te_available=False)
+
+
+def test_max_inflight_stashes_flag(parser):
+    config = flags.paging_config(parser.parse_args(BASE), environ={}, cuda_available=False)
+    assert config.stash_in_flight == 1  # the default bounds the host's lead to one layer
+    args = parser.parse_args(BASE + ["--paging-max-inflight-stashes", "0"])
+    assert flags.paging_config(args, environ={}, cuda_available=False).stash_in_flight == 0
+    for argv, words in ((["--paging-max-inflight-stashes", "3"],
+                         "only apply with --moe-paged-stash"),
+                        (BASE + ["--paging-implementation", "mcore",
+                                 "--paging-max-inflight-stashes", "3"],
+                         "have no effect with --paging-implementation mcore")):
+        with pytest.raises(ValueError, match=words):
+            flags.validate_paging_args(parser.parse_args(argv), environ={}, cuda_available=False)

@@ -149,8 +149,10 @@ def test_gpu_paging_overlaps_compute():
     pools = PagePools(64, device="cuda")
     pools.add(width * 2, cuda_rows=records * rows)
     backend = _TimedBackend()
+    # stash_in_flight=0: the host must issue every commit before the GEMMs, whatever the copies'
+    # pace (the host-lead bound has its own test below)
     config = PagingConfig(page_size=64, prefetch_distance=records, kernel_backend="cuda",
-                          max_ctas=8)
+                          max_ctas=8, stash_in_flight=0)
     scheduler = PagingScheduler(backend, pools, config=config)
     sources = [
         torch.randn(rows, width, device="cuda", dtype=torch.bfloat16) for _ in range(records)
@@ -205,13 +207,61 @@ def test_gpu_paging_overlaps_compute():
     assert pools.flags.read() == {"overflow": False, "host_spill": False, "invalid_live": False}
 
 
+def test_gpu_host_lead_is_bounded_by_max_inflight_stashes():
+    """With the GPU behind (GEMMs queued ahead of every stash), the host waits once more than
+    ``stash_in_flight`` stash groups are queued, so at most that many capacity-sized sources are
+    allocated beside the pool; without the bound every committed layer's source stays."""
+    needs_cuda_kernels()
+    records, rows, width = 6, 16384, 4096  # 128 MiB of bf16 per source
+    source_bytes = rows * width * 2
+    pools = PagePools(64, device="cuda")
+    pools.add(width * 2, cuda_rows=records * rows)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(a)
+    live = torch.tensor(rows * 3 // 4, device="cuda")
+    keep = rows * 3 // 4
+    for in_flight in (1, 2, 0):
+        config = PagingConfig(page_size=64, prefetch_distance=records, kernel_backend="cuda",
+                              stash_in_flight=in_flight)
+        scheduler = PagingScheduler(make_backend(), pools, config=config)
+        pools.reset()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        for _ in range(10):  # ~15 ms of GEMMs: every stash below queues behind them
+            torch.mm(a, a, out=out)
+        handles, tracked, extra = [], [], []
+        for layer in range(records):
+            scheduler.open_slot(0, layer, 0)
+            source = torch.full((rows, width), float(layer), device="cuda", dtype=torch.bfloat16)
+            handles.append(scheduler.save(source, live))
+            del source
+            scheduler.commit()
+            tracked.append(len(scheduler.sources))
+            extra.append(torch.cuda.memory_allocated() - base)
+        scheduler.backward_slot_start(0, records - 1, 0)
+        results = [scheduler.unpack(h) for h in handles]
+        assert scheduler.finish() == 0
+        torch.cuda.synchronize()
+        print(f"stash_in_flight={in_flight}: groups tracked {tracked}, "
+              f"MiB beside the pool {[round(x / 2**20) for x in extra]}")
+        if in_flight:
+            assert max(tracked) == in_flight, tracked
+            assert max(extra) <= in_flight * source_bytes + 2**20, extra
+        else:  # the GPU really lagged: otherwise the bounded runs proved nothing
+            assert max(tracked) > 2 and max(extra) > 2 * source_bytes, (tracked, extra)
+        for layer, result in enumerate(results):
+            assert bool((result[:keep] == layer).all()), (in_flight, layer)
+        del results, handles
+
+
 def test_gpu_paged_step_never_synchronizes_the_host():
-    """A whole paged pipeline step (CUDA kernels, overlap, prefetch) runs without a host sync."""
+    """A whole paged pipeline step (CUDA kernels, overlap, prefetch) runs without a host sync
+    (the host-lead bound off: its wait is the one host wait, tested above)."""
     needs_cuda_kernels()
     ops, num_chunks = schedule("interleaved")
     chunks = cuda_chunks(num_chunks)
     pools = make_pools(TOKENS * LAYERS * num_chunks * 6 * 2)
-    context = paged_context(pools, kernel_backend="cuda")
+    context = paged_context(pools, kernel_backend="cuda", stash_in_flight=0)
     inputs = {}
     for op in ops:
         for salt in (1, 2):

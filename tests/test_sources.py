@@ -144,3 +144,93 @@ def test_a_forced_release_waits_for_every_copy_that_reads_its_storage():
     sources.release_forward_of(COMPUTE, chunk=0, microbatch=0, name="core_attn")
     size = forced.untyped_storage().size()
     assert older[0].source is None and size == 0
+
+
+class LaggingBackend(CpuStreamBackend):
+    """A GPU that lags the host: an event is done only once the host waited on it (or on a
+    later event of the same stream: streams run in order)."""
+
+    def __init__(self):
+        super().__init__()
+        self.completed = -1  # newest event id the "GPU" has reached
+
+    def done(self, event):
+        return event.id <= self.completed
+
+    def host_wait(self, event, reason=""):
+        super().host_wait(event, reason)
+        self.completed = max(self.completed, event.id)
+
+
+def host_waits(backend):
+    return [e.event for e in backend.log if e.op == "host_wait"]
+
+
+@pytest.mark.parametrize("in_flight", [1, 2, 3])
+def test_eagerly_the_host_waits_once_more_stash_groups_are_in_flight(in_flight):
+    backend = LaggingBackend()
+    sources = SourceLifetimes(backend, stash_in_flight=in_flight)
+    groups, events = [], []
+    for _ in range(6):
+        groups.append(group())
+        events.append(commit(sources, backend, groups[-1]))
+        sources.poll()
+        alive = [h[0].source is not None for h in groups]
+        # the newest in_flight groups' sources stay allocated, the host waited for the rest
+        assert alive == [False] * max(len(groups) - in_flight, 0) + [True] * min(
+            in_flight, len(groups))
+        assert len(sources) == min(in_flight, len(groups))
+    # one wait per commit beyond the bound, each on the oldest copy still running, in order
+    assert host_waits(backend) == [e.id for e in events[: 6 - in_flight]]
+    assert waited_on(backend) == []  # the device never waits for this
+
+
+def test_eagerly_without_a_bound_the_host_never_waits():
+    backend = LaggingBackend()
+    sources = SourceLifetimes(backend, stash_in_flight=0)
+    groups = [group() for _ in range(6)]
+    for handles in groups:
+        commit(sources, backend, handles)
+    assert host_waits(backend) == [] and len(sources) == 6
+    assert all(h[0].source is not None for h in groups)
+
+
+def test_under_capture_the_bound_never_waits_on_the_host():
+    backend = CapturingBackend()
+    sources = SourceLifetimes(backend, stash_in_flight=1)
+    for _ in range(3):
+        commit(sources, backend, group())
+    assert host_waits(backend) == []  # the compute stream waits instead
+    assert len(waited_on(backend)) == 2
+
+
+@pytest.mark.parametrize("in_flight", [0, 1, 2])
+def test_the_engine_passes_the_bound_and_the_gradients_stay_the_controls(in_flight):
+    """A whole paged run on the lagging backend (real 1F1B order, synthetic layers)."""
+    from megatron_paging.config import PagingConfig
+    from megatron_paging.engine import PAGED, PagingEngine
+    from megatron_paging.paging import PagingContext
+    from megatron_paging.tools.pipeline_sim import parameter_grads, run_schedule, synthetic_chunks
+    from tests.test_scheduler_hold import LAYERS, PAGE, SHAPE, schedule
+
+    num_chunks, ops = schedule("1f1b")
+    control = synthetic_chunks(num_chunks, LAYERS, seed=5)
+    run_schedule(control, ops, PagingContext(None), SHAPE, seed=5)
+    chunks = synthetic_chunks(num_chunks, LAYERS, seed=5)
+    backend = LaggingBackend()
+    engine = PagingEngine(PagingConfig(page_size=PAGE, kernel_backend="reference",
+                                       stash_in_flight=in_flight), stream_backend=backend)
+    for _ in range(3):  # calibration, then paged steps
+        for p in (p for layers in chunks for layer in layers for p in layer.parameters()):
+            p.grad = None
+        start = len(backend.log)
+        assert run_schedule(chunks, ops, PagingContext(engine), SHAPE, seed=5) == 0
+    assert engine.mode == PAGED
+    waits = [e for e in backend.log[start:] if e.op == "host_wait"]
+    groups = [e for e in backend.log[start:] if e.op == "record" and e.kind == "stash-done"]
+    # nothing completes by itself on this backend, and a backward's slot start only drops what
+    # is done: every stash group beyond the bound is waited for, once
+    assert len(waits) == (0 if in_flight == 0 else max(len(groups) - in_flight, 0))
+    assert groups and all(e.kind == "stashes-in-flight" for e in waits)
+    expected, got = parameter_grads(control), parameter_grads(chunks)
+    assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)

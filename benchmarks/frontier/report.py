@@ -26,6 +26,7 @@ ARM_COLORS = {
     "mcore_manager": "tab:orange", "recompute_moe": "tab:red",
     "paged_recompute_core_attn": "tab:cyan", "mcore_offload": "tab:brown",
     "paged_offload": "tab:purple", "paged_stash_plus_offload": "tab:green",
+    "paged_unbounded_lead": "tab:pink",
 }
 
 

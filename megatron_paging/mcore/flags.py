@@ -124,6 +124,7 @@ PAGING_DEFAULTS = {
     "paging_offload_max_ctas": 8,
     "paging_pool_residency": "auto",
     "paging_hold_last_slot": False,
+    "paging_max_inflight_stashes": 1,
 }
 IMPLEMENTATIONS = ("ours", "mcore")
 OFFLOAD_BACKENDS = ("mcore", "paged")
@@ -142,6 +143,7 @@ OURS_ONLY = (
     "paging_growth_factor",
     "paging_pool_residency",
     "paging_hold_last_slot",
+    "paging_max_inflight_stashes",
 )
 # PagingConfig field -> the flag that sets it (errors name the flag).
 FLAG_OF_FIELD = {
@@ -159,6 +161,7 @@ FLAG_OF_FIELD = {
     "offload_in_flight": "--fine-grained-offloading-max-inflight-offloads",
     "pool_residency": "--paging-pool-residency",
     "hold_last_slot": "--paging-hold-last-slot",
+    "stash_in_flight": "--paging-max-inflight-stashes",
 }
 # Our flags: dest -> add_argument keywords (the default comes from PAGING_DEFAULTS).
 OUR_FLAGS = {
@@ -223,6 +226,11 @@ OUR_FLAGS = {
     "paging_hold_last_slot": dict(
         action="store_true", help="stash a layer only once the next one commits: the last layer "
         "before a backward is never copied, and the pool is sized without it",
+    ),
+    "paging_max_inflight_stashes": dict(
+        type=int, help="eager steps: the host waits for the oldest stash copy once more than "
+        "this many layers' stashes are queued (their capacity-sized inputs stay allocated "
+        "until copied); 0 = never wait",
     ),
 }
 
@@ -331,6 +339,7 @@ def paging_config(
             offload_in_flight=_in_flight(args),
             pool_residency=pool_residency(args),
             hold_last_slot=getattr(args, "paging_hold_last_slot", False),
+            stash_in_flight=getattr(args, "paging_max_inflight_stashes", 1),
         )
     except ConfigError as error:
         raise ConfigError(*_flag_words(error)) from None
