@@ -17,7 +17,7 @@ paging kernels' own time, and (``cost_split``) how much of a paged arm's extra b
 copies nothing hid and how much is compute slowed beside them. The default layer sizes make the
 step GPU-bound so that the arms compare paging cost. ``paged_ctas_<n>`` arms bound the paging
 kernels' grid (``--paging-ctas``); ``paged_unbounded_lead`` lets the host run any number of
-stash groups ahead of the GPU (``stash_in_flight=0``).
+stash groups ahead of the GPU (``stash_in_flight=0``), ``paged_lead_2`` two (the default: 1).
 """
 
 from __future__ import annotations
@@ -124,6 +124,7 @@ def main() -> None:
     # The host never waits for a stash copy (--paging-max-inflight-stashes 0, the behaviour
     # before the bound): what the default bound costs or saves, measured in the same run.
     arms["paged_unbounded_lead"] = paged(stash_in_flight=0)
+    arms["paged_lead_2"] = paged(stash_in_flight=2)  # one more queued layer of slack
     results, grads = {}, {}
     for name, make_context in arms.items():
         chunks = make_chunks()
