@@ -116,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-timeout-s", type=float, default=420.0)
     parser.add_argument("--log-dir", type=Path, default=None,
                         help="run logs (default: --out's folder when given, else out/)")
+    parser.add_argument("--rerun", default=None, metavar="SIZE:ARM,...",
+                        help="run these frontier arms again although --resume's file has them "
+                        "(their new records replace the old; the calls list keeps the argv)")
     parser.add_argument("--retry-failed", action="store_true",
                         help="run again what the resumed file has as failed (not OOM candidates)")
     parser.add_argument("--dry-run", action="store_true", help="print the plan, run nothing")
@@ -132,7 +135,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"frontier: {resume} does not exist yet; starting empty", flush=True)
     sizes = _csv(args.sizes, SIZES, "sizes")
     arms = _csv(args.arms, ARMS, "arms")
-    only = parse_only(args.only)
+    try:  # a bad size:arm list is one line, not a traceback
+        only = parse_only(args.only)
+        rerun_pairs = parse_only(args.rerun, "--rerun") or []
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from None
     budget_arms = tuple(_csv(args.budget_arms, ARMS, "budget arms"))
     opts = None if args.budget == "no" else BudgetOptions(
         args.budget_size, budget_arms, args.budget_gib, args.budget_iters, args.budget_max_runs,
@@ -141,8 +148,14 @@ def main(argv: list[str] | None = None) -> int:
     current = header("frontier")
     current["argv"] = sys.argv[1:] if argv is None else argv
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    chosen = only if only is not None else [(s, a) for s in sizes for a in arms]
+    missing = [f"{s}:{a}" for s, a in rerun_pairs if (s, a) not in chosen]
+    if missing:
+        raise SystemExit(f"error: --rerun: {', '.join(missing)} not among the arms this call "
+                         "runs (--only / --sizes / --arms)")
+    rerun = frozenset(f"{s}:{a}" for s, a in rerun_pairs)
     tasks, skipped = frontier_tasks(sizes, arms, only, runs, args.iters, offload,
-                                    args.retry_failed)
+                                    args.retry_failed, rerun)
     if args.budget == "only":
         tasks = []
     for key, reason in skipped.items():

@@ -791,3 +791,32 @@ def test_every_runnable_arm_parses_with_megatron_and_our_flags():
     with pytest.raises(ValueError, match="--recompute-modules layernorm needs Transformer Eng"):
         flags.paging_config(parser.parse_args(removed), environ={}, cuda_available=False,
                             te_available=False)
+
+
+def test_rerun_runs_a_done_arm_again_and_refuses_what_the_call_does_not_run(fake_example, capsys):
+    out = fake_example / "res" / "frontier.json"
+    common = ["--out", str(out), "--sizes", "small", "--arms", "unpaged,paged", "--iters", "5",
+              "--budget", "no"]
+    assert bf.main(common) == 0
+    data = json.loads(out.read_text())
+    data["runs"]["small:paged"]["step_ms"]["median"] = -1.0  # marks the old record
+    out.write_text(json.dumps(data))
+    capsys.readouterr()
+    assert bf.main([*common, "--resume"]) == 0  # both done: nothing runs
+    assert "frontier: start small:" not in capsys.readouterr().out
+    assert bf.main([*common, "--resume", "--rerun", "small:paged"]) == 0
+    printed = capsys.readouterr().out
+    assert "frontier: start small:paged" in printed
+    assert "frontier: start small:unpaged" not in printed
+    data = json.loads(out.read_text())
+    assert set(data["runs"]) == {"small:unpaged", "small:paged"} and len(data["calls"]) == 3
+    again = data["runs"]["small:paged"]
+    assert again["status"] == "ok" and again["step_ms"]["median"] == pytest.approx(1005.0)
+    assert data["runs"]["small:unpaged"]["status"] == "ok"
+    assert "--rerun" in data["calls"][-1]["argv"]
+    for bad, words in (("small:recompute_moe", "--rerun: small:recompute_moe not among the arms"),
+                       ("small-paged", "--rerun: 'small-paged' is not size:arm")):
+        with pytest.raises(SystemExit, match=words):
+            bf.main([*common, "--resume", "--rerun", bad])
+    with pytest.raises(SystemExit, match="--only: 'tiny:paged' is not size:arm"):
+        bf.main([*common, "--only", "tiny:paged"])

@@ -64,14 +64,14 @@ class Task:
         return f"frontier_budget_{self.size}_{self.arm}_s{self.seq}{alloc}"
 
 
-def parse_only(only: str | None) -> list[tuple[str, str]] | None:
+def parse_only(only: str | None, flag: str = "--only") -> list[tuple[str, str]] | None:
     if not only:
         return None
     pairs = []
     for item in only.split(","):
         size, sep, arm = item.strip().partition(":")
         if not sep or size not in SIZES or arm not in ARMS:
-            raise ValueError(f"--only: {item!r} is not size:arm (sizes {sorted(SIZES)}, "
+            raise ValueError(f"{flag}: {item!r} is not size:arm (sizes {sorted(SIZES)}, "
                              f"arms {sorted(ARMS)})")
         pairs.append((size, arm))
     return pairs
@@ -86,8 +86,11 @@ def is_done(record: dict | None, task: Task, retry_failed: bool) -> bool:
 
 
 def frontier_tasks(sizes: list[str], arms: list[str], only: list[tuple[str, str]] | None,
-                   runs: dict, iters: int, offload: bool, retry_failed: bool = False):
-    """(tasks still to run, {key: skip reason}); the control first in every size."""
+                   runs: dict, iters: int, offload: bool, retry_failed: bool = False,
+                   rerun: frozenset = frozenset()):
+    """(tasks still to run, {key: skip reason}); the control first in every size. A key in
+    ``rerun`` (``size:arm``) runs again although the file has it (a runtime change to measure);
+    its new record replaces the old one."""
     pairs = only if only is not None else [(s, a) for s in sizes for a in arms]
     tasks, skipped = [], {}
     for size, arm in pairs:
@@ -95,7 +98,7 @@ def frontier_tasks(sizes: list[str], arms: list[str], only: list[tuple[str, str]
         reason = skip_reason(ARMS[arm], offload)
         if reason:
             skipped[task.key] = reason
-        elif not is_done(runs.get(task.key), task, retry_failed):
+        elif task.key in rerun or not is_done(runs.get(task.key), task, retry_failed):
             tasks.append(task)
     order = list(ARMS)
     tasks.sort(key=lambda t: (pairs.index((t.size, t.arm)) if only else
