@@ -758,7 +758,7 @@ def test_driver_end_to_end_resume_and_time_budget(fake_example, capsys):
     assert "paged_recompute_attn_norm" not in data["summary"]["small"]
     assert data["removed_arms"]["small:paged_recompute_attn_norm"]["status"] == "error"
     assert "removed arm, not reported: small:paged_recompute_attn_norm (error)" in printed
-    assert "fb MiB" in printed and "left to run" not in printed
+    assert "fb MiB" in printed and "rsv MiB" in printed and "left to run" not in printed
 
 
 # ----------------------------------------------------------------------------- Megatron's parser

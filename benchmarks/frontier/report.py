@@ -93,7 +93,8 @@ def _fmt(value, spec: str = ".1f", none: str = "-") -> str:
 def table(result: dict) -> list[str]:
     lines = [f"frontier: {result.get('gpu') or 'no GPU'}, commit {result.get('commit')}"]
     head = (f"{'size':<18} {'arm':<26} {'status':<7} {'step ms':>8} {'spread':>7} "
-            f"{'peak MiB':>9} {'fb MiB':>9} {'act MiB':>9} {'live MiB':>9} {'bitwise':>8}")
+            f"{'peak MiB':>9} {'fb MiB':>9} {'act MiB':>9} {'rsv MiB':>9} {'live MiB':>9} "
+            f"{'bitwise':>8}")
     lines += [head, "-" * len(head)]
     fallback = False
     for size, rows in result["summary"].items():
@@ -111,10 +112,12 @@ def table(result: dict) -> list[str]:
                 f"{size:<18} {arm:<26} {status:<7} {_fmt(row['step_ms']):>8} "
                 f"{_fmt(spread * 100 if spread is not None else None, '.1f') + '%':>7} "
                 f"{_fmt(row.get(STEP_PEAK)):>9} {_fmt(row.get(FB_PEAK)):>9} "
-                f"{act:>9} {_fmt(row.get('live_expert_mib')):>9} "
+                f"{act:>9} {_fmt(row.get('peak_reserved_mib')):>9} "
+                f"{_fmt(row.get('live_expert_mib')):>9} "
                 f"{'-' if par is None else ('yes' if par['bitwise_equal'] else 'NO'):>8}")
     lines.append("peak = steady step peak (optimizer step included); fb = forward-backward peak; "
-                 "act = fb - params - grads - optimizer state"
+                 "act = fb - params - grads - optimizer state; rsv = reserved peak (what the "
+                 "process holds: blocks freed with pending stream uses stay reserved)"
                  + ("; * = from the step peak (no fb peak in the record)" if fallback else ""))
     outcomes = result["budget"]["outcomes"]
     if outcomes:
