@@ -7,8 +7,10 @@ where ``.git`` does not travel), so a number quoted anywhere can be traced to it
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import statistics
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -127,6 +129,37 @@ def gpu_busy(step: Callable[[], object]) -> dict:
             "kernels_per_step": summary["kernels"], "idle_gaps": gaps}
 
 
+class GcTime:
+    """Milliseconds the Python garbage collector ran (``gc.callbacks``) while installed (a
+    ``with`` block): ``snapshot()`` then ``since(snapshot)`` gives one step's GC time and
+    collection count. cProfile charges a collection to whatever function allocated when it
+    began, so a GC-heavy step looks slower everywhere; this measures it directly."""
+
+    def __init__(self):
+        self.ms, self.collections, self._start = 0.0, 0, None
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.ms += 1e3 * (time.perf_counter() - self._start)
+            self.collections += 1
+            self._start = None
+
+    def __enter__(self):
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def snapshot(self) -> tuple[float, int]:
+        return self.ms, self.collections
+
+    def since(self, snapshot: tuple[float, int]) -> tuple[float, int]:
+        return self.ms - snapshot[0], self.collections - snapshot[1]
+
+
 def host_profile(step: Callable[[], object], top: int = 25) -> list[str]:
     """cProfile of one step's host work (by tottime)."""
     import cProfile
@@ -142,5 +175,5 @@ def host_profile(step: Callable[[], object], top: int = 25) -> list[str]:
     return [line for line in text.getvalue().splitlines() if line.strip()]
 
 
-__all__ = ["CudaTimer", "RESULTS", "default_out", "figure", "gbps", "gpu_busy", "header",
+__all__ = ["CudaTimer", "GcTime", "RESULTS", "default_out", "figure", "gbps", "gpu_busy", "header",
            "host_profile", "spread", "write"]

@@ -45,3 +45,42 @@ def test_extra_busy_is_exposed_copies_plus_compute_slowdown(bench_scheduler):
 def test_without_a_profile_there_is_no_split(bench_scheduler):
     assert bench_scheduler.cost_split({"step_ms_median": 1.0}, arm(1.0, 1.0)) is None
     assert bench_scheduler.cost_split(arm(1.0, 1.0), {"step_ms_median": 1.0}) is None
+
+
+def test_round_orders_rotate_so_no_arm_is_always_first(bench_scheduler):
+    orders = bench_scheduler.round_orders(["unpaged", "paged", "ctas_8"], 4)
+    assert orders == [["unpaged", "paged", "ctas_8"], ["paged", "ctas_8", "unpaged"],
+                      ["ctas_8", "unpaged", "paged"], ["unpaged", "paged", "ctas_8"]]
+    assert all(sorted(o) == sorted(orders[0]) for o in orders)
+    with pytest.raises(SystemExit, match="--rounds"):
+        bench_scheduler.round_orders(["unpaged"], 0)
+
+
+def test_same_round_overhead_cancels_drift_between_rounds(bench_scheduler):
+    # The machine is 20% slower in round 2; the arm costs 2% in every round.
+    control = [100.0, 120.0, 100.0]
+    arm_rounds = [102.0, 122.4, 102.0]
+    assert bench_scheduler.paired_overhead(arm_rounds, control) == pytest.approx(2.0)
+    # One round where only the control was slow is an outlier, not a 17% speed-up.
+    assert bench_scheduler.paired_overhead([100.0, 100.0, 100.0], control) == pytest.approx(0.0)
+
+
+def test_gc_time_counts_collections_inside_its_block_only():
+    import gc
+
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        from common import GcTime
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    timer = GcTime()
+    gc.collect()  # outside: not counted
+    with timer:
+        before = timer.snapshot()
+        gc.collect()
+        gc.collect(0)
+        ms, runs = timer.since(before)
+    assert runs == 2 and ms >= 0.0
+    assert timer._callback not in gc.callbacks
+    gc.collect()
+    assert timer.since(before)[1] == 2
