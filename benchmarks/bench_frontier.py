@@ -39,6 +39,7 @@ sizes, flags, memory arithmetic), ``logs`` (log parsing, run records, summary), 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import signal
 import sys
@@ -82,6 +83,20 @@ def _csv(value: str | None, choices, what: str) -> list[str]:
     return items
 
 
+def parse_env(pairs: list[str], resumed: bool) -> dict[str, str]:
+    """``--env NAME=VALUE`` options as a dict; one-line errors for a malformed pair, and for a
+    resumed file (its records were measured under another environment, same keys)."""
+    env = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name or not name.replace("_", "").isalnum():
+            raise SystemExit(f"error: --env {pair!r}: expected NAME=VALUE")
+        env[name] = value
+    if env and resumed:
+        raise SystemExit("error: --env with --resume: runs under another environment go to "
+                         "their own file (drop --resume)")
+    return env
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None,
@@ -121,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(their new records replace the old; the calls list keeps the argv)")
     parser.add_argument("--retry-failed", action="store_true",
                         help="run again what the resumed file has as failed (not OOM candidates)")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                        help="set NAME=VALUE for every run (recorded in each run's env), e.g. "
+                             "CUDA_DEVICE_MAX_CONNECTIONS=8; a file of its own (not --resume)")
     parser.add_argument("--dry-run", action="store_true", help="print the plan, run nothing")
     parser.add_argument("--report-only", action="store_true",
                         help="no runs: rebuild summary, targets, table and PNG from --resume")
@@ -156,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     rerun = frozenset(f"{s}:{a}" for s, a in rerun_pairs)
     tasks, skipped = frontier_tasks(sizes, arms, only, runs, args.iters, offload,
                                     args.retry_failed, rerun)
+    run_env = parse_env(args.env, resumed=args.resume is not None)
+    tasks = [dataclasses.replace(t, env={**t.env, **run_env}) for t in tasks]
     if args.budget == "only":
         tasks = []
     for key, reason in skipped.items():

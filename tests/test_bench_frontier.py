@@ -820,3 +820,21 @@ def test_rerun_runs_a_done_arm_again_and_refuses_what_the_call_does_not_run(fake
             bf.main([*common, "--resume", "--rerun", bad])
     with pytest.raises(SystemExit, match="--only: 'tiny:paged' is not size:arm"):
         bf.main([*common, "--only", "tiny:paged"])
+
+
+def test_env_option_reaches_every_run_and_its_record(fake_example):
+    out = fake_example / "res" / "frontier_conn8.json"
+    common = ["--out", str(out), "--sizes", "small", "--arms", "unpaged,paged", "--iters", "5",
+              "--budget", "no"]
+    assert bf.main([*common, "--env", "CUDA_DEVICE_MAX_CONNECTIONS=8"]) == 0
+    data = json.loads(out.read_text())
+    for key in ("small:unpaged", "small:paged"):
+        run = data["runs"][key]
+        assert run["env"]["CUDA_DEVICE_MAX_CONNECTIONS"] == "8"
+        log = (out.parent / f"{run['log']}.log").read_text().splitlines()[0]
+        assert log.startswith("# CUDA_DEVICE_MAX_CONNECTIONS=8 ")
+    for bad, words in ((["--env", "CUDA_DEVICE_MAX_CONNECTIONS"], "expected NAME=VALUE"),
+                       (["--env", "=8"], "expected NAME=VALUE"),
+                       (["--env", "A=1", "--resume"], "--env with --resume")):
+        with pytest.raises(SystemExit, match=words):
+            bf.main([*common, *bad])
