@@ -289,13 +289,18 @@ def _offload_report(api, implementation: str) -> dict[str, float]:
         )
 
         manager = PipelineOffloadManager.get_instance()
-        host = sum(  # its pinned pool keeps every tensor it ever allocated, per (shape, dtype)
+        # Its pinned pool keeps every tensor it ever allocated, per (shape, dtype). Expert groups
+        # (expert_fc1, moe_act, fused_group_mlp) bypass that pool (torch's pinned caching
+        # allocator instead), so their host bytes are not in this count.
+        host = sum(
             t.numel() * t.element_size()
             for entry in manager.cpu_tensor_pool._pools.values()
             for t in entry["all"]
         )
-        moved = getattr(manager, "_offload_summary_total_bytes", 0)
-        return {"offload_host_mib": host / mib, "offload_moved_per_step_mib": moved / mib}
+        # Megatron-Core's own summary: the bytes of the groups it offloads up to the first
+        # backward chunk (one microbatch at PP = 1), not the bytes moved per step.
+        summary = getattr(manager, "_offload_summary_total_bytes", 0)
+        return {"offload_host_mib": host / mib, "offload_mcore_summary_mib": summary / mib}
     offload, pools = api.offload, api.engine.offload_pools
     live = offload.rows_live_bytes()  # the last step's, like the capacity and whole bytes
     return {
