@@ -17,7 +17,9 @@ paging kernels' own time, and (``cost_split``) how much of a paged arm's extra b
 copies nothing hid and how much is compute slowed beside them. The default layer sizes make the
 step GPU-bound so that the arms compare paging cost. ``paged_ctas_<n>`` arms bound the paging
 kernels' grid (``--paging-ctas``); ``paged_unbounded_lead`` lets the host run any number of
-stash groups ahead of the GPU (``stash_in_flight=0``), ``paged_lead_2`` two (the default: 1).
+stash groups ahead of the GPU (``stash_in_flight=0``), ``paged_lead_2`` two (the default: 1);
+``paged_hold`` stashes a layer only when the next one commits (``hold_last_slot``), so the last
+layer before each backward is never copied.
 
 The arms share one set of weights and run interleaved in ``--rounds`` rounds (rotated order), so
 a slow machine phase or an arm's position shows as a round-to-round difference, and
@@ -153,6 +155,8 @@ def main() -> None:
     # before the bound): what the default bound costs or saves, measured in the same run.
     arms["paged_unbounded_lead"] = paged(stash_in_flight=0)
     arms["paged_lead_2"] = paged(stash_in_flight=2)  # one more queued layer of slack
+    # The newest slot waits for the next commit: no copy at the forward/backward turn.
+    arms["paged_hold"] = paged(hold_last_slot=True)
     if args.arms:
         unknown = sorted(set(args.arms) - set(arms))
         if unknown:

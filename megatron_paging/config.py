@@ -108,9 +108,11 @@ class PagingConfig:
     growth_factor: device-tier multiplier of the ``grow`` policy.
     offload_host_factor: host tier of the offload pools = this x the calibrated peak of
         offloaded live rows in flight (>= 1; routing changes live counts between steps).
-    offload_max_ctas: grid bound of the copy kernels for offloaded live-row records (PCIe, not
-        HBM, bounds them: 8 CTAs reach 94% / 93% of pinned copy_ D2H / H2D on the H200, more
-        only take SMs from the GEMMs; benchmarks/results/offload_h200.json).
+    offload_d2h_max_ctas, offload_h2d_max_ctas: grid bounds of the copy kernels that move
+        offloaded live-row records to the host and back (PCIe, not HBM, bounds them). On the
+        H200 (benchmarks/results/offload_h200.json) D2H reaches 51.9 GB/s with 4 CTAs (52.2
+        with 8) while a GEMM beside it slows by 6.8% instead of 14.7%; H2D needs 8 (33.1 GB/s
+        with 4, 51.3 with 8). More CTAs only take SMs from the compute.
     offload_in_flight: inside a CUDA-graph capture, the compute stream waits on an offload's
         copy (before its source's memory is reused) once more than this many groups of the same
         module name are in flight (Megatron-Core's
@@ -139,7 +141,8 @@ class PagingConfig:
     overflow_policy: str = "rerun"
     growth_factor: float = 1.5
     offload_host_factor: float = 1.25
-    offload_max_ctas: int = 8
+    offload_d2h_max_ctas: int = 4
+    offload_h2d_max_ctas: int = 8
     offload_in_flight: int = 2
     stash_in_flight: int = 1
     pool_residency: str = "persistent"
@@ -172,7 +175,8 @@ class PagingConfig:
             raise ConfigError(
                 "offload_host_factor", f"must be >= 1, got {self.offload_host_factor!r}"
             )
-        positive_int("offload_max_ctas", self.offload_max_ctas)
+        positive_int("offload_d2h_max_ctas", self.offload_d2h_max_ctas)
+        positive_int("offload_h2d_max_ctas", self.offload_h2d_max_ctas)
         non_negative_int("offload_in_flight", self.offload_in_flight)
         non_negative_int("stash_in_flight", self.stash_in_flight)
         if self.pool_residency not in POOL_RESIDENCIES:

@@ -5,7 +5,7 @@ scheduler (:mod:`megatron_paging.scheduler` decides *when* and on *which stream*
 
 * paged-stash records through the stash pools' kernels (device tier first);
 * offloaded live-row records through the same kernels into the host-only offload pools, with
-  their own grid bound (``offload_max_ctas``);
+  their own grid bounds, one per direction (``offload_max_ctas``: D2H, H2D);
 * offloaded whole tensors by one DMA copy to or from their arena range
   (:mod:`megatron_paging.offload`);
 * while calibrating, each kind through its parker instead (compact copies on the device).
@@ -107,7 +107,9 @@ class Transfers:
         kernel: the resolved kernel backend (None while calibrating).
         pools, parker: the stash pools, or calibration's parker.
         offload, offload_parker: the offload pools and arena, or calibration's offload parker.
-        max_ctas, offload_max_ctas: the kernels' grid bounds for stash and offload records.
+        max_ctas: the kernels' grid bound for stash records (both directions).
+        offload_max_ctas: (D2H, H2D) grid bounds for offloaded live-row records: PCIe writes
+            saturate with fewer CTAs than reads, and every CTA more slows the compute beside.
     """
 
     def __init__(self, backend, kernel, pools, parker, offload, offload_parker, max_ctas,
@@ -181,21 +183,22 @@ class Transfers:
                     pool = key = None
                     fn = functools.partial(self._copy_whole, reload, h, tensor)
                 else:
-                    pool, max_ctas = self._pool_for(h)
+                    pool, max_ctas = self._pool_for(h, reload)
                     key = record.row_bytes
                     fn = functools.partial(copy, reload, tensor, record, pool, max_ctas)
                 backend.launch(
                     stream, kind, fn,
                     record=h.id, chunk=notes["chunk"], layer=notes["layer"],
                     microbatch=notes["microbatch"], wgrad_only=h.wgrad_only, pool=pool,
-                    pool_key=key, offload=h.offload, **info,
+                    pool_key=key, offload=h.offload,
+                    max_ctas=None if h.offload == "whole" else max_ctas, **info,
                 )
 
-    def _pool_for(self, h: PagedHandle):
+    def _pool_for(self, h: PagedHandle, reload: bool):
         """The pool a record pages through and the kernels' grid bound for it."""
         pools, max_ctas = (
             (self.pools, self.max_ctas) if h.offload is None
-            else (self._offload().pools, self.offload_max_ctas)
+            else (self._offload().pools, self.offload_max_ctas[1 if reload else 0])
         )
         try:
             return pools[h.record.row_bytes], max_ctas

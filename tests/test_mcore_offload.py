@@ -234,8 +234,13 @@ def _config(parser, argv):
 
 def test_paged_offload_alone_builds_a_config_with_its_flags(parser):
     config = _config(parser, BASE + OFFLOAD + ["--paging-offload-host-factor", "2",
-                                                "--paging-offload-max-ctas", "4"])
-    assert (config.offload_host_factor, config.offload_max_ctas) == (2.0, 4)
+                                                "--paging-offload-max-ctas", "16"])
+    assert config.offload_host_factor == 2.0
+    assert (config.offload_d2h_max_ctas, config.offload_h2d_max_ctas) == (16, 16)  # both
+    config = _config(parser, BASE + OFFLOAD + ["--paging-offload-max-ctas", "2", "12"])
+    assert (config.offload_d2h_max_ctas, config.offload_h2d_max_ctas) == (2, 12)
+    config = _config(parser, BASE + OFFLOAD)
+    assert (config.offload_d2h_max_ctas, config.offload_h2d_max_ctas) == (4, 8)  # defaults
     args = parser.parse_args(BASE + OFFLOAD)
     assert flags.install_options(args, config)["offload_backend"] == "paged"
 
@@ -266,6 +271,11 @@ def test_megatron_in_flight_cap_sets_ours_under_graphs(parser, extra, in_flight)
         (BASE + OFFLOAD + ["--paging-offload-host-factor", "0.5"],
          "--paging-offload-host-factor must be >= 1"),
         (BASE + OFFLOAD + ["--paging-offload-max-ctas", "0"], "--paging-offload-max-ctas"),
+        (BASE + OFFLOAD + ["--paging-offload-max-ctas", "8", "0"],
+         "--paging-offload-max-ctas must be a positive integer"),
+        (BASE + OFFLOAD + ["--paging-offload-max-ctas", "4", "8", "16"],
+         "--paging-offload-max-ctas takes one value (both directions) or two (D2H H2D), got 3"),
+        (BASE + ["--paging-offload-max-ctas", "4", "16"], "only apply with --paging-offload"),
         (BASE[2:] + OFFLOAD[:2] + ["moe_act"] + OFFLOAD[3:],
          "needs --moe-expert-rank-capacity-factor"),
     ],

@@ -119,6 +119,19 @@ def test_round_trips_are_byte_exact_after_calibration(stash):
     assert kinds[: len(expected_stash)] == expected_stash
 
 
+def test_offloaded_rows_use_the_grid_of_their_direction():
+    # D2H saturates PCIe with fewer CTAs than H2D (docs/offload.md): each direction has its own
+    # bound; stash records keep the stash grid, whole tensors use no kernel at all.
+    backend = CpuStreamBackend()
+    context = _context(backend, max_ctas=64, offload_d2h_max_ctas=3, offload_h2d_max_ctas=7)
+    _step(context, [5, 9], stash=True)  # calibration: nothing launched through the kernels
+    backend.log.clear()
+    _step(context, [7, 3], stash=True, seed=1)
+    grids = {(e.kind, e.info["offload"], e.info["max_ctas"]) for e in backend.entries("launch")}
+    assert grids == {("stash", "rows", 3), ("reload", "rows", 7), ("stash", None, 64),
+                     ("reload", None, 64), ("stash", "whole", None), ("reload", "whole", None)}
+
+
 def test_reloads_wait_late_and_in_fifo_order():
     backend = CpuStreamBackend()
     context = _context(backend)

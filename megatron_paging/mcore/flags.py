@@ -31,7 +31,8 @@ flag                            default   meaning
 ``--paging-offload-backend``    mcore     ``mcore`` | ``paged``: Megatron-Core's fine-grained
                                           activation offloading, or ours (docs/offload.md)
 ``--paging-offload-host-factor`` 1.25     offload host tier = this x calibrated live-row peak
-``--paging-offload-max-ctas``   8         grid bound of the kernels of offloaded live rows
+``--paging-offload-max-ctas``   4 8       grid bounds of the kernels of offloaded live rows,
+                                          D2H then H2D (one value: both)
 ``--paging-pool-residency``     auto      ``step`` (device pages freed between steps) |
                                           ``persistent`` | ``auto`` (persistent under
                                           full-iteration graphs, else step)
@@ -121,7 +122,7 @@ PAGING_DEFAULTS = {
     "paging_sdpa_backend": SDPA_BACKEND_DEFAULT,
     "paging_offload_backend": "mcore",
     "paging_offload_host_factor": 1.25,
-    "paging_offload_max_ctas": 8,
+    "paging_offload_max_ctas": [4, 8],  # D2H, H2D
     "paging_pool_residency": "auto",
     "paging_hold_last_slot": False,
     "paging_max_inflight_stashes": 1,
@@ -157,7 +158,8 @@ FLAG_OF_FIELD = {
     "overflow_policy": "--paging-overflow-policy",
     "growth_factor": "--paging-growth-factor",
     "offload_host_factor": "--paging-offload-host-factor",
-    "offload_max_ctas": "--paging-offload-max-ctas",
+    "offload_d2h_max_ctas": "--paging-offload-max-ctas",
+    "offload_h2d_max_ctas": "--paging-offload-max-ctas",
     "offload_in_flight": "--fine-grained-offloading-max-inflight-offloads",
     "pool_residency": "--paging-pool-residency",
     "hold_last_slot": "--paging-hold-last-slot",
@@ -215,7 +217,10 @@ OUR_FLAGS = {
         help="offload host tier = this x the calibrated peak of offloaded live rows (>= 1)",
     ),
     "paging_offload_max_ctas": dict(
-        type=int, help="grid bound of the copy kernels for offloaded live rows (PCIe-bound)"
+        type=int, nargs="+", metavar="N",
+        help="grid bounds of the copy kernels for offloaded live rows (PCIe-bound): D2H H2D, "
+        "or one value for both (default 4 8: D2H saturates PCIe with 4 CTAs on the H200, H2D "
+        "needs 8, and every CTA more slows the compute beside it)",
     ),
     "paging_pool_residency": dict(
         choices=("auto", *POOL_RESIDENCIES),
@@ -335,7 +340,7 @@ def paging_config(
             overflow_policy=args.paging_overflow_policy,
             growth_factor=args.paging_growth_factor,
             offload_host_factor=getattr(args, "paging_offload_host_factor", 1.25),
-            offload_max_ctas=getattr(args, "paging_offload_max_ctas", 8),
+            **_offload_grids(args),
             offload_in_flight=_in_flight(args),
             pool_residency=pool_residency(args),
             hold_last_slot=getattr(args, "paging_hold_last_slot", False),
@@ -350,6 +355,20 @@ def paging_config(
             "available)"
         )
     return config
+
+
+def _offload_grids(args) -> dict[str, int]:
+    """``--paging-offload-max-ctas D2H [H2D]`` as the two config fields (one value: both)."""
+    values = getattr(args, "paging_offload_max_ctas", PAGING_DEFAULTS["paging_offload_max_ctas"])
+    if isinstance(values, int):  # set programmatically as one number
+        values = [values]
+    if len(values) not in (1, 2):
+        raise ValueError(
+            f"--paging-offload-max-ctas takes one value (both directions) or two (D2H H2D), "
+            f"got {len(values)}: {' '.join(map(str, values))}"
+        )
+    d2h, h2d = (values[0], values[0]) if len(values) == 1 else values
+    return {"offload_d2h_max_ctas": d2h, "offload_h2d_max_ctas": h2d}
 
 
 def _flag_words(error: ConfigError) -> tuple[str, str]:
