@@ -97,6 +97,7 @@ def parse_env(pairs: list[str], resumed: bool) -> dict[str, str]:
                          "their own file (drop --resume)")
     return env
 
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None,

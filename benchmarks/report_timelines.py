@@ -15,21 +15,22 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import re
 import statistics
 import sys
 from pathlib import Path
 
-from megatron_paging.tools.kernel_timeline import differences, load, summarize
+from frontier.logs import parse_iterations
 
-STEP = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|.*?elapsed time per iteration \(ms\): ([\d.]+)")
+from megatron_paging.tools.kernel_timeline import differences, load, summarize
 
 
 def step_times(log_text: str, profiled: int | None, warmup: int = 2) -> list[float]:
     """Step times of the iterations after ``warmup``, without the profiled one and the last
     (Megatron's last iteration also pays the exit's work)."""
-    rows = [(int(i), int(n), float(ms)) for i, n, ms in STEP.findall(log_text)]
-    return [ms for i, n, ms in rows if i > warmup and i != profiled and i != n]
+    rows = parse_iterations(log_text)
+    last = max((r["iteration"] for r in rows), default=None)
+    return [r["ms"] for r in rows
+            if r["iteration"] > warmup and r["iteration"] not in (profiled, last)]
 
 
 def parse_spec(spec: str) -> tuple[str, Path, Path | None]:

@@ -7,6 +7,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import frontier_bench  # noqa: F401 (a plain import, so sorted first: puts benchmarks/ on sys.path)
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "report_timelines.py"
