@@ -9,8 +9,6 @@ import pytest
 from frontier.arms import (
     budget_extra,
     frontier_extra,
-    model_config,
-    script_argv,
 )
 from frontier.budget import (
     BudgetOptions,
@@ -37,11 +35,6 @@ from frontier.targets import budget_target
 
 MIB = 2**20
 
-
-def _cfg(**over):
-    cfg = model_config(script_argv([], paged=False))
-    cfg.update(over)
-    return cfg
 
 
 

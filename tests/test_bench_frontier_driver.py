@@ -15,7 +15,6 @@ from frontier.arms import (
     ARMS,
     SIZES,
     frontier_extra,
-    model_config,
     offload_available,
     script_argv,
     skip_reason,
@@ -27,11 +26,6 @@ from frontier_bench import bf
 
 MIB = 2**20
 
-
-def _cfg(**over):
-    cfg = model_config(script_argv([], paged=False))
-    cfg.update(over)
-    return cfg
 
 
 

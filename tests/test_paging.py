@@ -8,45 +8,18 @@ import contextlib
 
 import pytest
 import torch
+from paging_helpers import (
+    PAGES,
+    ROW_BYTES,
+    ROWS,
+    WIDTH,
+    Square,
+    paged,
+    stashed,
+)
 
-from megatron_paging.config import PagingConfig
-from megatron_paging.engine import PagingEngine
 from megatron_paging.paging import PagingContext
-from megatron_paging.pool import PagePools
 from megatron_paging.streams import CpuStreamBackend
-
-ROWS, WIDTH, PAGE = 16, 8, 4
-ROW_BYTES, PAGES = WIDTH * 4, 16 * ROWS // PAGE
-CONFIG = PagingConfig(page_size=PAGE, kernel_backend="reference")
-
-
-def make_pools() -> PagePools:
-    pools = PagePools(PAGE)
-    pools.add(ROW_BYTES, cuda_rows=PAGES * PAGE)
-    return pools
-
-
-def paged(backend=None):
-    """A context over an engine that pages through roomy pools from its first step."""
-    backend = backend or CpuStreamBackend()
-    pools = make_pools()
-    return PagingContext(PagingEngine(CONFIG, stream_backend=backend, pools=pools)), backend, pools
-
-
-def stashed(backend):
-    return [e.info["record"] for e in backend.entries("launch", "stash")]
-
-
-class _Square(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x * x
-
-    @staticmethod
-    def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        return 2 * x * grad
 
 
 def test_marks_are_matched_by_identity_before_or_after_the_saving_op():
@@ -59,7 +32,7 @@ def test_marks_are_matched_by_identity_before_or_after_the_saving_op():
             a = context.group_start(x, 0) @ w
             b, twin = a * 3, a.clone()  # twin: equal to a, another object
             context.mark(a, torch.tensor(ROWS))  # marked before autograd saves it ...
-            y = _Square.apply(a) + _Square.apply(b) + _Square.apply(twin)
+            y = Square.apply(a) + Square.apply(b) + Square.apply(twin)
             context.mark(b, torch.tensor(ROWS))  # ... or after, until the commit
             y = context.group_commit(y)
         y.sum().backward()
@@ -92,7 +65,7 @@ def test_marks_of_one_slot_share_a_live_count_copy_until_it_is_written():
         live.fill_(ROWS - 5)  # the dispatcher overwrites its counts in place
         context.mark(c, live)
         marks = list(context._marks.values())
-        y = context.group_commit(_Square.apply(a) + _Square.apply(b) + _Square.apply(c))
+        y = context.group_commit(Square.apply(a) + Square.apply(b) + Square.apply(c))
     assert marks[0].live_rows is marks[1].live_rows  # one copy for the unchanged tensor
     assert marks[2].live_rows is not marks[0].live_rows
     assert [int(m.live_rows) for m in marks] == [ROWS - 3, ROWS - 3, ROWS - 5]
@@ -123,7 +96,7 @@ def test_pack_marked_capacity_rows_annotations_private_live_rows_and_dedupe():
     context.begin_step()
     context.open_slot(2, 1, 4, "cpu")
     with context.hooks(pack):
-        y = (t * t).sum() + _Square.apply(u).sum()
+        y = (t * t).sum() + Square.apply(u).sum()
     y = context.group_commit(y)
     shared.fill_(0)  # the dispatcher's count for the next microbatch: u's record kept a copy
     assert len(kept) == 3 and stashed(backend) == [0, 1]
@@ -159,7 +132,7 @@ def test_a_mark_autograd_does_not_save_is_an_error_at_commit(saved_as):
             "nothing": buffer.detach(),
             "itself": buffer,
         }[saved_as]
-        y = _Square.apply(saved) if saved_as != "nothing" else saved * 2
+        y = Square.apply(saved) if saved_as != "nothing" else saved * 2
         if saved_as == "itself":
             y = context.group_commit(y)
             assert context.finish() == 1  # paged, never reloaded
@@ -183,7 +156,7 @@ def test_a_layer_recomputed_inside_the_backward_is_not_paged():
     def layer(context, inp):
         a = context.group_start(inp, 0) @ w
         context.mark(a, torch.tensor(ROWS // 2))
-        return context.group_commit(_Square.apply(a))
+        return context.group_commit(Square.apply(a))
 
     def step(context):
         context.begin_step()
@@ -213,7 +186,7 @@ def test_a_disabled_context_pages_nothing_but_keeps_deferred_wgrads(how):
         start = context.group_start(x, 0)
         buffer = start * 2
         assert start is x and context.mark(buffer, torch.tensor(3)) is buffer
-        y = _Square.apply(buffer)
+        y = Square.apply(buffer)
         assert context.group_commit(y) is y
     context.open_slot(0, 1, 0, "cpu")
     y.sum().backward()

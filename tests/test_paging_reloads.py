@@ -9,46 +9,20 @@ import weakref
 
 import pytest
 import torch
+from paging_helpers import (
+    CONFIG,
+    PAGES,
+    ROW_BYTES,
+    ROWS,
+    WIDTH,
+    Square,
+    make_pools,
+    paged,
+)
 
-from megatron_paging.config import PagingConfig
-from megatron_paging.engine import PagingEngine
 from megatron_paging.paging import PagingContext
-from megatron_paging.pool import PagePools
 from megatron_paging.scheduler import PagingScheduler
 from megatron_paging.streams import CpuStreamBackend
-
-ROWS, WIDTH, PAGE = 16, 8, 4
-ROW_BYTES, PAGES = WIDTH * 4, 16 * ROWS // PAGE
-CONFIG = PagingConfig(page_size=PAGE, kernel_backend="reference")
-
-
-def make_pools() -> PagePools:
-    pools = PagePools(PAGE)
-    pools.add(ROW_BYTES, cuda_rows=PAGES * PAGE)
-    return pools
-
-
-def paged(backend=None):
-    """A context over an engine that pages through roomy pools from its first step."""
-    backend = backend or CpuStreamBackend()
-    pools = make_pools()
-    return PagingContext(PagingEngine(CONFIG, stream_backend=backend, pools=pools)), backend, pools
-
-
-def stashed(backend):
-    return [e.info["record"] for e in backend.entries("launch", "stash")]
-
-
-class _Square(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x * x
-
-    @staticmethod
-    def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        return 2 * x * grad
 
 
 def paged_scheduler(backend=None) -> PagingScheduler:
@@ -156,11 +130,11 @@ def test_a_paged_tensor_is_freed_before_its_backward(how):
                 h = context.group_start(x, layer) @ (w * (layer + 1))
                 if how == "mark":
                     context.mark(h, torch.tensor(ROWS))
-                    y = _Square.apply(h)
+                    y = Square.apply(h)
                 else:
                     h.page = True
                     with context.hooks(pack_h(context)):
-                        y = _Square.apply(h)
+                        y = Square.apply(h)
                 sources.append(weakref.ref(h))
                 outputs.append(context.group_commit(y))
                 del h, y
@@ -214,7 +188,7 @@ def test_slot_end_marker_reports_the_end_of_the_slots_backward():
         for layer in range(3):
             h = context.slot_end_marker(h, 0, layer, 0)
             context.open_slot(0, layer, 0, h.device)
-            h = context.group_commit(_Square.apply(context.mark(h * 1, torch.tensor(ROWS))))
+            h = context.group_commit(Square.apply(context.mark(h * 1, torch.tensor(ROWS))))
     assert context._slot_ends == {(0, 0, 0), (0, 1, 0), (0, 2, 0)}
     h.sum().backward()
     order = [
