@@ -113,6 +113,15 @@ class PagingConfig:
         H200 (benchmarks/results/offload_h200.json) D2H reaches 51.9 GB/s with 4 CTAs (52.2
         with 8) while a GEMM beside it slows by 6.8% instead of 14.7%; H2D needs 8 (33.1 GB/s
         with 4, 51.3 with 8). More CTAs only take SMs from the compute.
+    offload_dma_prefix: the first rows of an offloaded live-row buffer that the copy engine
+        moves (one DMA copy to a pinned arena range, like a whole tensor), as a fraction of
+        the smallest live count the calibration step saw for that buffer shape (capacity rows,
+        row bytes); the kernels move only the live rows past that prefix. The host must know a
+        copy's size, and it never reads a live count after calibration, so the prefix is a
+        host constant: when a later step's live count is below it, the padding rows up to it
+        cross PCIe too (harmless: nothing reads them). The copy engine takes no SMs, so the
+        compute beside it does not slow (``offload_h200.json``: a GEMM beside a D2H copy 0.99x
+        against 1.07x beside the 4-CTA kernel). 0 = every live row through the kernels.
     offload_in_flight: inside a CUDA-graph capture, the compute stream waits on an offload's
         copy (before its source's memory is reused) once more than this many groups of the same
         module name are in flight (Megatron-Core's
@@ -143,6 +152,7 @@ class PagingConfig:
     offload_host_factor: float = 1.25
     offload_d2h_max_ctas: int = 4
     offload_h2d_max_ctas: int = 8
+    offload_dma_prefix: float = 0.0
     offload_in_flight: int = 2
     stash_in_flight: int = 1
     pool_residency: str = "persistent"
@@ -177,6 +187,10 @@ class PagingConfig:
             )
         positive_int("offload_d2h_max_ctas", self.offload_d2h_max_ctas)
         positive_int("offload_h2d_max_ctas", self.offload_h2d_max_ctas)
+        if not 0 <= _number("offload_dma_prefix", self.offload_dma_prefix) <= 1:
+            raise ConfigError(
+                "offload_dma_prefix", f"must be in [0, 1], got {self.offload_dma_prefix!r}"
+            )
         non_negative_int("offload_in_flight", self.offload_in_flight)
         non_negative_int("stash_in_flight", self.stash_in_flight)
         if self.pool_residency not in POOL_RESIDENCIES:

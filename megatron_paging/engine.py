@@ -185,7 +185,8 @@ class PagingEngine:
         if calibrating and (calibrator.saw_records or offloaded):
             if offloaded:
                 self._set_offload_pools(offload_calibrator.size(
-                    self.config.page_size, self.config.offload_host_factor, self._device
+                    self.config.page_size, self.config.offload_host_factor, self._device,
+                    dma_prefix=self.config.offload_dma_prefix,
                 ))
             # Without stash records the stash pools are empty: a later stash record then
             # fails with the stash's "no page pool for row_bytes=..." error.

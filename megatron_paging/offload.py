@@ -36,7 +36,7 @@ import math
 import torch
 
 from megatron_paging.calibration import Calibrator
-from megatron_paging.pool import PagePools
+from megatron_paging.pool import PagePools, ceil_div
 
 logger = logging.getLogger(__name__)
 
@@ -122,11 +122,20 @@ class HostArena:
 
 
 class OffloadPools:
-    """The host-only page pools (rows records) and the arena (whole records) of a run."""
+    """The host-only page pools (rows records), the arena (whole records) and, with
+    ``offload_dma_prefix``, the copy engine's prefix rows and their arena.
 
-    def __init__(self, pools: PagePools, arena: HostArena | None, stats: dict | None = None):
+    ``prefix_rows[(capacity_rows, row_bytes)]``: how many first rows of such a live-row buffer
+    the copy engine moves into a ``prefix_arena`` range (the pools then page only the live
+    rows past them); a shape without an entry goes through the kernels whole.
+    """
+
+    def __init__(self, pools: PagePools, arena: HostArena | None, stats: dict | None = None,
+                 prefix_rows: dict | None = None, prefix_arena: HostArena | None = None):
         self.pools = pools
         self.arena = arena
+        self.prefix_rows = dict(prefix_rows or {})
+        self.prefix_arena = prefix_arena
         # What the calibration step moved (host-read there): live-row bytes, their peak in
         # flight, whole-tensor bytes; reports compare them with capacity-sized offloading.
         self.stats = dict(stats or {})
@@ -138,12 +147,17 @@ class OffloadPools:
     def reset(self) -> None:
         """Start of a step: every page and range free, flags cleared (no allocation)."""
         self.pools.reset()
-        if self.arena is not None:
-            self.arena.reset()
+        for arena in (self.arena, self.prefix_arena):
+            if arena is not None:
+                arena.reset()
 
     def host_bytes(self) -> int:
-        arena = 0 if self.arena is None else self.arena.nbytes
-        return self.pools.total_bytes()[1] + arena
+        arenas = sum(a.nbytes for a in (self.arena, self.prefix_arena) if a is not None)
+        return self.pools.total_bytes()[1] + arenas
+
+    def prefix_for(self, capacity_rows: int, row_bytes: int) -> int:
+        """Rows of such a buffer the copy engine moves (0: all through the kernels)."""
+        return self.prefix_rows.get((capacity_rows, row_bytes), 0)
 
     def grown(self, factor: float) -> OffloadPools:
         """New pools whose host tiers are ``factor`` times larger (the ``grow`` policy)."""
@@ -151,28 +165,75 @@ class OffloadPools:
         for pool in self.pools:
             pages = max(pool.num_host_pages + 1, math.ceil(pool.num_host_pages * factor))
             grown.add(pool.row_bytes, 0, pages * pool.page_size)
-        return OffloadPools(grown, self.arena, self.stats)
+        return OffloadPools(grown, self.arena, self.stats, self.prefix_rows, self.prefix_arena)
+
+
+def dma_prefix_rows(row_events, fraction: float) -> dict[tuple[int, int], int]:
+    """Per buffer shape ``(capacity_rows, row_bytes)`` of one-segment records, the copy
+    engine's prefix: ``fraction`` of the smallest live count calibration saw, and below the
+    capacity (at least one row stays with the kernels, whose live-count check sets
+    ``invalid_live`` on the device)."""
+    smallest: dict[tuple[int, int], int] = {}
+    for capacity_rows, row_bytes, live_counts, sign, _ in row_events:
+        if sign > 0 and len(live_counts) == 1:
+            key = (capacity_rows, row_bytes)
+            smallest[key] = min(smallest.get(key, live_counts[0]), live_counts[0])
+    prefix = {key: min(math.floor(live * fraction), key[0] - 1) for key, live in smallest.items()}
+    return {key: rows for key, rows in prefix.items() if rows > 0}
+
+
+def replay_rows(row_events, prefix_rows, page_size: int) -> tuple[dict[int, int], int]:
+    """Replay calibration's live-row records with ``prefix_rows``: per row size the peak rows
+    in flight that the kernels page (whole pages of what lies past each prefix), and the
+    prefix arena's high-water mark (the same first-fit order as a step's)."""
+    arena, starts = ArenaAllocator(None), {}
+    in_flight: dict[int, int] = {}
+    peak: dict[int, int] = {}
+    for capacity_rows, row_bytes, live_counts, sign, token in row_events:
+        prefix = prefix_rows.get((capacity_rows, row_bytes), 0) if len(live_counts) == 1 else 0
+        if prefix:
+            if sign > 0:
+                starts[token] = arena.alloc(prefix * row_bytes)
+            else:
+                arena.free(starts.pop(token), prefix * row_bytes)
+        paged = [max(n - prefix, 0) for n in live_counts]
+        rows = sum(ceil_div(n, page_size) for n in paged) * page_size
+        in_flight[row_bytes] = in_flight.get(row_bytes, 0) + sign * rows
+        peak[row_bytes] = max(peak.get(row_bytes, 0), in_flight[row_bytes])
+    return peak, arena.high_water
 
 
 class OffloadCalibrator:
     """The calibration step's parker for offloaded records.
 
     Rows records are parked by a :class:`~megatron_paging.calibration.Calibrator` (compact live
-    prefixes, peak rows per row size); whole records are kept as they are while an unbounded
+    prefixes) and logged here with their buffer shape (the pools' peaks and the copy engine's
+    prefixes come from that log); whole records are kept as they are while an unbounded
     :class:`ArenaAllocator` replays their ranges to find the arena's high-water mark.
     """
 
     def __init__(self):
         self.rows = Calibrator()
+        # (capacity_rows, row_bytes, live count per segment, +1 park / -1 unpark, the parked
+        # object's id), in issue order
+        self.row_events: list[tuple[int, int, tuple[int, ...], int, int]] = []
         self.arena = ArenaAllocator(None)
         self.whole_records = 0
         self.whole_bytes = 0
 
     def park(self, tensor: torch.Tensor, record):
-        return self.rows.park(tensor, record)
+        parked = self.rows.park(tensor, record)
+        self._log(record, parked, +1)
+        return parked
 
     def unpark(self, parked, record) -> torch.Tensor:
+        self._log(record, parked, -1)
         return self.rows.unpark(parked, record)
+
+    def _log(self, record, parked, sign: int) -> None:
+        self.row_events.append(
+            (record.capacity_rows, record.row_bytes, parked.live_counts, sign, id(parked))
+        )
 
     def park_whole(self, tensor: torch.Tensor) -> tuple[torch.Tensor, int, int]:
         nbytes = tensor.numel() * tensor.element_size()
@@ -189,21 +250,29 @@ class OffloadCalibrator:
     def saw_records(self) -> bool:
         return bool(self.rows.peak_rows) or self.whole_records > 0
 
-    def size(self, page_size: int, host_factor: float, device) -> OffloadPools:
-        """Host tiers of ``host_factor`` x the peak live rows; the arena at its high water."""
-        peak = self.rows.peak_page_rows(page_size)
+    def size(self, page_size: int, host_factor: float, device,
+             dma_prefix: float = 0.0) -> OffloadPools:
+        """Host tiers of ``host_factor`` x the peak live rows the kernels page (past the copy
+        engine's prefixes, ``dma_prefix``: see ``PagingConfig.offload_dma_prefix``); the
+        arenas at their high water."""
+        prefix_rows = dma_prefix_rows(self.row_events, dma_prefix) if dma_prefix > 0 else {}
+        peak, prefix_high = replay_rows(self.row_events, prefix_rows, page_size)
         pools = PagePools(page_size, device)
         sizes = []
         for row_bytes in sorted(peak):
             pool = pools.add(row_bytes, 0, max(page_size, math.ceil(peak[row_bytes] * host_factor)))
             sizes.append(f"row_bytes={row_bytes}: {pool.num_host_pages} host pages")
+        sizes += [f"{rows} DMA prefix rows of ({cap}, {rb})" for (cap, rb), rows
+                  in sorted(prefix_rows.items())]
         arena = HostArena(self.arena.high_water, device) if self.whole_records else None
+        prefix_arena = HostArena(prefix_high, device) if prefix_rows else None
         stats = dict(
             rows_live_bytes=sum(
                 sum(live) * row_bytes for row_bytes, live, _, sign in self.rows.events if sign > 0
             ),
             rows_peak_live_bytes=sum(rows * rb for rb, rows in self.rows.peak_rows.items()),
             whole_bytes=self.whole_bytes,
+            prefix_arena_bytes=0 if prefix_arena is None else prefix_arena.nbytes,
         )
         logger.info(
             "paging offload calibration: %s; arena %d bytes for %d whole tensor(s) per step",
@@ -211,7 +280,10 @@ class OffloadCalibrator:
             0 if arena is None else arena.nbytes,
             self.whole_records,
         )
-        return OffloadPools(pools, arena, stats)
+        return OffloadPools(pools, arena, stats, prefix_rows, prefix_arena)
 
 
-__all__ = ["ARENA_ALIGN", "ArenaAllocator", "HostArena", "OffloadCalibrator", "OffloadPools"]
+__all__ = [
+    "ARENA_ALIGN", "ArenaAllocator", "HostArena", "OffloadCalibrator", "OffloadPools",
+    "dma_prefix_rows", "replay_rows",
+]

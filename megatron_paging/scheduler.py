@@ -197,6 +197,11 @@ class PagingScheduler:
                 "rows of equal size"
             )
         row_bytes = tensor.numel() // capacity_rows * tensor.element_size()
+        prefix_rows = 0
+        if offload:  # the copy engine's prefix, if any: the record covers the rows past it
+            prefix_rows, capacity_rows, live_rows = self.transfers.split_prefix(
+                capacity_rows, row_bytes, live_rows)
+            live_rows_private = live_rows_private or prefix_rows > 0
         layout = RecordLayout.cached(self._layouts, capacity_rows, row_bytes, self.page_size,
                                      segments, live_rows.device)
         # An integer tensor never requires grad: no detach (one tensor object less per save).
@@ -218,6 +223,7 @@ class PagingScheduler:
             source=tensor,
             notes=record.annotations,
             offload="rows" if offload else None,
+            prefix_rows=prefix_rows,
         )
         self._pending.append(handle)
         return handle

@@ -5,7 +5,9 @@ scheduler (:mod:`megatron_paging.scheduler` decides *when* and on *which stream*
 
 * paged-stash records through the stash pools' kernels (device tier first);
 * offloaded live-row records through the same kernels into the host-only offload pools, with
-  their own grid bounds, one per direction (``offload_max_ctas``: D2H, H2D);
+  their own grid bounds, one per direction (``offload_max_ctas``: D2H, H2D); with a copy-engine
+  prefix (``PagingConfig.offload_dma_prefix``) their first rows by one DMA copy into the prefix
+  arena and only the live rows past them through the kernels;
 * offloaded whole tensors by one DMA copy to or from their arena range
   (:mod:`megatron_paging.offload`);
 * while calibrating, each kind through its parker instead (compact copies on the device).
@@ -69,6 +71,10 @@ class PagedHandle:
     notes: dict = field(default_factory=dict)  # chunk, layer, microbatch (the record's, if any)
     offload: str | None = None
     host_range: tuple[int, int] | None = None
+    # An offloaded live-row record's first rows that the copy engine moves (``record`` then
+    # covers the rows past them) and their prefix-arena range ``(start, bytes)`` once given.
+    prefix_rows: int = 0
+    prefix_range: tuple[int, int] | None = None
 
     @classmethod
     def whole(cls, id, tensor, chunk, layer, microbatch, wgrad_only) -> PagedHandle:
@@ -119,21 +125,41 @@ class Transfers:
         self.offload, self.offload_parker = offload, offload_parker
         self.max_ctas, self.offload_max_ctas = max_ctas, offload_max_ctas
 
+    def split_prefix(self, capacity_rows: int, row_bytes: int, live_rows: torch.Tensor):
+        """An offloaded live-row buffer as ``(prefix rows, rows past them, live rows past
+        them)``: the copy engine moves the prefix (a host constant from calibration, see
+        ``PagingConfig.offload_dma_prefix``), the kernels the rest; ``(0, capacity_rows,
+        live_rows)`` without a prefix. The rest's live count is a device op (no host read)."""
+        prefix = 0 if self.offload is None else self.offload.prefix_for(capacity_rows, row_bytes)
+        if not prefix:
+            return 0, capacity_rows, live_rows
+        return prefix, capacity_rows - prefix, torch.sub(live_rows, prefix).clamp_(min=0)
+
     def offload_room(self, handles: list[PagedHandle]) -> list[PagedHandle]:
-        """Give offloaded whole tensors their arena ranges (host-side, before any copy is
-        queued); a tensor that finds no room stays on the device as it is."""
-        if self.parker is not None or not any(h.offload == "whole" for h in handles):
+        """Give offloaded whole tensors and copy-engine prefixes their arena ranges
+        (host-side, before any copy is queued); one that finds no room stays on the device as
+        it is (correct, only less memory saved; counted in the arena's ``declined``)."""
+        if self.parker is not None or not any(
+            h.offload == "whole" or h.prefix_rows for h in handles
+        ):
             return handles
-        arena = self._offload().arena
+        offload = self._offload()
         kept = []
         for h in handles:
-            if h.offload == "whole":
-                nbytes = h.source.numel() * h.source.element_size()
+            if h.offload == "whole" or h.prefix_rows:
+                arena = offload.arena if h.offload == "whole" else offload.prefix_arena
+                nbytes = (
+                    h.source.numel() * h.source.element_size() if h.offload == "whole"
+                    else h.prefix_rows * h.record.row_bytes
+                )
                 start = None if arena is None else arena.alloc(nbytes)
                 if start is None:
                     h.tensor, h.source = h.source, None  # resident: nothing to reload
                     continue
-                h.host_range = (start, nbytes)
+                if h.offload == "whole":
+                    h.host_range = (start, nbytes)
+                else:
+                    h.prefix_range = (start, nbytes)
             kept.append(h)
         return kept
 
@@ -185,13 +211,18 @@ class Transfers:
                 else:
                     pool, max_ctas = self._pool_for(h, reload)
                     key = record.row_bytes
-                    fn = functools.partial(copy, reload, tensor, record, pool, max_ctas)
+                    if h.prefix_rows:
+                        fn = functools.partial(self._copy_prefixed, copy, reload, h, tensor,
+                                               pool, max_ctas)
+                    else:
+                        fn = functools.partial(copy, reload, tensor, record, pool, max_ctas)
                 backend.launch(
                     stream, kind, fn,
                     record=h.id, chunk=notes["chunk"], layer=notes["layer"],
                     microbatch=notes["microbatch"], wgrad_only=h.wgrad_only, pool=pool,
                     pool_key=key, offload=h.offload,
-                    max_ctas=None if h.offload == "whole" else max_ctas, **info,
+                    max_ctas=None if h.offload == "whole" else max_ctas,
+                    prefix_rows=h.prefix_rows, **info,
                 )
 
     def _pool_for(self, h: PagedHandle, reload: bool):
@@ -217,6 +248,23 @@ class Transfers:
                 "was off in the calibration step)"
             )
         return self.offload
+
+    def _copy_prefixed(self, copy, reload: bool, h: PagedHandle, tensor: torch.Tensor,
+                       pool, max_ctas: int) -> None:
+        """A live-row record split at its prefix: the first ``prefix_rows`` rows by one DMA
+        copy to or from their prefix-arena range, the live rows past them by the kernels."""
+        arena = self.offload.prefix_arena
+        start, nbytes = h.prefix_range
+        flat = tensor.reshape(-1).view(torch.uint8)
+        if reload:
+            flat[:nbytes].copy_(arena.view(start, nbytes), non_blocking=True)
+            arena.free(start, nbytes)  # later copies into it queue behind this one
+            h.prefix_range = None
+        else:
+            arena.view(start, nbytes).copy_(flat[:nbytes], non_blocking=True)
+        record = h.record
+        rest = flat[nbytes : nbytes + record.capacity_rows * record.row_bytes]
+        copy(reload, rest.view(record.capacity_rows, record.row_bytes), record, pool, max_ctas)
 
     def _copy_whole(self, reload: bool, h: PagedHandle, tensor: torch.Tensor) -> None:
         """A whole tensor to or from its arena range: one DMA copy on the current stream."""

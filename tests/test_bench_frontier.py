@@ -56,10 +56,10 @@ def _cfg(**over):
 def test_arm_table_and_flags():
     assert [a for a, arm in ARMS.items() if arm.exact] == [
         "paged", "paged_hold", "paged_persistent", "paged_unbounded_lead", "mcore_manager",
-        "mcore_offload", "paged_offload", "paged_stash_plus_offload"]
+        "mcore_offload", "paged_offload", "paged_offload_dma", "paged_stash_plus_offload"]
     assert ARMS["paged_unbounded_lead"].flags == ("--paging-max-inflight-stashes", "0")
     assert {a for a, arm in ARMS.items() if arm.needs_offload} == {
-        "mcore_offload", "paged_offload", "paged_stash_plus_offload"}
+        "mcore_offload", "paged_offload", "paged_offload_dma", "paged_stash_plus_offload"}
     assert not ARMS["unpaged"].paged and not ARMS["recompute_moe"].paged
     assert ARMS["paged_recompute_core_attn"].paged
     assert PAGED_FAMILY == ("paged", "paged_hold", "paged_recompute_core_attn")
@@ -104,10 +104,10 @@ def test_offload_arms_wait_for_the_flag(tmp_path):
     assert skip_reason(ARMS["paged"], False) is None
     tasks, skipped = frontier_tasks(["small"], list(ARMS), None, {}, 12, offload=False)
     assert set(skipped) == {"small:mcore_offload", "small:paged_offload",
-                            "small:paged_stash_plus_offload"}
+                            "small:paged_offload_dma", "small:paged_stash_plus_offload"}
     assert len(tasks) == 8
     tasks, skipped = frontier_tasks(["small"], list(ARMS), None, {}, 12, offload=True)
-    assert not skipped and len(tasks) == 11
+    assert not skipped and len(tasks) == 12
 
 
 # ----------------------------------------------------------------------------- arithmetic

@@ -232,21 +232,28 @@ def eager_unpaged_short(tmp_path_factory):
     return losses
 
 
+DMA_PREFIX = ("--paging-offload-dma-prefix", "1")
+
+
 @pytest.mark.parametrize(
-    ("backend", "modules", "stash"),
+    ("backend", "modules", "stash", "more"),
     [
-        pytest.param("paged", EXPERT_MODULES, False, id="paged-experts"),
-        pytest.param("paged", DENSE_MODULES, False, id="paged-dense"),
-        pytest.param("paged", DENSE_MODULES + EXPERT_MODULES, False, id="paged-both"),
-        pytest.param("paged", DENSE_MODULES + EXPERT_MODULES, True, id="paged-both+stash"),
-        pytest.param("paged", DENSE_MODULES + ("moe_act",), True, id="paged-dense+moe_act+stash"),
-        pytest.param("mcore", DENSE_MODULES + EXPERT_MODULES, False, id="mcore-both"),
+        pytest.param("paged", EXPERT_MODULES, False, (), id="paged-experts"),
+        pytest.param("paged", EXPERT_MODULES, False, DMA_PREFIX, id="paged-experts+dma-prefix"),
+        pytest.param("paged", DENSE_MODULES, False, (), id="paged-dense"),
+        pytest.param("paged", DENSE_MODULES + EXPERT_MODULES, False, (), id="paged-both"),
+        pytest.param("paged", DENSE_MODULES + EXPERT_MODULES, True, (), id="paged-both+stash"),
+        pytest.param("paged", DENSE_MODULES + EXPERT_MODULES, True, DMA_PREFIX,
+                     id="paged-both+stash+dma-prefix"),
+        pytest.param("paged", DENSE_MODULES + ("moe_act",), True, (),
+                     id="paged-dense+moe_act+stash"),
+        pytest.param("mcore", DENSE_MODULES + EXPERT_MODULES, False, (), id="mcore-both"),
     ],
 )
 def test_example_offloading_is_bitwise_equal_to_no_offloading(
-    tmp_path, eager_unpaged_short, backend, modules, stash
+    tmp_path, eager_unpaged_short, backend, modules, stash, more
 ):
-    losses, log = _train(tmp_path, paged=stash, extra=_offloading(backend, modules))
+    losses, log = _train(tmp_path, paged=stash, extra=(*_offloading(backend, modules), *more))
     report = _report(log)
     assert float(report["offload_host_mib"]) > 0 or backend == "mcore"
     if backend == "paged":
@@ -255,11 +262,14 @@ def test_example_offloading_is_bitwise_equal_to_no_offloading(
             live, capacity = (float(report[k]) for k in
                               ("offload_rows_live_mib", "offload_rows_capacity_mib"))
             assert 0 < live <= capacity
+        if more:  # the copy engine's prefix arena was sized and used
+            assert "DMA prefix rows" in log
     assert losses == eager_unpaged_short
 
 
-def test_example_graphed_offloading_equals_eager_unpaged(tmp_path, eager_unpaged_long):
-    extra = (*GRAPHS, *_offloading("paged", DENSE_MODULES + ("moe_act",)))
+@pytest.mark.parametrize("more", [(), DMA_PREFIX], ids=["kernels", "dma-prefix"])
+def test_example_graphed_offloading_equals_eager_unpaged(tmp_path, eager_unpaged_long, more):
+    extra = (*GRAPHS, *_offloading("paged", DENSE_MODULES + ("moe_act",)), *more)
     losses, log = _train(tmp_path, paged=True, extra=extra)
     assert log.count(CAPTURE_LINE) == 1
     report = _report(log)

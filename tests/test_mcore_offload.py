@@ -99,17 +99,20 @@ def _train(api, layer, config, offload: bool, steps: int = 3):
 
 
 @pytest.mark.parametrize(
-    ("modules", "paged_stash"),
+    ("modules", "paged_stash", "dma_prefix"),
     [
-        (EXPERTS, False), (DENSE, False), (DENSE + EXPERTS, False), (DENSE + EXPERTS, True),
-        (DENSE + ["moe_act"], True),
+        (EXPERTS, False, 0.0), (EXPERTS, False, 1.0), (DENSE, False, 0.0),
+        (DENSE + EXPERTS, False, 0.0), (DENSE + EXPERTS, True, 0.0), (DENSE + EXPERTS, True, 0.5),
+        (DENSE + ["moe_act"], True, 0.0),
     ],
-    ids=["experts", "dense", "both", "both+paged-stash", "dense+moe_act+paged-stash"],
+    ids=["experts", "experts+dma-prefix", "dense", "both", "both+paged-stash",
+         "both+paged-stash+dma-prefix", "dense+moe_act+paged-stash"],
 )
 def test_offloaded_layer_is_bitwise_equal_to_no_offload(
-    offload_installed, model_parallel, cpu_router, modules, paged_stash  # noqa: F811
+    offload_installed, model_parallel, cpu_router, modules, paged_stash, dma_prefix  # noqa: F811
 ):
     _, api = offload_installed
+    api.engine.configure(api.engine.config.replace(offload_dma_prefix=dma_prefix))
     api.engine.release_pools()
     api.offload.plan = api.offload.log = None
     layer, config = _layer(modules, paged_stash)
@@ -142,6 +145,8 @@ def test_offloaded_layer_is_bitwise_equal_to_no_offload(
         # rows rounded up to pages (the capacity buffers are 2x the tokens routed).
         rows = [e for e in launches if e.kind == "stash" and e.info["offload"] == "rows"]
         assert rows and all(e.info["pool_key"] in (128, 384) for e in rows)
+        # With a prefix, every live-row record's first rows went by the copy engine.
+        assert all((e.info["prefix_rows"] > 0) == (dma_prefix > 0) for e in rows)
         # What the example reports for the last step: every routed row at most once, against
         # capacity buffers sized 2x the routed rows (so at most half of their bytes).
         live, capacity = api.offload.rows_live_bytes(), api.offload.offloaded_bytes["rows_capacity"]
@@ -241,6 +246,9 @@ def test_paged_offload_alone_builds_a_config_with_its_flags(parser):
     assert (config.offload_d2h_max_ctas, config.offload_h2d_max_ctas) == (2, 12)
     config = _config(parser, BASE + OFFLOAD)
     assert (config.offload_d2h_max_ctas, config.offload_h2d_max_ctas) == (4, 8)  # defaults
+    assert config.offload_dma_prefix == 0.0
+    config = _config(parser, BASE + OFFLOAD + ["--paging-offload-dma-prefix", "0.9"])
+    assert config.offload_dma_prefix == 0.9
     args = parser.parse_args(BASE + OFFLOAD)
     assert flags.install_options(args, config)["offload_backend"] == "paged"
 
@@ -276,6 +284,9 @@ def test_megatron_in_flight_cap_sets_ours_under_graphs(parser, extra, in_flight)
         (BASE + OFFLOAD + ["--paging-offload-max-ctas", "4", "8", "16"],
          "--paging-offload-max-ctas takes one value (both directions) or two (D2H H2D), got 3"),
         (BASE + ["--paging-offload-max-ctas", "4", "16"], "only apply with --paging-offload"),
+        (BASE + ["--paging-offload-dma-prefix", "1"], "only apply with --paging-offload"),
+        (BASE + OFFLOAD + ["--paging-offload-dma-prefix", "1.5"],
+         "--paging-offload-dma-prefix must be in [0, 1], got 1.5"),
         (BASE[2:] + OFFLOAD[:2] + ["moe_act"] + OFFLOAD[3:],
          "needs --moe-expert-rank-capacity-factor"),
     ],

@@ -70,6 +70,11 @@ ARMS: dict[str, Arm] = {
             ("--fine-grained-activation-offloading", "--offload-modules", "expert_fc1",
              "moe_act", OFFLOAD_FLAG, "paged"), True,
             "our paged offloading backend for the expert modules (live rows only)", True),
+        Arm("paged_offload_dma", False,
+            ("--fine-grained-activation-offloading", "--offload-modules", "expert_fc1",
+             "moe_act", OFFLOAD_FLAG, "paged", "--paging-offload-dma-prefix", "1"), True,
+            "paged_offload with the copy engine moving each buffer's first rows (the "
+            "calibrated smallest live count), the kernels only the rest", True),
         Arm("paged_stash_plus_offload", True,
             ("--fine-grained-activation-offloading", "--offload-modules", "attn_norm",
              "qkv_linear", "core_attn", "attn_proj", "mlp_norm", OFFLOAD_FLAG, "paged"), True,
@@ -81,7 +86,7 @@ CONTROL = "unpaged"
 PAGED_FAMILY = ("paged", "paged_hold", "paged_recompute_core_attn")
 # Shown beside the recompute target, not part of its verdict: it pages live expert rows to the
 # pinned host tier rather than keeping them on the device, a different trade.
-RECOMPUTE_INFORMATIONAL = ("paged_offload",)
+RECOMPUTE_INFORMATIONAL = ("paged_offload", "paged_offload_dma")
 # Arms a resumed file may still hold: listed by the report, never summarized or run.
 REMOVED_ARMS = {
     "paged_recompute_attn_norm": (

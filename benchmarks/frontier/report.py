@@ -25,7 +25,8 @@ ARM_COLORS = {
     "unpaged": "grey", "paged": "tab:blue", "paged_hold": "tab:olive",
     "mcore_manager": "tab:orange", "recompute_moe": "tab:red",
     "paged_recompute_core_attn": "tab:cyan", "mcore_offload": "tab:brown",
-    "paged_offload": "tab:purple", "paged_stash_plus_offload": "tab:green",
+    "paged_offload": "tab:purple", "paged_offload_dma": "indigo",
+    "paged_stash_plus_offload": "tab:green",
     "paged_unbounded_lead": "tab:pink",
 }
 

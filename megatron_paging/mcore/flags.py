@@ -33,6 +33,9 @@ flag                            default   meaning
 ``--paging-offload-host-factor`` 1.25     offload host tier = this x calibrated live-row peak
 ``--paging-offload-max-ctas``   4 8       grid bounds of the kernels of offloaded live rows,
                                           D2H then H2D (one value: both)
+``--paging-offload-dma-prefix`` 0.0       offloaded live rows: the copy engine moves this
+                                          fraction of the calibrated smallest live count
+                                          first, the kernels the rest (docs/offload.md)
 ``--paging-pool-residency``     auto      ``step`` (device pages freed between steps) |
                                           ``persistent`` | ``auto`` (persistent under
                                           full-iteration graphs, else step)
@@ -123,6 +126,7 @@ PAGING_DEFAULTS = {
     "paging_offload_backend": "mcore",
     "paging_offload_host_factor": 1.25,
     "paging_offload_max_ctas": [4, 8],  # D2H, H2D
+    "paging_offload_dma_prefix": 0.0,
     "paging_pool_residency": "auto",
     "paging_hold_last_slot": False,
     "paging_max_inflight_stashes": 1,
@@ -133,7 +137,9 @@ OFFLOAD_BACKENDS = ("mcore", "paged")
 WITHOUT_PAGING = (
     "paging_gemm_backend", "paging_core_attention", "paging_sdpa_backend", "paging_offload_backend"
 )
-OFFLOAD_ONLY = ("paging_offload_host_factor", "paging_offload_max_ctas")
+OFFLOAD_ONLY = (
+    "paging_offload_host_factor", "paging_offload_max_ctas", "paging_offload_dma_prefix"
+)
 # Flags of our engine and runner; Megatron-Core's own manager (`mcore`) ignores them.
 OURS_ONLY = (
     "paging_kernel_backend",
@@ -160,6 +166,7 @@ FLAG_OF_FIELD = {
     "offload_host_factor": "--paging-offload-host-factor",
     "offload_d2h_max_ctas": "--paging-offload-max-ctas",
     "offload_h2d_max_ctas": "--paging-offload-max-ctas",
+    "offload_dma_prefix": "--paging-offload-dma-prefix",
     "offload_in_flight": "--fine-grained-offloading-max-inflight-offloads",
     "pool_residency": "--paging-pool-residency",
     "hold_last_slot": "--paging-hold-last-slot",
@@ -221,6 +228,12 @@ OUR_FLAGS = {
         help="grid bounds of the copy kernels for offloaded live rows (PCIe-bound): D2H H2D, "
         "or one value for both (default 4 8: D2H saturates PCIe with 4 CTAs on the H200, H2D "
         "needs 8, and every CTA more slows the compute beside it)",
+    ),
+    "paging_offload_dma_prefix": dict(
+        type=float, metavar="FRACTION",
+        help="offloaded live rows: the copy engine moves the first FRACTION x (the smallest "
+        "live count calibration saw for that buffer shape) rows, the kernels only the rest "
+        "(no SMs for most of the PCIe traffic; 0 = all through the kernels)",
     ),
     "paging_pool_residency": dict(
         choices=("auto", *POOL_RESIDENCIES),
@@ -341,6 +354,7 @@ def paging_config(
             growth_factor=args.paging_growth_factor,
             offload_host_factor=getattr(args, "paging_offload_host_factor", 1.25),
             **_offload_grids(args),
+            offload_dma_prefix=getattr(args, "paging_offload_dma_prefix", 0.0),
             offload_in_flight=_in_flight(args),
             pool_residency=pool_residency(args),
             hold_last_slot=getattr(args, "paging_hold_last_slot", False),
