@@ -176,8 +176,18 @@ def test_groups_the_plan_keeps_stay_on_the_device(offload_installed, model_paral
     closed = []
     monkeypatch.setattr(SourceLifetimes, "close_offload_window",
                         lambda self, chunk, name, mb: closed.append((chunk, name, mb)))
-    _train(api, layer, config, offload=True, steps=1)
+    # Each kept group's backward prefetches its chunk-microbatch's top offloaded groups (the
+    # layer below the margin is then reloaded while the kept layer's backward runs).
+    from megatron_paging.scheduler import PagingScheduler
+
+    prefetched = []
+    real_prefetch = PagingScheduler.prefetch
+    monkeypatch.setattr(PagingScheduler, "prefetch", lambda self, chunk, mb, *a, **k: (
+        prefetched.append((chunk, mb)), real_prefetch(self, chunk, mb, *a, **k))[1])
+    results = _train(api, layer, config, offload=True, steps=1)
     assert sorted(closed) == sorted((0, name, 2) for name in DENSE)
+    assert prefetched == [(0, 2)] * len(DENSE)
+    assert all(torch.isfinite(g).all() for g in results[0][1])
 
 
 def test_installer_rebinds_the_interface_and_restores_it(offload_installed):
@@ -251,6 +261,21 @@ def test_paged_offload_alone_builds_a_config_with_its_flags(parser):
     assert config.offload_dma_prefix == 0.9
     args = parser.parse_args(BASE + OFFLOAD)
     assert flags.install_options(args, config)["offload_backend"] == "paged"
+
+
+def test_dma_prefix_with_one_hardware_queue_warns_in_one_line(parser, caplog):
+    argv = BASE + OFFLOAD + ["--paging-offload-dma-prefix", "1"]
+    with caplog.at_level("WARNING"):
+        flags.paging_config(parser.parse_args(argv), environ={"CUDA_DEVICE_MAX_CONNECTIONS": "8"},
+                            cuda_available=False)
+        assert not caplog.records
+        config = flags.paging_config(parser.parse_args(argv),
+                                     environ={"CUDA_DEVICE_MAX_CONNECTIONS": "1"},
+                                     cuda_available=False)
+    assert config.offload_dma_prefix == 1.0  # correct, only slow: warned, not refused
+    (record,) = caplog.records
+    message = record.getMessage()
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in message and "\n" not in message
 
 
 @pytest.mark.parametrize(("extra", "in_flight"), [([], 2), (["3"], 3), (["0"], 0)])

@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import logging
 import os
 
 from megatron_paging.config import (
@@ -367,6 +368,14 @@ def paging_config(
         raise ValueError(
             f"--paging-kernel-backend {config.kernel_backend} needs a CUDA device (none is "
             "available)"
+        )
+    if config.offload_dma_prefix > 0 and environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+        # Correct, but slow: with one hardware queue each DMA copy holds back the compute
+        # queued behind it (moe_compute: 4538 ms per step against 3064 with 32 connections).
+        logging.getLogger(__name__).warning(
+            "--paging-offload-dma-prefix with CUDA_DEVICE_MAX_CONNECTIONS=1: the copy engine's "
+            "copies serialize with the compute (docs/offload.md); set it to 8 or more if the "
+            "run allows (tensor-parallel communication overlap needs 1)"
         )
     return config
 
