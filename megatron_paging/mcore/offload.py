@@ -268,28 +268,12 @@ class PagedOffloadManager:
             t.untyped_storage().resize_(0)
         return tensor
 
-    def kept_group_done(self, group: _Group, tensor):
+    def kept_group_done(self, group: _Group) -> None:
         """A group the plan keeps on the device ended its forward (the margin's last layer):
-        the forward's offload copies of that module name in flight need not stay in flight.
-        Returns ``tensor`` through an identity whose backward prefetches the top offloaded
-        groups of the chunk-microbatch (:meth:`kept_backward`)."""
+        the forward's offload copies of that module name in flight need not stay in flight."""
         scheduler = self.context.scheduler
         if scheduler is not None:
             scheduler.sources.close_offload_window(group.cm[0], group.name, group.cm[1])
-        if not (isinstance(tensor, torch.Tensor) and tensor.requires_grad
-                and torch.is_grad_enabled()):
-            return tensor
-        return _KeptBackward.apply(tensor, self, group)
-
-    def kept_backward(self, group: _Group) -> None:
-        """A kept group's backward began: its chunk-microbatch's backward is under way, so
-        reload the first offloaded groups now. Without this the first one (the layer below
-        the margin) would be reloaded only when its own backward starts, and the compute
-        stream would wait for its whole copy (15 ms per microbatch at ``moe_compute``,
-        ``offload_runs/moe_compute_dma_prefix_99d22ca``)."""
-        scheduler = self.context.scheduler
-        if scheduler is not None:
-            scheduler.prefetch(group.cm[0], group.cm[1])
 
     def backward_started(self, group: _Group) -> None:
         if self.log is not None:
@@ -302,20 +286,6 @@ class PagedOffloadManager:
     def mark_not_offload(self, tensor) -> None:
         if tensor is not None:
             tensor._do_not_offload = True
-
-
-class _KeptBackward(torch.autograd.Function):
-    """Identity on a kept group's output: its backward runs when that group's does."""
-
-    @staticmethod
-    def forward(ctx, tensor, manager, group):
-        ctx.manager, ctx.group = manager, group
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.manager.kept_backward(ctx.group)
-        return grad, None, None
 
 
 class _BackwardStart(torch.autograd.Function):
@@ -362,13 +332,10 @@ def make_interface(manager: PagedOffloadManager) -> type:
 
         def group_offload(self, tensor, forced_released_tensors=None, delay_offload=False):
             group, self._group = self._group, None
-            if group is None:
+            if group is not None and group.kept:
+                manager.kept_group_done(group)
+            if group is None or group.kept:
                 return tensor
-            if group.kept:
-                if isinstance(tensor, (tuple, list)) and tensor:
-                    first = manager.kept_group_done(group, tensor[0])
-                    return type(tensor)([first, *tensor[1:]])
-                return manager.kept_group_done(group, tensor)
             if isinstance(tensor, (tuple, list)):  # Megatron's rule: the first output carries it
                 if not tensor:
                     manager.context.commit_slot()
