@@ -1,5 +1,7 @@
 """Kernel timelines of Megatron example runs, as one result file: where a paged arm's extra
 step time goes (copies nothing hid, compute slowed beside the copies), against a control.
+Copy-engine transfers are counted apart (``copies_*``): they take no SM, so the question for
+them is how long they ran with no kernel beside them (``copies_alone_ms``).
 
 Reads the example's ``MEGATRON_PAGING_PROFILE_JSON`` timelines (``tools/kernel_timeline.py``)
 and, from each run's log, the unprofiled iterations' step times. Runs on any machine (no GPU):
@@ -61,6 +63,9 @@ def run_summary(timeline: Path, log: Path | None) -> dict:
         "paging_kernels": s["paging_kernels"], "paging_kernel_ms": s["paging_sum_ms"],
         "paging_beside_compute_ms": s["paging_hidden_ms"],
         "paging_exposed_ms": s["paging_sum_ms"] - s["paging_hidden_ms"],
+        "copies": s["copies"], "copies_ms": s["copies_sum_ms"],
+        "copies_beside_kernels_ms": s["copies_beside_kernels_ms"],
+        "copies_alone_ms": s["copies_sum_ms"] - s["copies_beside_kernels_ms"],
     }, record
 
 
@@ -93,7 +98,8 @@ def main(argv=None) -> int:
         s = summary
         print(f"{name:16s} step {s['step_ms_median'] or float('nan'):8.1f} ms  compute busy "
               f"{s['compute_stream_busy_ms']:8.1f} (+{s['compute_slowdown_ms']:.1f})  paging "
-              f"{s['paging_kernel_ms']:8.1f} ms, exposed {s['paging_exposed_ms']:7.1f}", flush=True)
+              f"{s['paging_kernel_ms']:8.1f} ms, exposed {s['paging_exposed_ms']:7.1f}; DMA "
+              f"copies {s['copies_ms']:8.1f} ms, alone {s['copies_alone_ms']:7.1f}", flush=True)
     result = {"benchmark": "timelines", "gpu": args.gpu, "date": args.date,
               "commit": args.commit, "command": args.command, "note": args.note,
               "control": {"label": label, **control}, "runs": runs}

@@ -57,6 +57,18 @@ def test_summarize_counts_busy_time_and_hidden_paging_time():
     assert s["paging_hidden_ms"] == pytest.approx(0.025)
     assert s["streams"] == {7: {"kernels": 2, "busy_ms": pytest.approx(0.115)},
                             20: {"kernels": 2, "busy_ms": pytest.approx(0.030)}}
+    assert (s["copies"], s["copies_sum_ms"], s["copies_beside_kernels_ms"]) == (0, 0, 0)
+
+
+def test_summarize_counts_copy_engine_transfers_and_what_ran_beside_them():
+    events = [event("gemm", 7, 0, 100),
+              event("Memcpy DtoH (Device -> Pinned)", 19, 50, 250),  # 50 us beside the GEMM
+              event("Memcpy HtoD (Pinned -> Device)", 19, 300, 340),  # alone: the device waits
+              event("fill", 7, 320, 330)]
+    s = summarize(timeline_record(events, 1, 0.0))
+    assert s["copies"] == 2 and s["paging_kernels"] == 0
+    assert s["copies_sum_ms"] == pytest.approx(0.240)
+    assert s["copies_beside_kernels_ms"] == pytest.approx(0.060)  # 50 + 10 us
 
 
 def test_differences_rank_kernels_by_time_changed(tmp_path, capsys):

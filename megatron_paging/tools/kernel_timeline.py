@@ -74,10 +74,20 @@ def _overlap_us(a, b) -> float:
     return _union_us(a) + _union_us(b) - _union_us(list(a) + list(b))
 
 
+def is_copy(name: str) -> bool:
+    """A copy-engine transfer (the profiler names them ``Memcpy DtoH (Device -> Pinned)``...)."""
+    return name.startswith("Memcpy")
+
+
 def summarize(record: dict) -> dict:
+    """Device time of the profiled step: busy, paging kernels (and how much of them ran beside
+    other work), copy-engine transfers (and how much of them ran beside kernels: a DMA copy
+    takes no SM, so what matters is whether the compute went on meanwhile)."""
     names, rows = record["names"], record["rows"]
     paging = [(r[2], r[2] + r[3]) for r in rows if is_paging_kernel(names[r[0]])]
     other = [(r[2], r[2] + r[3]) for r in rows if not is_paging_kernel(names[r[0]])]
+    copies = [(r[2], r[2] + r[3]) for r in rows if is_copy(names[r[0]])]
+    kernels = [(r[2], r[2] + r[3]) for r in rows if not is_copy(names[r[0]])]
     span = max((r[2] + r[3] for r in rows), default=0.0)
     streams: dict[int, list] = defaultdict(list)
     for r in rows:
@@ -90,6 +100,9 @@ def summarize(record: dict) -> dict:
         "paging_kernels": len(paging),
         "paging_sum_ms": sum(b - a for a, b in paging) / 1e3,
         "paging_hidden_ms": _overlap_us(paging, other) / 1e3,
+        "copies": len(copies),
+        "copies_sum_ms": sum(b - a for a, b in copies) / 1e3,
+        "copies_beside_kernels_ms": _overlap_us(copies, kernels) / 1e3,
         "streams": {s: {"kernels": len(v), "busy_ms": _union_us(v) / 1e3}
                     for s, v in sorted(streams.items())},
     }
