@@ -6,7 +6,10 @@ of offloaded records in the same scheduler as paged-stash records:
 * **rows** — a capacity buffer with a device live count (an MoE expert input, ``fc1``): the
   page-tile kernels copy only its live rows, page by page, into the host tier of a *host-only*
   :class:`~megatron_paging.pool.PagePool` (no device pages, so every non-empty record goes to
-  the host tier). No host sync: the live count never leaves the device.
+  the host tier). No host sync: the live count never leaves the device. With
+  ``offload_dma_prefix`` the first rows (a fraction of the smallest live count calibration saw
+  for that buffer shape: a host constant) go by one DMA copy into a *prefix arena* instead, and
+  the kernels move only the live rows past them (:func:`dma_prefix_rows`, :func:`replay_rows`).
 * **whole** — a dense tensor of static size (attention inputs, norms, projections): one DMA copy
   (``copy_(non_blocking=True)``, the copy engine) into a byte range of one pinned
   :class:`HostArena`. The range comes from a host-side first-fit allocator; a step offloads the
