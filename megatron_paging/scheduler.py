@@ -198,7 +198,7 @@ class PagingScheduler:
             )
         row_bytes = tensor.numel() // capacity_rows * tensor.element_size()
         prefix_rows = 0
-        if offload:  # the copy engine's prefix, if any: the record covers the rows past it
+        if offload and segments is None:  # the copy engine's prefix: the record holds the rest
             prefix_rows, capacity_rows, live_rows = self.transfers.split_prefix(
                 capacity_rows, row_bytes, live_rows)
             live_rows_private = live_rows_private or prefix_rows > 0

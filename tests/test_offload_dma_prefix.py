@@ -96,6 +96,16 @@ def test_without_prefix_room_the_buffer_stays_on_the_device():
         assert torch.equal(back[mb][0][:live], rows[:live])
 
 
+def test_grown_pools_keep_the_prefix_and_its_arena():
+    context = _context(CpuStreamBackend(), offload_dma_prefix=1.0)
+    _step(context, [5, 9])
+    pools = context.engine.offload_pools
+    grown = pools.grown(2.0)
+    assert grown.prefix_rows == pools.prefix_rows and grown.prefix_arena is pools.prefix_arena
+    (before,), (after,) = list(pools.pools), list(grown.pools)
+    assert after.num_host_pages >= 2 * before.num_host_pages
+
+
 def test_rows_past_the_prefix_still_overflow_the_pool():
     context = _context(CpuStreamBackend(), offload_dma_prefix=1.0)
     _step(context, [4, 4])  # prefix 4, nothing past it: one page of host tier
