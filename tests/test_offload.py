@@ -10,15 +10,13 @@ import weakref
 import pytest
 import torch
 from capture import CapturingBackend
+from offload_helpers import HIDDEN, PAGE, _context, _cuda_kernels_or_skip, _OffloadStep, _step
 
 from megatron_paging.config import PagingConfig
 from megatron_paging.engine import CALIBRATE, PAGED, PagingEngine
 from megatron_paging.offload import ARENA_ALIGN, ArenaAllocator, HostArena, OffloadCalibrator
 from megatron_paging.paging import PagingContext
 from megatron_paging.streams import COMPUTE, PAGING, CpuStreamBackend
-
-PAGE = 4
-HIDDEN = 8
 
 
 # ------------------------------------------------------------------------- the arena allocator
@@ -54,42 +52,6 @@ def test_host_arena_counts_declines():
 
 
 # ------------------------------------------------------------------------- one model step
-def _context(backend, **options):
-    config = PagingConfig(page_size=PAGE, kernel_backend="reference", **options)
-    return PagingContext(PagingEngine(config, stream_backend=backend))
-
-
-def _step(context, live_counts, whole_shapes=((6, HIDDEN),), stash=False, seed=0):
-    """One step, one microbatch per live count: a layer slot (stashing one buffer when
-    ``stash``) holding an offload group with one live-row buffer and whole tensors; backward in
-    reverse. Returns what came back and what went in."""
-    gen = torch.Generator().manual_seed(seed)
-    context.begin_step()
-    saved, originals = [], []
-    for mb, live in enumerate(live_counts, start=1):
-        context.open_slot(0, 0, mb, "cpu")
-        rows = torch.randn(16, HIDDEN, generator=gen)
-        stashed = context.pack_marked(rows.clone(), torch.tensor([live]), 16) if stash else None
-        context.open_offload_group(0, ("offload", 0, "expert_fc1"), mb, "cpu")
-        live_rows = torch.tensor([live])
-        items = [context.pack_offload(rows, live_rows, 16)]
-        wholes = [torch.randn(*shape, generator=gen) for shape in whole_shapes]
-        items += [context.pack_offload(w) for w in wholes]
-        context.commit_slot()  # the offload group first (innermost) ...
-        context.commit_slot()  # ... then the layer slot
-        saved.append((mb, items, stashed))
-        originals.append((rows.clone(), [w.clone() for w in wholes], live))
-    back = {}
-    for mb, items, stashed in reversed(saved):
-        context.scheduler.backward_slot_start(0, 0, mb)
-        context.scheduler.backward_slot_start(0, ("offload", 0, "expert_fc1"), mb)
-        back[mb] = [context.unpack(s) for s in items]
-        if stashed is not None:
-            back[mb].append(context.unpack(stashed))
-    context.finish()
-    return back, originals
-
-
 @pytest.mark.parametrize("stash", [False, True])
 def test_round_trips_are_byte_exact_after_calibration(stash):
     backend = CpuStreamBackend()
@@ -218,50 +180,6 @@ def test_offload_calibrator_sizes_host_tiers_by_the_factor():
 
 
 # ------------------------------------------------------------------------- on the GPU
-def _cuda_kernels_or_skip():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    try:
-        from megatron_paging.kernels import cuda_ops
-
-        cuda_ops.bulk_supported(torch.cuda.current_device())
-    except Exception as error:  # noqa: BLE001 - any build/load failure: not available here
-        pytest.skip(f"CUDA kernels unavailable: {error}")
-
-
-class _OffloadStep:
-    """One step on the GPU: an offload group with a live-row buffer and a whole tensor, its
-    reload copied into static outputs (so a CUDA graph can replay it)."""
-
-    def __init__(self, context, capacity=512, hidden=256):
-        self.context = context
-        gen = torch.Generator(device="cuda").manual_seed(5)
-        self.rows = torch.randn(capacity, hidden, device="cuda", generator=gen)
-        self.dense = torch.randn(300, hidden, device="cuda", generator=gen)
-        self.live = torch.tensor([capacity // 3], dtype=torch.int64, device="cuda")
-        self.rows_back = torch.zeros_like(self.rows)
-        self.dense_back = torch.zeros_like(self.dense)
-
-    def __call__(self):
-        context = self.context
-        context.begin_step()
-        context.open_offload_group(0, ("offload", 0, "expert_fc1"), 1, "cuda")
-        saved = [context.pack_offload(self.rows, self.live, self.rows.shape[0]),
-                 context.pack_offload(self.dense)]
-        context.commit_slot()
-        context.scheduler.backward_slot_start(0, ("offload", 0, "expert_fc1"), 1)
-        rows, dense = (context.unpack(s) for s in saved)
-        self.rows_back.copy_(rows)
-        self.dense_back.copy_(dense)
-        assert context.finish() == 0
-
-    def check(self):
-        torch.cuda.synchronize()
-        live = int(self.live.item())
-        assert torch.equal(self.rows_back[:live], self.rows[:live])
-        assert torch.equal(self.dense_back, self.dense)
-
-
 @pytest.mark.gpu
 def test_gpu_offload_round_trip_through_pinned_host_memory():
     _cuda_kernels_or_skip()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_offload import HIDDEN, PAGE, _context, _cuda_kernels_or_skip, _OffloadStep, _step
+from offload_helpers import HIDDEN, PAGE, _context, _cuda_kernels_or_skip, _OffloadStep, _step
 
 from megatron_paging.config import PagingConfig
 from megatron_paging.engine import PagingEngine
