@@ -97,6 +97,19 @@ def write(result: dict, out: Path, plot: Callable[[object], None] | None = None)
     print("wrote " + " and ".join(written), flush=True)
 
 
+def add_provenance_args(parser) -> None:
+    """For reports of runs made on another machine (no GPU here): where and when they ran."""
+    for flag in ("--gpu", "--commit", "--date"):
+        parser.add_argument(flag, required=True)
+    parser.add_argument("--command", default="", help="the device command that made the files")
+    parser.add_argument("--note", default="")
+
+
+def provenance(args, benchmark: str) -> dict:
+    return {"benchmark": benchmark, "gpu": args.gpu, "date": args.date, "commit": args.commit,
+            "command": args.command, "note": args.note}
+
+
 def figure(width: float = 9, height: float = 4.5):
     """A matplotlib figure on the Agg canvas (no pyplot, no global backend switch)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg

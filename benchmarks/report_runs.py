@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import json
 import statistics
 import sys
 from pathlib import Path
 
+from common import add_provenance_args, provenance, write
 from frontier.logs import parse_report
 from report_timelines import step_times
 
@@ -45,11 +45,7 @@ def run_summary(log: Path) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run", action="append", required=True, metavar="LABEL=LOG")
-    parser.add_argument("--gpu", required=True)
-    parser.add_argument("--commit", required=True)
-    parser.add_argument("--date", required=True)
-    parser.add_argument("--command", default="", help="the device command that made the logs")
-    parser.add_argument("--note", default="")
+    add_provenance_args(parser)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     runs = {}
@@ -61,11 +57,7 @@ def main(argv=None) -> int:
         print(f"{label:20s} step {s['step_ms_median']:8.1f} ms  fb peak "
               f"{s['steady_fb_peak_allocated_mib']:9.1f} MiB  act {s['act_mib']:9.1f} MiB",
               flush=True)
-    result = {"benchmark": "example_runs", "gpu": args.gpu, "date": args.date,
-              "commit": args.commit, "command": args.command, "note": args.note, "runs": runs}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write({**provenance(args, "example_runs"), "runs": runs}, args.out)
     return 0
 
 

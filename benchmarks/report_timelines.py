@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import json
 import statistics
 import sys
 from pathlib import Path
 
+from common import add_provenance_args, provenance, write
 from frontier.logs import parse_iterations
 
 from megatron_paging.tools.kernel_timeline import differences, load, summarize
@@ -73,11 +73,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--control", required=True, metavar="LABEL=TIMELINE[:LOG]")
     parser.add_argument("--run", action="append", required=True, metavar="LABEL=TIMELINE[:LOG]")
-    parser.add_argument("--gpu", required=True)
-    parser.add_argument("--commit", required=True)
-    parser.add_argument("--date", required=True)
-    parser.add_argument("--command", default="", help="the device command that made the files")
-    parser.add_argument("--note", default="")
+    add_provenance_args(parser)
     parser.add_argument("--top", type=int, default=8)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
@@ -100,12 +96,8 @@ def main(argv=None) -> int:
               f"{s['compute_stream_busy_ms']:8.1f} (+{s['compute_slowdown_ms']:.1f})  paging "
               f"{s['paging_kernel_ms']:8.1f} ms, exposed {s['paging_exposed_ms']:7.1f}; DMA "
               f"copies {s['copies_ms']:8.1f} ms, alone {s['copies_alone_ms']:7.1f}", flush=True)
-    result = {"benchmark": "timelines", "gpu": args.gpu, "date": args.date,
-              "commit": args.commit, "command": args.command, "note": args.note,
-              "control": {"label": label, **control}, "runs": runs}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write({**provenance(args, "timelines"), "control": {"label": label, **control},
+           "runs": runs}, args.out)
     return 0
 
 

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
-from pathlib import Path
 
-import frontier_bench  # noqa: F401 (a plain import, so sorted first: puts benchmarks/ on sys.path)
 import pytest
+from frontier_bench import load_script
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "report_runs.py"
 REPORT = ("paging-example rank 0: peak_allocated_mib=61916.7 steady_fb_peak_allocated_mib=53408.7 "
           "param_mib=4797.5 grad_mib=9595.1 optimizer_state_mib=28785.2 offload_host_mib=7168.9 "
           "paging_mode=paged")
@@ -18,10 +15,7 @@ REPORT = ("paging-example rank 0: peak_allocated_mib=61916.7 steady_fb_peak_allo
 
 @pytest.fixture(scope="module")
 def runs():
-    spec = importlib.util.spec_from_file_location("report_runs", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("report_runs")
 
 
 def _log(times, report=REPORT):

@@ -3,22 +3,15 @@ time goes against its control, from hand-made kernel timelines whose answer is k
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-import frontier_bench  # noqa: F401 (a plain import, so sorted first: puts benchmarks/ on sys.path)
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "report_timelines.py"
+from frontier_bench import load_script
 
 
 @pytest.fixture(scope="module")
 def report():
-    spec = importlib.util.spec_from_file_location("report_timelines", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("report_timelines")
 
 
 def log(times):
