@@ -74,6 +74,36 @@ def test_forward_backward_match_dense_reference(installed, model_parallel, gemm_
     assert module.weight1.allreduce is False and module.weight2.allreduce is False
 
 
+@pytest.mark.parametrize("gemm_backend", ["loop", "grouped"])
+def test_fc2_dgrad_runs_before_fc1_is_unpacked(installed, model_parallel, monkeypatch,  # noqa: F811
+                                               gemm_backend):
+    """An offloaded fc1's unpack makes the compute stream wait for its reload: the fc2 dgrad
+    GEMM, which does not read fc1, is issued before it, so it runs beside the copy."""
+    from megatron_paging.mcore import experts
+
+    config = moe_config(hidden_size=HIDDEN, moe_ffn_hidden_size=FFN)
+    module = PagedGroupedMLP(4, config, gemm_backend=gemm_backend)
+    x, tpe, probs = _inputs(3, [5, 0, 7, 3], capacity=24)
+    events, real_gmm = [], experts._gmm
+    monkeypatch.setattr(experts, "_gmm", lambda a, b, *r: (
+        events.append(("gmm", tuple(a.shape), tuple(b.shape))), real_gmm(a, b, *r))[1])
+    fc1_shape = (24, 2 * FFN if config.gated_linear_unit else FFN)
+
+    def unpack(t):
+        if tuple(t.shape) == fc1_shape:
+            events.append(("unpack fc1",))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+        out, _ = module(x.requires_grad_(), tpe, probs.requires_grad_())
+    events.clear()
+    out.sum().backward()
+    # backward: fc2 dgrad (dout [24, H] x w2 [E, H, F]), then fc1 comes back, then the rest
+    assert events[0] == ("gmm", (24, HIDDEN), tuple(module.weight2.shape))
+    assert events[1] == ("unpack fc1",)
+    assert len([e for e in events if e[0] == "gmm"]) == 4  # fc2 dgrad/wgrad, fc1 wgrad/dgrad
+
+
 def test_gemm_backend_choice_and_errors(installed, model_parallel):  # noqa: F811
     assert resolve_gemm_backend("auto", torch.zeros(2, 2)) == "loop"  # CPU: per-expert loop
     assert resolve_gemm_backend("grouped", torch.zeros(2, 2)) == "grouped"

@@ -68,8 +68,9 @@ def _layer(modules, paged_stash):
     return build_module(spec, config=config, layer_number=1), config
 
 
-def _train(api, layer, config, offload: bool, steps: int = 3):
-    """``steps`` steps of two microbatches: both forwards, then both backwards."""
+def _train(api, layer, config, offload: bool, steps: int = 3, fraction: float = 1.0):
+    """``steps`` steps of two microbatches: both forwards, then both backwards
+    (``fraction``: Megatron's --activation-offload-fraction)."""
     manager = api.offload
     manager.enabled = offload
     stash = config.moe_paged_stash
@@ -80,7 +81,8 @@ def _train(api, layer, config, offload: bool, steps: int = 3):
             api.paged_stash_reset(enabled=True, config=config)
         outputs = []
         for micro in range(2):
-            manager.init_chunk_handler(0, None, None, config.min_offloaded_tensor_size, 0, 1.0)
+            manager.init_chunk_handler(0, None, None, config.min_offloaded_tensor_size, 0,
+                                       fraction)
             if stash:
                 api.paged_stash_init_chunk_handler(None, None)
             gen = torch.Generator().manual_seed(100 * step + micro)
@@ -178,6 +180,44 @@ def test_groups_the_plan_keeps_stay_on_the_device(offload_installed, model_paral
                         lambda self, chunk, name, mb: closed.append((chunk, name, mb)))
     _train(api, layer, config, offload=True, steps=1)
     assert sorted(closed) == sorted((0, name, 2) for name in DENSE)
+
+
+def test_a_kept_group_above_offloaded_ones_prefetches_them(offload_installed, model_parallel,  # noqa: F811
+                                                          cpu_router, monkeypatch):
+    from megatron_paging.scheduler import PagingScheduler
+
+    _, api = offload_installed
+    api.engine.release_pools()
+    api.offload.plan = api.offload.log = None
+    layer, config = _layer(DENSE + EXPERTS, False)
+    control = _train(api, layer, config, offload=False, steps=1)
+    # --activation-offload-fraction 0.5 keeps the later half of microbatch 1's groups too
+    # (forward order: attn_norm qkv_linear core_attn attn_proj mlp_norm expert_fc1 moe_act).
+    _train(api, layer, config, offload=True, steps=2, fraction=0.5)
+    kept = api.offload.plan.kept
+    assert {(0, 1, i) for i in (4, 5, 6)} <= kept and (0, 1, 3) not in kept
+    prefetched, reasons = [], []
+    real_prefetch, real_reload = PagingScheduler.prefetch, PagingScheduler._reload
+    monkeypatch.setattr(PagingScheduler, "prefetch", lambda self, chunk, mb, *a, **k: (
+        prefetched.append((chunk, mb)), real_prefetch(self, chunk, mb, *a, **k))[1])
+    monkeypatch.setattr(PagingScheduler, "_reload", lambda self, handles, reason, *a, **k: (
+        reasons.append((reason, len(handles))), real_reload(self, handles, reason, *a, **k))[1])
+    results = _train(api, layer, config, offload=True, steps=1, fraction=0.5)
+    # Microbatch 1: mlp_norm (4) is the lowest kept group and attn_proj (3) below it is
+    # offloaded, so mlp_norm's backward reloads attn_proj's group ahead of attn_proj's own
+    # backward (its first reload: nothing is reloaded on demand). Microbatch 2 keeps every
+    # group, and the one kept above nothing offloaded prefetches nothing.
+    assert prefetched == [(0, 1)]
+    assert reasons and reasons[0][0] == "prefetch" and "demand" not in dict(reasons)
+    assert _bitwise(results, control)
+
+
+def _bitwise(results, control) -> bool:
+    return all(
+        all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        for (*got_step,), (*want_step,) in zip(results, control, strict=True)
+        for got, want in zip(got_step, want_step, strict=True)
+    )
 
 
 def test_installer_rebinds_the_interface_and_restores_it(offload_installed):

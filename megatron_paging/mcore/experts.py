@@ -118,21 +118,25 @@ class _ActFc2(torch.autograd.Function):
         with torch.no_grad():
             inter = act(fc1, probs)
         out = _gmm(inter, w2.transpose(1, 2), offs, counts)
-        ctx.save_for_backward(fc1, probs, w2, offs)
-        ctx.counts, ctx.act = counts, act
+        ctx.save_for_backward(fc1, probs)
+        # The weight (a parameter: nothing offloads it) and the expert offsets (a few int32s)
+        # stay out of the saved tensors, so backward runs the dgrad GEMM before it unpacks fc1:
+        # with fc1 offloaded, the unpack makes the compute stream wait for fc1's reload, and
+        # the GEMM then runs beside the copy instead of after it.
+        ctx.w2, ctx.offs, ctx.counts, ctx.act = w2, offs, counts, act
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        fc1, probs, w2, offs = ctx.saved_tensors
-        counts, act = ctx.counts, ctx.act
+        w2, offs, counts, act = ctx.w2, ctx.offs, ctx.counts, ctx.act
         dout = dout.contiguous()
+        dinter = _gmm(dout, w2, offs, counts)
+        fc1, probs = ctx.saved_tensors
         with torch.enable_grad():
             fc1_ = fc1.detach().requires_grad_()
             probs_ = probs.detach().requires_grad_()
             inter = act(fc1_, probs_)
         dw2 = _gmm(dout.t(), inter.detach(), offs, counts)
-        dinter = _gmm(dout, w2, offs, counts)
         dfc1, dprobs = torch.autograd.grad(inter, (fc1_, probs_), dinter)
         if counts is None:
             dw2 = _zero_empty_experts(dw2, offs)

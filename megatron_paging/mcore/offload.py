@@ -98,12 +98,15 @@ class _Strided:
 class _Group:
     """One open offload group: the interface instance's state between enter and commit."""
 
-    __slots__ = ("cm", "index", "name", "key", "packed", "kept", "counted")
+    __slots__ = ("cm", "index", "name", "key", "packed", "kept", "above_offloaded", "counted")
 
-    def __init__(self, cm, index, name, kept=False):
+    def __init__(self, cm, index, name, kept=False, above_offloaded=False):
         self.cm, self.index, self.name = cm, index, name
         self.key = ("offload", index, name)  # its slot's layer key in the scheduler
         self.kept = kept  # the plan keeps it on the device: its tensors are saved as they are
+        # kept, and the group before it in this chunk-microbatch's forward was offloaded: its
+        # backward is where the reloads below a run of kept groups begin (kept_group_done)
+        self.above_offloaded = above_offloaded
         # (storage pointer of the tensor autograd saved, what pack returned for it)
         self.packed: list[tuple[int, object]] = []
         # (address, bytes) of the tensors counted in the report: a tensor saved twice in the
@@ -136,6 +139,7 @@ class PagedOffloadManager:
         self._stage = 0
         self._microbatch: dict[int, int] = {}
         self._index: dict[tuple[int, int], int] = {}
+        self._last_offloaded: dict[tuple[int, int], bool] = {}  # the cm's previous group's fate
         # Bytes the last step's groups offloaded, by kind (live-row buffers at their capacity:
         # what Megatron-Core's offloading would move; ours moves only their live rows, whose
         # device counts and row bytes _live_rows keeps for rows_live_bytes).
@@ -157,6 +161,7 @@ class PagedOffloadManager:
             self._iteration = self.api.iteration
             self._microbatch.clear()
             self._index.clear()
+            self._last_offloaded.clear()
             self.offloaded_bytes = {"rows_capacity": 0, "whole": 0}
             self._live_rows = []
             self._close_calibration()
@@ -194,7 +199,10 @@ class PagedOffloadManager:
         elif self.plan is not None and not self.plan.offloads(cm, index):
             # Saved as they are, even inside a paged-stash slot: "not offloaded" means what it
             # means for Megatron-Core (and the stash pools were sized without these tensors).
-            return _Group(cm, index, name, kept=True)
+            above = self._last_offloaded.get(cm, False)
+            self._last_offloaded[cm] = False
+            return _Group(cm, index, name, kept=True, above_offloaded=above)
+        self._last_offloaded[cm] = True
         group = _Group(cm, index, name)
         self.context.open_offload_group(cm[0], group.key, cm[1], tensor.device)
         return group
@@ -268,12 +276,34 @@ class PagedOffloadManager:
             t.untyped_storage().resize_(0)
         return tensor
 
-    def kept_group_done(self, group: _Group) -> None:
+    def kept_group_done(self, group: _Group, tensor):
         """A group the plan keeps on the device ended its forward (the margin's last layer):
-        the forward's offload copies of that module name in flight need not stay in flight."""
+        the forward's offload copies of that module name in flight need not stay in flight.
+
+        Returns ``tensor``, through :class:`_KeptBackward` when the group sits right above an
+        offloaded one: no offloaded group's backward comes before that one's, so without this
+        its reload would start only when its own backward does and the compute stream would
+        wait for the whole copy (15 ms per microbatch at ``moe_compute``,
+        ``offload_runs/moe_compute_dma_prefix_99d22ca``). This group's backward begins once the
+        kept groups above it are done with their saved tensors, so the reload takes memory they
+        gave back — not the memory of their backward, where the step peaks (a prefetch from the
+        first kept group's backward cost +1152 MiB of activation, NOTES.md fourteenth session).
+        """
         scheduler = self.context.scheduler
         if scheduler is not None:
             scheduler.sources.close_offload_window(group.cm[0], group.name, group.cm[1])
+        if not (group.above_offloaded and scheduler is not None
+                and isinstance(tensor, torch.Tensor) and tensor.requires_grad
+                and torch.is_grad_enabled()):
+            return tensor
+        return _KeptBackward.apply(tensor, self, group)
+
+    def kept_backward(self, group: _Group) -> None:
+        """The backward of a kept group right above an offloaded one began: reload the
+        ``prefetch_distance`` offloaded groups below it (its chunk-microbatch's top ones now)."""
+        scheduler = self.context.scheduler
+        if scheduler is not None:
+            scheduler.prefetch(group.cm[0], group.cm[1])
 
     def backward_started(self, group: _Group) -> None:
         if self.log is not None:
@@ -286,6 +316,20 @@ class PagedOffloadManager:
     def mark_not_offload(self, tensor) -> None:
         if tensor is not None:
             tensor._do_not_offload = True
+
+
+class _KeptBackward(torch.autograd.Function):
+    """Identity on a kept group's output: its backward runs when that group's begins."""
+
+    @staticmethod
+    def forward(ctx, tensor, manager, group):
+        ctx.manager, ctx.group = manager, group
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.manager.kept_backward(ctx.group)
+        return grad, None, None
 
 
 class _BackwardStart(torch.autograd.Function):
@@ -332,10 +376,13 @@ def make_interface(manager: PagedOffloadManager) -> type:
 
         def group_offload(self, tensor, forced_released_tensors=None, delay_offload=False):
             group, self._group = self._group, None
-            if group is not None and group.kept:
-                manager.kept_group_done(group)
-            if group is None or group.kept:
+            if group is None:
                 return tensor
+            if group.kept:  # Megatron's rule: the first output carries the group's boundary
+                if isinstance(tensor, (tuple, list)) and tensor:
+                    first = manager.kept_group_done(group, tensor[0])
+                    return type(tensor)([first, *tensor[1:]])
+                return manager.kept_group_done(group, tensor)
             if isinstance(tensor, (tuple, list)):  # Megatron's rule: the first output carries it
                 if not tensor:
                     manager.context.commit_slot()
