@@ -139,7 +139,6 @@ class PagedOffloadManager:
         self._stage = 0
         self._microbatch: dict[int, int] = {}
         self._index: dict[tuple[int, int], int] = {}
-        self._last_offloaded: dict[tuple[int, int], bool] = {}  # the cm's previous group's fate
         # Bytes the last step's groups offloaded, by kind (live-row buffers at their capacity:
         # what Megatron-Core's offloading would move; ours moves only their live rows, whose
         # device counts and row bytes _live_rows keeps for rows_live_bytes).
@@ -161,7 +160,6 @@ class PagedOffloadManager:
             self._iteration = self.api.iteration
             self._microbatch.clear()
             self._index.clear()
-            self._last_offloaded.clear()
             self.offloaded_bytes = {"rows_capacity": 0, "whole": 0}
             self._live_rows = []
             self._close_calibration()
@@ -199,10 +197,8 @@ class PagedOffloadManager:
         elif self.plan is not None and not self.plan.offloads(cm, index):
             # Saved as they are, even inside a paged-stash slot: "not offloaded" means what it
             # means for Megatron-Core (and the stash pools were sized without these tensors).
-            above = self._last_offloaded.get(cm, False)
-            self._last_offloaded[cm] = False
+            above = index > 0 and self.plan.offloads(cm, index - 1)
             return _Group(cm, index, name, kept=True, above_offloaded=above)
-        self._last_offloaded[cm] = True
         group = _Group(cm, index, name)
         self.context.open_offload_group(cm[0], group.key, cm[1], tensor.device)
         return group
@@ -280,10 +276,10 @@ class PagedOffloadManager:
         """A group the plan keeps on the device ended its forward (the margin's last layer):
         the forward's offload copies of that module name in flight need not stay in flight.
 
-        Returns ``tensor``, through :class:`_KeptBackward` when the group sits right above an
-        offloaded one: no offloaded group's backward comes before that one's, so without this
-        its reload would start only when its own backward does and the compute stream would
-        wait for the whole copy (15 ms per microbatch at ``moe_compute``,
+        Returns ``tensor``, through :class:`_OnBackward` calling :meth:`kept_backward` when the
+        group sits right above an offloaded one: no offloaded group's backward comes before that
+        one's, so without this its reload would start only when its own backward does and the
+        compute stream would wait for the whole copy (15 ms per microbatch at ``moe_compute``,
         ``offload_runs/moe_compute_dma_prefix_99d22ca``). This group's backward begins once the
         kept groups above it are done with their saved tensors, so the reload takes memory they
         gave back — not the memory of their backward, where the step peaks (a prefetch from the
@@ -296,7 +292,7 @@ class PagedOffloadManager:
                 and isinstance(tensor, torch.Tensor) and tensor.requires_grad
                 and torch.is_grad_enabled()):
             return tensor
-        return _KeptBackward.apply(tensor, self, group)
+        return _OnBackward.apply(tensor, self.kept_backward, group)
 
     def kept_backward(self, group: _Group) -> None:
         """The backward of a kept group right above an offloaded one began: reload the
@@ -318,31 +314,18 @@ class PagedOffloadManager:
             tensor._do_not_offload = True
 
 
-class _KeptBackward(torch.autograd.Function):
-    """Identity on a kept group's output: its backward runs when that group's begins."""
+class _OnBackward(torch.autograd.Function):
+    """Identity on a group's output whose backward calls ``callback(group)``: it runs first in
+    that group's backward (the calibration log's backward start, a kept group's prefetch)."""
 
     @staticmethod
-    def forward(ctx, tensor, manager, group):
-        ctx.manager, ctx.group = manager, group
+    def forward(ctx, tensor, callback, group):
+        ctx.callback, ctx.group = callback, group
         return tensor.view_as(tensor)
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.manager.kept_backward(ctx.group)
-        return grad, None, None
-
-
-class _BackwardStart(torch.autograd.Function):
-    """Identity after the group's commit: its backward runs first in the group's backward."""
-
-    @staticmethod
-    def forward(ctx, tensor, manager, group):
-        ctx.manager, ctx.group = manager, group
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.manager.backward_started(ctx.group)
+        ctx.callback(ctx.group)
         return grad, None, None
 
 
@@ -395,7 +378,7 @@ def make_interface(manager: PagedOffloadManager) -> type:
         def _commit(group, tensor, forced_released_tensors):
             tensor = manager.group_commit(group, tensor, forced_released_tensors or [])
             if manager.log is not None and torch.is_grad_enabled() and tensor.requires_grad:
-                tensor = _BackwardStart.apply(tensor, manager, group)
+                tensor = _OnBackward.apply(tensor, manager.backward_started, group)
             return tensor
 
         @staticmethod
