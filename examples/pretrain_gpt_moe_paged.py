@@ -65,6 +65,7 @@ def model_provider(
         gemm_backend=args.paging_gemm_backend,
         core_attention=args.paging_core_attention,
         sdpa_backend=args.paging_sdpa_backend,
+        recompute_expert_fc1=args.paging_recompute_expert_fc1,
     )
     return GPTModel(
         config=config,

@@ -56,13 +56,16 @@ def _cfg(**over):
 def test_arm_table_and_flags():
     assert [a for a, arm in ARMS.items() if arm.exact] == [
         "paged", "paged_hold", "paged_persistent", "paged_unbounded_lead", "mcore_manager",
-        "mcore_offload", "paged_offload", "paged_offload_dma", "paged_stash_plus_offload"]
+        "mcore_offload", "paged_offload", "paged_offload_dma", "paged_stash_plus_offload",
+        "unpaged_recompute_fc1", "paged_recompute_fc1", "paged_offload_dma_recompute_fc1"]
     assert ARMS["paged_unbounded_lead"].flags == ("--paging-max-inflight-stashes", "0")
     assert {a for a, arm in ARMS.items() if arm.needs_offload} == {
-        "mcore_offload", "paged_offload", "paged_offload_dma", "paged_stash_plus_offload"}
+        "mcore_offload", "paged_offload", "paged_offload_dma", "paged_stash_plus_offload",
+        "paged_offload_dma_recompute_fc1"}
     assert not ARMS["unpaged"].paged and not ARMS["recompute_moe"].paged
     assert ARMS["paged_recompute_core_attn"].paged
-    assert PAGED_FAMILY == ("paged", "paged_hold", "paged_recompute_core_attn")
+    assert PAGED_FAMILY == ("paged", "paged_hold", "paged_recompute_core_attn",
+                            "paged_recompute_fc1")
     assert ARMS["paged_hold"].paged and ARMS["paged_hold"].exact
     # layernorm recompute needs TE in Megatron-Core 0.19.2: the arm is gone, and says why.
     assert "paged_recompute_attn_norm" not in ARMS
@@ -104,10 +107,11 @@ def test_offload_arms_wait_for_the_flag(tmp_path):
     assert skip_reason(ARMS["paged"], False) is None
     tasks, skipped = frontier_tasks(["small"], list(ARMS), None, {}, 12, offload=False)
     assert set(skipped) == {"small:mcore_offload", "small:paged_offload",
-                            "small:paged_offload_dma", "small:paged_stash_plus_offload"}
-    assert len(tasks) == 8
+                            "small:paged_offload_dma", "small:paged_stash_plus_offload",
+                            "small:paged_offload_dma_recompute_fc1"}
+    assert len(tasks) == 10
     tasks, skipped = frontier_tasks(["small"], list(ARMS), None, {}, 12, offload=True)
-    assert not skipped and len(tasks) == 12
+    assert not skipped and len(tasks) == 15
 
 
 # ----------------------------------------------------------------------------- arithmetic
@@ -130,6 +134,10 @@ def test_live_expert_bytes_of_the_example():
     # No SwiGLU: fc1 is moe_ffn wide. Micro-batch 2 doubles the rows.
     assert expert_bytes(_cfg(swiglu=False))["row_bytes"] == (1024 + 1024) * 2
     assert expert_bytes(_cfg(micro_batch_size=2))["live_expert_mib"] == pytest.approx(384.0)
+    # The experts saving x only (fc1 recomputed): hidden columns alone, read from the arm's flags.
+    fc1 = model_config(script_argv(frontier_extra("moe_compute", "paged_recompute_fc1"), True))
+    assert fc1["recompute_expert_fc1"] and expert_bytes(fc1)["row_bytes"] == 1024 * 2
+    assert expert_bytes(fc1)["live_expert_mib"] == pytest.approx(65536 * 2048 * 8 / MIB)
     # 1F1B on the first of 4 stages: 2 layers, 4 microbatches in flight.
     pp = expert_bytes(_cfg(pipeline_parallel=4))
     assert (pp["layers_in_flight"], pp["microbatches_in_flight"]) == (2, 4)

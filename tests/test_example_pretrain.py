@@ -233,6 +233,7 @@ def eager_unpaged_short(tmp_path_factory):
 
 
 DMA_PREFIX = ("--paging-offload-dma-prefix", "1")
+RECOMPUTE_FC1 = ("--paging-recompute-expert-fc1",)
 
 
 @pytest.mark.parametrize(
@@ -248,6 +249,11 @@ DMA_PREFIX = ("--paging-offload-dma-prefix", "1")
         pytest.param("paged", DENSE_MODULES + ("moe_act",), True, (),
                      id="paged-dense+moe_act+stash"),
         pytest.param("mcore", DENSE_MODULES + EXPERT_MODULES, False, (), id="mcore-both"),
+        # the experts save only x and recompute fc1: expert_fc1 is their one offload group
+        pytest.param("paged", ("expert_fc1",), False, (*RECOMPUTE_FC1, *DMA_PREFIX),
+                     id="paged-expert_fc1+recompute-fc1+dma-prefix"),
+        pytest.param("paged", DENSE_MODULES + ("expert_fc1",), True, RECOMPUTE_FC1,
+                     id="paged-dense+expert_fc1+recompute-fc1+stash"),
     ],
 )
 def test_example_offloading_is_bitwise_equal_to_no_offloading(
@@ -264,6 +270,14 @@ def test_example_offloading_is_bitwise_equal_to_no_offloading(
             assert 0 < live <= capacity
         if more:  # the copy engine's prefix arena was sized and used
             assert "DMA prefix rows" in log
+    assert losses == eager_unpaged_short
+
+
+def test_example_paged_stash_with_recomputed_fc1_equals_unpaged(tmp_path, eager_unpaged_short):
+    """The experts save x only (one pool instead of two) and recompute fc1: same losses as the
+    unpaged control whose experts save fc1."""
+    losses, log = _train(tmp_path, paged=True, extra=RECOMPUTE_FC1)
+    assert _report(log)["paging_mode"] == "paged"
     assert losses == eager_unpaged_short
 
 

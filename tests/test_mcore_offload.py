@@ -52,7 +52,7 @@ def cpu_router(monkeypatch):
     )
 
 
-def _layer(modules, paged_stash):
+def _layer(modules, paged_stash, recompute_fc1=False):
     from megatron.core.transformer.spec_utils import build_module
 
     from megatron_paging.mcore.specs import get_gpt_moe_paged_layer_spec
@@ -64,7 +64,8 @@ def _layer(modules, paged_stash):
         moe_expert_rank_capacity_factor=2.0,
     )
     torch.manual_seed(0)
-    spec = get_gpt_moe_paged_layer_spec(4, normalization="RMSNorm", core_attention="sdpa")
+    spec = get_gpt_moe_paged_layer_spec(4, normalization="RMSNorm", core_attention="sdpa",
+                                        recompute_expert_fc1=recompute_fc1)
     return build_module(spec, config=config, layer_number=1), config
 
 
@@ -153,6 +154,30 @@ def test_offloaded_layer_is_bitwise_equal_to_no_offload(
         # capacity buffers sized 2x the routed rows (so at most half of their bytes).
         live, capacity = api.offload.rows_live_bytes(), api.offload.offloaded_bytes["rows_capacity"]
         assert 0 < 2 * live <= capacity
+
+
+@pytest.mark.parametrize("paged_stash", [False, True], ids=["offload", "offload+paged-stash"])
+def test_recomputed_fc1_offloads_only_the_input_and_matches_the_saving_control(
+    offload_installed, model_parallel, cpu_router, paged_stash  # noqa: F811
+):
+    """--paging-recompute-expert-fc1 with expert_fc1 offloaded: one live-row record per layer
+    and microbatch (x's row size), bitwise equal to the experts that save fc1, not offloaded."""
+    _, api = offload_installed
+    api.engine.configure(api.engine.config.replace(offload_dma_prefix=0.0))
+    api.engine.release_pools()
+    api.offload.plan = api.offload.log = None
+    layer, config = _layer(DENSE, False)
+    config.fine_grained_activation_offloading = False
+    control = _train(api, layer, config, offload=False)
+    layer, config = _layer(DENSE + ["expert_fc1"], paged_stash, recompute_fc1=True)
+    api.engine.release_pools()
+    engine_log(api).clear()
+    offloaded = _train(api, layer, config, offload=True)
+    assert _bitwise(offloaded, control)
+    launches = [e for e in engine_log(api) if e.op == "launch" and e.kind == "stash"]
+    rows = [e for e in launches if e.info["offload"] == "rows"]
+    assert rows and {e.info["pool_key"] for e in rows} == {config.hidden_size * 4}  # x only
+    assert not any(e.info["offload"] is None for e in launches)  # nothing left to stash
 
 
 def engine_log(api):
@@ -344,6 +369,10 @@ def test_megatron_in_flight_cap_sets_ours_under_graphs(parser, extra, in_flight)
          "--paging-offload-dma-prefix must be in [0, 1], got 1.5"),
         (BASE[2:] + OFFLOAD[:2] + ["moe_act"] + OFFLOAD[3:],
          "needs --moe-expert-rank-capacity-factor"),
+        (BASE + OFFLOAD[:2] + ["expert_fc1", "moe_act"] + OFFLOAD[3:]
+         + ["--paging-recompute-expert-fc1"],
+         "--offload-modules moe_act offloads the experts' fc1, which "
+         "--paging-recompute-expert-fc1 does not keep; drop moe_act"),
     ],
 )
 def test_offload_startup_refusals_are_one_line(parser, argv, message):

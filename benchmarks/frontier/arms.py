@@ -16,6 +16,7 @@ SCRIPT = ROOT / "examples" / "run_pretrain_1gpu.sh"
 # since the offloading backend landed; the check stays for trees that predate it).
 FLAGS_SOURCE = ROOT / "megatron_paging" / "mcore" / "flags.py"
 OFFLOAD_FLAG = "--paging-offload-backend"
+RECOMPUTE_FC1 = "--paging-recompute-expert-fc1"
 MIB = 2**20
 WARMUP_ITERS = 3  # dropped: 1 calibrates, 2 sizes the pools and Adam's state, 3 settles
 FRONTIER_ITERS = 12  # -> 9 timed iterations per arm
@@ -79,14 +80,27 @@ ARMS: dict[str, Arm] = {
             ("--fine-grained-activation-offloading", "--offload-modules", "attn_norm",
              "qkv_linear", "core_attn", "attn_proj", "mlp_norm", OFFLOAD_FLAG, "paged"), True,
             "experts paged on the device, dense modules offloaded through our backend", True),
+        # The experts save only x and recompute fc1 in backward (--paging-recompute-expert-fc1):
+        # what paging or offloading moves per layer shrinks from hidden + fc1 columns to hidden.
+        Arm("unpaged_recompute_fc1", False, (RECOMPUTE_FC1,), True,
+            "unpaged; the experts save x only and recompute fc1 (what paging x adds to)"),
+        Arm("paged_recompute_fc1", True, (RECOMPUTE_FC1,), True,
+            "paged; the experts save x only (one pool) and recompute fc1 in backward"),
+        Arm("paged_offload_dma_recompute_fc1", False,
+            ("--fine-grained-activation-offloading", "--offload-modules", "expert_fc1",
+             OFFLOAD_FLAG, "paged", "--paging-offload-dma-prefix", "1", RECOMPUTE_FC1), True,
+            "paged_offload_dma of expert_fc1 alone: the experts save x only and recompute fc1",
+            True),
     )
 }  # fmt: skip
 # The control every other arm is compared with, and the arms that page (recompute target).
 CONTROL = "unpaged"
-PAGED_FAMILY = ("paged", "paged_hold", "paged_recompute_core_attn")
-# Shown beside the recompute target, not part of its verdict: it pages live expert rows to the
-# pinned host tier rather than keeping them on the device, a different trade.
-RECOMPUTE_INFORMATIONAL = ("paged_offload", "paged_offload_dma")
+PAGED_FAMILY = ("paged", "paged_hold", "paged_recompute_core_attn", "paged_recompute_fc1")
+# Shown beside the recompute target, not part of its verdict: the offload arms page live expert
+# rows to the pinned host tier rather than keeping them on the device, a different trade; the
+# unpaged fc1 recompute pages nothing (it shows what the fc1 recompute alone buys).
+RECOMPUTE_INFORMATIONAL = ("paged_offload", "paged_offload_dma", "paged_offload_dma_recompute_fc1",
+                           "unpaged_recompute_fc1")
 # Arms a resumed file may still hold: listed by the report, never summarized or run.
 REMOVED_ARMS = {
     "paged_recompute_attn_norm": (
@@ -241,6 +255,7 @@ def model_config(argv: list[str]) -> dict:
         "expert_parallel": num("--expert-model-parallel-size", 1),
         "paged": "--moe-paged-stash" in f,
         "recompute_modules": f.get("--recompute-modules", []),
+        "recompute_expert_fc1": RECOMPUTE_FC1 in f,
     }
 
 
@@ -250,7 +265,8 @@ def expert_bytes(cfg: dict) -> dict:
     Routed rows per microbatch and layer = seq x micro_batch x topk (EP = 1: every routed row
     lands on this rank, none is dropped under a capacity factor >= 1). The paged tensors of a
     layer are ``PagedGroupedMLP``'s fc1 input (``hidden`` columns) and fc1 output (``2 x moe_ffn``
-    with SwiGLU, else ``moe_ffn``), in the activation dtype. In flight: every layer of the stage
+    with SwiGLU, else ``moe_ffn``; none with ``--paging-recompute-expert-fc1``), in the
+    activation dtype. In flight: every layer of the stage
     times the microbatches in flight, which is 1 for Megatron's non-pipelined schedule (PP = 1:
     each microbatch's backward runs before the next forward) and ``min(pp, microbatches)`` on the
     first stage of 1F1B. Unpaged, each layer holds its capacity-sized buffers
@@ -264,6 +280,8 @@ def expert_bytes(cfg: dict) -> dict:
     factor = cfg["capacity_factor"]
     capacity = math.ceil(routed * factor) if factor else routed
     ffn_cols = (2 if cfg["swiglu"] else 1) * cfg["moe_ffn_hidden_size"]
+    if cfg.get("recompute_expert_fc1"):
+        ffn_cols = 0
     row_bytes = (cfg["hidden_size"] + ffn_cols) * cfg["dtype_bytes"]
     pp = cfg["pipeline_parallel"]
     layers = cfg["num_layers"] // pp

@@ -80,7 +80,8 @@ def evaluate_targets(summary: dict, budget: dict | None = None,
             # Beside the verdict, not in it: same speed ratio and activation comparison.
             "informational_per_arm": info,
             "informational_note": "not the strict target: live expert rows paged to the pinned "
-                                  "host tier, not kept on the device"}
+                                  "host tier, not kept on the device (offload arms), or "
+                                  "nothing paged (unpaged_recompute_fc1)"}
         paged, control = rows.get("paged"), rows.get(CONTROL)
         if _ok(paged) and paged.get("activation_mib") is not None:
             bound = paged["paged_bound_mib"]

@@ -143,6 +143,52 @@ class _ActFc2(torch.autograd.Function):
         return dfc1, dprobs, dw2, None, None, None
 
 
+class _ExpertsRecomputeFc1(torch.autograd.Function):
+    """fc1 -> weighted activation -> fc2 in one function that saves only ``x`` (and the probs)
+    and recomputes fc1 from it in backward (``--paging-recompute-expert-fc1``).
+
+    fc1 is the widest expert activation (``fc1_out`` columns against ``hidden`` for ``x``: 6x
+    at moe-ffn 3072, hidden 1024, gated), so keeping only ``x`` cuts what paging or offloading
+    moves per layer by that much for one extra grouped GEMM in backward. Backward runs the same
+    kernels in the same order as :class:`_Fc1` + :class:`_ActFc2` on the same inputs (the
+    recomputed fc1 is the forward's fc1 bit for bit), so gradients are bitwise equal to theirs.
+    """
+
+    @staticmethod
+    def forward(ctx, x, probs, w1, w2, offs, counts, act):
+        fc1 = _gmm(x, w1.transpose(1, 2), offs, counts)
+        with torch.no_grad():
+            inter = act(fc1, probs)
+        out = _gmm(inter, w2.transpose(1, 2), offs, counts)
+        ctx.save_for_backward(x, probs)
+        # Weights and offsets stay off the saved tensors (see _ActFc2): the fc2 dgrad runs
+        # before x is unpacked, beside its reload.
+        ctx.w1, ctx.w2, ctx.offs, ctx.counts, ctx.act = w1, w2, offs, counts, act
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        w1, w2, offs, counts, act = ctx.w1, ctx.w2, ctx.offs, ctx.counts, ctx.act
+        dout = dout.contiguous()
+        dinter = _gmm(dout, w2, offs, counts)
+        x, probs = ctx.saved_tensors
+        fc1 = _gmm(x, w1.transpose(1, 2), offs, counts)
+        with torch.enable_grad():
+            fc1_ = fc1.detach().requires_grad_()
+            probs_ = probs.detach().requires_grad_()
+            inter = act(fc1_, probs_)
+        dw2 = _gmm(dout.t(), inter.detach(), offs, counts)
+        dfc1, dprobs = torch.autograd.grad(inter, (fc1_, probs_), dinter)
+        del fc1, fc1_, inter
+        dfc1 = dfc1.contiguous()
+        dw1 = _gmm(dfc1.t(), x, offs, counts)
+        dx = _gmm(dfc1, w1, offs, counts)
+        if counts is None:
+            dw1 = _zero_empty_experts(dw1, offs)
+            dw2 = _zero_empty_experts(dw2, offs)
+        return dx, dprobs, dw1, dw2, None, None, None
+
+
 def _mark_capacity_buffer(tensor: torch.Tensor, live_rows: torch.Tensor | None) -> None:
     """Megatron-Core's paged-stash mark, and the live count the paged offloading reads."""
     tensor.grouped_tensor_scale_inv = False
@@ -154,12 +200,19 @@ class PagedGroupedMLP(MegatronModule):
     """Grouped experts without Transformer Engine whose saved activations are paged.
 
     Builder signature of Megatron-Core's experts (``ExpertsBuilder``):
-    ``PagedGroupedMLP(num_local_experts, config, pg_collection=..., name=...)``; extra keyword
-    ``gemm_backend`` ('auto', 'grouped', 'loop').
+    ``PagedGroupedMLP(num_local_experts, config, pg_collection=..., name=...)``; extra keywords
+    ``gemm_backend`` ('auto', 'grouped', 'loop') and ``recompute_fc1`` (save only ``x`` and
+    recompute fc1 in backward: :class:`_ExpertsRecomputeFc1`).
     """
 
     def __init__(
-        self, num_local_experts, config, pg_collection=None, name=None, gemm_backend: str = "auto"
+        self,
+        num_local_experts,
+        config,
+        pg_collection=None,
+        name=None,
+        gemm_backend: str = "auto",
+        recompute_fc1: bool = False,
     ):
         super().__init__(config=config)
         if gemm_backend not in GEMM_BACKENDS:
@@ -185,6 +238,12 @@ class PagedGroupedMLP(MegatronModule):
         modules = getattr(config, "offload_modules", None) or []
         self.offload_expert_fc1 = bool(offloading and "expert_fc1" in modules)
         self.offload_moe_act = bool(offloading and "moe_act" in modules)
+        if recompute_fc1 and self.offload_moe_act:
+            raise ValueError(
+                "recompute_fc1=True keeps no fc1 for the moe_act offload group to offload; drop "
+                "moe_act from offload_modules (expert_fc1 offloads the saved input)"
+            )
+        self.recompute_fc1 = bool(recompute_fc1)
         ffn = config.moe_ffn_hidden_size
         fc1_out = 2 * ffn if config.gated_linear_unit else ffn
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
@@ -255,21 +314,40 @@ class PagedGroupedMLP(MegatronModule):
         if self.offload_expert_fc1 or self.offload_moe_act:
             # One private count per call: the paged offloading backend moves only live rows.
             live = tokens_per_expert.sum().reshape(1).to(torch.int64)
-        off_interface = mcore_offload.FineGrainedActivationOffloadingInterface
         with stash_context:
-            fc1_manager = off_interface(self.offload_expert_fc1, x, "expert_fc1")
-            with fc1_manager as x:  # marks go on the tensors the functions save (group
-                _mark_capacity_buffer(x, live)  # boundaries may hand back new tensor objects)
-                fc1 = _Fc1.apply(x, self.weight1, offs, counts)
-            fc1 = fc1_manager.group_offload(fc1, forced_released_tensors=[x])
-            act_manager = off_interface(self.offload_moe_act, fc1, "moe_act")
-            with act_manager as fc1:
-                _mark_capacity_buffer(fc1, live)
-                output = _ActFc2.apply(fc1, probs, self.weight2, offs, counts, self._activation)
-            output = act_manager.group_offload(output, forced_released_tensors=[fc1])
+            if self.recompute_fc1:
+                output = self._recompute_fc1_forward(x, probs, offs, counts, live)
+            else:
+                output = self._forward(x, probs, offs, counts, live)
         if paging:
             output = mcore_paged_stash.paged_stash_group_commit(output, name="grouped_mlp")
         return output, None
+
+    def _recompute_fc1_forward(self, x, probs, offs, counts, live):
+        """One offload group (``expert_fc1``): the function saves only ``x``."""
+        off_interface = mcore_offload.FineGrainedActivationOffloadingInterface
+        manager = off_interface(self.offload_expert_fc1, x, "expert_fc1")
+        with manager as x:
+            _mark_capacity_buffer(x, live)
+            output = _ExpertsRecomputeFc1.apply(
+                x, probs, self.weight1, self.weight2, offs, counts, self._activation
+            )
+        return manager.group_offload(output, forced_released_tensors=[x])
+
+    def _forward(self, x, probs, offs, counts, live):
+        """Two offload groups: ``expert_fc1`` (fc1 saves ``x``), ``moe_act`` (saves fc1)."""
+        off_interface = mcore_offload.FineGrainedActivationOffloadingInterface
+        fc1_manager = off_interface(self.offload_expert_fc1, x, "expert_fc1")
+        with fc1_manager as x:  # marks go on the tensors the functions save (group
+            _mark_capacity_buffer(x, live)  # boundaries may hand back new tensor objects)
+            fc1 = _Fc1.apply(x, self.weight1, offs, counts)
+        fc1 = fc1_manager.group_offload(fc1, forced_released_tensors=[x])
+        act_manager = off_interface(self.offload_moe_act, fc1, "moe_act")
+        with act_manager as fc1:
+            _mark_capacity_buffer(fc1, live)
+            output = _ActFc2.apply(fc1, probs, self.weight2, offs, counts, self._activation)
+        output = act_manager.group_offload(output, forced_released_tensors=[fc1])
+        return output
 
     def backward_dw(self):
         """Weight gradients are computed in backward (delay_wgrad_compute is rejected)."""

@@ -104,6 +104,19 @@ def check_megatron_combinations(args) -> None:
         )
 
 
+def check_recompute_expert_fc1(args) -> None:
+    """``--paging-recompute-expert-fc1``: the experts then save no fc1 for ``moe_act``."""
+    if not getattr(args, "paging_recompute_expert_fc1", False):
+        return
+    modules = getattr(args, "offload_modules", None) or []
+    if getattr(args, "fine_grained_activation_offloading", False) and "moe_act" in modules:
+        raise ValueError(
+            "--offload-modules moe_act offloads the experts' fc1, which "
+            "--paging-recompute-expert-fc1 does not keep; drop moe_act (expert_fc1 offloads the "
+            "experts' input, all they save)"
+        )
+
+
 def check_offload(args) -> None:
     """``--paging-offload-backend paged``: what it needs and what it cannot serve."""
     if not getattr(args, "fine_grained_activation_offloading", False):
@@ -161,6 +174,7 @@ __all__ = [
     "check_core_attention",
     "check_megatron_combinations",
     "check_offload",
+    "check_recompute_expert_fc1",
     "check_recompute_modules",
     "pool_residency",
 ]

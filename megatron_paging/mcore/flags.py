@@ -41,6 +41,9 @@ flag                            default   meaning
                                           full-iteration graphs, else step)
 ``--paging-hold-last-slot``     off       stash a layer when the next one commits; the last
                                           layer before a backward is never copied
+``--paging-recompute-expert-fc1`` off     PagedGroupedMLP saves only its input and recomputes
+                                          fc1 in backward (one grouped GEMM; paging and
+                                          offloading move ``x``, not the wider fc1)
 ==============================  ========  ===================================================
 
 It also adds ``static`` to the choices of Megatron's ``--moe-flex-dispatcher-backend`` (our
@@ -49,8 +52,9 @@ sync-free dispatch backend, :mod:`.dispatcher`).
 :func:`paging_config` validates everything once and raises one ``ValueError`` naming the
 offending flags for every meaningless or conflicting combination, before any model is built:
 ``--paging-*`` flags other than ``--paging-gemm-backend``, ``--paging-core-attention``,
-``--paging-sdpa-backend`` and ``--paging-offload-backend`` need ``--moe-paged-stash`` or
-``--paging-offload-backend paged`` (those build the unpaged control's model too);
+``--paging-sdpa-backend``, ``--paging-recompute-expert-fc1`` and ``--paging-offload-backend``
+need ``--moe-paged-stash`` or ``--paging-offload-backend paged`` (those build the unpaged
+control's model too);
 ``--paging-offload-*`` need ``--paging-offload-backend paged``, which needs
 ``--fine-grained-activation-offloading`` and refuses what it cannot serve (per-layer CUDA graphs,
 ``--delay-offload-until-cuda-graph``, ``--fine-grained-offloading-max-inflight-offloads``
@@ -91,6 +95,7 @@ from megatron_paging.mcore.flag_checks import (
     check_core_attention,
     check_megatron_combinations,
     check_offload,
+    check_recompute_expert_fc1,
     check_recompute_modules,
     pool_residency,
 )
@@ -131,12 +136,14 @@ PAGING_DEFAULTS = {
     "paging_pool_residency": "auto",
     "paging_hold_last_slot": False,
     "paging_max_inflight_stashes": 1,
+    "paging_recompute_expert_fc1": False,
 }
 IMPLEMENTATIONS = ("ours", "mcore")
 OFFLOAD_BACKENDS = ("mcore", "paged")
 # Flags that also act without --moe-paged-stash (they build the unpaged control's model too).
 WITHOUT_PAGING = (
-    "paging_gemm_backend", "paging_core_attention", "paging_sdpa_backend", "paging_offload_backend"
+    "paging_gemm_backend", "paging_core_attention", "paging_sdpa_backend", "paging_offload_backend",
+    "paging_recompute_expert_fc1",
 )
 OFFLOAD_ONLY = (
     "paging_offload_host_factor", "paging_offload_max_ctas", "paging_offload_dma_prefix"
@@ -251,6 +258,11 @@ OUR_FLAGS = {
         "this many layers' stashes are queued (their capacity-sized inputs stay allocated "
         "until copied); 0 = never wait",
     ),
+    "paging_recompute_expert_fc1": dict(
+        action="store_true", help="PagedGroupedMLP saves only its input and recomputes fc1 in "
+        "backward (one grouped GEMM): paging, offloading (--offload-modules expert_fc1) or "
+        "autograd keep x instead of the wider fc1; gradients bitwise unchanged",
+    ),
 }
 
 
@@ -324,6 +336,7 @@ def paging_config(
             )
 
     check_core_attention(args)
+    check_recompute_expert_fc1(args)
     check_recompute_modules(args, te_available)
     backend = getattr(args, "moe_flex_dispatcher_backend", None)
     if backend == STATIC_BACKEND and getattr(args, "moe_token_dispatcher_type", None) != "flex":
