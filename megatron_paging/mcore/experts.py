@@ -143,6 +143,48 @@ class _ActFc2(torch.autograd.Function):
         return dfc1, dprobs, dw2, None, None, None
 
 
+# Rows per piece of the fc1-recompute path's activation (forward and backward): its fp32
+# temporaries (the prob-weighted product and its gradient are fp32) and autograd intermediates
+# then exist for one piece at a time instead of the whole capacity buffer. Elementwise ops and
+# the per-row prob-gradient sum give the same bits on a piece as on the whole tensor.
+ACT_PIECE_ROWS = 16384
+
+
+def _pieces(rows: int):
+    return [(start, min(start + ACT_PIECE_ROWS, rows)) for start in range(0, rows, ACT_PIECE_ROWS)]
+
+
+def _weighted_act(act, fc1, probs):
+    """``act(fc1, probs)`` piece by piece into one buffer (no autograd)."""
+    out = None
+    with torch.no_grad():
+        for start, end in _pieces(fc1.shape[0]):
+            piece = act(fc1[start:end], probs[start:end])
+            if out is None:
+                out = piece.new_empty((fc1.shape[0], *piece.shape[1:]))
+            out[start:end] = piece
+    return out
+
+
+def _weighted_act_backward(act, fc1, probs, dinter):
+    """``inter = act(fc1, probs)`` and the gradients of fc1 and probs for ``dinter``, piece by
+    piece (each piece's autograd graph is freed before the next one is built)."""
+    inter = dfc1 = dprobs = None
+    for start, end in _pieces(fc1.shape[0]):
+        with torch.enable_grad():
+            fc1_ = fc1[start:end].detach().requires_grad_()
+            probs_ = probs[start:end].detach().requires_grad_()
+            piece = act(fc1_, probs_)
+        dfc1_, dprobs_ = torch.autograd.grad(piece, (fc1_, probs_), dinter[start:end])
+        if inter is None:
+            inter = piece.new_empty((fc1.shape[0], *piece.shape[1:]))
+            dfc1, dprobs = torch.empty_like(fc1), torch.empty_like(probs)
+        inter[start:end] = piece.detach()
+        dfc1[start:end] = dfc1_
+        dprobs[start:end] = dprobs_
+    return inter, dfc1, dprobs
+
+
 class _ExpertsRecomputeFc1(torch.autograd.Function):
     """fc1 -> weighted activation -> fc2 in one function that saves only ``x`` (and the probs)
     and recomputes fc1 from it in backward (``--paging-recompute-expert-fc1``).
@@ -150,15 +192,16 @@ class _ExpertsRecomputeFc1(torch.autograd.Function):
     fc1 is the widest expert activation (``fc1_out`` columns against ``hidden`` for ``x``: 6x
     at moe-ffn 3072, hidden 1024, gated), so keeping only ``x`` cuts what paging or offloading
     moves per layer by that much for one extra grouped GEMM in backward. Backward runs the same
-    kernels in the same order as :class:`_Fc1` + :class:`_ActFc2` on the same inputs (the
-    recomputed fc1 is the forward's fc1 bit for bit), so gradients are bitwise equal to theirs.
+    GEMMs as :class:`_Fc1` + :class:`_ActFc2` on the same inputs (the recomputed fc1 is the
+    forward's fc1 bit for bit) and the activation in row pieces (:data:`ACT_PIECE_ROWS`: its
+    temporaries, the backward's peak, shrink with the piece), so gradients are bitwise equal.
     """
 
     @staticmethod
     def forward(ctx, x, probs, w1, w2, offs, counts, act):
         fc1 = _gmm(x, w1.transpose(1, 2), offs, counts)
-        with torch.no_grad():
-            inter = act(fc1, probs)
+        inter = _weighted_act(act, fc1, probs)
+        del fc1
         out = _gmm(inter, w2.transpose(1, 2), offs, counts)
         ctx.save_for_backward(x, probs)
         # Weights and offsets stay off the saved tensors (see _ActFc2): the fc2 dgrad runs
@@ -173,14 +216,10 @@ class _ExpertsRecomputeFc1(torch.autograd.Function):
         dinter = _gmm(dout, w2, offs, counts)
         x, probs = ctx.saved_tensors
         fc1 = _gmm(x, w1.transpose(1, 2), offs, counts)
-        with torch.enable_grad():
-            fc1_ = fc1.detach().requires_grad_()
-            probs_ = probs.detach().requires_grad_()
-            inter = act(fc1_, probs_)
-        dw2 = _gmm(dout.t(), inter.detach(), offs, counts)
-        dfc1, dprobs = torch.autograd.grad(inter, (fc1_, probs_), dinter)
-        del fc1, fc1_, inter
-        dfc1 = dfc1.contiguous()
+        inter, dfc1, dprobs = _weighted_act_backward(act, fc1, probs, dinter)
+        del fc1, dinter
+        dw2 = _gmm(dout.t(), inter, offs, counts)
+        del inter
         dw1 = _gmm(dfc1.t(), x, offs, counts)
         dx = _gmm(dfc1, w1, offs, counts)
         if counts is None:
