@@ -66,6 +66,7 @@ def model_provider(
         core_attention=args.paging_core_attention,
         sdpa_backend=args.paging_sdpa_backend,
         recompute_expert_fc1=args.paging_recompute_expert_fc1,
+        recompute_expert_fc1_piece_rows=args.paging_recompute_expert_fc1_piece_rows,
     )
     return GPTModel(
         config=config,

@@ -21,7 +21,7 @@ HIDDEN, FFN, CAPACITY = 32, 48, 24
 COUNTS = [5, 0, 7, 3]
 
 
-def _pair(gemm_backend="loop", gated=True):
+def _pair(gemm_backend="loop", gated=True, piece_rows=0):
     """The same experts (same weights) with and without the fc1 recompute."""
     config = moe_config(
         hidden_size=HIDDEN, moe_ffn_hidden_size=FFN, gated_linear_unit=gated,
@@ -29,7 +29,8 @@ def _pair(gemm_backend="loop", gated=True):
     )
     torch.manual_seed(0)
     saving = PagedGroupedMLP(4, config, gemm_backend=gemm_backend)
-    recomputing = PagedGroupedMLP(4, config, gemm_backend=gemm_backend, recompute_fc1=True)
+    recomputing = PagedGroupedMLP(4, config, gemm_backend=gemm_backend, recompute_fc1=True,
+                                  recompute_piece_rows=piece_rows)
     recomputing.load_state_dict(saving.state_dict())
     return saving, recomputing
 
@@ -47,17 +48,14 @@ def _run(module, seed=1):
             module.weight2.grad]
 
 
-@pytest.mark.parametrize("piece_rows", [16384, 5], ids=["one-piece", "pieces-of-5"])
+@pytest.mark.parametrize("piece_rows", [0, 5], ids=["whole", "pieces-of-5"])
 @pytest.mark.parametrize("gemm_backend", ["loop", "grouped"])
 @pytest.mark.parametrize("gated", [True, False])
 def test_recomputed_fc1_gives_bitwise_the_same_outputs_and_gradients(
-    installed, model_parallel, monkeypatch, gemm_backend, gated, piece_rows  # noqa: F811
+    installed, model_parallel, gemm_backend, gated, piece_rows  # noqa: F811
 ):
-    from megatron_paging.mcore import experts
-
     # 24 capacity rows in pieces of 5: the activation runs as 5 pieces, the last one short.
-    monkeypatch.setattr(experts, "ACT_PIECE_ROWS", piece_rows)
-    saving, recomputing = _pair(gemm_backend, gated)
+    saving, recomputing = _pair(gemm_backend, gated, piece_rows)
     expected, got = _run(saving), _run(recomputing)
     names = ["output", "x.grad", "probs.grad", "weight1.grad", "weight2.grad"]
     for name, a, b in zip(names, expected, got, strict=True):
@@ -106,6 +104,10 @@ def test_recompute_with_offloaded_moe_act_is_refused(installed, model_parallel):
     with pytest.raises(ValueError, match="drop moe_act") as error:
         PagedGroupedMLP(4, config, recompute_fc1=True)
     assert "\n" not in str(error.value)
+    with pytest.raises(ValueError, match="recompute_piece_rows must be a non-negative integer"):
+        PagedGroupedMLP(4, moe_config(), recompute_fc1=True, recompute_piece_rows=-1)
+    with pytest.raises(ValueError, match="applies only with recompute_fc1=True"):
+        PagedGroupedMLP(4, moe_config(), recompute_piece_rows=8)
 
 
 def test_moe_layer_paged_with_recompute_pages_only_x_and_matches_unpaged(
@@ -128,7 +130,8 @@ def test_moe_layer_paged_with_recompute_pages_only_x_and_matches_unpaged(
 
     def layer(recompute_fc1):
         torch.manual_seed(0)
-        builder = paged_moe_mlp_builder(config.num_moe_experts, "grouped", recompute_fc1)
+        builder = paged_moe_mlp_builder(config.num_moe_experts, "grouped", recompute_fc1,
+                                        recompute_piece_rows=7 if recompute_fc1 else 0)
         submodules = dataclasses.replace(builder.keywords["submodules"], router=CpuTopKRouter)
         return partial(builder.func, submodules=submodules)(
             config=config, layer_number=1, pg_collection=get_default_pg_collection())
@@ -163,3 +166,30 @@ def test_the_flag_builds_the_unpaged_model_too_and_refuses_moe_act_offload():
                          "--offload-modules", "expert_fc1", "moe_act"])
     with pytest.raises(ValueError, match="--offload-modules moe_act .*--paging-recompute-expert"):
         flags.paging_config(args, environ={}, cuda_available=False, te_available=False)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--paging-recompute-expert-fc1-piece-rows", "4096"],
+     "--paging-recompute-expert-fc1-piece-rows only applies with --paging-recompute-expert-fc1"),
+    (["--paging-recompute-expert-fc1", "--paging-recompute-expert-fc1-piece-rows", "-1"],
+     "--paging-recompute-expert-fc1-piece-rows must be >= 0 (0: whole), got -1"),
+])
+def test_piece_rows_flag_refusals_are_one_line(argv, message):
+    flags, args = _args(argv)
+    with pytest.raises(ValueError) as error:
+        flags.paging_config(args, environ={}, cuda_available=False, te_available=False)
+    assert str(error.value) == message
+
+
+def test_piece_rows_flag_reaches_the_experts_through_the_spec(installed, model_parallel):  # noqa: F811
+    from megatron_paging.mcore.specs import get_gpt_moe_paged_layer_spec
+
+    flags, args = _args(["--paging-recompute-expert-fc1",
+                         "--paging-recompute-expert-fc1-piece-rows", "4096"])
+    flags.paging_config(args, environ={}, cuda_available=False, te_available=False)
+    spec = get_gpt_moe_paged_layer_spec(
+        4, recompute_expert_fc1=args.paging_recompute_expert_fc1,
+        recompute_expert_fc1_piece_rows=args.paging_recompute_expert_fc1_piece_rows)
+    experts = spec.submodules.mlp.keywords["submodules"].experts
+    assert experts.keywords == {"gemm_backend": "auto", "recompute_fc1": True,
+                                "recompute_piece_rows": 4096}

@@ -86,6 +86,10 @@ ARMS: dict[str, Arm] = {
             "unpaged; the experts save x only and recompute fc1 (what paging x adds to)"),
         Arm("paged_recompute_fc1", True, (RECOMPUTE_FC1,), True,
             "paged; the experts save x only (one pool) and recompute fc1 in backward"),
+        Arm("paged_recompute_fc1_pieces", True,
+            (RECOMPUTE_FC1, RECOMPUTE_FC1 + "-piece-rows", "16384"), True,
+            "paged_recompute_fc1 with the activation in pieces of 16384 rows (a smaller "
+            "backward transient, more launches)"),
         Arm("paged_offload_dma_recompute_fc1", False,
             ("--fine-grained-activation-offloading", "--offload-modules", "expert_fc1",
              OFFLOAD_FLAG, "paged", "--paging-offload-dma-prefix", "1", RECOMPUTE_FC1), True,
@@ -95,7 +99,8 @@ ARMS: dict[str, Arm] = {
 }  # fmt: skip
 # The control every other arm is compared with, and the arms that page (recompute target).
 CONTROL = "unpaged"
-PAGED_FAMILY = ("paged", "paged_hold", "paged_recompute_core_attn", "paged_recompute_fc1")
+PAGED_FAMILY = ("paged", "paged_hold", "paged_recompute_core_attn", "paged_recompute_fc1",
+                "paged_recompute_fc1_pieces")
 # Shown beside the recompute target, not part of its verdict: the offload arms page live expert
 # rows to the pinned host tier rather than keeping them on the device, a different trade; the
 # unpaged fc1 recompute pages nothing (it shows what the fc1 recompute alone buys).

@@ -28,7 +28,8 @@ ARM_COLORS = {
     "paged_offload": "tab:purple", "paged_offload_dma": "indigo",
     "paged_stash_plus_offload": "tab:green",
     "paged_unbounded_lead": "tab:pink", "unpaged_recompute_fc1": "dimgrey",
-    "paged_recompute_fc1": "navy", "paged_offload_dma_recompute_fc1": "darkviolet",
+    "paged_recompute_fc1": "navy", "paged_recompute_fc1_pieces": "steelblue",
+    "paged_offload_dma_recompute_fc1": "darkviolet",
 }
 
 

@@ -143,22 +143,20 @@ class _ActFc2(torch.autograd.Function):
         return dfc1, dprobs, dw2, None, None, None
 
 
-# Rows per piece of the fc1-recompute path's activation (forward and backward): its fp32
-# temporaries (the prob-weighted product and its gradient are fp32) and autograd intermediates
-# then exist for one piece at a time instead of the whole capacity buffer. Elementwise ops and
-# the per-row prob-gradient sum give the same bits on a piece as on the whole tensor.
-ACT_PIECE_ROWS = 16384
+def _pieces(rows: int, piece_rows: int):
+    """Row ranges of the fc1-recompute path's activation (``piece_rows`` 0: one range). In
+    pieces, its fp32 temporaries (the prob-weighted product and its gradient are fp32) and
+    autograd intermediates exist for one piece at a time instead of the whole capacity buffer;
+    elementwise ops and the per-row prob-gradient sum give the same bits on a piece."""
+    step = piece_rows or rows or 1
+    return [(start, min(start + step, rows)) for start in range(0, rows, step)]
 
 
-def _pieces(rows: int):
-    return [(start, min(start + ACT_PIECE_ROWS, rows)) for start in range(0, rows, ACT_PIECE_ROWS)]
-
-
-def _weighted_act(act, fc1, probs):
+def _weighted_act(act, fc1, probs, piece_rows):
     """``act(fc1, probs)`` piece by piece into one buffer (no autograd)."""
     out = None
     with torch.no_grad():
-        for start, end in _pieces(fc1.shape[0]):
+        for start, end in _pieces(fc1.shape[0], piece_rows):
             piece = act(fc1[start:end], probs[start:end])
             if out is None:
                 out = piece.new_empty((fc1.shape[0], *piece.shape[1:]))
@@ -166,11 +164,11 @@ def _weighted_act(act, fc1, probs):
     return out
 
 
-def _weighted_act_backward(act, fc1, probs, dinter):
+def _weighted_act_backward(act, fc1, probs, dinter, piece_rows):
     """``inter = act(fc1, probs)`` and the gradients of fc1 and probs for ``dinter``, piece by
     piece (each piece's autograd graph is freed before the next one is built)."""
     inter = dfc1 = dprobs = None
-    for start, end in _pieces(fc1.shape[0]):
+    for start, end in _pieces(fc1.shape[0], piece_rows):
         with torch.enable_grad():
             fc1_ = fc1[start:end].detach().requires_grad_()
             probs_ = probs[start:end].detach().requires_grad_()
@@ -193,20 +191,21 @@ class _ExpertsRecomputeFc1(torch.autograd.Function):
     at moe-ffn 3072, hidden 1024, gated), so keeping only ``x`` cuts what paging or offloading
     moves per layer by that much for one extra grouped GEMM in backward. Backward runs the same
     GEMMs as :class:`_Fc1` + :class:`_ActFc2` on the same inputs (the recomputed fc1 is the
-    forward's fc1 bit for bit) and the activation in row pieces (:data:`ACT_PIECE_ROWS`: its
+    forward's fc1 bit for bit) and the activation whole or in row pieces (``piece_rows``: its
     temporaries, the backward's peak, shrink with the piece), so gradients are bitwise equal.
     """
 
     @staticmethod
-    def forward(ctx, x, probs, w1, w2, offs, counts, act):
+    def forward(ctx, x, probs, w1, w2, offs, counts, act, piece_rows):
         fc1 = _gmm(x, w1.transpose(1, 2), offs, counts)
-        inter = _weighted_act(act, fc1, probs)
+        inter = _weighted_act(act, fc1, probs, piece_rows)
         del fc1
         out = _gmm(inter, w2.transpose(1, 2), offs, counts)
         ctx.save_for_backward(x, probs)
         # Weights and offsets stay off the saved tensors (see _ActFc2): the fc2 dgrad runs
         # before x is unpacked, beside its reload.
         ctx.w1, ctx.w2, ctx.offs, ctx.counts, ctx.act = w1, w2, offs, counts, act
+        ctx.piece_rows = piece_rows
         return out
 
     @staticmethod
@@ -216,7 +215,7 @@ class _ExpertsRecomputeFc1(torch.autograd.Function):
         dinter = _gmm(dout, w2, offs, counts)
         x, probs = ctx.saved_tensors
         fc1 = _gmm(x, w1.transpose(1, 2), offs, counts)
-        inter, dfc1, dprobs = _weighted_act_backward(act, fc1, probs, dinter)
+        inter, dfc1, dprobs = _weighted_act_backward(act, fc1, probs, dinter, ctx.piece_rows)
         del fc1, dinter
         dw2 = _gmm(dout.t(), inter, offs, counts)
         del inter
@@ -225,7 +224,7 @@ class _ExpertsRecomputeFc1(torch.autograd.Function):
         if counts is None:
             dw1 = _zero_empty_experts(dw1, offs)
             dw2 = _zero_empty_experts(dw2, offs)
-        return dx, dprobs, dw1, dw2, None, None, None
+        return dx, dprobs, dw1, dw2, None, None, None, None
 
 
 def _mark_capacity_buffer(tensor: torch.Tensor, live_rows: torch.Tensor | None) -> None:
@@ -240,8 +239,9 @@ class PagedGroupedMLP(MegatronModule):
 
     Builder signature of Megatron-Core's experts (``ExpertsBuilder``):
     ``PagedGroupedMLP(num_local_experts, config, pg_collection=..., name=...)``; extra keywords
-    ``gemm_backend`` ('auto', 'grouped', 'loop') and ``recompute_fc1`` (save only ``x`` and
-    recompute fc1 in backward: :class:`_ExpertsRecomputeFc1`).
+    ``gemm_backend`` ('auto', 'grouped', 'loop'), ``recompute_fc1`` (save only ``x`` and
+    recompute fc1 in backward: :class:`_ExpertsRecomputeFc1`) and ``recompute_piece_rows``
+    (its activation in pieces of that many rows; 0: whole).
     """
 
     def __init__(
@@ -252,6 +252,7 @@ class PagedGroupedMLP(MegatronModule):
         name=None,
         gemm_backend: str = "auto",
         recompute_fc1: bool = False,
+        recompute_piece_rows: int = 0,
     ):
         super().__init__(config=config)
         if gemm_backend not in GEMM_BACKENDS:
@@ -282,7 +283,15 @@ class PagedGroupedMLP(MegatronModule):
                 "recompute_fc1=True keeps no fc1 for the moe_act offload group to offload; drop "
                 "moe_act from offload_modules (expert_fc1 offloads the saved input)"
             )
+        if isinstance(recompute_piece_rows, bool) or not isinstance(recompute_piece_rows, int) \
+                or recompute_piece_rows < 0:
+            raise ValueError(
+                f"recompute_piece_rows must be a non-negative integer, got {recompute_piece_rows!r}"
+            )
+        if recompute_piece_rows and not recompute_fc1:
+            raise ValueError("recompute_piece_rows applies only with recompute_fc1=True")
         self.recompute_fc1 = bool(recompute_fc1)
+        self.recompute_piece_rows = recompute_piece_rows
         ffn = config.moe_ffn_hidden_size
         fc1_out = 2 * ffn if config.gated_linear_unit else ffn
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
@@ -369,7 +378,8 @@ class PagedGroupedMLP(MegatronModule):
         with manager as x:
             _mark_capacity_buffer(x, live)
             output = _ExpertsRecomputeFc1.apply(
-                x, probs, self.weight1, self.weight2, offs, counts, self._activation
+                x, probs, self.weight1, self.weight2, offs, counts, self._activation,
+                self.recompute_piece_rows,
             )
         return manager.group_offload(output, forced_released_tensors=[x])
 

@@ -105,8 +105,19 @@ def check_megatron_combinations(args) -> None:
 
 
 def check_recompute_expert_fc1(args) -> None:
-    """``--paging-recompute-expert-fc1``: the experts then save no fc1 for ``moe_act``."""
+    """``--paging-recompute-expert-fc1``: the experts then save no fc1 for ``moe_act``; its
+    piece size needs it and is a non-negative row count."""
+    pieces = getattr(args, "paging_recompute_expert_fc1_piece_rows", 0)
+    if pieces is not None and pieces < 0:
+        raise ValueError(
+            f"--paging-recompute-expert-fc1-piece-rows must be >= 0 (0: whole), got {pieces}"
+        )
     if not getattr(args, "paging_recompute_expert_fc1", False):
+        if pieces:
+            raise ValueError(
+                "--paging-recompute-expert-fc1-piece-rows only applies with "
+                "--paging-recompute-expert-fc1"
+            )
         return
     modules = getattr(args, "offload_modules", None) or []
     if getattr(args, "fine_grained_activation_offloading", False) and "moe_act" in modules:
