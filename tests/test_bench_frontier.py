@@ -68,7 +68,7 @@ def test_arm_table_and_flags():
     assert PAGED_FAMILY == ("paged", "paged_hold", "paged_recompute_core_attn",
                             "paged_recompute_fc1", "paged_recompute_fc1_pieces")
     assert resolve_flags(frontier_extra("moe_compute", "paged_recompute_fc1_pieces"))[
-        "--paging-recompute-expert-fc1-piece-rows"] == ["16384"]
+        "--paging-recompute-expert-fc1-piece-rows"] == ["49152"]
     assert ARMS["paged_hold"].paged and ARMS["paged_hold"].exact
     # layernorm recompute needs TE in Megatron-Core 0.19.2: the arm is gone, and says why.
     assert "paged_recompute_attn_norm" not in ARMS

@@ -193,3 +193,29 @@ def test_piece_rows_flag_reaches_the_experts_through_the_spec(installed, model_p
     experts = spec.submodules.mlp.keywords["submodules"].experts
     assert experts.keywords == {"gemm_backend": "auto", "recompute_fc1": True,
                                 "recompute_piece_rows": 4096}
+
+
+def test_one_piece_hands_back_the_activation_itself_and_pieces_cover_every_row():
+    """Whole (piece_rows 0, or a piece as large as the buffer): no buffer, no copy."""
+    from megatron_paging.mcore import experts
+
+    fc1, probs = torch.randn(10, 6), torch.rand(10)
+    made, returned = [], []
+
+    def act(f, p):
+        made.append(f.shape[0])
+        returned.append(f[:, :3] * p.unsqueeze(-1))
+        return returned[-1]
+
+    whole = experts._weighted_act(act, fc1, probs, 0)
+    assert made == [10] and whole is returned[0]  # the activation's own tensor, not a copy
+    made.clear()
+    pieces = experts._weighted_act(act, fc1, probs, 4)
+    assert made == [4, 4, 2] and torch.equal(pieces, whole)
+    assert experts._pieces(10, 0) == [(0, 10)] and experts._pieces(10, 16) == [(0, 10)]
+    assert experts._pieces(0, 4) == []
+    empty = experts._weighted_act(act, fc1[:0], probs[:0], 4)
+    assert empty.shape == (0, 3)
+    inter, dfc1, dprobs = experts._weighted_act_backward(
+        act, fc1[:0], probs[:0], torch.zeros(0, 3), 4)
+    assert inter.shape == (0, 3) and dfc1.shape == (0, 6) and dprobs.shape == (0,)

@@ -87,9 +87,9 @@ ARMS: dict[str, Arm] = {
         Arm("paged_recompute_fc1", True, (RECOMPUTE_FC1,), True,
             "paged; the experts save x only (one pool) and recompute fc1 in backward"),
         Arm("paged_recompute_fc1_pieces", True,
-            (RECOMPUTE_FC1, RECOMPUTE_FC1 + "-piece-rows", "16384"), True,
-            "paged_recompute_fc1 with the activation in pieces of 16384 rows (a smaller "
-            "backward transient, more launches)"),
+            (RECOMPUTE_FC1, RECOMPUTE_FC1 + "-piece-rows", "49152"), True,
+            "paged_recompute_fc1 with the activation in pieces of 49152 rows (moe_compute: two "
+            "pieces; a smaller backward transient, more launches; 16384 rows ran at a4348fe)"),
         Arm("paged_offload_dma_recompute_fc1", False,
             ("--fine-grained-activation-offloading", "--offload-modules", "expert_fc1",
              OFFLOAD_FLAG, "paged", "--paging-offload-dma-prefix", "1", RECOMPUTE_FC1), True,

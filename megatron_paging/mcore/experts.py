@@ -153,10 +153,13 @@ def _pieces(rows: int, piece_rows: int):
 
 
 def _weighted_act(act, fc1, probs, piece_rows):
-    """``act(fc1, probs)`` piece by piece into one buffer (no autograd)."""
+    """``act(fc1, probs)`` piece by piece into one buffer (no autograd); one piece: no copy."""
+    pieces = _pieces(fc1.shape[0], piece_rows)
     out = None
     with torch.no_grad():
-        for start, end in _pieces(fc1.shape[0], piece_rows):
+        if len(pieces) <= 1:  # whole (or an empty buffer)
+            return act(fc1, probs)
+        for start, end in pieces:
             piece = act(fc1[start:end], probs[start:end])
             if out is None:
                 out = piece.new_empty((fc1.shape[0], *piece.shape[1:]))
@@ -166,9 +169,17 @@ def _weighted_act(act, fc1, probs, piece_rows):
 
 def _weighted_act_backward(act, fc1, probs, dinter, piece_rows):
     """``inter = act(fc1, probs)`` and the gradients of fc1 and probs for ``dinter``, piece by
-    piece (each piece's autograd graph is freed before the next one is built)."""
+    piece (each piece's autograd graph is freed before the next one is built). One piece
+    returns autograd's own tensors (no copies: the whole path costs what it did unpieced)."""
+    pieces = _pieces(fc1.shape[0], piece_rows)
+    if len(pieces) <= 1:  # whole (or an empty buffer)
+        with torch.enable_grad():
+            fc1_, probs_ = fc1.detach().requires_grad_(), probs.detach().requires_grad_()
+            inter = act(fc1_, probs_)
+        dfc1, dprobs = torch.autograd.grad(inter, (fc1_, probs_), dinter)
+        return inter.detach(), dfc1.contiguous(), dprobs
     inter = dfc1 = dprobs = None
-    for start, end in _pieces(fc1.shape[0], piece_rows):
+    for start, end in pieces:
         with torch.enable_grad():
             fc1_ = fc1[start:end].detach().requires_grad_()
             probs_ = probs[start:end].detach().requires_grad_()
