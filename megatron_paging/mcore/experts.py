@@ -88,65 +88,11 @@ def _zero_empty_experts(dw, offs):
     return torch.where(sizes > 0, dw, torch.zeros((), dtype=dw.dtype, device=dw.device))
 
 
-class _Fc1(torch.autograd.Function):
-    """``fc1 = x @ W1[e]^T`` over the expert row ranges; saves ``x`` (Megatron's expert_fc1)."""
-
-    @staticmethod
-    def forward(ctx, x, w1, offs, counts):
-        ctx.save_for_backward(x, w1, offs)
-        ctx.counts = counts
-        return _gmm(x, w1.transpose(1, 2), offs, counts)
-
-    @staticmethod
-    def backward(ctx, dfc1):
-        x, w1, offs = ctx.saved_tensors
-        counts = ctx.counts
-        dfc1 = dfc1.contiguous()
-        dw1 = _gmm(dfc1.t(), x, offs, counts)
-        dx = _gmm(dfc1, w1, offs, counts)
-        if counts is None:
-            dw1 = _zero_empty_experts(dw1, offs)
-        return dx, dw1, None, None
-
-
-class _ActFc2(torch.autograd.Function):
-    """Weighted activation -> fc2; saves ``fc1`` (Megatron's moe_act) and recomputes the
-    activation from it in backward."""
-
-    @staticmethod
-    def forward(ctx, fc1, probs, w2, offs, counts, act):
-        with torch.no_grad():
-            inter = act(fc1, probs)
-        out = _gmm(inter, w2.transpose(1, 2), offs, counts)
-        ctx.save_for_backward(fc1, probs)
-        # The weight (a parameter: nothing offloads it) and the expert offsets (a few int32s)
-        # stay out of the saved tensors, so backward runs the dgrad GEMM before it unpacks fc1:
-        # with fc1 offloaded, the unpack makes the compute stream wait for fc1's reload, and
-        # the GEMM then runs beside the copy instead of after it.
-        ctx.w2, ctx.offs, ctx.counts, ctx.act = w2, offs, counts, act
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        w2, offs, counts, act = ctx.w2, ctx.offs, ctx.counts, ctx.act
-        dout = dout.contiguous()
-        dinter = _gmm(dout, w2, offs, counts)
-        fc1, probs = ctx.saved_tensors
-        with torch.enable_grad():
-            fc1_ = fc1.detach().requires_grad_()
-            probs_ = probs.detach().requires_grad_()
-            inter = act(fc1_, probs_)
-        dw2 = _gmm(dout.t(), inter.detach(), offs, counts)
-        dfc1, dprobs = torch.autograd.grad(inter, (fc1_, probs_), dinter)
-        if counts is None:
-            dw2 = _zero_empty_experts(dw2, offs)
-        return dfc1, dprobs, dw2, None, None, None
-
-
 def _pieces(rows: int, piece_rows: int):
-    """Row ranges of the fc1-recompute path's activation (``piece_rows`` 0: one range). In
-    pieces, its fp32 temporaries (the prob-weighted product and its gradient are fp32) and
-    autograd intermediates exist for one piece at a time instead of the whole capacity buffer;
+    """Row ranges of the weighted activation (``piece_rows`` 0: one range, what the
+    fc1-saving path always uses; the fc1-recompute path may split it). In pieces, its fp32
+    temporaries (the prob-weighted product and its gradient are fp32) and autograd
+    intermediates exist for one piece at a time instead of the whole capacity buffer;
     elementwise ops and the per-row prob-gradient sum give the same bits on a piece."""
     step = piece_rows or rows or 1
     return [(start, min(start + step, rows)) for start in range(0, rows, step)]
@@ -194,6 +140,61 @@ def _weighted_act_backward(act, fc1, probs, dinter, piece_rows):
     return inter, dfc1, dprobs
 
 
+def _fc1_grads(dfc1, x, w1, offs, counts):
+    """fc1's dgrad and wgrad (``dx``, ``dw1``) for ``dfc1``."""
+    dfc1 = dfc1.contiguous()
+    dw1 = _gmm(dfc1.t(), x, offs, counts)
+    dx = _gmm(dfc1, w1, offs, counts)
+    return dx, (_zero_empty_experts(dw1, offs) if counts is None else dw1)
+
+
+def _fc2_wgrad(dout, inter, offs, counts):
+    dw2 = _gmm(dout.t(), inter, offs, counts)
+    return _zero_empty_experts(dw2, offs) if counts is None else dw2
+
+
+class _Fc1(torch.autograd.Function):
+    """``fc1 = x @ W1[e]^T`` over the expert row ranges; saves ``x`` (Megatron's expert_fc1)."""
+
+    @staticmethod
+    def forward(ctx, x, w1, offs, counts):
+        ctx.save_for_backward(x, w1, offs)
+        ctx.counts = counts
+        return _gmm(x, w1.transpose(1, 2), offs, counts)
+
+    @staticmethod
+    def backward(ctx, dfc1):
+        x, w1, offs = ctx.saved_tensors
+        dx, dw1 = _fc1_grads(dfc1, x, w1, offs, ctx.counts)
+        return dx, dw1, None, None
+
+
+class _ActFc2(torch.autograd.Function):
+    """Weighted activation -> fc2; saves ``fc1`` (Megatron's moe_act) and recomputes the
+    activation from it in backward."""
+
+    @staticmethod
+    def forward(ctx, fc1, probs, w2, offs, counts, act):
+        inter = _weighted_act(act, fc1, probs, 0)
+        out = _gmm(inter, w2.transpose(1, 2), offs, counts)
+        ctx.save_for_backward(fc1, probs)
+        # The weight (a parameter: nothing offloads it) and the expert offsets (a few int32s)
+        # stay out of the saved tensors, so backward runs the dgrad GEMM before it unpacks fc1:
+        # with fc1 offloaded, the unpack makes the compute stream wait for fc1's reload, and
+        # the GEMM then runs beside the copy instead of after it.
+        ctx.w2, ctx.offs, ctx.counts, ctx.act = w2, offs, counts, act
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        w2, offs, counts, act = ctx.w2, ctx.offs, ctx.counts, ctx.act
+        dout = dout.contiguous()
+        dinter = _gmm(dout, w2, offs, counts)
+        fc1, probs = ctx.saved_tensors
+        inter, dfc1, dprobs = _weighted_act_backward(act, fc1, probs, dinter, 0)
+        return dfc1, dprobs, _fc2_wgrad(dout, inter, offs, counts), None, None, None
+
+
 class _ExpertsRecomputeFc1(torch.autograd.Function):
     """fc1 -> weighted activation -> fc2 in one function that saves only ``x`` (and the probs)
     and recomputes fc1 from it in backward (``--paging-recompute-expert-fc1``).
@@ -228,13 +229,9 @@ class _ExpertsRecomputeFc1(torch.autograd.Function):
         fc1 = _gmm(x, w1.transpose(1, 2), offs, counts)
         inter, dfc1, dprobs = _weighted_act_backward(act, fc1, probs, dinter, ctx.piece_rows)
         del fc1, dinter
-        dw2 = _gmm(dout.t(), inter, offs, counts)
+        dw2 = _fc2_wgrad(dout, inter, offs, counts)
         del inter
-        dw1 = _gmm(dfc1.t(), x, offs, counts)
-        dx = _gmm(dfc1, w1, offs, counts)
-        if counts is None:
-            dw1 = _zero_empty_experts(dw1, offs)
-            dw2 = _zero_empty_experts(dw2, offs)
+        dx, dw1 = _fc1_grads(dfc1, x, w1, offs, counts)
         return dx, dprobs, dw1, dw2, None, None, None, None
 
 
@@ -294,8 +291,10 @@ class PagedGroupedMLP(MegatronModule):
                 "recompute_fc1=True keeps no fc1 for the moe_act offload group to offload; drop "
                 "moe_act from offload_modules (expert_fc1 offloads the saved input)"
             )
-        if isinstance(recompute_piece_rows, bool) or not isinstance(recompute_piece_rows, int) \
-                or recompute_piece_rows < 0:
+        piece_rows_ok = isinstance(recompute_piece_rows, int) and not isinstance(
+            recompute_piece_rows, bool
+        )
+        if not piece_rows_ok or recompute_piece_rows < 0:
             raise ValueError(
                 f"recompute_piece_rows must be a non-negative integer, got {recompute_piece_rows!r}"
             )

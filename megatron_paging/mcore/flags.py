@@ -269,7 +269,7 @@ OUR_FLAGS = {
     "paging_recompute_expert_fc1_piece_rows": dict(
         type=int, metavar="ROWS", help="run the fc1 recompute's weighted activation in pieces "
         "of ROWS rows (0: whole): its fp32 temporaries, which set the backward's peak, shrink "
-        "to a piece; more launches (moe_compute: -3.5 GiB activation, +8%% step at 16384)",
+        "to a piece; more launches (moe_compute, 16384: 3553 MiB less activation, +8%% step time)",
     ),
 }
 
