@@ -28,7 +28,7 @@ MODEL=(
   --transformer-impl local --normalization RMSNorm --swiglu --disable-bias-linear
   --position-embedding-type rope --untie-embeddings-and-output-weights
   --no-persist-layer-norm --no-gradient-accumulation-fusion --no-masked-softmax-fusion
-  --no-bias-swiglu-fusion --no-bias-dropout-fusion --no-rope-fusion
+  --no-bias-dropout-fusion --no-rope-fusion
 )
 MOE=(
   --num-experts 16 --moe-router-topk 2 --moe-ffn-hidden-size 1024

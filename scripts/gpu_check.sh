@@ -4,8 +4,8 @@
 #
 # Usage (device tool, repo root; .whl carries megatron-core's wheel):
 #   bash scripts/gpu_check.sh [steps...]     steps: info build tests sanitizer bench-kernels
-#                                            host-cost bench-scheduler bench-offload mcore
-#                                            frontier
+#                                            host-cost bench-scheduler bench-offload
+#                                            bench-swiglu mcore frontier
 #                                            (default: all but frontier)
 # Each step has its own time limit so one hang cannot eat the whole call. Everything together
 # takes longer than one 10-minute device call; split it, for example
@@ -101,6 +101,8 @@ for step in "${steps[@]}"; do
                        --out "$OUT/scheduler.json" ;;
     bench-offload) run_step bench-offload 180 python3 benchmarks/bench_offload.py \
                      --out "$OUT/offload.json" ;;
+    bench-swiglu) run_step bench-swiglu 120 python3 benchmarks/bench_weighted_swiglu.py \
+                    --out "$OUT/weighted_swiglu.json" ;;
     frontier)
       ftime=${FRONTIER_TIME_S:-500}
       resume=()
@@ -122,7 +124,7 @@ echo
 echo "==================== gpu_check summary ===================="
 printf '%-18s %-10s %s\n' step status seconds
 for step in info build tests memcheck racecheck bench-kernels host-cost host-cost-before \
-            bench-scheduler bench-offload mcore frontier; do
+            bench-scheduler bench-offload bench-swiglu mcore frontier; do
   [ -n "${status[$step]:-}" ] && printf '%-18s %-10s %s\n' "$step" "${status[$step]}" "${seconds[$step]}"
 done
 if ls "$OUT"/gpu_tests_*.xml >/dev/null 2>&1; then

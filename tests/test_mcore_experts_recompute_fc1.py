@@ -21,11 +21,11 @@ HIDDEN, FFN, CAPACITY = 32, 48, 24
 COUNTS = [5, 0, 7, 3]
 
 
-def _pair(gemm_backend="loop", gated=True, piece_rows=0):
+def _pair(gemm_backend="loop", gated=True, piece_rows=0, fused=False):
     """The same experts (same weights) with and without the fc1 recompute."""
     config = moe_config(
         hidden_size=HIDDEN, moe_ffn_hidden_size=FFN, gated_linear_unit=gated,
-        activation_func=F.silu if gated else F.gelu,
+        activation_func=F.silu if gated else F.gelu, bias_activation_fusion=fused,
     )
     torch.manual_seed(0)
     saving = PagedGroupedMLP(4, config, gemm_backend=gemm_backend)
@@ -48,14 +48,18 @@ def _run(module, seed=1):
             module.weight2.grad]
 
 
-@pytest.mark.parametrize("piece_rows", [0, 5], ids=["whole", "pieces-of-5"])
+@pytest.mark.parametrize("gated, activation", [
+    (True, "whole"), (True, "pieces-of-5"), (True, "fused"), (False, "whole"),
+    (False, "pieces-of-5"),  # the fused activation is SwiGLU (gated silu) only
+])
 @pytest.mark.parametrize("gemm_backend", ["loop", "grouped"])
-@pytest.mark.parametrize("gated", [True, False])
 def test_recomputed_fc1_gives_bitwise_the_same_outputs_and_gradients(
-    installed, model_parallel, gemm_backend, gated, piece_rows  # noqa: F811
+    installed, model_parallel, gemm_backend, gated, activation  # noqa: F811
 ):
     # 24 capacity rows in pieces of 5: the activation runs as 5 pieces, the last one short.
-    saving, recomputing = _pair(gemm_backend, gated, piece_rows)
+    # fused: the fused SwiGLU's formulas (their torch reference on CPU).
+    piece_rows = 5 if activation == "pieces-of-5" else 0
+    saving, recomputing = _pair(gemm_backend, gated, piece_rows, fused=activation == "fused")
     expected, got = _run(saving), _run(recomputing)
     names = ["output", "x.grad", "probs.grad", "weight1.grad", "weight2.grad"]
     for name, a, b in zip(names, expected, got, strict=True):
@@ -108,6 +112,29 @@ def test_recompute_with_offloaded_moe_act_is_refused(installed, model_parallel):
         PagedGroupedMLP(4, moe_config(), recompute_fc1=True, recompute_piece_rows=-1)
     with pytest.raises(ValueError, match="applies only with recompute_fc1=True"):
         PagedGroupedMLP(4, moe_config(), recompute_piece_rows=8)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(recompute_piece_rows=8), "pass --no-bias-swiglu-fusion with "
+     "--paging-recompute-expert-fc1-piece-rows"),
+    (dict(config=dict(activation_func_clamp_value=7.0)), "no activation_func_clamp_value"),
+    (dict(config=dict(activation_func=F.gelu, gated_linear_unit=True)), "fuses only SwiGLU"),
+])
+def test_fused_activation_refuses_what_it_cannot_compute(
+    installed, model_parallel, overrides, message  # noqa: F811
+):
+    config = moe_config(bias_activation_fusion=True, **overrides.pop("config", {}))
+    with pytest.raises(ValueError, match=message) as error:
+        PagedGroupedMLP(4, config, recompute_fc1=True, **overrides)
+    assert "\n" not in str(error.value)
+
+
+def test_fusion_flag_picks_the_activation(installed, model_parallel):  # noqa: F811
+    from megatron_paging.mcore.expert_activation import FusedSwiglu, TorchActivation
+
+    assert isinstance(PagedGroupedMLP(4, moe_config()).activation, TorchActivation)
+    fused = PagedGroupedMLP(4, moe_config(bias_activation_fusion=True)).activation
+    assert isinstance(fused, FusedSwiglu)
 
 
 def test_moe_layer_paged_with_recompute_pages_only_x_and_matches_unpaged(
@@ -197,25 +224,26 @@ def test_piece_rows_flag_reaches_the_experts_through_the_spec(installed, model_p
 
 def test_one_piece_hands_back_the_activation_itself_and_pieces_cover_every_row():
     """Whole (piece_rows 0, or a piece as large as the buffer): no buffer, no copy."""
-    from megatron_paging.mcore import experts
+    from megatron_paging.mcore import expert_activation
 
     fc1, probs = torch.randn(10, 6), torch.rand(10)
     made, returned = [], []
 
-    def act(f, p):
-        made.append(f.shape[0])
-        returned.append(f[:, :3] * p.unsqueeze(-1))
-        return returned[-1]
+    class Counting(expert_activation.TorchActivation):
+        def expression(self, f, p):
+            made.append(f.shape[0])
+            returned.append(f[:, :3] * p.unsqueeze(-1))
+            return returned[-1]
 
-    whole = experts._weighted_act(act, fc1, probs, 0)
+    whole = Counting(None, 0).forward(fc1, probs)
     assert made == [10] and whole is returned[0]  # the activation's own tensor, not a copy
     made.clear()
-    pieces = experts._weighted_act(act, fc1, probs, 4)
+    pieces = Counting(None, 4).forward(fc1, probs)
     assert made == [4, 4, 2] and torch.equal(pieces, whole)
-    assert experts._pieces(10, 0) == [(0, 10)] and experts._pieces(10, 16) == [(0, 10)]
-    assert experts._pieces(0, 4) == []
-    empty = experts._weighted_act(act, fc1[:0], probs[:0], 4)
+    pieces_of = expert_activation._pieces
+    assert pieces_of(10, 0) == [(0, 10)] and pieces_of(10, 16) == [(0, 10)]
+    assert pieces_of(0, 4) == []
+    empty = Counting(None, 4).forward(fc1[:0], probs[:0])
     assert empty.shape == (0, 3)
-    inter, dfc1, dprobs = experts._weighted_act_backward(
-        act, fc1[:0], probs[:0], torch.zeros(0, 3), 4)
+    inter, dfc1, dprobs = Counting(None, 4).backward(fc1[:0], probs[:0], torch.zeros(0, 3))
     assert inter.shape == (0, 3) and dfc1.shape == (0, 6) and dprobs.shape == (0,)

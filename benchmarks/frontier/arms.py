@@ -17,6 +17,7 @@ SCRIPT = ROOT / "examples" / "run_pretrain_1gpu.sh"
 FLAGS_SOURCE = ROOT / "megatron_paging" / "mcore" / "flags.py"
 OFFLOAD_FLAG = "--paging-offload-backend"
 RECOMPUTE_FC1 = "--paging-recompute-expert-fc1"
+UNFUSED = "--no-bias-swiglu-fusion"  # the example fuses the experts' weighted SwiGLU
 MIB = 2**20
 WARMUP_ITERS = 3  # dropped: 1 calibrates, 2 sizes the pools and Adam's state, 3 settles
 FRONTIER_ITERS = 12  # -> 9 timed iterations per arm
@@ -38,6 +39,9 @@ ARMS: dict[str, Arm] = {
     a.name: a
     for a in (
         Arm("unpaged", False, (), False, "control: no paging, same static capacity"),
+        Arm("unpaged_unfused", False, (UNFUSED,), False,
+            "the control with Megatron-Core's unfused activation expression (every arm before "
+            "the fused weighted SwiGLU, --bias-swiglu-fusion)"),
         Arm("paged", True, (), True, "--moe-paged-stash through megatron-paging"),
         Arm("paged_hold", True, ("--paging-hold-last-slot",), True,
             "paged; a layer is stashed when the next commits, so the last layer before each "
@@ -87,9 +91,10 @@ ARMS: dict[str, Arm] = {
         Arm("paged_recompute_fc1", True, (RECOMPUTE_FC1,), True,
             "paged; the experts save x only (one pool) and recompute fc1 in backward"),
         Arm("paged_recompute_fc1_pieces", True,
-            (RECOMPUTE_FC1, RECOMPUTE_FC1 + "-piece-rows", "49152"), True,
-            "paged_recompute_fc1 with the activation in pieces of 49152 rows (moe_compute: two "
-            "pieces; a smaller backward transient, more launches; 16384 rows ran at a4348fe)"),
+            (RECOMPUTE_FC1, RECOMPUTE_FC1 + "-piece-rows", "49152", UNFUSED), False,
+            "paged_recompute_fc1 with Megatron's unfused activation in pieces of 49152 rows "
+            "(moe_compute: two pieces; pieces shrink the unfused expression's fp32 "
+            "temporaries, which the fused SwiGLU does not make; 16384 rows ran at a4348fe)"),
         Arm("paged_offload_dma_recompute_fc1", False,
             ("--fine-grained-activation-offloading", "--offload-modules", "expert_fc1",
              OFFLOAD_FLAG, "paged", "--paging-offload-dma-prefix", "1", RECOMPUTE_FC1), True,

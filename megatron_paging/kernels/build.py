@@ -26,8 +26,10 @@ from megatron_paging.env import extension_cache_dir
 
 EXTENSION_NAME = "megatron_paging_kernels"
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (CSRC / "paging_tile.cu", CSRC / "paging_bulk.cu", CSRC / "paging_ops.cpp")
-HEADERS = (CSRC / "paging.h", CSRC / "paging_device.cuh", CSRC / "paging_bulk_pipe.cuh")
+SOURCES = (CSRC / "paging_tile.cu", CSRC / "paging_bulk.cu", CSRC / "paging_ops.cpp",
+           CSRC / "weighted_swiglu.cu", CSRC / "weighted_swiglu_ops.cpp")
+HEADERS = (CSRC / "paging.h", CSRC / "paging_device.cuh", CSRC / "paging_bulk_pipe.cuh",
+           CSRC / "weighted_swiglu.h")
 _DEFAULT_CUDA_HOME = "/usr/local/cuda"
 
 

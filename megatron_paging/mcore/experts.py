@@ -44,6 +44,7 @@ from megatron.core.tensor_parallel.random import (
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe import paged_stash as mcore_paged_stash
 
+from megatron_paging.mcore.expert_activation import expert_activation
 from megatron_paging.mcore.offload import LIVE_ROWS_ATTR
 
 GEMM_BACKENDS = ("auto", "grouped", "loop")
@@ -88,58 +89,6 @@ def _zero_empty_experts(dw, offs):
     return torch.where(sizes > 0, dw, torch.zeros((), dtype=dw.dtype, device=dw.device))
 
 
-def _pieces(rows: int, piece_rows: int):
-    """Row ranges of the weighted activation (``piece_rows`` 0: one range, what the
-    fc1-saving path always uses; the fc1-recompute path may split it). In pieces, its fp32
-    temporaries (the prob-weighted product and its gradient are fp32) and autograd
-    intermediates exist for one piece at a time instead of the whole capacity buffer;
-    elementwise ops and the per-row prob-gradient sum give the same bits on a piece."""
-    step = piece_rows or rows or 1
-    return [(start, min(start + step, rows)) for start in range(0, rows, step)]
-
-
-def _weighted_act(act, fc1, probs, piece_rows):
-    """``act(fc1, probs)`` piece by piece into one buffer (no autograd); one piece: no copy."""
-    pieces = _pieces(fc1.shape[0], piece_rows)
-    out = None
-    with torch.no_grad():
-        if len(pieces) <= 1:  # whole (or an empty buffer)
-            return act(fc1, probs)
-        for start, end in pieces:
-            piece = act(fc1[start:end], probs[start:end])
-            if out is None:
-                out = piece.new_empty((fc1.shape[0], *piece.shape[1:]))
-            out[start:end] = piece
-    return out
-
-
-def _weighted_act_backward(act, fc1, probs, dinter, piece_rows):
-    """``inter = act(fc1, probs)`` and the gradients of fc1 and probs for ``dinter``, piece by
-    piece (each piece's autograd graph is freed before the next one is built). One piece
-    returns autograd's own tensors (no copies: the whole path costs what it did unpieced)."""
-    pieces = _pieces(fc1.shape[0], piece_rows)
-    if len(pieces) <= 1:  # whole (or an empty buffer)
-        with torch.enable_grad():
-            fc1_, probs_ = fc1.detach().requires_grad_(), probs.detach().requires_grad_()
-            inter = act(fc1_, probs_)
-        dfc1, dprobs = torch.autograd.grad(inter, (fc1_, probs_), dinter)
-        return inter.detach(), dfc1.contiguous(), dprobs
-    inter = dfc1 = dprobs = None
-    for start, end in pieces:
-        with torch.enable_grad():
-            fc1_ = fc1[start:end].detach().requires_grad_()
-            probs_ = probs[start:end].detach().requires_grad_()
-            piece = act(fc1_, probs_)
-        dfc1_, dprobs_ = torch.autograd.grad(piece, (fc1_, probs_), dinter[start:end])
-        if inter is None:
-            inter = piece.new_empty((fc1.shape[0], *piece.shape[1:]))
-            dfc1, dprobs = torch.empty_like(fc1), torch.empty_like(probs)
-        inter[start:end] = piece.detach()
-        dfc1[start:end] = dfc1_
-        dprobs[start:end] = dprobs_
-    return inter, dfc1, dprobs
-
-
 def _fc1_grads(dfc1, x, w1, offs, counts):
     """fc1's dgrad and wgrad (``dx``, ``dw1``) for ``dfc1``."""
     dfc1 = dfc1.contiguous()
@@ -175,7 +124,7 @@ class _ActFc2(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, fc1, probs, w2, offs, counts, act):
-        inter = _weighted_act(act, fc1, probs, 0)
+        inter = act.forward(fc1, probs)
         out = _gmm(inter, w2.transpose(1, 2), offs, counts)
         ctx.save_for_backward(fc1, probs)
         # The weight (a parameter: nothing offloads it) and the expert offsets (a few int32s)
@@ -191,7 +140,8 @@ class _ActFc2(torch.autograd.Function):
         dout = dout.contiguous()
         dinter = _gmm(dout, w2, offs, counts)
         fc1, probs = ctx.saved_tensors
-        inter, dfc1, dprobs = _weighted_act_backward(act, fc1, probs, dinter, 0)
+        # fc1 may be a reloaded or offloaded buffer someone else owns: dfc1 gets its own.
+        inter, dfc1, dprobs = act.backward(fc1, probs, dinter)
         return dfc1, dprobs, _fc2_wgrad(dout, inter, offs, counts), None, None, None
 
 
@@ -203,21 +153,21 @@ class _ExpertsRecomputeFc1(torch.autograd.Function):
     at moe-ffn 3072, hidden 1024, gated), so keeping only ``x`` cuts what paging or offloading
     moves per layer by that much for one extra grouped GEMM in backward. Backward runs the same
     GEMMs as :class:`_Fc1` + :class:`_ActFc2` on the same inputs (the recomputed fc1 is the
-    forward's fc1 bit for bit) and the activation whole or in row pieces (``piece_rows``: its
-    temporaries, the backward's peak, shrink with the piece), so gradients are bitwise equal.
+    forward's fc1 bit for bit) and the same activation, so gradients are bitwise equal. The
+    recomputed fc1 is this function's own, so the fused activation writes ``dfc1`` over it:
+    the backward's transient is then fc1, ``dinter`` and ``inter``, nothing fc1-sized more.
     """
 
     @staticmethod
-    def forward(ctx, x, probs, w1, w2, offs, counts, act, piece_rows):
+    def forward(ctx, x, probs, w1, w2, offs, counts, act):
         fc1 = _gmm(x, w1.transpose(1, 2), offs, counts)
-        inter = _weighted_act(act, fc1, probs, piece_rows)
+        inter = act.forward(fc1, probs)
         del fc1
         out = _gmm(inter, w2.transpose(1, 2), offs, counts)
         ctx.save_for_backward(x, probs)
         # Weights and offsets stay off the saved tensors (see _ActFc2): the fc2 dgrad runs
         # before x is unpacked, beside its reload.
         ctx.w1, ctx.w2, ctx.offs, ctx.counts, ctx.act = w1, w2, offs, counts, act
-        ctx.piece_rows = piece_rows
         return out
 
     @staticmethod
@@ -227,12 +177,12 @@ class _ExpertsRecomputeFc1(torch.autograd.Function):
         dinter = _gmm(dout, w2, offs, counts)
         x, probs = ctx.saved_tensors
         fc1 = _gmm(x, w1.transpose(1, 2), offs, counts)
-        inter, dfc1, dprobs = _weighted_act_backward(act, fc1, probs, dinter, ctx.piece_rows)
+        inter, dfc1, dprobs = act.backward(fc1, probs, dinter, in_place=True)
         del fc1, dinter
         dw2 = _fc2_wgrad(dout, inter, offs, counts)
         del inter
         dx, dw1 = _fc1_grads(dfc1, x, w1, offs, counts)
-        return dx, dprobs, dw1, dw2, None, None, None, None
+        return dx, dprobs, dw1, dw2, None, None, None
 
 
 def _mark_capacity_buffer(tensor: torch.Tensor, live_rows: torch.Tensor | None) -> None:
@@ -302,6 +252,7 @@ class PagedGroupedMLP(MegatronModule):
             raise ValueError("recompute_piece_rows applies only with recompute_fc1=True")
         self.recompute_fc1 = bool(recompute_fc1)
         self.recompute_piece_rows = recompute_piece_rows
+        self.activation = expert_activation(config, recompute_piece_rows)
         ffn = config.moe_ffn_hidden_size
         fc1_out = 2 * ffn if config.gated_linear_unit else ffn
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
@@ -334,18 +285,6 @@ class PagedGroupedMLP(MegatronModule):
         else:
             for e in range(weight.shape[0]):
                 init_method(weight.data[e])
-
-    def _activation(self, fc1, probs):
-        config = self.config
-        if config.gated_linear_unit:
-            x_glu, x_linear = torch.chunk(fc1, 2, dim=-1)
-            if (clamp := config.activation_func_clamp_value) is not None:
-                x_glu = x_glu.clamp(min=None, max=clamp)
-                x_linear = x_linear.clamp(min=-clamp, max=clamp)
-            act = config.activation_func(x_glu) * (x_linear + config.glu_linear_offset)
-        else:
-            act = config.activation_func(fc1)
-        return (act * probs.unsqueeze(-1)).to(act.dtype)
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs, **_):
         x = permuted_local_hidden_states
@@ -388,8 +327,7 @@ class PagedGroupedMLP(MegatronModule):
         with manager as x:
             _mark_capacity_buffer(x, live)
             output = _ExpertsRecomputeFc1.apply(
-                x, probs, self.weight1, self.weight2, offs, counts, self._activation,
-                self.recompute_piece_rows,
+                x, probs, self.weight1, self.weight2, offs, counts, self.activation
             )
         return manager.group_offload(output, forced_released_tensors=[x])
 
@@ -404,7 +342,7 @@ class PagedGroupedMLP(MegatronModule):
         act_manager = off_interface(self.offload_moe_act, fc1, "moe_act")
         with act_manager as fc1:
             _mark_capacity_buffer(fc1, live)
-            output = _ActFc2.apply(fc1, probs, self.weight2, offs, counts, self._activation)
+            output = _ActFc2.apply(fc1, probs, self.weight2, offs, counts, self.activation)
         output = act_manager.group_offload(output, forced_released_tensors=[fc1])
         return output
 

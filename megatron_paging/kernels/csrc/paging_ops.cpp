@@ -31,6 +31,10 @@
 #include "paging.h"
 
 namespace megatron_paging {
+void register_weighted_swiglu(pybind11::module& m);  // weighted_swiglu_ops.cpp
+}  // namespace megatron_paging
+
+namespace megatron_paging {
 namespace {
 
 // Messages are built by plain std::string appends, not std::ostringstream (c10::str): on the
@@ -274,7 +278,9 @@ pybind11::tuple make_handle(Args&&... args) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using megatron_paging::Layout;
   using megatron_paging::Pool;
-  m.doc() = "megatron-paging stash/reload kernels (see megatron_paging/kernels/cuda_ops.py)";
+  m.doc() =
+      "megatron-paging stash/reload kernels (megatron_paging/kernels/cuda_ops.py) and the "
+      "experts' fused weighted SwiGLU (megatron_paging/kernels/weighted_swiglu.py)";
   pybind11::class_<Pool>(m, "Pool");
   pybind11::class_<Layout>(m, "Layout");
   m.def("make_pool",
@@ -303,4 +309,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bulk_supported", [](int device) { return megatron_paging::bulk_supported(device); },
         "Whether the bulk path runs on CUDA device `device` (sm90+, enough shared memory).");
   m.def("max_segments", []() { return megatron_paging::kMaxSegments; });
+  megatron_paging::register_weighted_swiglu(m);
 }

@@ -1,0 +1,139 @@
+"""The experts' prob-weighted SwiGLU: fused kernel vs Megatron-Core's unfused torch expression.
+
+Per shape (rows = capacity rows of one layer and microbatch, cols = moe-ffn), bf16 ``fc1`` and
+fp32 probs, forward and backward (backward = what the experts run: the activation recomputed
+from ``fc1``, its gradients, and ``inter`` for fc2's weight gradient):
+
+* milliseconds (CUDA events, median over ``--reps``, L2 flushed), the bytes the fused kernel
+  must move at least (inputs read once, outputs written once) and the GB/s that gives;
+* the peak memory each allocates beyond its inputs and outputs (the unfused expression's fp32
+  temporaries; the fused kernel's is zero by construction, measured all the same).
+
+Both arms are checked against each other (within the roundings of the unfused expression)
+before they are timed. Run: ``python benchmarks/bench_weighted_swiglu.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from common import CudaTimer, default_out, figure, gbps, header, write
+
+from megatron_paging.kernels import weighted_swiglu
+
+MIB = 2**20
+# moe_compute (benchmarks/frontier/arms.py): 98304 capacity rows, moe-ffn 3072; expert_heavy:
+# 24576 x 2048; the example: 6144 x 1024.
+SHAPES = ((98304, 3072), (24576, 2048), (6144, 1024))
+
+
+def unfused_forward(fc1, probs):
+    gate, linear = torch.chunk(fc1, 2, dim=-1)
+    act = F.silu(gate) * linear
+    return (act * probs.unsqueeze(-1)).to(act.dtype)
+
+
+def unfused_backward(fc1, probs, dinter):
+    with torch.enable_grad():
+        fc1_, probs_ = fc1.detach().requires_grad_(), probs.detach().requires_grad_()
+        inter = unfused_forward(fc1_, probs_)
+    dfc1, dprobs = torch.autograd.grad(inter, (fc1_, probs_), dinter)
+    return inter.detach(), dfc1, dprobs
+
+
+ARMS = {
+    "unfused": (unfused_forward, unfused_backward),
+    "fused": (weighted_swiglu.forward, weighted_swiglu.backward),
+}
+
+
+def transient_mib(fn, keep_bytes: int) -> float:
+    """Peak bytes ``fn`` allocates beyond what it returns (``keep_bytes``), in MiB."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    return (peak - keep_bytes) / MIB
+
+
+def measure(rows: int, cols: int, timer: CudaTimer) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    fc1 = torch.randn(rows, 2 * cols, device="cuda", generator=gen).mul_(3).bfloat16()
+    probs = torch.rand(rows, device="cuda", generator=gen)
+    dinter = torch.randn(rows, cols, device="cuda", generator=gen).bfloat16()
+    half, row_f32 = rows * cols * 2, rows * 4
+    bytes_fwd = 2 * half + row_f32 + half  # fc1 + probs in, inter out
+    # fc1 + dinter + probs in; dfc1 + inter + dprobs out
+    bytes_bwd = 3 * half + row_f32 + 3 * half + row_f32
+    checked = [ARMS[a][1](fc1, probs, dinter) for a in ARMS]
+    for name, u, f in zip(("inter", "dfc1", "dprobs"), *checked, strict=True):
+        if not torch.allclose(u.float(), f.float(), rtol=2**-5, atol=5e-2 * f.abs().max().item()):
+            raise SystemExit(f"{rows}x{cols}: fused {name} disagrees with the unfused expression")
+    del checked
+    result = {"rows": rows, "cols": cols, "bytes_forward": bytes_fwd, "bytes_backward": bytes_bwd}
+    for arm, (fwd, bwd) in ARMS.items():
+        fwd_ms = timer(lambda fwd=fwd: fwd(fc1, probs))
+        bwd_ms = timer(lambda bwd=bwd: bwd(fc1, probs, dinter))
+        result[arm] = {
+            "forward_ms": fwd_ms, "backward_ms": bwd_ms,
+            "forward_gbps": gbps(bytes_fwd, fwd_ms), "backward_gbps": gbps(bytes_bwd, bwd_ms),
+            "forward_transient_mib": transient_mib(lambda fwd=fwd: fwd(fc1, probs), half),
+            "backward_transient_mib": transient_mib(
+                lambda bwd=bwd: bwd(fc1, probs, dinter), 3 * half + row_f32),
+        }
+    return result
+
+
+def plot(results):
+    def draw(png):
+        fig = figure(9, 4)
+        ax = fig.add_subplot(1, 1, 1)
+        labels = [f"{r['rows']}x{r['cols']}" for r in results]
+        width = 0.2
+        for i, (arm, key) in enumerate((("unfused", "forward_ms"), ("fused", "forward_ms"),
+                                        ("unfused", "backward_ms"), ("fused", "backward_ms"))):
+            ax.bar([x + (i - 1.5) * width for x in range(len(results))],
+                   [r[arm][key] for r in results], width, label=f"{arm} {key[:-3]}")
+        ax.set_xticks(range(len(results)), labels)
+        ax.set_ylabel("ms (median)")
+        ax.set_title("prob-weighted SwiGLU, bf16: fused kernel vs unfused torch")
+        ax.legend()
+        fig.savefig(png)
+
+    return draw
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=str, default=None)
+    parser.add_argument("--reps", type=int, default=20)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_weighted_swiglu needs a CUDA GPU")
+    timer = CudaTimer(reps=args.reps)
+    results = []
+    print(f"{'shape':>14} {'arm':>8} {'fwd ms':>8} {'GB/s':>6} {'bwd ms':>8} {'GB/s':>6} "
+          f"{'fwd tmp MiB':>11} {'bwd tmp MiB':>11}")
+    for rows, cols in SHAPES:
+        r = measure(rows, cols, timer)
+        results.append(r)
+        for arm in ARMS:
+            a = r[arm]
+            print(f"{rows:>8}x{cols:<5} {arm:>8} {a['forward_ms']:8.3f} {a['forward_gbps']:6.0f} "
+                  f"{a['backward_ms']:8.3f} {a['backward_gbps']:6.0f} "
+                  f"{a['forward_transient_mib']:11.1f} {a['backward_transient_mib']:11.1f}",
+                  flush=True)
+    result = header("weighted_swiglu", reps=args.reps, results=results)
+    out = args.out or default_out("weighted_swiglu")
+    write(result, Path(out), plot(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,122 @@
+"""The experts' prob-weighted SwiGLU as one kernel per direction (``csrc/weighted_swiglu.cu``).
+
+``fc1`` is ``[rows, 2 * cols]`` (gate half, then linear half), ``probs`` ``[rows]``:
+
+    inter  = silu(gate) * linear * probs
+    dfc1   = [dinter * probs * linear * silu'(gate), dinter * probs * silu(gate)]
+    dprobs = sum over columns of dinter * silu(gate) * linear
+
+computed in fp32 from the stored inputs with one rounding per output — the semantics of
+Megatron-Core's fused ``weighted_bias_swiglu`` (``--bias-swiglu-fusion``), without its bias.
+Unfused, torch runs this as about a dozen elementwise kernels whose fp32 temporaries (the
+prob-weighted product is fp32) are each the size of the capacity buffer; they set the peak of
+an expert backward. The kernels keep nothing but their inputs and outputs, and the backward can
+write ``dfc1`` over ``fc1`` (``in_place``) when the caller owns ``fc1`` (the fc1 recompute).
+
+On CPU tensors :func:`forward` / :func:`backward` run :func:`reference_forward` /
+:func:`reference_backward`, the same formulas in torch (fp32 math, one rounding); on CUDA the
+kernel, which matches them to the last bit except where the compiler fuses a multiply-add
+differently or (``dprobs``) sums in another order (tests/test_weighted_swiglu.py measures it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_inputs(fc1: torch.Tensor, probs: torch.Tensor, dinter: torch.Tensor | None = None):
+    """Raise a one-line error unless the arguments fit; returns ``(rows, cols)``."""
+    if not isinstance(fc1, torch.Tensor) or fc1.dim() != 2 or fc1.shape[1] % 2:
+        shape = tuple(fc1.shape) if isinstance(fc1, torch.Tensor) else type(fc1).__name__
+        raise ValueError(f"fc1 must be a 2-D tensor [rows, 2 * cols], got {shape}")
+    if fc1.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"fc1 must be float32, bfloat16 or float16, got {fc1.dtype}")
+    rows, cols = fc1.shape[0], fc1.shape[1] // 2
+    if not isinstance(probs, torch.Tensor) or probs.numel() != rows or probs.dim() > 2:
+        shape = tuple(probs.shape) if isinstance(probs, torch.Tensor) else type(probs).__name__
+        raise ValueError(f"probs must hold one value per fc1 row ({rows}), got {shape}")
+    if probs.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"probs must be float32, bfloat16 or float16, got {probs.dtype}")
+    for name, t in (("probs", probs), ("dinter", dinter)):
+        if t is not None and t.device != fc1.device:
+            raise ValueError(f"{name} is on {t.device} but fc1 is on {fc1.device}")
+    if dinter is not None:
+        if tuple(dinter.shape) != (rows, cols):
+            raise ValueError(f"dinter must be [{rows}, {cols}], got {tuple(dinter.shape)}")
+        if dinter.dtype != fc1.dtype:
+            raise TypeError(f"dinter must be {fc1.dtype} like fc1, got {dinter.dtype}")
+    return rows, cols
+
+
+def reference_forward(fc1: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    check_inputs(fc1, probs)
+    gate, linear = fc1.float().chunk(2, dim=-1)
+    silu = gate / (1.0 + torch.exp(-gate))
+    return (silu * linear * probs.reshape(-1, 1).float()).to(fc1.dtype)
+
+
+def reference_backward(fc1, probs, dinter):
+    """``(inter, dfc1, dprobs)`` by the kernel's formulas in torch (any device)."""
+    check_inputs(fc1, probs, dinter)
+    gate, linear = fc1.float().chunk(2, dim=-1)
+    p, d = probs.reshape(-1, 1).float(), dinter.float()
+    e = torch.exp(-gate)
+    sig, silu = 1.0 / (1.0 + e), gate / (1.0 + e)
+    act = silu * linear
+    dpa = d * p
+    dgate = dpa * linear * (sig * (1.0 + gate * (1.0 - sig)))
+    dfc1 = torch.cat((dgate, dpa * silu), dim=-1).to(fc1.dtype)
+    dprobs = (d * act).sum(dim=-1).to(probs.dtype).reshape(probs.shape)
+    return (act * p).to(fc1.dtype), dfc1, dprobs
+
+
+def _library():
+    from megatron_paging.kernels import build, cuda_ops
+
+    try:
+        return cuda_ops.library()
+    except build.BuildError as exc:
+        raise build.BuildError(
+            f"the fused weighted SwiGLU (--bias-swiglu-fusion, Megatron's default) needs the "
+            f"CUDA extension: {exc}; or pass --no-bias-swiglu-fusion for the unfused torch ops"
+        ) from exc
+
+
+def forward(fc1: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """``inter`` ([rows, cols], fc1's dtype): the kernel on CUDA, the reference elsewhere."""
+    if not fc1.is_cuda:
+        return reference_forward(fc1, probs)
+    rows, cols = check_inputs(fc1, probs)
+    fc1, probs = fc1.contiguous(), probs.contiguous()
+    inter = fc1.new_empty((rows, cols))
+    problem = _library().weighted_swiglu_forward(fc1, probs.reshape(-1), inter)
+    if problem:
+        raise RuntimeError(problem)
+    return inter
+
+
+def backward(fc1, probs, dinter, *, in_place: bool = False):
+    """``(inter, dfc1, dprobs)`` for ``dinter``. ``in_place``: ``dfc1`` is written over
+    ``fc1`` (CUDA only; the caller must own ``fc1`` and not read it afterwards); ``inter`` is
+    what the forward returned, for fc2's weight gradient."""
+    if not fc1.is_cuda:
+        return reference_backward(fc1, probs, dinter)
+    rows, cols = check_inputs(fc1, probs, dinter)
+    if in_place and not fc1.is_contiguous():
+        raise ValueError("in_place needs a contiguous fc1 (dfc1 is written over it)")
+    fc1, probs, dinter = fc1.contiguous(), probs.contiguous(), dinter.contiguous()
+    dfc1 = fc1 if in_place else torch.empty_like(fc1)
+    inter = fc1.new_empty((rows, cols))
+    # A row without columns has a zero sum; the kernel does not visit it.
+    dprobs = probs.new_zeros(probs.shape) if cols == 0 else torch.empty_like(probs)
+    problem = _library().weighted_swiglu_backward(
+        fc1, probs.reshape(-1), dinter, dfc1, inter, dprobs.reshape(-1)
+    )
+    if problem:
+        raise RuntimeError(problem)
+    return inter, dfc1, dprobs
+
+
+__all__ = ["check_inputs", "backward", "forward", "reference_backward", "reference_forward"]
