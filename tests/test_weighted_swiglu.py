@@ -3,7 +3,7 @@
 CPU: the reference formulas against float64 autograd of ``silu(gate) * linear * probs`` and
 against Megatron-Core's unfused expression, one-line argument errors. GPU (marker ``gpu``): the
 kernel against the reference on the same device — vectorized and scalar paths, three dtypes,
-bf16 probs, in place, empty buffers, CUDA-graph replay — with the differences it has printed.
+bf16 probs, outputs over inputs, empty buffers, CUDA-graph replay — printing the differences.
 """
 
 from __future__ import annotations
@@ -103,8 +103,9 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def _compare(fc1, probs, dinter, label):
-    """Kernel vs the reference on the same device: inter and dfc1 within one ulp (the only
-    freedom is where the compiler fuses a multiply-add), dprobs to fp32 summation order."""
+    """Kernel vs the reference on the same device: bf16/fp16 inter and dfc1 within one ulp
+    (the only freedom is where the compiler fuses a multiply-add), dprobs to fp32 summation
+    order. Measured on the H200 (cd69a79): inter 100% bitwise, dfc1 >= 99.99% bitwise."""
     inter_k, dfc1_k, dprobs_k = ws.backward(fc1, probs, dinter)
     inter_r, dfc1_r, dprobs_r = ws.reference_backward(fc1, probs, dinter)
     forward_k = ws.forward(fc1, probs)
@@ -112,6 +113,13 @@ def _compare(fc1, probs, dinter, label):
     report = []
     for name, k, r in (("inter", inter_k, inter_r), ("dfc1", dfc1_k, dfc1_r)):
         equal = (k == r).float().mean().item()
+        if fc1.dtype == torch.float32:
+            # fp32 outputs: the rounding of an intermediate is as large as the output's, and
+            # silu'(g) cancels near g = -1.28, so compare at the tensor's scale instead.
+            error = ((k - r).abs().max() / r.abs().max()).item()
+            report.append(f"{name} {equal:.4%} bitwise, max {error:.2e} of its max")
+            assert error < 1e-6, f"{label}: {name} differs by {error:.2e} of its max"
+            continue
         ulps = _ulps(k, r) if not torch.equal(k, r) else 0.0
         report.append(f"{name} {equal:.4%} bitwise, max {ulps:.2f} ulp")
         assert ulps <= 1.0, f"{label}: {name} differs by {ulps} ulp"
@@ -150,16 +158,19 @@ def test_kernel_with_bf16_probs_and_an_unaligned_fc1():
 
 @gpu
 @needs_cuda
-def test_in_place_backward_writes_dfc1_over_fc1_with_the_same_bits():
+def test_backward_over_its_inputs_gives_the_same_bits():
     fc1, probs, dinter = _inputs(300, 3072, device="cuda")
     expected = ws.backward(fc1, probs, dinter)
-    own = fc1.clone()
-    inter, dfc1, dprobs = ws.backward(own, probs, dinter, in_place=True)
-    assert dfc1.data_ptr() == own.data_ptr()
-    for a, b in zip((inter, dfc1, dprobs), expected, strict=True):
-        assert torch.equal(a, b)
-    with pytest.raises(ValueError, match="in_place needs a contiguous fc1"):
-        ws.backward(fc1.t().contiguous().t(), probs, dinter, in_place=True)
+    for over_fc1, over_dinter in ((True, False), (False, True), (True, True)):
+        own_fc1, own_dinter = fc1.clone(), dinter.clone()
+        inter, dfc1, dprobs = ws.backward(own_fc1, probs, own_dinter, dfc1_over_fc1=over_fc1,
+                                          inter_over_dinter=over_dinter)
+        assert (dfc1.data_ptr() == own_fc1.data_ptr()) == over_fc1
+        assert (inter.data_ptr() == own_dinter.data_ptr()) == over_dinter
+        for a, b in zip((inter, dfc1, dprobs), expected, strict=True):
+            assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="dfc1_over_fc1 needs a contiguous tensor"):
+        ws.backward(fc1.t().contiguous().t(), probs, dinter, dfc1_over_fc1=True)
 
 
 @gpu

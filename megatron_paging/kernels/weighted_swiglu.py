@@ -11,7 +11,8 @@ Megatron-Core's fused ``weighted_bias_swiglu`` (``--bias-swiglu-fusion``), witho
 Unfused, torch runs this as about a dozen elementwise kernels whose fp32 temporaries (the
 prob-weighted product is fp32) are each the size of the capacity buffer; they set the peak of
 an expert backward. The kernels keep nothing but their inputs and outputs, and the backward can
-write ``dfc1`` over ``fc1`` (``in_place``) when the caller owns ``fc1`` (the fc1 recompute).
+write ``dfc1`` over ``fc1`` when the caller owns ``fc1`` (the fc1 recompute) and ``inter`` over
+``dinter`` (both expert paths: ``dinter`` is made in their backward and dead after it).
 
 On CPU tensors :func:`forward` / :func:`backward` run :func:`reference_forward` /
 :func:`reference_backward`, the same formulas in torch (fp32 math, one rounding); on CUDA the
@@ -97,18 +98,22 @@ def forward(fc1: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
     return inter
 
 
-def backward(fc1, probs, dinter, *, in_place: bool = False):
-    """``(inter, dfc1, dprobs)`` for ``dinter``. ``in_place``: ``dfc1`` is written over
-    ``fc1`` (CUDA only; the caller must own ``fc1`` and not read it afterwards); ``inter`` is
-    what the forward returned, for fc2's weight gradient."""
+def backward(fc1, probs, dinter, *, dfc1_over_fc1: bool = False,
+             inter_over_dinter: bool = False):
+    """``(inter, dfc1, dprobs)`` for ``dinter``; ``inter`` is what the forward returned, for
+    fc2's weight gradient. On CUDA the kernel can write ``dfc1`` over ``fc1`` and ``inter``
+    over ``dinter`` (the caller must own them and not read them afterwards): then the backward
+    allocates nothing fc1- or inter-sized. Elsewhere both are ignored."""
     if not fc1.is_cuda:
         return reference_backward(fc1, probs, dinter)
     rows, cols = check_inputs(fc1, probs, dinter)
-    if in_place and not fc1.is_contiguous():
-        raise ValueError("in_place needs a contiguous fc1 (dfc1 is written over it)")
+    for name, t, over in (("dfc1_over_fc1", fc1, dfc1_over_fc1),
+                          ("inter_over_dinter", dinter, inter_over_dinter)):
+        if over and not t.is_contiguous():
+            raise ValueError(f"{name} needs a contiguous tensor to write over")
     fc1, probs, dinter = fc1.contiguous(), probs.contiguous(), dinter.contiguous()
-    dfc1 = fc1 if in_place else torch.empty_like(fc1)
-    inter = fc1.new_empty((rows, cols))
+    dfc1 = fc1 if dfc1_over_fc1 else torch.empty_like(fc1)
+    inter = dinter if inter_over_dinter else fc1.new_empty((rows, cols))
     # A row without columns has a zero sum; the kernel does not visit it.
     dprobs = probs.new_zeros(probs.shape) if cols == 0 else torch.empty_like(probs)
     problem = _library().weighted_swiglu_backward(

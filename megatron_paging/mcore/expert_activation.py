@@ -7,10 +7,11 @@ in fp32 math with nothing kept but inputs and outputs. :class:`TorchActivation`
 ``activation_func``, gated or not, with its clamp and linear offset — whose fp32 temporaries
 can be made one row piece at a time (``piece_rows``, the fc1 recompute only).
 
-Both give ``forward(fc1, probs) -> inter`` and ``backward(fc1, probs, dinter, in_place) ->
+Both give ``forward(fc1, probs) -> inter`` and ``backward(fc1, probs, dinter, own_fc1) ->
 (inter, dfc1, dprobs)``: backward recomputes the activation from ``fc1`` and hands back
-``inter`` too, for fc2's weight gradient. ``in_place`` lets the fused backward write ``dfc1``
-over ``fc1`` (the fc1 recompute owns its fc1); the torch expression ignores it.
+``inter`` too, for fc2's weight gradient. It consumes ``dinter`` (the fused kernel writes
+``inter`` over it) and, with ``own_fc1`` (the fc1 recompute owns its fc1), ``fc1`` (``dfc1``
+over it); the torch expression allocates new tensors instead.
 """
 
 from __future__ import annotations
@@ -63,10 +64,10 @@ class TorchActivation:
                 out[start:end] = piece
         return out
 
-    def backward(self, fc1, probs, dinter, in_place: bool = False):
+    def backward(self, fc1, probs, dinter, own_fc1: bool = False):
         """Piece by piece, each piece's autograd graph freed before the next one is built. One
         piece returns autograd's own tensors (no copies)."""
-        del in_place  # autograd makes new tensors anyway
+        del own_fc1  # autograd makes new tensors anyway
         pieces = _pieces(fc1.shape[0], self.piece_rows)
         if len(pieces) <= 1:
             with torch.enable_grad():
@@ -98,8 +99,11 @@ class FusedSwiglu:
         return weighted_swiglu.forward(fc1, probs)
 
     @staticmethod
-    def backward(fc1, probs, dinter, in_place: bool = False):
-        return weighted_swiglu.backward(fc1, probs, dinter, in_place=in_place and fc1.is_cuda)
+    def backward(fc1, probs, dinter, own_fc1: bool = False):
+        # over only what is contiguous (the loop GEMM backend's outputs may not be)
+        return weighted_swiglu.backward(
+            fc1, probs, dinter, dfc1_over_fc1=own_fc1 and fc1.is_contiguous(),
+            inter_over_dinter=dinter.is_contiguous())
 
 
 def expert_activation(config, piece_rows: int = 0):

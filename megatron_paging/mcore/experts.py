@@ -140,7 +140,8 @@ class _ActFc2(torch.autograd.Function):
         dout = dout.contiguous()
         dinter = _gmm(dout, w2, offs, counts)
         fc1, probs = ctx.saved_tensors
-        # fc1 may be a reloaded or offloaded buffer someone else owns: dfc1 gets its own.
+        # fc1 may be a reloaded or offloaded buffer someone else owns: dfc1 gets its own
+        # (dinter is this backward's: the fused activation writes inter over it).
         inter, dfc1, dprobs = act.backward(fc1, probs, dinter)
         return dfc1, dprobs, _fc2_wgrad(dout, inter, offs, counts), None, None, None
 
@@ -154,8 +155,9 @@ class _ExpertsRecomputeFc1(torch.autograd.Function):
     moves per layer by that much for one extra grouped GEMM in backward. Backward runs the same
     GEMMs as :class:`_Fc1` + :class:`_ActFc2` on the same inputs (the recomputed fc1 is the
     forward's fc1 bit for bit) and the same activation, so gradients are bitwise equal. The
-    recomputed fc1 is this function's own, so the fused activation writes ``dfc1`` over it:
-    the backward's transient is then fc1, ``dinter`` and ``inter``, nothing fc1-sized more.
+    recomputed fc1 is this function's own, so the fused activation writes ``dfc1`` over it
+    (and ``inter`` over ``dinter``): the backward's transient is then ``dout``, fc1 and
+    ``dinter``, nothing more of their size.
     """
 
     @staticmethod
@@ -177,7 +179,7 @@ class _ExpertsRecomputeFc1(torch.autograd.Function):
         dinter = _gmm(dout, w2, offs, counts)
         x, probs = ctx.saved_tensors
         fc1 = _gmm(x, w1.transpose(1, 2), offs, counts)
-        inter, dfc1, dprobs = act.backward(fc1, probs, dinter, in_place=True)
+        inter, dfc1, dprobs = act.backward(fc1, probs, dinter, own_fc1=True)
         del fc1, dinter
         dw2 = _fc2_wgrad(dout, inter, offs, counts)
         del inter

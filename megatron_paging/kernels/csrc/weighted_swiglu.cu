@@ -77,12 +77,12 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
 }
 
-// One CTA per row at a time: the row's dprobs is a CTA reduction in a fixed order.
+// One CTA per row at a time: the row's dprobs is a CTA reduction in a fixed order. dfc1 may
+// be fc1 and inter may be dinter (no __restrict__ on those four).
 template <typename T, typename P, int kElems>
 __global__ void __launch_bounds__(kMaxThreads)
-    swiglu_backward_kernel(const T* fc1, const P* __restrict__ probs,
-                           const T* __restrict__ dinter, T* dfc1, T* __restrict__ inter,
-                           P* __restrict__ dprobs, int64_t rows, int64_t cols) {
+    swiglu_backward_kernel(const T* fc1, const P* __restrict__ probs, const T* dinter, T* dfc1,
+                           T* inter, P* __restrict__ dprobs, int64_t rows, int64_t cols) {
   __shared__ float warp_sums[kMaxThreads / kWarp];
   const int64_t packs = cols / kElems;
   const int lane = threadIdx.x % kWarp;
@@ -96,7 +96,7 @@ __global__ void __launch_bounds__(kMaxThreads)
     T* dlinear = dgate + cols;
     float dp = 0.0f;
     for (int64_t i = threadIdx.x; i < packs; i += blockDim.x) {
-      // All loads before any store: dfc1 may be fc1.
+      // All loads before any store: dfc1 may be fc1, inter may be dinter.
       const Pack<T, kElems> g = load<T, kElems>(gate + i * kElems);
       const Pack<T, kElems> l = load<T, kElems>(linear + i * kElems);
       const Pack<T, kElems> d = load<T, kElems>(d_row + i * kElems);

@@ -33,7 +33,8 @@ struct SwigluLaunch {
   int64_t cols;
 };
 
-// dfc1 may be fc1 itself (each element is read before it is written, by the same thread).
+// dfc1 may be fc1 itself and inter dinter itself (each element is read before it is written,
+// by the same thread).
 cudaError_t launch_weighted_swiglu(const SwigluLaunch& launch, bool backward,
                                    cudaStream_t stream);
 

@@ -97,8 +97,8 @@ void register_weighted_swiglu(pybind11::module& m) {
          const at::Tensor& dfc1, const at::Tensor& inter, const at::Tensor& dprobs) {
         return launch(true, fc1, probs, &dinter, dfc1, &inter, &dprobs);
       },
-      "dfc1 (may be fc1 itself), dprobs and, unless inter is empty, inter (one launch); '' or "
-      "the problem.",
+      "dfc1 (may be fc1 itself), dprobs and, unless inter is empty, inter (may be dinter "
+      "itself) in one launch; '' or the problem.",
       pybind11::arg("fc1"), pybind11::arg("probs"), pybind11::arg("dinter"),
       pybind11::arg("dfc1"), pybind11::arg("inter"), pybind11::arg("dprobs"));
 }
