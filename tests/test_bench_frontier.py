@@ -68,7 +68,7 @@ def test_arm_table_and_flags():
                             "paged_recompute_fc1", "paged_recompute_fc1_pieces")
     pieces = resolve_flags(frontier_extra("moe_compute", "paged_recompute_fc1_pieces"))
     assert pieces["--paging-recompute-expert-fc1-piece-rows"] == ["49152"]
-    # pieces serve the unfused activation only (the example fuses it: --bias-swiglu-fusion)
+    # pieces serve the unfused activation only (the example fuses it, Megatron's default)
     assert "--no-bias-swiglu-fusion" in pieces and not ARMS["paged_recompute_fc1_pieces"].exact
     assert ARMS["unpaged_unfused"].flags == ("--no-bias-swiglu-fusion",)
     assert ARMS["paged_hold"].paged and ARMS["paged_hold"].exact

@@ -182,6 +182,9 @@ def _args(argv):
     parser = flags.add_paging_args(argparse.ArgumentParser())
     parser.add_argument("--fine-grained-activation-offloading", action="store_true")
     parser.add_argument("--offload-modules", nargs="*", default=None)
+    # Megatron's own two (the example passes --swiglu; fusion is on unless turned off)
+    parser.add_argument("--swiglu", action="store_true")
+    parser.add_argument("--no-bias-swiglu-fusion", action="store_false", dest="bias_swiglu_fusion")
     return flags, parser.parse_args(argv)
 
 
@@ -200,6 +203,11 @@ def test_the_flag_builds_the_unpaged_model_too_and_refuses_moe_act_offload():
      "--paging-recompute-expert-fc1-piece-rows only applies with --paging-recompute-expert-fc1"),
     (["--paging-recompute-expert-fc1", "--paging-recompute-expert-fc1-piece-rows", "-1"],
      "--paging-recompute-expert-fc1-piece-rows must be >= 0 (0: whole), got -1"),
+    (["--swiglu", "--paging-recompute-expert-fc1", "--paging-recompute-expert-fc1-piece-rows",
+      "4096"],
+     "--paging-recompute-expert-fc1-piece-rows pieces the unfused activation's fp32 "
+     "temporaries, which the fused SwiGLU (Megatron's default bias_swiglu_fusion) does not "
+     "make: add --no-bias-swiglu-fusion or drop the piece rows"),
 ])
 def test_piece_rows_flag_refusals_are_one_line(argv, message):
     flags, args = _args(argv)
@@ -211,7 +219,7 @@ def test_piece_rows_flag_refusals_are_one_line(argv, message):
 def test_piece_rows_flag_reaches_the_experts_through_the_spec(installed, model_parallel):  # noqa: F811
     from megatron_paging.mcore.specs import get_gpt_moe_paged_layer_spec
 
-    flags, args = _args(["--paging-recompute-expert-fc1",
+    flags, args = _args(["--swiglu", "--no-bias-swiglu-fusion", "--paging-recompute-expert-fc1",
                          "--paging-recompute-expert-fc1-piece-rows", "4096"])
     flags.paging_config(args, environ={}, cuda_available=False, te_available=False)
     spec = get_gpt_moe_paged_layer_spec(

@@ -41,7 +41,7 @@ ARMS: dict[str, Arm] = {
         Arm("unpaged", False, (), False, "control: no paging, same static capacity"),
         Arm("unpaged_unfused", False, (UNFUSED,), False,
             "the control with Megatron-Core's unfused activation expression (every arm before "
-            "the fused weighted SwiGLU, --bias-swiglu-fusion)"),
+            "the fused weighted SwiGLU, Megatron's default bias_swiglu_fusion)"),
         Arm("paged", True, (), True, "--moe-paged-stash through megatron-paging"),
         Arm("paged_hold", True, ("--paging-hold-last-slot",), True,
             "paged; a layer is stashed when the next commits, so the last layer before each "

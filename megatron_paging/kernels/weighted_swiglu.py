@@ -7,7 +7,8 @@
     dprobs = sum over columns of dinter * silu(gate) * linear
 
 computed in fp32 from the stored inputs with one rounding per output — the semantics of
-Megatron-Core's fused ``weighted_bias_swiglu`` (``--bias-swiglu-fusion``), without its bias.
+Megatron-Core's fused ``weighted_bias_swiglu`` (``bias_swiglu_fusion``, on unless
+``--no-bias-swiglu-fusion``), without its bias.
 Unfused, torch runs this as about a dozen elementwise kernels whose fp32 temporaries (the
 prob-weighted product is fp32) are each the size of the capacity buffer; they set the peak of
 an expert backward. The kernels keep nothing but their inputs and outputs, and the backward can
@@ -80,7 +81,7 @@ def _library():
         return cuda_ops.library()
     except build.BuildError as exc:
         raise build.BuildError(
-            f"the fused weighted SwiGLU (--bias-swiglu-fusion, Megatron's default) needs the "
+            f"the fused weighted SwiGLU (Megatron's default bias_swiglu_fusion) needs the "
             f"CUDA extension: {exc}; or pass --no-bias-swiglu-fusion for the unfused torch ops"
         ) from exc
 

@@ -1,11 +1,11 @@
 """The experts' prob-weighted activation, ``act(fc1) * probs``, as two interchangeable objects.
 
-:class:`FusedSwiglu` (``config.bias_activation_fusion``: Megatron's ``--bias-swiglu-fusion``,
-on by default) runs :mod:`megatron_paging.kernels.weighted_swiglu`, one kernel per direction
-in fp32 math with nothing kept but inputs and outputs. :class:`TorchActivation`
-(``--no-bias-swiglu-fusion``) is Megatron-Core's unfused expression — any
-``activation_func``, gated or not, with its clamp and linear offset — whose fp32 temporaries
-can be made one row piece at a time (``piece_rows``, the fc1 recompute only).
+:class:`FusedSwiglu` (``config.bias_activation_fusion``: Megatron's ``bias_swiglu_fusion``,
+on unless ``--no-bias-swiglu-fusion``) runs :mod:`megatron_paging.kernels.weighted_swiglu`,
+one kernel per direction in fp32 math with nothing kept but inputs and outputs.
+:class:`TorchActivation` (``--no-bias-swiglu-fusion``) is Megatron-Core's unfused expression —
+any ``activation_func``, gated or not, with its clamp and linear offset — whose fp32
+temporaries can be made one row piece at a time (``piece_rows``, the fc1 recompute only).
 
 Both give ``forward(fc1, probs) -> inter`` and ``backward(fc1, probs, dinter, own_fc1) ->
 (inter, dfc1, dprobs)``: backward recomputes the activation from ``fc1`` and hands back

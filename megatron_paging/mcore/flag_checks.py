@@ -122,8 +122,8 @@ def check_recompute_expert_fc1(args) -> None:
     if pieces and getattr(args, "swiglu", False) and getattr(args, "bias_swiglu_fusion", False):
         raise ValueError(
             "--paging-recompute-expert-fc1-piece-rows pieces the unfused activation's fp32 "
-            "temporaries, which the fused SwiGLU (--bias-swiglu-fusion, the default) does not "
-            "make: add --no-bias-swiglu-fusion or drop the piece rows"
+            "temporaries, which the fused SwiGLU (Megatron's default bias_swiglu_fusion) "
+            "does not make: add --no-bias-swiglu-fusion or drop the piece rows"
         )
     modules = getattr(args, "offload_modules", None) or []
     if getattr(args, "fine_grained_activation_offloading", False) and "moe_act" in modules:
