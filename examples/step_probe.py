@@ -117,6 +117,8 @@ class StepProbe:
         microbatch loss of the step, exactly (float.hex), to the loss log."""
         self.fb_peaks[self.iteration] = torch.cuda.max_memory_allocated() / 2**20
         self.host_fb_ms[self.iteration] = (time.thread_time() - self.host_t0) * 1e3
+        if self.recording:  # where activations peak; the step's peak may be the optimizer's
+            self._print_memory_peak("memory-fb", stop=False)
         loss_log = os.environ.get(LOSS_LOG_ENV)
         if not loss_log or not losses_reduced:
             return
@@ -139,7 +141,7 @@ class StepProbe:
             flush=True,
         )
         if self.recording:
-            self._print_memory_peak()
+            self._print_memory_peak("memory", stop=True)
         if self.counter is not None:
             torch.cuda.synchronize()
             self.counter.stop()
@@ -157,17 +159,20 @@ class StepProbe:
             self._print_profile(self.profiler, wall_ms)
             self.profiler = None
 
-    def _print_memory_peak(self) -> None:
+    def _print_memory_peak(self, label: str, stop: bool) -> None:
+        """What is alive at the recorded trace's peak so far: ``memory-fb`` at the end of the
+        forward-backward (the activations' peak), ``memory`` for the whole step."""
         torch.cuda.synchronize()
         snapshot = torch.cuda.memory._snapshot()
-        torch.cuda.memory._record_memory_history(enabled=None)
-        self.recording = False
+        if stop:
+            torch.cuda.memory._record_memory_history(enabled=None)
+            self.recording = False
         trace = snapshot["device_traces"][torch.cuda.current_device()]
         breakdown = peak_breakdown(trace)
         print(
-            f"paging-example memory iteration={self.iteration} "
+            f"paging-example {label} iteration={self.iteration} "
             f"allocated_at_start_mib={self.memory_base_mib:.1f} trace_entries={len(trace)}\n"
-            + format_breakdown(breakdown, top=30, prefix="paging-example memory "),
+            + format_breakdown(breakdown, top=30, prefix=f"paging-example {label} "),
             flush=True,
         )
 
