@@ -57,7 +57,8 @@ def test_arm_table_and_flags():
     assert [a for a, arm in ARMS.items() if arm.exact] == [
         "paged", "paged_hold", "paged_persistent", "paged_unbounded_lead", "mcore_manager",
         "mcore_offload", "paged_offload", "paged_offload_dma", "paged_stash_plus_offload",
-        "unpaged_recompute_fc1", "paged_recompute_fc1", "paged_offload_dma_recompute_fc1"]
+        "unpaged_recompute_fc1", "paged_recompute_fc1", "paged_recompute_fc1_hold",
+        "paged_offload_dma_recompute_fc1"]
     assert ARMS["paged_unbounded_lead"].flags == ("--paging-max-inflight-stashes", "0")
     assert {a for a, arm in ARMS.items() if arm.needs_offload} == {
         "mcore_offload", "paged_offload", "paged_offload_dma", "paged_stash_plus_offload",
@@ -65,7 +66,8 @@ def test_arm_table_and_flags():
     assert not ARMS["unpaged"].paged and not ARMS["recompute_moe"].paged
     assert ARMS["paged_recompute_core_attn"].paged
     assert PAGED_FAMILY == ("paged", "paged_hold", "paged_recompute_core_attn",
-                            "paged_recompute_fc1", "paged_recompute_fc1_pieces")
+                            "paged_recompute_fc1", "paged_recompute_fc1_hold",
+                            "paged_recompute_fc1_pieces")
     pieces = resolve_flags(frontier_extra("moe_compute", "paged_recompute_fc1_pieces"))
     assert pieces["--paging-recompute-expert-fc1-piece-rows"] == ["49152"]
     # pieces serve the unfused activation only (the example fuses it, Megatron's default)
@@ -114,9 +116,9 @@ def test_offload_arms_wait_for_the_flag(tmp_path):
     assert set(skipped) == {"small:mcore_offload", "small:paged_offload",
                             "small:paged_offload_dma", "small:paged_stash_plus_offload",
                             "small:paged_offload_dma_recompute_fc1"}
-    assert len(tasks) == 12
+    assert len(tasks) == 13
     tasks, skipped = frontier_tasks(["small"], list(ARMS), None, {}, 12, offload=True)
-    assert not skipped and len(tasks) == 17
+    assert not skipped and len(tasks) == 18
 
 
 # ----------------------------------------------------------------------------- arithmetic

@@ -90,6 +90,9 @@ ARMS: dict[str, Arm] = {
             "unpaged; the experts save x only and recompute fc1 (what paging x adds to)"),
         Arm("paged_recompute_fc1", True, (RECOMPUTE_FC1,), True,
             "paged; the experts save x only (one pool) and recompute fc1 in backward"),
+        Arm("paged_recompute_fc1_hold", True, (RECOMPUTE_FC1, "--paging-hold-last-slot"), True,
+            "paged_recompute_fc1 with the last layer before each backward kept, never copied: "
+            "the pool of x's rows one layer smaller (not yet run)"),
         Arm("paged_recompute_fc1_pieces", True,
             (RECOMPUTE_FC1, RECOMPUTE_FC1 + "-piece-rows", "49152", UNFUSED), False,
             "paged_recompute_fc1 with Megatron's unfused activation in pieces of 49152 rows "
@@ -105,7 +108,7 @@ ARMS: dict[str, Arm] = {
 # The control every other arm is compared with, and the arms that page (recompute target).
 CONTROL = "unpaged"
 PAGED_FAMILY = ("paged", "paged_hold", "paged_recompute_core_attn", "paged_recompute_fc1",
-                "paged_recompute_fc1_pieces")
+                "paged_recompute_fc1_hold", "paged_recompute_fc1_pieces")
 # Shown beside the recompute target, not part of its verdict: the offload arms page live expert
 # rows to the pinned host tier rather than keeping them on the device, a different trade; the
 # unpaged fc1 recompute pages nothing (it shows what the fc1 recompute alone buys).
