@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 from common import CudaTimer, default_out, figure, gbps, header, write
 
 from megatron_paging.kernels import weighted_swiglu
+from megatron_paging.mcore.expert_activation import TorchActivation
 
 MIB = 2**20
 # moe_compute (benchmarks/frontier/arms.py): 98304 capacity rows, moe-ffn 3072; expert_heavy:
@@ -30,22 +32,14 @@ MIB = 2**20
 SHAPES = ((98304, 3072), (24576, 2048), (6144, 1024))
 
 
-def unfused_forward(fc1, probs):
-    gate, linear = torch.chunk(fc1, 2, dim=-1)
-    act = F.silu(gate) * linear
-    return (act * probs.unsqueeze(-1)).to(act.dtype)
-
-
-def unfused_backward(fc1, probs, dinter):
-    with torch.enable_grad():
-        fc1_, probs_ = fc1.detach().requires_grad_(), probs.detach().requires_grad_()
-        inter = unfused_forward(fc1_, probs_)
-    dfc1, dprobs = torch.autograd.grad(inter, (fc1_, probs_), dinter)
-    return inter.detach(), dfc1, dprobs
+# The experts' own unfused activation (what --no-bias-swiglu-fusion runs), SwiGLU.
+UNFUSED = TorchActivation(SimpleNamespace(gated_linear_unit=True, activation_func=F.silu,
+                                          activation_func_clamp_value=None,
+                                          glu_linear_offset=0.0))
 
 
 ARMS = {
-    "unfused": (unfused_forward, unfused_backward),
+    "unfused": (UNFUSED.forward, UNFUSED.backward),
     "fused": (weighted_swiglu.forward, weighted_swiglu.backward),
 }
 

@@ -1,6 +1,6 @@
-"""The weighted-SwiGLU benchmark's arms on the CPU: its unfused arm is Megatron-Core's
-expression (the experts' own with --no-bias-swiglu-fusion), its fused arm the kernel module;
-they agree within the unfused expression's roundings, and the benchmark refuses to run
+"""The weighted-SwiGLU benchmark's arms on the CPU: its unfused arm is the experts' own
+activation with --no-bias-swiglu-fusion (Megatron-Core's expression), its fused arm the kernel
+module; they agree within the unfused expression's roundings, and the benchmark refuses to run
 without a GPU in one line."""
 
 from __future__ import annotations
@@ -14,21 +14,19 @@ bench = load_script("bench_weighted_swiglu")
 
 
 def test_unfused_arm_is_the_experts_unfused_activation():
-    from types import SimpleNamespace
-
     from megatron_paging.mcore.expert_activation import TorchActivation
 
+    unfused = bench.ARMS["unfused"][1].__self__
+    assert isinstance(unfused, TorchActivation) and unfused.piece_rows == 0
     gen = torch.Generator().manual_seed(0)
     fc1 = torch.randn(12, 16, generator=gen).bfloat16()
     probs, dinter = torch.rand(12, generator=gen), torch.randn(12, 8, generator=gen).bfloat16()
-    config = SimpleNamespace(gated_linear_unit=True, activation_func=F.silu,
-                             activation_func_clamp_value=None, glu_linear_offset=0.0)
-    experts = TorchActivation(config)
-    for a, b in zip(bench.unfused_backward(fc1, probs, dinter),
-                    experts.backward(fc1, probs, dinter), strict=True):
-        assert torch.equal(a, b)
+    # the unfused arm is Megatron-Core's expression: silu(gate) * linear, times probs, rounded
+    gate, linear = fc1.chunk(2, dim=-1)
+    expected = ((F.silu(gate) * linear) * probs.unsqueeze(-1)).to(torch.bfloat16)
+    assert torch.equal(bench.ARMS["unfused"][0](fc1, probs), expected)
     fused = bench.ARMS["fused"][1](fc1, probs, dinter)
-    for a, b in zip(bench.unfused_backward(fc1, probs, dinter), fused, strict=True):
+    for a, b in zip(bench.ARMS["unfused"][1](fc1, probs, dinter), fused, strict=True):
         assert torch.allclose(a.float(), b.float(), rtol=2**-5, atol=0.05 * b.abs().max())
 
 

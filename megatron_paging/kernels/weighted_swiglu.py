@@ -52,21 +52,26 @@ def check_inputs(fc1: torch.Tensor, probs: torch.Tensor, dinter: torch.Tensor | 
     return rows, cols
 
 
+def _reference_terms(fc1, probs):
+    """fp32 ``gate``, ``linear``, ``exp(-gate)``, ``silu(gate) * linear`` and the probs column:
+    what both reference directions start from, computed the way the kernels do."""
+    gate, linear = fc1.float().chunk(2, dim=-1)
+    e = torch.exp(-gate)
+    return gate, linear, e, gate / (1.0 + e) * linear, probs.reshape(-1, 1).float()
+
+
 def reference_forward(fc1: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
     check_inputs(fc1, probs)
-    gate, linear = fc1.float().chunk(2, dim=-1)
-    silu = gate / (1.0 + torch.exp(-gate))
-    return (silu * linear * probs.reshape(-1, 1).float()).to(fc1.dtype)
+    *_, act, p = _reference_terms(fc1, probs)
+    return (act * p).to(fc1.dtype)
 
 
 def reference_backward(fc1, probs, dinter):
     """``(inter, dfc1, dprobs)`` by the kernel's formulas in torch (any device)."""
     check_inputs(fc1, probs, dinter)
-    gate, linear = fc1.float().chunk(2, dim=-1)
-    p, d = probs.reshape(-1, 1).float(), dinter.float()
-    e = torch.exp(-gate)
+    gate, linear, e, act, p = _reference_terms(fc1, probs)
+    d = dinter.float()
     sig, silu = 1.0 / (1.0 + e), gate / (1.0 + e)
-    act = silu * linear
     dpa = d * p
     dgate = dpa * linear * (sig * (1.0 + gate * (1.0 - sig)))
     dfc1 = torch.cat((dgate, dpa * silu), dim=-1).to(fc1.dtype)

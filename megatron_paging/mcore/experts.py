@@ -253,7 +253,6 @@ class PagedGroupedMLP(MegatronModule):
         if recompute_piece_rows and not recompute_fc1:
             raise ValueError("recompute_piece_rows applies only with recompute_fc1=True")
         self.recompute_fc1 = bool(recompute_fc1)
-        self.recompute_piece_rows = recompute_piece_rows
         self.activation = expert_activation(config, recompute_piece_rows)
         ffn = config.moe_ffn_hidden_size
         fc1_out = 2 * ffn if config.gated_linear_unit else ffn
