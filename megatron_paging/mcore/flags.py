@@ -44,8 +44,9 @@ flag                            default   meaning
 ``--paging-recompute-expert-fc1`` off     PagedGroupedMLP saves only its input and recomputes
                                           fc1 in backward (one grouped GEMM; paging and
                                           offloading move ``x``, not the wider fc1)
-``--paging-recompute-expert-fc1-piece-rows`` 0  its activation in pieces of this many rows
-                                          (0: whole; smaller transient, slower: docs/offload.md)
+``--paging-recompute-expert-fc1-piece-rows`` 0  its unfused activation in pieces of this
+                                          many rows (0: whole; needs --no-bias-swiglu-fusion;
+                                          smaller transient, slower: docs/mcore.md)
 ==============================  ========  ===================================================
 
 It also adds ``static`` to the choices of Megatron's ``--moe-flex-dispatcher-backend`` (our
@@ -267,9 +268,10 @@ OUR_FLAGS = {
         "autograd keep x instead of the wider fc1; gradients bitwise unchanged",
     ),
     "paging_recompute_expert_fc1_piece_rows": dict(
-        type=int, metavar="ROWS", help="run the fc1 recompute's weighted activation in pieces "
-        "of ROWS rows (0: whole): its fp32 temporaries, which set the backward's peak, shrink "
-        "to a piece; more launches (moe_compute, 16384: 3553 MiB less activation, +8%% step time)",
+        type=int, metavar="ROWS", help="run the fc1 recompute's unfused weighted activation "
+        "(--no-bias-swiglu-fusion) in pieces of ROWS rows (0: whole): its fp32 temporaries, "
+        "which set the backward's peak, shrink to a piece; more launches (moe_compute, 16384: "
+        "3553 MiB less activation, +8%% step time)",
     ),
 }
 
