@@ -1,6 +1,11 @@
 """The peak breakdown of an allocator trace (synthetic traces in torch's snapshot format)."""
 
-from megatron_paging.tools.memory_trace import caller_site, format_breakdown, peak_breakdown
+from megatron_paging.tools.memory_trace import (
+    caller_chain,
+    caller_site,
+    format_breakdown,
+    peak_breakdown,
+)
 
 
 def frames(site: str) -> list[dict]:
@@ -50,3 +55,22 @@ def test_site_skips_library_frames_and_handles_missing_stacks():
     assert empty.peak_bytes == 0 and empty.peak_index == -1 and empty.groups == []
     text = format_breakdown(peak_breakdown([alloc(1, 2**20, "a"), alloc(2, 2**20, "b")]), top=1)
     assert "2.0 MiB" in text and "1 more sites" in text
+
+
+def test_the_peak_names_the_callers_of_the_allocation_that_reached_it():
+    outer = {"filename": "/repo/pkg/schedules.py", "line": 3, "name": "forward_backward"}
+    trace = [
+        alloc(1, 100, "attention"),
+        {**alloc(2, 50, "experts"), "frames": frames("experts") + [outer]},
+        free(2, 50),
+        alloc(3, 10, "loss"),
+    ]
+    result = peak_breakdown(trace)
+    assert result.peak_callers == (
+        "pkg/experts.py:7 experts",
+        "pkg/schedules.py:3 forward_backward",
+    )
+    assert "peak reached in: pkg/experts.py:7 experts < pkg/schedules.py:3" in format_breakdown(
+        result
+    )
+    assert caller_chain(frames("x") * 3, depth=2) == ("pkg/x.py:7 x", "pkg/x.py:7 x")

@@ -32,6 +32,8 @@ class PeakBreakdown:
     peak_bytes: int  # allocated bytes above the trace's start at the peak
     peak_index: int  # index of the trace entry that reached the peak (-1: empty trace)
     groups: list[PeakGroup]  # largest first
+    # When the peak happened: the callers (outermost last) of the allocation that reached it.
+    peak_callers: tuple[str, ...] = ()
 
 
 def caller_site(frames: list[dict]) -> str:
@@ -41,6 +43,19 @@ def caller_site(frames: list[dict]) -> str:
             short = "/".join(filename.split("/")[-3:])
             return f"{short}:{frame.get('line', '?')} {frame.get('name', '?')}"
     return "<no stack>"
+
+
+def caller_chain(frames: list[dict], depth: int = 4) -> tuple[str, ...]:
+    """The first ``depth`` frames outside PyTorch, innermost first (where in the step)."""
+    chain = []
+    for frame in frames or ():
+        filename = frame.get("filename", "")
+        if not any(part in filename for part in LIBRARY_PATHS):
+            short = "/".join(filename.split("/")[-2:])
+            chain.append(f"{short}:{frame.get('line', '?')} {frame.get('name', '?')}")
+            if len(chain) == depth:
+                break
+    return tuple(chain)
 
 
 def peak_breakdown(trace: list[dict]) -> PeakBreakdown:
@@ -79,12 +94,15 @@ def peak_breakdown(trace: list[dict]) -> PeakBreakdown:
         (PeakGroup(site, sizes[site], counts[site]) for site in sizes),
         key=lambda g: (-g.bytes, g.site),
     )
-    return PeakBreakdown(peak, peak_index, groups)
+    callers = caller_chain(trace[peak_index].get("frames", [])) if peak_index >= 0 else ()
+    return PeakBreakdown(peak, peak_index, groups, callers)
 
 
 def format_breakdown(breakdown: PeakBreakdown, top: int = 25, prefix: str = "") -> str:
     mib = 2**20
     lines = [f"{prefix}peak above trace start: {breakdown.peak_bytes / mib:.1f} MiB"]
+    if breakdown.peak_callers:
+        lines.append(f"{prefix}peak reached in: " + " < ".join(breakdown.peak_callers))
     for group in breakdown.groups[:top]:
         lines.append(
             f"{prefix}{group.bytes / mib:10.1f} MiB {group.blocks:6d} blocks  {group.site}"
@@ -97,4 +115,11 @@ def format_breakdown(breakdown: PeakBreakdown, top: int = 25, prefix: str = "") 
     return "\n".join(lines)
 
 
-__all__ = ["PeakBreakdown", "PeakGroup", "caller_site", "format_breakdown", "peak_breakdown"]
+__all__ = [
+    "PeakBreakdown",
+    "PeakGroup",
+    "caller_chain",
+    "caller_site",
+    "format_breakdown",
+    "peak_breakdown",
+]
