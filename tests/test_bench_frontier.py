@@ -11,6 +11,7 @@ import pytest
 from frontier.arms import (
     ARMS,
     PAGED_FAMILY,
+    RECOMPUTE_INFORMATIONAL,
     REMOVED_ARMS,
     SIZES,
     budget_extra,
@@ -58,6 +59,7 @@ def test_arm_table_and_flags():
         "paged", "paged_hold", "paged_persistent", "paged_unbounded_lead", "mcore_manager",
         "mcore_offload", "paged_offload", "paged_offload_dma", "paged_stash_plus_offload",
         "unpaged_recompute_fc1", "paged_recompute_fc1", "paged_recompute_fc1_hold",
+        "paged_recompute_fc1_tight", "paged_recompute_fc1_spill",
         "paged_offload_dma_recompute_fc1"]
     assert ARMS["paged_unbounded_lead"].flags == ("--paging-max-inflight-stashes", "0")
     assert {a for a, arm in ARMS.items() if arm.needs_offload} == {
@@ -67,7 +69,18 @@ def test_arm_table_and_flags():
     assert ARMS["paged_recompute_core_attn"].paged
     assert PAGED_FAMILY == ("paged", "paged_hold", "paged_recompute_core_attn",
                             "paged_recompute_fc1", "paged_recompute_fc1_hold",
-                            "paged_recompute_fc1_pieces")
+                            "paged_recompute_fc1_tight", "paged_recompute_fc1_pieces")
+    # the pool arms' factors win over the script's 1.10 (argparse: the last value)
+    tight = resolve_flags(script_argv(frontier_extra("moe_compute", "paged_recompute_fc1_tight"),
+                                      paged=True))
+    assert tight["--moe-paged-stash-buffer-size-factor-cuda"] == ["1.0"]
+    assert "--paging-hold-last-slot" in tight
+    spill = resolve_flags(script_argv(frontier_extra("moe_compute", "paged_recompute_fc1_spill"),
+                                      paged=True))
+    assert spill["--moe-paged-stash-buffer-size-factor-cuda"] == ["0.72"]
+    assert spill["--moe-paged-stash-buffer-size-factor-cpu"] == ["0.3"]
+    assert "paged_recompute_fc1_spill" in RECOMPUTE_INFORMATIONAL
+    assert "paged_recompute_fc1_spill" not in PAGED_FAMILY
     pieces = resolve_flags(frontier_extra("moe_compute", "paged_recompute_fc1_pieces"))
     assert pieces["--paging-recompute-expert-fc1-piece-rows"] == ["49152"]
     # pieces serve the unfused activation only (the example fuses it, Megatron's default)
@@ -116,9 +129,9 @@ def test_offload_arms_wait_for_the_flag(tmp_path):
     assert set(skipped) == {"small:mcore_offload", "small:paged_offload",
                             "small:paged_offload_dma", "small:paged_stash_plus_offload",
                             "small:paged_offload_dma_recompute_fc1"}
-    assert len(tasks) == 13
+    assert len(tasks) == 15
     tasks, skipped = frontier_tasks(["small"], list(ARMS), None, {}, 12, offload=True)
-    assert not skipped and len(tasks) == 18
+    assert not skipped and len(tasks) == 20
 
 
 # ----------------------------------------------------------------------------- arithmetic

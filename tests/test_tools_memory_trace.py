@@ -74,3 +74,16 @@ def test_the_peak_names_the_callers_of_the_allocation_that_reached_it():
         result
     )
     assert caller_chain(frames("x") * 3, depth=2) == ("pkg/x.py:7 x", "pkg/x.py:7 x")
+
+
+def test_blocks_freed_but_waiting_on_another_stream_are_named():
+    # record_stream: freed at index 1, completed only after the peak at index 3
+    trace = [alloc(1, 100, "wgrad"), free(1, 100, completed=False), alloc(2, 60, "b"), free(1, 100)]
+    result = peak_breakdown(trace)
+    wgrad = next(g for g in result.groups if "wgrad" in g.site)
+    assert wgrad.pending_free_bytes == 100
+    assert next(g for g in result.groups if "/b.py" in g.site).pending_free_bytes == 0
+    trace = [alloc(1, 2**20, "wgrad"), free(1, 2**20, completed=False), alloc(2, 2**20, "b")]
+    text = format_breakdown(peak_breakdown(trace))
+    assert "awaiting another stream's use: 1.0 MiB" in text
+    assert "(1.0 MiB freed, awaiting another stream)" in text

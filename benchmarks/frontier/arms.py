@@ -17,6 +17,8 @@ SCRIPT = ROOT / "examples" / "run_pretrain_1gpu.sh"
 FLAGS_SOURCE = ROOT / "megatron_paging" / "mcore" / "flags.py"
 OFFLOAD_FLAG = "--paging-offload-backend"
 RECOMPUTE_FC1 = "--paging-recompute-expert-fc1"
+CUDA_FACTOR = "--moe-paged-stash-buffer-size-factor-cuda"  # Megatron-Core's pool flags
+CPU_FACTOR = "--moe-paged-stash-buffer-size-factor-cpu"
 UNFUSED = "--no-bias-swiglu-fusion"  # the example fuses the experts' weighted SwiGLU
 MIB = 2**20
 WARMUP_ITERS = 3  # dropped: 1 calibrates, 2 sizes the pools and Adam's state, 3 settles
@@ -93,6 +95,15 @@ ARMS: dict[str, Arm] = {
         Arm("paged_recompute_fc1_hold", True, (RECOMPUTE_FC1, "--paging-hold-last-slot"), True,
             "paged_recompute_fc1 with the last layer before each backward kept, never copied: "
             "the pool of x's rows one layer smaller (not yet run)"),
+        Arm("paged_recompute_fc1_tight", True,
+            (RECOMPUTE_FC1, "--paging-hold-last-slot", CUDA_FACTOR, "1.0"), True,
+            "paged_recompute_fc1_hold with the device tier at the calibrated peak, no headroom "
+            "(CUDA factor 1.0: at EP = 1 every routed row is live, so the count never changes)"),
+        Arm("paged_recompute_fc1_spill", True,
+            (RECOMPUTE_FC1, "--paging-hold-last-slot", CUDA_FACTOR, "0.72", CPU_FACTOR, "0.3"),
+            True,
+            "paged_recompute_fc1_hold with a device tier of 5 of the 7 paged layers' rows and a "
+            "pinned-host tier for the rest (the layers stashed last spill)"),
         Arm("paged_recompute_fc1_pieces", True,
             (RECOMPUTE_FC1, RECOMPUTE_FC1 + "-piece-rows", "49152", UNFUSED), False,
             "paged_recompute_fc1 with Megatron's unfused activation in pieces of 49152 rows "
@@ -108,12 +119,14 @@ ARMS: dict[str, Arm] = {
 # The control every other arm is compared with, and the arms that page (recompute target).
 CONTROL = "unpaged"
 PAGED_FAMILY = ("paged", "paged_hold", "paged_recompute_core_attn", "paged_recompute_fc1",
-                "paged_recompute_fc1_hold", "paged_recompute_fc1_pieces")
-# Shown beside the recompute target, not part of its verdict: the offload arms page live expert
-# rows to the pinned host tier rather than keeping them on the device, a different trade; the
-# unpaged fc1 recompute pages nothing (it shows what the fc1 recompute alone buys).
+                "paged_recompute_fc1_hold", "paged_recompute_fc1_tight",
+                "paged_recompute_fc1_pieces")
+# Shown beside the recompute target, not part of its verdict: the offload arms (and the spill
+# arm, for two of its layers) page live expert rows to the pinned host tier rather than keeping
+# them on the device, a different trade; the unpaged fc1 recompute pages nothing (it shows what
+# the fc1 recompute alone buys).
 RECOMPUTE_INFORMATIONAL = ("paged_offload", "paged_offload_dma", "paged_offload_dma_recompute_fc1",
-                           "unpaged_recompute_fc1")
+                           "paged_recompute_fc1_spill", "unpaged_recompute_fc1")
 # Arms a resumed file may still hold: listed by the report, never summarized or run.
 REMOVED_ARMS = {
     "paged_recompute_attn_norm": (

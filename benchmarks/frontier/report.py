@@ -29,7 +29,9 @@ ARM_COLORS = {
     "paged_stash_plus_offload": "tab:green",
     "paged_unbounded_lead": "tab:pink", "unpaged_recompute_fc1": "dimgrey",
     "paged_recompute_fc1": "navy", "paged_recompute_fc1_pieces": "steelblue",
-    "paged_offload_dma_recompute_fc1": "darkviolet",
+    "paged_offload_dma_recompute_fc1": "darkviolet", "paged_recompute_fc1_hold": "teal",
+    "paged_recompute_fc1_tight": "darkgreen", "paged_recompute_fc1_spill": "goldenrod",
+    "unpaged_unfused": "silver",
 }
 
 

@@ -25,6 +25,9 @@ class PeakGroup:
     site: str  # "file:line function" of the first frame outside PyTorch, or "<no stack>"
     bytes: int
     blocks: int
+    # Of ``bytes``: blocks already freed whose free waits on another stream's recorded use
+    # (``record_stream``): the program dropped them, the allocator cannot reuse them yet.
+    pending_free_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -78,20 +81,28 @@ def peak_breakdown(trace: list[dict]) -> PeakBreakdown:
             current -= live.pop(entry["addr"])["size"]
     # Second pass up to the peak: the live set at that moment.
     live.clear()
+    requested: set[int] = set()
     for entry in trace[: peak_index + 1]:
-        action = entry.get("action")
+        action, addr = entry.get("action"), entry.get("addr")
         if action == "alloc":
-            live[entry["addr"]] = entry
+            live[addr] = entry
+            requested.discard(addr)
+        elif action == "free_requested" and addr in live:
+            requested.add(addr)
         elif action == "free_completed":
-            live.pop(entry["addr"], None)
+            live.pop(addr, None)
+            requested.discard(addr)
     sizes: dict[str, int] = defaultdict(int)
     counts: dict[str, int] = defaultdict(int)
-    for entry in live.values():
+    pending: dict[str, int] = defaultdict(int)
+    for addr, entry in live.items():
         site = caller_site(entry.get("frames", []))
         sizes[site] += entry["size"]
         counts[site] += 1
+        if addr in requested:
+            pending[site] += entry["size"]
     groups = sorted(
-        (PeakGroup(site, sizes[site], counts[site]) for site in sizes),
+        (PeakGroup(site, sizes[site], counts[site], pending[site]) for site in sizes),
         key=lambda g: (-g.bytes, g.site),
     )
     callers = caller_chain(trace[peak_index].get("frames", [])) if peak_index >= 0 else ()
@@ -103,9 +114,17 @@ def format_breakdown(breakdown: PeakBreakdown, top: int = 25, prefix: str = "") 
     lines = [f"{prefix}peak above trace start: {breakdown.peak_bytes / mib:.1f} MiB"]
     if breakdown.peak_callers:
         lines.append(f"{prefix}peak reached in: " + " < ".join(breakdown.peak_callers))
+    pending = sum(g.pending_free_bytes for g in breakdown.groups)
+    if pending:
+        lines.append(f"{prefix}of it freed, awaiting another stream's use: {pending / mib:.1f} MiB")
     for group in breakdown.groups[:top]:
+        waiting = (
+            f" ({group.pending_free_bytes / mib:.1f} MiB freed, awaiting another stream)"
+            if group.pending_free_bytes
+            else ""
+        )
         lines.append(
-            f"{prefix}{group.bytes / mib:10.1f} MiB {group.blocks:6d} blocks  {group.site}"
+            f"{prefix}{group.bytes / mib:10.1f} MiB {group.blocks:6d} blocks  {group.site}{waiting}"
         )
     rest = breakdown.groups[top:]
     if rest:
