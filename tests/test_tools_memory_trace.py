@@ -86,4 +86,6 @@ def test_blocks_freed_but_waiting_on_another_stream_are_named():
     trace = [alloc(1, 2**20, "wgrad"), free(1, 2**20, completed=False), alloc(2, 2**20, "b")]
     text = format_breakdown(peak_breakdown(trace))
     assert "awaiting another stream's use: 1.0 MiB" in text
-    assert "(1.0 MiB freed, awaiting another stream)" in text
+    assert "(1.0 MiB freed, awaiting another stream; freed in <no stack>; streams 0)" in text
+    trace[1]["frames"] = frames("hook")
+    assert peak_breakdown(trace).groups[1].freed_at == "repo/pkg/hook.py:7 hook"

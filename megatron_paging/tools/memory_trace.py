@@ -28,6 +28,10 @@ class PeakGroup:
     # Of ``bytes``: blocks already freed whose free waits on another stream's recorded use
     # (``record_stream``): the program dropped them, the allocator cannot reuse them yet.
     pending_free_bytes: int = 0
+    freed_at: str = (
+        ""  # where the first such block was freed (its free's first frame outside PyTorch)
+    )
+    streams: tuple[int, ...] = ()  # the streams these blocks were allocated on
 
 
 @dataclass(frozen=True)
@@ -81,28 +85,42 @@ def peak_breakdown(trace: list[dict]) -> PeakBreakdown:
             current -= live.pop(entry["addr"])["size"]
     # Second pass up to the peak: the live set at that moment.
     live.clear()
-    requested: set[int] = set()
+    requested: dict[int, dict] = {}
     for entry in trace[: peak_index + 1]:
         action, addr = entry.get("action"), entry.get("addr")
         if action == "alloc":
             live[addr] = entry
-            requested.discard(addr)
+            requested.pop(addr, None)
         elif action == "free_requested" and addr in live:
-            requested.add(addr)
+            requested[addr] = entry
         elif action == "free_completed":
             live.pop(addr, None)
-            requested.discard(addr)
+            requested.pop(addr, None)
     sizes: dict[str, int] = defaultdict(int)
     counts: dict[str, int] = defaultdict(int)
     pending: dict[str, int] = defaultdict(int)
+    freed_at: dict[str, str] = {}
+    streams: dict[str, set] = defaultdict(set)
     for addr, entry in live.items():
         site = caller_site(entry.get("frames", []))
         sizes[site] += entry["size"]
         counts[site] += 1
+        streams[site].add(int(entry.get("stream", 0)))
         if addr in requested:
             pending[site] += entry["size"]
+            freed_at.setdefault(site, caller_site(requested[addr].get("frames", [])))
     groups = sorted(
-        (PeakGroup(site, sizes[site], counts[site], pending[site]) for site in sizes),
+        (
+            PeakGroup(
+                site,
+                sizes[site],
+                counts[site],
+                pending[site],
+                freed_at.get(site, ""),
+                tuple(sorted(streams[site])),
+            )
+            for site in sizes
+        ),
         key=lambda g: (-g.bytes, g.site),
     )
     callers = caller_chain(trace[peak_index].get("frames", [])) if peak_index >= 0 else ()
@@ -119,7 +137,8 @@ def format_breakdown(breakdown: PeakBreakdown, top: int = 25, prefix: str = "") 
         lines.append(f"{prefix}of it freed, awaiting another stream's use: {pending / mib:.1f} MiB")
     for group in breakdown.groups[:top]:
         waiting = (
-            f" ({group.pending_free_bytes / mib:.1f} MiB freed, awaiting another stream)"
+            f" ({group.pending_free_bytes / mib:.1f} MiB freed, awaiting another stream;"
+            f" freed in {group.freed_at}; streams {','.join(map(str, group.streams))})"
             if group.pending_free_bytes
             else ""
         )
