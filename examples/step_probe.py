@@ -168,10 +168,12 @@ class StepProbe:
             torch.cuda.memory._record_memory_history(enabled=None)
             self.recording = False
         trace = snapshot["device_traces"][torch.cuda.current_device()]
-        breakdown = peak_breakdown(trace)
+        breakdown = peak_breakdown(trace)  # as max_memory_allocated counts
+        held = peak_breakdown(trace, held=True)  # + freed blocks another stream still holds
         print(
             f"paging-example {label} iteration={self.iteration} "
-            f"allocated_at_start_mib={self.memory_base_mib:.1f} trace_entries={len(trace)}\n"
+            f"allocated_at_start_mib={self.memory_base_mib:.1f} trace_entries={len(trace)} "
+            f"held_peak_above_start_mib={held.peak_bytes / 2**20:.1f}\n"
             + format_breakdown(breakdown, top=30, prefix=f"paging-example {label} "),
             flush=True,
         )

@@ -60,7 +60,12 @@ def test_defaults_and_megatron_names(parser):
     assert (args.paging_overflow_policy, args.paging_gemm_backend) == ("rerun", "auto")
     assert (args.paging_core_attention, args.paging_sdpa_backend) == ("sdpa", "auto")
     options = flags.install_options(args, eager)
-    assert options == dict(replace_paged_stash=True, config=eager)
+    assert options == dict(replace_paged_stash=True, config=eager, ddp_on_training_stream=True)
+    # Megatron's side stream for DDP, on request (acts without --moe-paged-stash too)
+    kept = _validate(parser, BASE + ["--paging-keep-ddp-side-stream"])
+    assert flags.install_options(kept, eager)["ddp_on_training_stream"] is False
+    unpaged = [a for a in BASE if a != "--moe-paged-stash"] + ["--paging-keep-ddp-side-stream"]
+    assert flags.install_options(_validate(parser, unpaged))["ddp_on_training_stream"] is False
 
 
 def test_our_flags_parse(parser):
@@ -85,7 +90,9 @@ def test_our_flags_parse(parser):
         max_ctas=512, prefetch_distance=2, overlap=False, overflow_policy="grow",
         growth_factor=2.5, pool_residency="step",
     )
-    assert flags.install_options(args, config) == dict(replace_paged_stash=True, config=config)
+    assert flags.install_options(args, config) == dict(
+        replace_paged_stash=True, config=config, ddp_on_training_stream=True
+    )
 
 
 def test_max_ctas_comes_from_the_environment_when_no_flag_sets_it(parser):
@@ -184,7 +191,9 @@ def test_mcore_implementation_takes_the_gemm_backend_only(parser):
     argv = BASE + ["--paging-implementation", "mcore", "--paging-gemm-backend", "loop"]
     args = _validate(parser, argv)
     assert args.paging_gemm_backend == "loop"
-    assert flags.install_options(args) == dict(replace_paged_stash=False)
+    assert flags.install_options(args) == dict(
+        replace_paged_stash=False, ddp_on_training_stream=True
+    )
 
 
 def test_full_iteration_graphs_are_accepted_with_paging(parser):

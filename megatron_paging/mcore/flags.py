@@ -44,6 +44,8 @@ flag                            default   meaning
 ``--paging-recompute-expert-fc1`` off     PagedGroupedMLP saves only its input and recomputes
                                           fc1 in backward (one grouped GEMM; paging and
                                           offloading move ``x``, not the wider fc1)
+``--paging-keep-ddp-side-stream`` off     make DDP on Megatron's side stream (default: on the
+                                          training stream; mcore/ddp_stream.py says why)
 ``--paging-recompute-expert-fc1-piece-rows`` 0  its unfused activation in pieces of this
                                           many rows (0: whole; needs --no-bias-swiglu-fusion;
                                           smaller transient, slower: docs/mcore.md)
@@ -55,9 +57,9 @@ sync-free dispatch backend, :mod:`.dispatcher`).
 :func:`paging_config` validates everything once and raises one ``ValueError`` naming the
 offending flags for every meaningless or conflicting combination, before any model is built:
 ``--paging-*`` flags other than ``--paging-gemm-backend``, ``--paging-core-attention``,
-``--paging-sdpa-backend``, ``--paging-recompute-expert-fc1`` and ``--paging-offload-backend``
-need ``--moe-paged-stash`` or ``--paging-offload-backend paged`` (those build the unpaged
-control's model too);
+``--paging-sdpa-backend``, ``--paging-recompute-expert-fc1``, ``--paging-keep-ddp-side-stream``
+and ``--paging-offload-backend`` need ``--moe-paged-stash`` or ``--paging-offload-backend
+paged`` (those build the unpaged control's model too);
 ``--paging-offload-*`` need ``--paging-offload-backend paged``, which needs
 ``--fine-grained-activation-offloading`` and refuses what it cannot serve (per-layer CUDA graphs,
 ``--delay-offload-until-cuda-graph``, ``--fine-grained-offloading-max-inflight-offloads``
@@ -141,6 +143,7 @@ PAGING_DEFAULTS = {
     "paging_max_inflight_stashes": 1,
     "paging_recompute_expert_fc1": False,
     "paging_recompute_expert_fc1_piece_rows": 0,
+    "paging_keep_ddp_side_stream": False,
 }
 IMPLEMENTATIONS = ("ours", "mcore")
 OFFLOAD_BACKENDS = ("mcore", "paged")
@@ -148,6 +151,7 @@ OFFLOAD_BACKENDS = ("mcore", "paged")
 WITHOUT_PAGING = (
     "paging_gemm_backend", "paging_core_attention", "paging_sdpa_backend", "paging_offload_backend",
     "paging_recompute_expert_fc1", "paging_recompute_expert_fc1_piece_rows",
+    "paging_keep_ddp_side_stream",
 )
 OFFLOAD_ONLY = (
     "paging_offload_host_factor", "paging_offload_max_ctas", "paging_offload_dma_prefix"
@@ -272,6 +276,11 @@ OUR_FLAGS = {
         "(--no-bias-swiglu-fusion) in pieces of ROWS rows (0: whole): its fp32 temporaries, "
         "which set the backward's peak, shrink to a piece; more launches (moe_compute, 16384: "
         "3553 MiB less activation, +8%% step time)",
+    ),
+    "paging_keep_ddp_side_stream": dict(
+        action="store_true", help="build DDP on Megatron's side stream, as Megatron does: its "
+        "gradient accumulators then run there, so each weight gradient stays allocated until "
+        "the GPU reaches it (default: build DDP on the training stream)",
     ),
 }
 
@@ -441,6 +450,7 @@ def install_options(args, config: PagingConfig | None = None) -> dict:
     offload = {}  # offloading off: Megatron-Core's interface is left alone
     if getattr(args, "fine_grained_activation_offloading", False):
         offload = dict(offload_backend=getattr(args, "paging_offload_backend", "mcore"))
+    offload["ddp_on_training_stream"] = not getattr(args, "paging_keep_ddp_side_stream", False)
     if args.paging_implementation == "mcore":
         return dict(replace_paged_stash=False, **offload)
     return dict(replace_paged_stash=True, config=config or paging_config(args), **offload)

@@ -24,7 +24,10 @@ the importers. :meth:`PagingInstaller.install` therefore
    everywhere to the paged offloading backend (:mod:`.offload`) over the same API, and applies
    the offloading lifts of :mod:`.offload_shims`; with ``"mcore"``, only the lifts Megatron-Core's
    own offloading needs without Transformer Engine;
-6. logs one line saying what it replaced.
+6. with ``ddp_on_training_stream`` (the default): rebinds Megatron's
+   ``wrap_model_chunks_with_ddp`` so DDP's gradient accumulators are made on the training
+   stream instead of Megatron's side stream (:mod:`.ddp_stream` says why);
+7. logs one line saying what it replaced.
 
 :meth:`PagingInstaller.uninstall` puts every original object back (identity restored).
 ``install()`` is idempotent (a call asking for another config reinstalls). Modules
@@ -43,7 +46,7 @@ from dataclasses import dataclass
 
 from megatron_paging.config import PagingConfig
 from megatron_paging.env import check_megatron_core_version
-from megatron_paging.mcore import offload_shims
+from megatron_paging.mcore import ddp_stream, offload_shims
 from megatron_paging.mcore.api import MCorePagingAPI
 from megatron_paging.mcore.dispatcher import STATIC_BACKEND, PagingFlexTokenDispatcher
 from megatron_paging.mcore.flags import allow_static_backend
@@ -188,6 +191,7 @@ class PagingInstaller:
         self.rebindings: list[Rebinding] = []
         self.replaced = False  # whether the paged-stash API itself is ours
         self.offload_backend: str | None = None
+        self.ddp_on_training_stream = False
 
     @property
     def installed(self) -> bool:
@@ -199,6 +203,7 @@ class PagingInstaller:
         api: MCorePagingAPI | None = None,
         replace_paged_stash: bool = True,
         offload_backend: str | None = None,
+        ddp_on_training_stream: bool = True,
     ) -> MCorePagingAPI:
         """Rebind Megatron-Core's paged-stash hook points to ``api`` (default: one made for
         ``config``, itself defaulting to ``PagingConfig.from_env()``).
@@ -206,6 +211,9 @@ class PagingInstaller:
         ``offload_backend``: None (offloading untouched), ``"paged"`` (Megatron-Core's
         fine-grained activation offloading through our runtime; needs
         ``replace_paged_stash``) or ``"mcore"`` (Megatron-Core's own, made to run without TE).
+
+        ``ddp_on_training_stream``: make DDP's gradient accumulators on the training stream
+        (:mod:`.ddp_stream`); False keeps Megatron's side stream.
 
         ``replace_paged_stash=False`` installs only the ``static`` dispatch backend and its config
         shim and leaves Megatron-Core's own paged-stash manager, kernels and runner in place (the
@@ -238,7 +246,9 @@ class PagingInstaller:
             same_api = api is None or api is self.api
             same_config = config is None or config == self.api.engine.config
             same_offload = offload_backend == self.offload_backend
-            if same_api and replace_paged_stash == self.replaced and same_config and same_offload:
+            same_ddp = ddp_on_training_stream == self.ddp_on_training_stream
+            if (same_api and replace_paged_stash == self.replaced and same_config and same_offload
+                    and same_ddp):
                 return self.api
             if not same_config:
                 logger.info(
@@ -302,6 +312,11 @@ class PagingInstaller:
         )
         if offload_backend is not None:
             self._install_offload_lifts(offload_backend, config_cls)
+        if ddp_on_training_stream:
+            training = importlib.import_module(ddp_stream.TRAINING_MODULE)
+            wrap = getattr(training, ddp_stream.WRAP_NAME)
+            self._rebind(training, ddp_stream.WRAP_NAME, ddp_stream.on_training_stream(wrap))
+        self.ddp_on_training_stream = ddp_on_training_stream
         self.api = api
 
         where: dict[str, list[str]] = {}
@@ -327,6 +342,7 @@ class PagingInstaller:
         self.api = None
         self.replaced = False
         self.offload_backend = None
+        self.ddp_on_training_stream = False
 
     def _install_offload_lifts(self, offload_backend: str, config_cls) -> None:
         """The lifts of :mod:`.offload_shims` the chosen offloading backend needs."""
@@ -377,9 +393,12 @@ def install(
     api: MCorePagingAPI | None = None,
     replace_paged_stash: bool = True,
     offload_backend: str | None = None,
+    ddp_on_training_stream: bool = True,
 ) -> MCorePagingAPI:
     """Install megatron-paging into Megatron-Core (see :meth:`PagingInstaller.install`)."""
-    return INSTALLER.install(config, api, replace_paged_stash, offload_backend)
+    return INSTALLER.install(
+        config, api, replace_paged_stash, offload_backend, ddp_on_training_stream
+    )
 
 
 def uninstall() -> None:
