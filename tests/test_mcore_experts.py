@@ -11,7 +11,11 @@ pytest.importorskip("megatron.core")
 
 from mcore_fixtures import installed, model_parallel, moe_config  # noqa: E402, F401
 
-from megatron_paging.mcore.experts import PagedGroupedMLP, resolve_gemm_backend  # noqa: E402
+from megatron_paging.mcore.experts import (  # noqa: E402
+    PagedGroupedMLP,
+    _zero_empty_experts,
+    resolve_gemm_backend,
+)
 
 HIDDEN, FFN = 32, 48
 
@@ -310,3 +314,17 @@ def test_stashed_buffers_are_freed_before_their_backward(installed, model_parall
         out.float().square().mean().backward()
     assert api.paged_stash_finish() == 0
     api.paged_stash_reset(enabled=False, config=config)
+
+
+def test_experts_without_tokens_get_zero_gradients_in_place():
+    # grouped_mm leaves an expert without rows unwritten (any bytes, NaN included): zeroed in
+    # place, every other expert's gradient bit for bit, no second gradient allocated
+    dw = torch.randn(4, 3, 2)
+    dw[1] = float("nan")
+    dw[3] = float("inf")
+    kept = dw.clone()
+    offs = torch.tensor([5, 5, 9, 9], dtype=torch.int32)  # experts 1 and 3 have no rows
+    out = _zero_empty_experts(dw, offs)
+    assert out is dw
+    assert torch.equal(out[1], torch.zeros(3, 2)) and torch.equal(out[3], torch.zeros(3, 2))
+    assert torch.equal(out[0], kept[0]) and torch.equal(out[2], kept[2])
