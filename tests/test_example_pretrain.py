@@ -109,6 +109,9 @@ def test_example_trains_paged_bitwise_equal_to_unpaged(tmp_path):
     unpaged, _ = _train(tmp_path, paged=False)
     paged, log = _train(tmp_path, paged=True)
     assert "megatron-paging installed" in log
+    # DDP built on the training stream (megatron_paging/mcore/ddp_stream.py): autograd's
+    # gradient accumulators run where the backward does, so PyTorch has nothing to warn about
+    assert "AccumulateGrad node's stream does not match" not in log
     assert _report(log)["paging_mode"] == "paged"  # calibrated, then paged through pools
     assert len(unpaged) == 3 * MICROBATCHES
     assert all(float.fromhex(v) == float.fromhex(v) for v in unpaged)  # no NaN
