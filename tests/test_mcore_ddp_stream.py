@@ -95,7 +95,9 @@ def _grad_after_backward(make_accumulator):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        make_accumulator(register)([weight], types.SimpleNamespace(fp8=None, cuda_graph_impl="none"))
+        make_accumulator(register)(
+            [weight], types.SimpleNamespace(fp8=None, cuda_graph_impl="none")
+        )
     torch.cuda.current_stream().wait_stream(side)
     x = torch.randn(8192, 4096, device="cuda")
     torch.cuda.synchronize()
@@ -118,8 +120,10 @@ def test_an_accumulator_made_on_the_side_stream_holds_gradients_made_through_us_
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     warned, held_mib = _grad_after_backward(lambda f: f)
-    print(f"\nMegatron's side stream: warned={warned} gradient memory held after drop "
-          f"{held_mib:.1f} MiB")
+    print(
+        f"\nMegatron's side stream: warned={warned} gradient memory held after drop "
+        f"{held_mib:.1f} MiB"
+    )
     assert warned and held_mib >= 60  # the 64 MiB fp32 gradient waits for the side stream
     warned, held_mib = _grad_after_backward(ddp_stream.on_training_stream)
     print(f"training stream: warned={warned} held {held_mib:.1f} MiB")
