@@ -32,15 +32,14 @@ class PeakGroup:
     # (``record_stream``): the program dropped them, the allocator cannot reuse them yet. Part
     # of ``bytes`` only when the breakdown counts held memory (``held=True``).
     pending_free_bytes: int = 0
-    freed_at: str = (
-        ""  # where the first such block was freed (its free's first frame outside PyTorch)
-    )
+    # Where the first such block was freed (its free's first frame outside PyTorch).
+    freed_at: str = ""
     streams: tuple[int, ...] = ()  # the streams these blocks were allocated on
 
 
 @dataclass(frozen=True)
 class PeakBreakdown:
-    peak_bytes: int  # allocated bytes above the trace's start at the peak
+    peak_bytes: int  # allocated (or held) bytes above the trace's start at the peak
     peak_index: int  # index of the trace entry that reached the peak (-1: empty trace)
     groups: list[PeakGroup]  # largest first
     # When the peak happened: the callers (outermost last) of the allocation that reached it.
