@@ -47,26 +47,24 @@ class PeakBreakdown:
     held: bool = False  # counted until free_completed (held) rather than free_requested
 
 
-def caller_site(frames: list[dict]) -> str:
-    for frame in frames or ():
-        filename = frame.get("filename", "")
-        if not any(part in filename for part in LIBRARY_PATHS):
-            short = "/".join(filename.split("/")[-3:])
-            return f"{short}:{frame.get('line', '?')} {frame.get('name', '?')}"
-    return "<no stack>"
-
-
-def caller_chain(frames: list[dict], depth: int = 4) -> tuple[str, ...]:
-    """The first ``depth`` frames outside PyTorch, innermost first (where in the step)."""
+def caller_chain(frames: list[dict], depth: int = 4, path_parts: int = 2) -> tuple[str, ...]:
+    """The first ``depth`` frames outside PyTorch, innermost first, as "path:line function"
+    with the last ``path_parts`` components of the path (where in the step)."""
     chain = []
     for frame in frames or ():
         filename = frame.get("filename", "")
         if not any(part in filename for part in LIBRARY_PATHS):
-            short = "/".join(filename.split("/")[-2:])
+            short = "/".join(filename.split("/")[-path_parts:])
             chain.append(f"{short}:{frame.get('line', '?')} {frame.get('name', '?')}")
             if len(chain) == depth:
                 break
     return tuple(chain)
+
+
+def caller_site(frames: list[dict]) -> str:
+    """Who asked for a block: its first frame outside PyTorch, or ``"<no stack>"``."""
+    chain = caller_chain(frames, depth=1, path_parts=3)
+    return chain[0] if chain else "<no stack>"
 
 
 def peak_breakdown(trace: list[dict], held: bool = False) -> PeakBreakdown:
