@@ -447,13 +447,14 @@ def install_options(args, config: PagingConfig | None = None) -> dict:
     """Keyword arguments of :func:`megatron_paging.mcore.install` from ``args`` and the config
     :func:`paging_config` built from them (none for ``mcore``: Megatron-Core's own manager has
     no use for one)."""
-    offload = {}  # offloading off: Megatron-Core's interface is left alone
+    # Both implementations: DDP's stream, and offloading's backend (absent: offloading off,
+    # Megatron-Core's interface left alone).
+    common = dict(ddp_on_training_stream=not getattr(args, "paging_keep_ddp_side_stream", False))
     if getattr(args, "fine_grained_activation_offloading", False):
-        offload = dict(offload_backend=getattr(args, "paging_offload_backend", "mcore"))
-    offload["ddp_on_training_stream"] = not getattr(args, "paging_keep_ddp_side_stream", False)
+        common["offload_backend"] = getattr(args, "paging_offload_backend", "mcore")
     if args.paging_implementation == "mcore":
-        return dict(replace_paged_stash=False, **offload)
-    return dict(replace_paged_stash=True, config=config or paging_config(args), **offload)
+        return dict(replace_paged_stash=False, **common)
+    return dict(replace_paged_stash=True, config=config or paging_config(args), **common)
 
 
 def apply_to_config(config, args) -> None:
