@@ -64,7 +64,9 @@ run_gpu_tests() {  # PYTEST_SHARDS processes side by side on the one GPU (tests/
     pids+=($!)
   done
   for i in "${!pids[@]}"; do
-    wait "${pids[$i]}" || rc=1
+    # pytest exits 5 when a shard got no test (few PYTEST_TARGETS over many shards): not a failure
+    wait "${pids[$i]}"; local shard_rc=$?
+    ((shard_rc != 0 && shard_rc != 5)) && rc=1
     echo "--- shard $i of $shards"; tail -n 25 "$OUT/gpu_tests_$i.log"
   done
   return $rc

@@ -283,7 +283,11 @@ def test_targets_pass_and_miss_from_numbers():
                           "budget": {"outcomes": {}}, "skipped": {}, "remaining": [],
                           "targets": {"expert_heavy": t}})
     info = [line for line in lines if "informational, not the strict target" in line]
-    assert len(info) == 1 and "[paged_offload: 1.30x, act 2000 vs 2200 MiB]" in info[0]
+    assert len(info) == 1 and "[paged_offload: 1.30x, act 2000 vs 2200 MiB: meets]" in info[0]
+    verdict = [line for line in lines if "paged_1.2x_faster" in line]
+    assert len(verdict) == 1 and verdict[0].startswith("  expert_heavy: paged_1.2x")
+    assert ": PASS [paged: " in verdict[0] and "MiB: misses]" in verdict[0]
+    assert "[paged_recompute_core_attn: 1.20x, act 2100 vs 2200 MiB: meets]" in verdict[0]
     assert any(line.startswith("expert_heavy       paged_recompute_core_attn ") for line in lines)
     assert not any("* = from the step peak" in line for line in lines)
     rows["recompute_moe"]["activation_source"] = "steady_peak_allocated_mib"  # an older record
@@ -322,6 +326,39 @@ def test_targets_pass_and_miss_from_numbers():
     assert not t["paged_1.2x_faster_than_recompute_moe_at_le_its_activation"]["required"]
     assert evaluate_targets({"small": {}})["small"][
         "paged_activation_le_1.1x_live_plus_one_layer"]["status"] == "NOT RUN"
+
+
+def test_same_model_step_ratios_sit_beside_the_strict_verdict():
+    rows = {
+        "unpaged": _row(1000.0, 4000.0, spread=0.002),
+        "paged": _row(1030.0, 3500.0, spread=0.002),
+        "unpaged_recompute_fc1": _row(1020.0, 3000.0, spread=0.002),
+        "paged_recompute_fc1_tight": _row(1025.0, 2500.0, spread=0.002),
+        "paged_recompute_fc1": _row(1040.0, 2700.0, spread=0.002),
+        "paged_hold": _row(1031.0, 3300.0, spread=0.002),
+    }
+    step = evaluate_targets({"moe_compute": rows})["moe_compute"]["paged_step_le_1.01x_unpaged"]
+    assert step["status"] == "MISS" and step["ratio"] == pytest.approx(1.03)
+    same = step["same_model_per_arm"]
+    # Each paged arm against the unpaged arm of its own model; "paged" is the verdict itself.
+    assert set(same) == {"paged_recompute_fc1_tight", "paged_recompute_fc1", "paged_hold"}
+    tight = same["paged_recompute_fc1_tight"]
+    assert tight["unpaged_arm"] == "unpaged_recompute_fc1" and tight["status"] == "PASS"
+    assert tight["ratio"] == pytest.approx(1025.0 / 1020.0)
+    assert same["paged_recompute_fc1"]["status"] == "MISS"  # 1.0196x
+    assert same["paged_hold"]["unpaged_arm"] == "unpaged" and same["paged_hold"]["met"] is False
+    lines = report_table({"gpu": None, "commit": "x", "summary": {"moe_compute": rows},
+                          "budget": {"outcomes": {}}, "skipped": {}, "remaining": [],
+                          "targets": {"moe_compute": evaluate_targets(
+                              {"moe_compute": rows})["moe_compute"]}})
+    assert any(line.startswith("  moe_compute: paged_step_le_1.01x_unpaged: MISS")
+               for line in lines)
+    assert ("  moe_compute:   informational, same model: [paged_recompute_fc1_tight vs "
+            "unpaged_recompute_fc1: 1.005x]: PASS") in lines
+    # Without the same-model control the pair is left out, not passed.
+    del rows["unpaged_recompute_fc1"]
+    step = evaluate_targets({"moe_compute": rows})["moe_compute"]["paged_step_le_1.01x_unpaged"]
+    assert set(step["same_model_per_arm"]) == {"paged_hold"}
 
 
 def test_step_peak_target_is_informational():

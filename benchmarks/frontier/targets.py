@@ -3,7 +3,7 @@ search's outcomes."""
 
 from __future__ import annotations
 
-from .arms import ARMS, CONTROL, PAGED_FAMILY, RECOMPUTE_INFORMATIONAL
+from .arms import ARMS, CONTROL, PAGED_FAMILY, RECOMPUTE_INFORMATIONAL, SAME_MODEL_UNPAGED
 
 
 def _ok(row: dict | None) -> bool:
@@ -102,7 +102,14 @@ def evaluate_targets(summary: dict, budget: dict | None = None,
             entry = {"status": "NOT RUN", "met": None}
         t["paged_activation_le_1.1x_live_plus_one_layer"] = entry
         t["paged_step_peak_le_unpaged_step_peak"] = step_peak_target(rows)
-        t["paged_step_le_1.01x_unpaged"] = ratio_target(rows, "paged", CONTROL, 1.01)
+        step = ratio_target(rows, "paged", CONTROL, 1.01)
+        # Beside the verdict, not in it: each paged arm against the unpaged arm of its own model
+        # (what turning paging on costs a user who already runs that recompute).
+        step["same_model_per_arm"] = {
+            name: {"unpaged_arm": control, **r} for name, control in SAME_MODEL_UNPAGED.items()
+            if name != "paged"
+            and (r := ratio_target(rows, name, control, 1.01))["met"] is not None}
+        t["paged_step_le_1.01x_unpaged"] = step
         t["paged_step_le_0.9x_mcore_manager"] = ratio_target(rows, "paged", "mcore_manager", 0.9)
         exact = {}
         for name, row in rows.items():
