@@ -334,7 +334,7 @@ def test_same_model_step_ratios_sit_beside_the_strict_verdict():
         "paged": _row(1030.0, 3500.0, spread=0.002),
         "unpaged_recompute_fc1": _row(1020.0, 3000.0, spread=0.002),
         "paged_recompute_fc1_tight": _row(1025.0, 2500.0, spread=0.002),
-        "paged_recompute_fc1": _row(1040.0, 2700.0, spread=0.002),
+        "paged_recompute_fc1": _row(1040.0, 2800.0, spread=0.002),
         "paged_hold": _row(1031.0, 3300.0, spread=0.002),
     }
     step = evaluate_targets({"moe_compute": rows})["moe_compute"]["paged_step_le_1.01x_unpaged"]
@@ -355,10 +355,27 @@ def test_same_model_step_ratios_sit_beside_the_strict_verdict():
                for line in lines)
     assert ("  moe_compute:   informational, same model: [paged_recompute_fc1_tight vs "
             "unpaged_recompute_fc1: 1.005x]: PASS") in lines
+    # The activation bound, per arm: the non-expert part from the unpaged arm of its model.
+    act = evaluate_targets({"moe_compute": rows})["moe_compute"][
+        "paged_activation_le_1.1x_live_plus_one_layer"]
+    assert act["status"] == "MISS"  # the verdict still reads paged: 3500 MiB of activation
+    shares = act["same_model_per_arm"]
+    assert set(shares) == {"paged_recompute_fc1_tight", "paged_recompute_fc1", "paged_hold"}
+    tight = shares["paged_recompute_fc1_tight"]
+    assert tight["non_expert_activation_mib"] == pytest.approx(3000.0 - 1920.0)
+    assert tight["expert_activation_mib"] == pytest.approx(2500.0 - 1080.0)
+    assert tight["bound_mib"] == pytest.approx(1648.0) and tight["status"] == "PASS"
+    assert shares["paged_recompute_fc1"]["status"] == "MISS"  # 1720 > 1648
+    assert shares["paged_hold"]["expert_activation_mib"] == pytest.approx(3300.0 - 2080.0)
+    assert ("  moe_compute:   informational, same model: [paged_recompute_fc1: expert share "
+            "1720 MiB vs bound 1648 MiB (non-expert from unpaged_recompute_fc1)]: MISS") in lines
     # Without the same-model control the pair is left out, not passed.
     del rows["unpaged_recompute_fc1"]
-    step = evaluate_targets({"moe_compute": rows})["moe_compute"]["paged_step_le_1.01x_unpaged"]
+    targets = evaluate_targets({"moe_compute": rows})["moe_compute"]
+    step = targets["paged_step_le_1.01x_unpaged"]
     assert set(step["same_model_per_arm"]) == {"paged_hold"}
+    assert set(targets["paged_activation_le_1.1x_live_plus_one_layer"][
+        "same_model_per_arm"]) == {"paged_hold"}
 
 
 def test_step_peak_target_is_informational():

@@ -176,6 +176,12 @@ def table(result: dict) -> list[str]:
                 detail += " (informational)"
             lines.append(f"  {scope}: {name}: {t['status']}{detail}")
             for a, v in t.get("same_model_per_arm", {}).items():
+                if "expert_activation_mib" in v:
+                    lines.append(f"  {scope}:   informational, same model: [{a}: expert share "
+                                 f"{v['expert_activation_mib']:.0f} MiB vs bound "
+                                 f"{v['bound_mib']:.0f} MiB (non-expert from "
+                                 f"{v['unpaged_arm']})]: {v['status']}")
+                    continue
                 lines.append(f"  {scope}:   informational, same model: [{a} vs "
                              f"{v['unpaged_arm']}: {v['ratio']:.3f}x"
                              + (", within noise" if v["within_noise"] else "")

@@ -42,6 +42,25 @@ def _vs_recompute(arm: dict | None, rec: dict | None) -> dict | None:
             "activation_le_recompute": mem_ok, "met": speedup >= 1.2 and mem_ok}
 
 
+def _expert_share_per_arm(rows: dict) -> dict:
+    """Beside the verdict (which reads ``paged``): each paged arm's expert share of activation
+    against its own bound, the non-expert part taken from the unpaged arm of its own model."""
+    shares = {}
+    for name, control_name in SAME_MODEL_UNPAGED.items():
+        arm, control = rows.get(name), rows.get(control_name)
+        if name == "paged" or not (_ok(arm) and _ok(control)):
+            continue
+        if arm.get("activation_mib") is None or control.get("activation_mib") is None:
+            continue
+        other = control["activation_mib"] - control["capacity_expert_mib"]
+        share = arm["activation_mib"] - other
+        shares[name] = {"unpaged_arm": control_name, "non_expert_activation_mib": other,
+                        "expert_activation_mib": share, "bound_mib": arm["paged_bound_mib"],
+                        "met": share <= arm["paged_bound_mib"],
+                        "status": _status(share <= arm["paged_bound_mib"])}
+    return shares
+
+
 def step_peak_target(rows: dict) -> dict:
     """Informational: paged's whole-step peak (optimizer step included: what runs out of memory)
     against the control's. Not a verdict on activations: a persistent pool lives through the
@@ -100,6 +119,7 @@ def evaluate_targets(summary: dict, budget: dict | None = None,
             entry["status"] = _status(entry["met"])
         else:
             entry = {"status": "NOT RUN", "met": None}
+        entry["same_model_per_arm"] = _expert_share_per_arm(rows)
         t["paged_activation_le_1.1x_live_plus_one_layer"] = entry
         t["paged_step_peak_le_unpaged_step_peak"] = step_peak_target(rows)
         step = ratio_target(rows, "paged", CONTROL, 1.01)
