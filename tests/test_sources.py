@@ -185,6 +185,27 @@ def test_eagerly_the_host_waits_once_more_stash_groups_are_in_flight(in_flight):
     assert waited_on(backend) == []  # the device never waits for this
 
 
+def test_eagerly_a_backward_drops_what_its_forward_left_after_a_compute_wait():
+    """A host ahead of the GPU begins a backward before its forward's last stashes are seen
+    done: their sources go then (the compute stream waits on the copies; the host does not),
+    not at some later poll — else they sit beside the reloads of the same rows."""
+    backend = LaggingBackend()
+    sources = SourceLifetimes(backend, stash_in_flight=4)  # no host wait at these commits
+    seen = group()
+    seen_done = commit(sources, backend, seen)
+    mine = [group(), group()]
+    mine_done = [commit(sources, backend, handles) for handles in mine]
+    later = group(microbatch=1)  # a later forward (1F1B) whose copy may have just begun
+    commit(sources, backend, later)
+    backend.completed = seen_done.id  # the GPU got through the first copy only
+    sources.backward_begins(chunk=0, microbatch=0)
+    assert all(h[0].source is None for h in [seen, *mine])
+    assert waited_on(backend) == [e.id for e in mine_done]  # the seen one needed no wait
+    assert host_waits(backend) == [] and later[0].source is not None and len(sources) == 1
+    sources.backward_begins(chunk=0, microbatch=0)  # the next slot of that backward: nothing
+    assert len(waited_on(backend)) == 2 and len(sources) == 1
+
+
 def test_eagerly_without_a_bound_the_host_never_waits():
     backend = LaggingBackend()
     sources = SourceLifetimes(backend, stash_in_flight=0)
@@ -228,9 +249,15 @@ def test_the_engine_passes_the_bound_and_the_gradients_stay_the_controls(in_flig
     assert engine.mode == PAGED
     waits = [e for e in backend.log[start:] if e.op == "host_wait"]
     groups = [e for e in backend.log[start:] if e.op == "record" and e.kind == "stash-done"]
-    # nothing completes by itself on this backend, and a backward's slot start only drops what
-    # is done: every stash group beyond the bound is waited for, once
+    # nothing completes by itself on this backend: every stash group beyond the bound is waited
+    # for by the host, once; what a forward left when its backward begins by the compute stream
+    # (no source outlives its forward's backward start)
     assert len(waits) == (0 if in_flight == 0 else max(len(groups) - in_flight, 0))
     assert groups and all(e.kind == "stashes-in-flight" for e in waits)
+    released = [e for e in backend.log[start:] if e.op == "wait" and e.kind == "source-release"]
+    stash_events = {e.event for e in groups}
+    assert released and all(e.event in stash_events for e in released)
+    if in_flight == 0:
+        assert len(released) == len(groups)
     expected, got = parameter_grads(control), parameter_grads(chunks)
     assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
