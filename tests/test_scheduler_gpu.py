@@ -210,7 +210,8 @@ def test_gpu_paging_overlaps_compute():
 def test_gpu_host_lead_is_bounded_by_max_inflight_stashes():
     """With the GPU behind (GEMMs queued ahead of every stash), the host waits once more than
     ``stash_in_flight`` stash groups are queued, so at most that many capacity-sized sources are
-    allocated beside the pool; without the bound every committed layer's source stays."""
+    allocated beside the pool; without the bound every committed layer's source stays. Either
+    way none is left once the backward starts (only the reloads are)."""
     needs_cuda_kernels()
     records, rows, width = 6, 16384, 4096  # 128 MiB of bf16 per source
     source_bytes = rows * width * 2
@@ -238,12 +239,20 @@ def test_gpu_host_lead_is_bounded_by_max_inflight_stashes():
             scheduler.commit()
             tracked.append(len(scheduler.sources))
             extra.append(torch.cuda.memory_allocated() - base)
+        lagging = len(scheduler.sources) > 0  # copies not yet seen done when backward starts
         scheduler.backward_slot_start(0, records - 1, 0)
+        # The backward's start lets go of every source its forward left, copies seen done or
+        # not (the compute stream waits on the rest): only the reloads (prefetch_distance =
+        # records: all of them) are allocated beside the pool now.
+        at_backward = torch.cuda.memory_allocated() - base
+        assert len(scheduler.sources) == 0
+        assert at_backward <= records * source_bytes + 2**20, (in_flight, at_backward)
         results = [scheduler.unpack(h) for h in handles]
         assert scheduler.finish() == 0
         torch.cuda.synchronize()
         print(f"stash_in_flight={in_flight}: groups tracked {tracked}, "
-              f"MiB beside the pool {[round(x / 2**20) for x in extra]}")
+              f"MiB beside the pool {[round(x / 2**20) for x in extra]}, at the backward's "
+              f"start {round(at_backward / 2**20)} (sources still tracked then: {lagging})")
         if in_flight:
             assert max(tracked) == in_flight, tracked
             assert max(extra) <= in_flight * source_bytes + 2**20, extra
