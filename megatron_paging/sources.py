@@ -120,9 +120,10 @@ class SourceLifetimes:
         """When the backward of ``(chunk, microbatch)`` begins, what its forward left goes now
         (``release_forward_of``), eagerly too: a host ahead of the GPU has not seen its last
         stashes end, and polling alone would keep their capacity-sized sources allocated
-        through the backward beside the reloads of the same rows (measured on the H200: one
-        layer's sources at the backward's peak). The compute stream's wait costs nothing in
-        practice: the copy had the rest of the forward and the loss to finish."""
+        through the backward beside the reloads of the same rows (one layer's sources at the
+        backward's peak, by the H200 frontier's numbers: benchmarks/NOTES.md). The compute
+        stream's wait costs nothing in practice: the copy had the rest of the forward and the
+        loss to finish."""
         if not self._entries:
             return
         self.poll()  # what is seen done goes without a wait

@@ -127,10 +127,10 @@ PAGED_FAMILY = ("paged", "paged_hold", "paged_recompute_core_attn", "paged_recom
 # the fc1 recompute alone buys).
 RECOMPUTE_INFORMATIONAL = ("paged_offload", "paged_offload_dma", "paged_offload_dma_recompute_fc1",
                            "paged_recompute_fc1_spill", "unpaged_recompute_fc1")
-# The unpaged arm that runs the same model as each paged arm (same recompute, same experts):
-# paging's own step cost is read against it, beside the strict paged-vs-unpaged verdict.
+# The unpaged arm that runs the same model as each paged arm other than ``paged`` (whose is the
+# control, in the verdicts themselves): paging's own cost is read against it, beside them.
 SAME_MODEL_UNPAGED = {
-    "paged": CONTROL, "paged_hold": CONTROL,
+    "paged_hold": CONTROL,
     "paged_recompute_fc1": "unpaged_recompute_fc1",
     "paged_recompute_fc1_hold": "unpaged_recompute_fc1",
     "paged_recompute_fc1_tight": "unpaged_recompute_fc1",

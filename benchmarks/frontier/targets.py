@@ -48,7 +48,7 @@ def _expert_share_per_arm(rows: dict) -> dict:
     shares = {}
     for name, control_name in SAME_MODEL_UNPAGED.items():
         arm, control = rows.get(name), rows.get(control_name)
-        if name == "paged" or not (_ok(arm) and _ok(control)):
+        if not (_ok(arm) and _ok(control)):
             continue
         if arm.get("activation_mib") is None or control.get("activation_mib") is None:
             continue
@@ -127,8 +127,7 @@ def evaluate_targets(summary: dict, budget: dict | None = None,
         # (what turning paging on costs a user who already runs that recompute).
         step["same_model_per_arm"] = {
             name: {"unpaged_arm": control, **r} for name, control in SAME_MODEL_UNPAGED.items()
-            if name != "paged"
-            and (r := ratio_target(rows, name, control, 1.01))["met"] is not None}
+            if (r := ratio_target(rows, name, control, 1.01))["met"] is not None}
         t["paged_step_le_1.01x_unpaged"] = step
         t["paged_step_le_0.9x_mcore_manager"] = ratio_target(rows, "paged", "mcore_manager", 0.9)
         exact = {}
