@@ -171,7 +171,7 @@ class Size:
 # expert_heavy_cap2 (not run by default): expert_heavy with capacity factor 2.0, the headroom a
 #   static capacity needs for EP imbalance; there paging's saving is 1 - 1.1/2 of the expert
 #   activations instead of 1 - 1.1/1.5 (see docs/benchmarks.md).
-# moe_compute (not run by default; sized here, never run yet): where recomputing the MoE layer
+# moe_compute (not run by default: --only moe_compute:<arm>): where recomputing the MoE layer
 #   costs more than the 1.2x the recompute target needs. On expert_heavy and small recompute
 #   costs only ~1.17x unpaged (frontier_h200.json): the step is host-bound (~0.7 of ~1.1 s is
 #   device work), so even a free stash could not be 1.2x faster than recompute. Here: 32 experts
