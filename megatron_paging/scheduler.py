@@ -401,8 +401,9 @@ class PagingScheduler:
         self, branch, chunk, layer, microbatch, defer_wgrad, prefetch_at_end=False
     ) -> None:
         if branch == BACKWARD:
-            self.sources.backward_begins(chunk, microbatch)
-        self.sources.poll()
+            self.sources.backward_begins(chunk, microbatch)  # polls first, then releases
+        else:
+            self.sources.poll()
         self.backend.note(
             f"{branch}-slot-start", chunk=chunk, layer=layer, microbatch=microbatch
         )
