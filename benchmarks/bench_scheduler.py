@@ -16,8 +16,9 @@ one profiled step, the GPU-busy time (union of all kernel intervals), the idle g
 paging kernels' own time, and (``cost_split``) how much of a paged arm's extra busy time is
 copies nothing hid and how much is compute slowed beside them. The default layer sizes make the
 step GPU-bound so that the arms compare paging cost. ``paged_ctas_<n>`` arms bound the paging
-kernels' grid (``--paging-ctas``); ``paged_unbounded_lead`` lets the host run any number of
-stash groups ahead of the GPU (``stash_in_flight=0``), ``paged_lead_2`` two (the default: 1);
+kernels' grid (``--paging-ctas``); ``paged_unbounded_lead`` keeps any number of layers' stash
+sources allocated while their copies run (``stash_in_flight=0``), ``paged_lead_2`` two (the
+default: 1);
 ``paged_hold`` stashes a layer only when the next one commits (``hold_last_slot``), so the last
 layer before each backward is never copied.
 
@@ -151,8 +152,8 @@ def main() -> None:
     for ctas in args.paging_ctas:
         arms[f"paged_ctas_{ctas}"] = paged(max_ctas=ctas)
     arms["paged_no_overlap"] = paged(overlap=False)
-    # The host never waits for a stash copy (--paging-max-inflight-stashes 0, the behaviour
-    # before the bound): what the default bound costs or saves, measured in the same run.
+    # No bound on the layers' stash sources in flight (--paging-max-inflight-stashes 0, the
+    # behaviour before the bound): what the default bound costs or saves, in the same run.
     arms["paged_unbounded_lead"] = paged(stash_in_flight=0)
     arms["paged_lead_2"] = paged(stash_in_flight=2)  # one more queued layer of slack
     # The newest slot waits for the next commit: no copy at the forward/backward turn.

@@ -126,10 +126,11 @@ class PagingConfig:
         copy (before its source's memory is reused) once more than this many groups of the same
         module name are in flight (Megatron-Core's
         ``--fine-grained-offloading-max-inflight-offloads``; eagerly it never waits).
-    stash_in_flight: eagerly, once more than this many committed stash groups wait for their
-        copies, the host waits for the oldest (their capacity-sized sources are allocated until
-        copied, beside the pool: a host far ahead of the GPU would hold them all); 0 = never
-        wait. Not inside a CUDA-graph capture (no host waits there; the compute stream waits).
+    stash_in_flight: at most this many layers' stash sources (capacity-sized, allocated until
+        copied, beside the pool) at once, the saving layer's included: at a layer's first stash
+        save older layers' sources go, after a compute-stream wait on copies the host has not
+        seen end (never a host wait: a host far ahead of the GPU would otherwise hold them
+        all); 0 = no bound.
     pool_residency: ``persistent`` keeps the device tier's pages allocated for the whole run;
         ``step`` frees them when a step ends and allocates them again when the next begins, so
         the memory between steps (the optimizer step) does not carry the pool. ``step`` cannot

@@ -187,6 +187,9 @@ class PagingScheduler:
         chunk, layer, microbatch = self._open
         if offload and live_rows is None:
             return self._save_whole(tensor, wgrad_only)
+        if not offload and not any(h.offload is None for h in self._pending):
+            # A layer's first stash record: older layers' sources go before its buffers come.
+            self.sources.stash_saves(self.backend.compute_stream())
         if not isinstance(live_rows, torch.Tensor):
             raise TypeError(f"live_rows must be a device tensor, got {type(live_rows).__name__}")
         if capacity_rows is None:

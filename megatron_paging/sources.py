@@ -4,15 +4,18 @@ The scheduler hands every source whose copy it queued on the paging stream to a
 :class:`SourceLifetimes` (docs/scheduler.md, "Copy-input lifetimes"). Eagerly, each copy's done
 event is polled at later scheduler calls and the source dropped once the copy ended; offloaded
 sources do not come here eagerly (``Transfers.hand_over_offload_sources`` gives them to the
-allocator at once). Eagerly the host may also run ahead of the GPU: every stash group it commits
-before the paging stream copied the older ones keeps its capacity-sized sources allocated next to
-the preallocated pool, so more than ``stash_in_flight`` groups in flight make the host wait for
-the oldest copy (``--paging-max-inflight-stashes``; the bound of FSDP's ``limit_all_gathers``:
-the device never waits, the host only once it is that far ahead). Inside a CUDA-graph capture
-no event may be queried, so the compute stream waits on the copy instead, which orders every
-later reuse of the memory after it:
+allocator at once). A host ahead of the GPU sees a copy end late, though, and every layer it
+committed meanwhile would keep its capacity-sized sources allocated beside the preallocated
+pool. So when a paged layer saves its first stash record, the sources of all but the newest
+``stash_in_flight - 1`` committed stash groups go (``--paging-max-inflight-stashes``): at most
+that many layers' sources, the saving one included, are allocated at once. What the host has not
+seen end goes after a compute-stream wait on its copy, not a host wait: the memory follows the
+stream order, the host keeps its lead, and the copy had the layer's work before the save (its
+attention block) to finish. Inside a CUDA-graph capture no event may be queried, so the compute
+stream always waits on the copy, which orders every later reuse of the memory after it:
 
-* a stash (an HBM copy, microseconds) at the next commit;
+* a stash (an HBM copy, microseconds) at the next stash save as above, or at the next commit
+  (with no bound: ``stash_in_flight=0``);
 * an offload (a PCIe copy, milliseconds) only once ``offload_in_flight`` later groups of the
   same module name have been committed — the meaning of Megatron-Core's
   ``--fine-grained-offloading-max-inflight-offloads`` — so the copy overlaps that much forward
@@ -21,8 +24,8 @@ later reuse of the memory after it:
   device (its last layer's, by Megatron-Core's margin: nothing of that name follows, and the
   copies had a layer of compute to finish), so they are gone before its loss needs memory;
 * and whatever a forward left when the backward of the same chunk and microbatch begins —
-  eagerly too (the one rule that makes the compute stream wait outside a capture): sources still
-  in flight there would otherwise stay allocated through the backward.
+  eagerly too, like the bound above: sources still in flight there would otherwise stay
+  allocated through the backward.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ class SourceLifetimes:
     def __init__(self, backend, offload_in_flight: int = 2, stash_in_flight: int = 0):
         self.backend = backend
         self.offload_in_flight = offload_in_flight
-        self.stash_in_flight = stash_in_flight  # eager host-lead bound; 0: none
+        self.stash_in_flight = stash_in_flight  # layers' stash sources allocated at once; 0: any
         # (copy-done event, handles, offload name or None, that name's commit number, tensors
         # whose storage is freed with the sources: Megatron's forced releases under capture)
         self._entries: deque[tuple[Any, list, Any, int, list]] = deque()
@@ -64,12 +67,19 @@ class SourceLifetimes:
             number = self._commits[name]
             self._commits[name] = number + 1
         self._entries.append((done, handles, name, number, []))
-        if self.stash_in_flight and not self.backend.capturing():
-            # Eagerly only stash groups are tracked. Waiting on the oldest lets poll drop it
-            # (and every later one that is over too).
-            while len(self._entries) > self.stash_in_flight:
-                self.backend.host_wait(self._entries[0][0], "stashes-in-flight")
-                self.poll()
+
+    def stash_saves(self, compute) -> None:
+        """A paged layer saves its first stash record: only the newest ``stash_in_flight - 1``
+        committed stash groups keep their sources (this layer's make the bound); older ones go,
+        those whose copy the host has not seen end after ``compute`` waited on it (never a host
+        wait). Offload groups keep their own rules. No bound with ``stash_in_flight=0``."""
+        if not self.stash_in_flight or not self._entries:
+            return
+        self.poll()  # what is seen done goes without a wait
+        stash = [id(e[1]) for e in self._entries if e[2] is None]
+        due = set(stash[: max(len(stash) - self.stash_in_flight + 1, 0)])
+        if due:
+            self._release(compute, lambda done, handles, name, number: id(handles) in due)
 
     def free_with_sources(self, tensors) -> None:
         """Inside a capture: free each tensor's storage (``resize_(0)``) once no queued copy

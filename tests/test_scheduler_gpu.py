@@ -208,10 +208,12 @@ def test_gpu_paging_overlaps_compute():
 
 
 def test_gpu_host_lead_is_bounded_by_max_inflight_stashes():
-    """With the GPU behind (GEMMs queued ahead of every stash), the host waits once more than
-    ``stash_in_flight`` stash groups are queued, so at most that many capacity-sized sources are
-    allocated beside the pool; without the bound every committed layer's source stays. Either
-    way none is left once the backward starts (only the reloads are)."""
+    """With the GPU behind (GEMMs queued ahead of every stash), a layer's first stash save lets
+    go of all but the newest ``stash_in_flight - 1`` committed layers' sources (the compute
+    stream waits on their copies; the host never synchronizes), so at most that many
+    capacity-sized sources are allocated beside the pool; without the bound every committed
+    layer's source stays. Either way none is left once the backward starts (only the reloads
+    are)."""
     needs_cuda_kernels()
     records, rows, width = 6, 16384, 4096  # 128 MiB of bf16 per source
     source_bytes = rows * width * 2
@@ -231,14 +233,19 @@ def test_gpu_host_lead_is_bounded_by_max_inflight_stashes():
         for _ in range(10):  # ~15 ms of GEMMs: every stash below queues behind them
             torch.mm(a, a, out=out)
         handles, tracked, extra = [], [], []
-        for layer in range(records):
-            scheduler.open_slot(0, layer, 0)
-            source = torch.full((rows, width), float(layer), device="cuda", dtype=torch.bfloat16)
-            handles.append(scheduler.save(source, live))
-            del source
-            scheduler.commit()
-            tracked.append(len(scheduler.sources))
-            extra.append(torch.cuda.memory_allocated() - base)
+        torch.cuda.set_sync_debug_mode("error")  # the bound never waits on the host
+        try:
+            for layer in range(records):
+                scheduler.open_slot(0, layer, 0)
+                source = torch.full((rows, width), float(layer), device="cuda",
+                                    dtype=torch.bfloat16)
+                handles.append(scheduler.save(source, live))
+                del source
+                scheduler.commit()
+                tracked.append(len(scheduler.sources))
+                extra.append(torch.cuda.memory_allocated() - base)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
         lagging = len(scheduler.sources) > 0  # copies not yet seen done when backward starts
         scheduler.backward_slot_start(0, records - 1, 0)
         # The backward's start lets go of every source its forward left, copies seen done or
@@ -264,13 +271,13 @@ def test_gpu_host_lead_is_bounded_by_max_inflight_stashes():
 
 
 def test_gpu_paged_step_never_synchronizes_the_host():
-    """A whole paged pipeline step (CUDA kernels, overlap, prefetch) runs without a host sync
-    (the host-lead bound off: its wait is the one host wait, tested above)."""
+    """A whole paged pipeline step (CUDA kernels, overlap, prefetch, the default bound on
+    layers' stash sources in flight) runs without a host sync."""
     needs_cuda_kernels()
     ops, num_chunks = schedule("interleaved")
     chunks = cuda_chunks(num_chunks)
     pools = make_pools(TOKENS * LAYERS * num_chunks * 6 * 2)
-    context = paged_context(pools, kernel_backend="cuda", stash_in_flight=0)
+    context = paged_context(pools, kernel_backend="cuda")
     inputs = {}
     for op in ops:
         for salt in (1, 2):

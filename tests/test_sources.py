@@ -2,7 +2,9 @@
 event; inside a CUDA-graph capture (simulated: the CPU backend claims to capture and refuses
 event queries) only after the compute stream waited on the copy — stashes at the next commit,
 offloads once more than ``offload_in_flight`` groups of their module name are in flight, and
-whatever a forward left when its backward begins."""
+whatever a forward left when its backward begins; and the bound on layers whose sources are
+allocated at once (``stash_in_flight``), kept at each layer's first stash save by compute-stream
+waits, never host waits."""
 
 from __future__ import annotations
 
@@ -166,23 +168,55 @@ def host_waits(backend):
     return [e.event for e in backend.log if e.op == "host_wait"]
 
 
+def save_and_commit(sources, backend, handles):
+    """One paged layer: its first stash save (the bound applies), then its commit."""
+    sources.stash_saves(COMPUTE)
+    return commit(sources, backend, handles)
+
+
 @pytest.mark.parametrize("in_flight", [1, 2, 3])
-def test_eagerly_the_host_waits_once_more_stash_groups_are_in_flight(in_flight):
+def test_at_a_stash_save_older_layers_sources_go_after_a_compute_wait(in_flight):
+    """A host ahead of the GPU (no copy ever seen done): at each layer's first stash save only
+    the newest ``in_flight - 1`` committed layers keep their sources, the older ones go after
+    the compute stream waited on their copies, and the host never waits."""
     backend = LaggingBackend()
     sources = SourceLifetimes(backend, stash_in_flight=in_flight)
     groups, events = [], []
     for _ in range(6):
         groups.append(group())
+        sources.stash_saves(COMPUTE)
+        alive = [h[0].source is not None for h in groups[:-1]]
+        kept = min(in_flight - 1, len(alive))
+        assert alive == [False] * (len(alive) - kept) + [True] * kept
         events.append(commit(sources, backend, groups[-1]))
-        sources.poll()
-        alive = [h[0].source is not None for h in groups]
-        # the newest in_flight groups' sources stay allocated, the host waited for the rest
-        assert alive == [False] * max(len(groups) - in_flight, 0) + [True] * min(
-            in_flight, len(groups))
-        assert len(sources) == min(in_flight, len(groups))
-    # one wait per commit beyond the bound, each on the oldest copy still running, in order
-    assert host_waits(backend) == [e.id for e in events[: 6 - in_flight]]
-    assert waited_on(backend) == []  # the device never waits for this
+        assert len(sources) == kept + 1  # this layer's sources make the bound
+    # one compute wait per released layer, oldest first; the host never waited
+    assert waited_on(backend) == [e.id for e in events[: 6 - in_flight]]
+    assert host_waits(backend) == []
+
+
+def test_at_a_stash_save_what_the_host_saw_end_goes_without_a_wait():
+    backend = LaggingBackend()
+    sources = SourceLifetimes(backend, stash_in_flight=1)
+    first, second, third = group(), group(), group()
+    first_done = save_and_commit(sources, backend, first)
+    second_done = save_and_commit(sources, backend, second)  # first: waited on
+    backend.completed = second_done.id  # the GPU caught up
+    save_and_commit(sources, backend, third)
+    assert waited_on(backend) == [first_done.id]  # second was seen done: no wait
+    assert first[0].source is None and second[0].source is None
+    assert third[0].source is not None and host_waits(backend) == []
+
+
+def test_a_stash_save_leaves_offload_groups_to_their_own_rules():
+    backend = LaggingBackend()
+    sources = SourceLifetimes(backend, stash_in_flight=1)
+    offloaded, stashed = group("expert_fc1"), group()
+    commit(sources, backend, offloaded)
+    stash_done = commit(sources, backend, stashed)
+    sources.stash_saves(COMPUTE)
+    assert waited_on(backend) == [stash_done.id]
+    assert offloaded[0].source is not None and stashed[0].source is None
 
 
 def test_eagerly_a_backward_drops_what_its_forward_left_after_a_compute_wait():
@@ -190,7 +224,7 @@ def test_eagerly_a_backward_drops_what_its_forward_left_after_a_compute_wait():
     done: their sources go then (the compute stream waits on the copies; the host does not),
     not at some later poll — else they sit beside the reloads of the same rows."""
     backend = LaggingBackend()
-    sources = SourceLifetimes(backend, stash_in_flight=4)  # no host wait at these commits
+    sources = SourceLifetimes(backend, stash_in_flight=4)  # no stash save in between
     seen = group()
     seen_done = commit(sources, backend, seen)
     mine = [group(), group()]
@@ -206,27 +240,26 @@ def test_eagerly_a_backward_drops_what_its_forward_left_after_a_compute_wait():
     assert len(waited_on(backend)) == 2 and len(sources) == 1
 
 
-def test_eagerly_without_a_bound_the_host_never_waits():
+def test_eagerly_without_a_bound_nothing_waits():
     backend = LaggingBackend()
     sources = SourceLifetimes(backend, stash_in_flight=0)
     groups = [group() for _ in range(6)]
     for handles in groups:
-        commit(sources, backend, handles)
-    assert host_waits(backend) == [] and len(sources) == 6
+        save_and_commit(sources, backend, handles)
+    assert host_waits(backend) == [] and waited_on(backend) == [] and len(sources) == 6
     assert all(h[0].source is not None for h in groups)
 
 
-def test_under_capture_the_bound_never_waits_on_the_host():
+def test_under_capture_the_bound_waits_on_the_compute_stream():
     backend = CapturingBackend()
     sources = SourceLifetimes(backend, stash_in_flight=1)
-    for _ in range(3):
-        commit(sources, backend, group())
-    assert host_waits(backend) == []  # the compute stream waits instead
-    assert len(waited_on(backend)) == 2
+    events = [save_and_commit(sources, backend, group()) for _ in range(3)]
+    assert host_waits(backend) == []  # the compute stream waits instead, at each save
+    assert waited_on(backend) == [e.id for e in events[:2]]
 
 
 @pytest.mark.parametrize("in_flight", [0, 1, 2])
-def test_the_engine_passes_the_bound_and_the_gradients_stay_the_controls(in_flight):
+def test_the_engine_keeps_the_bound_and_the_gradients_stay_the_controls(in_flight):
     """A whole paged run on the lagging backend (real 1F1B order, synthetic layers)."""
     from megatron_paging.config import PagingConfig
     from megatron_paging.engine import PAGED, PagingEngine
@@ -247,17 +280,21 @@ def test_the_engine_passes_the_bound_and_the_gradients_stay_the_controls(in_flig
         start = len(backend.log)
         assert run_schedule(chunks, ops, PagingContext(engine), SHAPE, seed=5) == 0
     assert engine.mode == PAGED
-    waits = [e for e in backend.log[start:] if e.op == "host_wait"]
-    groups = [e for e in backend.log[start:] if e.op == "record" and e.kind == "stash-done"]
-    # nothing completes by itself on this backend: every stash group beyond the bound is waited
-    # for by the host, once; what a forward left when its backward begins by the compute stream
-    # (no source outlives its forward's backward start)
-    assert len(waits) == (0 if in_flight == 0 else max(len(groups) - in_flight, 0))
-    assert groups and all(e.kind == "stashes-in-flight" for e in waits)
-    released = [e for e in backend.log[start:] if e.op == "wait" and e.kind == "source-release"]
-    stash_events = {e.event for e in groups}
-    assert released and all(e.event in stash_events for e in released)
-    if in_flight == 0:
-        assert len(released) == len(groups)
+    log = backend.log[start:]
+    groups = [e for e in log if e.op == "record" and e.kind == "stash-done"]
+    released = [e for e in log if e.op == "wait" and e.kind == "source-release"]
+    # nothing completes by itself on this backend, and the host never waits: every stash
+    # group's sources go after a compute-stream wait, at a later layer's first stash save (the
+    # bound) or when its forward's backward begins (no source outlives that)
+    assert groups and not [e for e in log if e.op == "host_wait"]
+    assert sorted(e.event for e in released) == sorted(e.event for e in groups)
+    alive, most = 0, 0  # layers whose sources are allocated, along the log
+    for e in log:
+        alive += (e.op == "record" and e.kind == "stash-done") - (e in released)
+        most = max(most, alive)
+    if in_flight:
+        assert most == in_flight
+    else:  # without the bound a forward's layers pile up until its backward begins
+        assert most > 2
     expected, got = parameter_grads(control), parameter_grads(chunks)
     assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)

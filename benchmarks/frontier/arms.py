@@ -53,9 +53,9 @@ ARMS: dict[str, Arm] = {
             "use) instead of returned after each eager step: at a memory cap, whether taking "
             "them again every step is what makes the allocator retry"),
         Arm("paged_unbounded_lead", True, ("--paging-max-inflight-stashes", "0"), True,
-            "paged; the host never waits for a stash copy (the behaviour before "
-            "--paging-max-inflight-stashes): when the GPU lags, every layer committed ahead of "
-            "its copy keeps its capacity-sized inputs allocated beside the pool"),
+            "paged; no bound on the layers whose stash inputs are allocated at once (the "
+            "behaviour before --paging-max-inflight-stashes): when the GPU lags, every layer "
+            "committed ahead of its copy keeps its capacity-sized inputs beside the pool"),
         Arm("mcore_manager", True, ("--paging-implementation", "mcore"), True,
             "--moe-paged-stash through Megatron-Core 0.19.2's own manager and Triton kernels"),
         Arm("recompute_moe", False,

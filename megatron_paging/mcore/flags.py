@@ -262,9 +262,9 @@ OUR_FLAGS = {
         "before a backward is never copied, and the pool is sized without it",
     ),
     "paging_max_inflight_stashes": dict(
-        type=int, help="eager steps: the host waits for the oldest stash copy once more than "
-        "this many layers' stashes are queued (their capacity-sized inputs stay allocated "
-        "until copied); 0 = never wait",
+        type=int, help="at most this many layers' capacity-sized stash inputs allocated at "
+        "once: at a layer's first stash save older layers' inputs go, after the compute "
+        "stream waits on copies not yet seen done (never the host); 0 = no bound",
     ),
     "paging_recompute_expert_fc1": dict(
         action="store_true", help="PagedGroupedMLP saves only its input and recomputes fc1 in "
