@@ -127,8 +127,8 @@ class PagingConfig:
         module name are in flight (Megatron-Core's
         ``--fine-grained-offloading-max-inflight-offloads``; eagerly it never waits).
     stash_in_flight: at most this many layers' stash sources (capacity-sized, allocated until
-        copied, beside the pool) at once, the saving layer's included: at a layer's first stash
-        save older layers' sources go, after a compute-stream wait on copies the host has not
+        copied, beside the pool) at once, the opening layer's included: when a layer's slot
+        opens, older layers' sources go, after a compute-stream wait on copies the host has not
         seen end (never a host wait: a host far ahead of the GPU would otherwise hold them
         all); 0 = no bound.
     pool_residency: ``persistent`` keeps the device tier's pages allocated for the whole run;

@@ -157,6 +157,8 @@ class PagingScheduler:
                 f"open_slot{slot}: slot {clash} is still open (every group start needs a group "
                 "commit)"
             )
+        if not group:  # a layer's paged region begins: older layers' sources go first
+            self.sources.layer_opens(self.backend.compute_stream())
         self._open_slots.append((slot, []))
 
     def save(
@@ -187,9 +189,6 @@ class PagingScheduler:
         chunk, layer, microbatch = self._open
         if offload and live_rows is None:
             return self._save_whole(tensor, wgrad_only)
-        if not offload and not any(h.offload is None for h in self._pending):
-            # A layer's first stash record: older layers' sources go before its buffers come.
-            self.sources.stash_saves(self.backend.compute_stream())
         if not isinstance(live_rows, torch.Tensor):
             raise TypeError(f"live_rows must be a device tensor, got {type(live_rows).__name__}")
         if capacity_rows is None:

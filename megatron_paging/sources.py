@@ -6,16 +6,16 @@ event is polled at later scheduler calls and the source dropped once the copy en
 sources do not come here eagerly (``Transfers.hand_over_offload_sources`` gives them to the
 allocator at once). A host ahead of the GPU sees a copy end late, though, and every layer it
 committed meanwhile would keep its capacity-sized sources allocated beside the preallocated
-pool. So when a paged layer saves its first stash record, the sources of all but the newest
+pool. So when a layer's slot opens (its paged region begins), the sources of all but the newest
 ``stash_in_flight - 1`` committed stash groups go (``--paging-max-inflight-stashes``): at most
-that many layers' sources, the saving one included, are allocated at once. What the host has not
-seen end goes after a compute-stream wait on its copy, not a host wait: the memory follows the
-stream order, the host keeps its lead, and the copy had the layer's work before the save (its
-attention block) to finish. Inside a CUDA-graph capture no event may be queried, so the compute
+that many layers' sources, the opening one's included, are allocated at once. What the host has
+not seen end goes after a compute-stream wait on its copy, not a host wait: the memory follows
+the stream order, the host keeps its lead, and the copy had the layer's work before the opening
+(its attention block) to finish. Inside a CUDA-graph capture no event may be queried, so the compute
 stream always waits on the copy, which orders every later reuse of the memory after it:
 
-* a stash (an HBM copy, microseconds) at the next stash save as above, or at the next commit
-  (with no bound: ``stash_in_flight=0``);
+* a stash (an HBM copy, microseconds) when the next layer slot opens, as above, or at the next
+  commit (with no bound: ``stash_in_flight=0``);
 * an offload (a PCIe copy, milliseconds) only once ``offload_in_flight`` later groups of the
   same module name have been committed — the meaning of Megatron-Core's
   ``--fine-grained-offloading-max-inflight-offloads`` — so the copy overlaps that much forward
@@ -68,11 +68,13 @@ class SourceLifetimes:
             self._commits[name] = number + 1
         self._entries.append((done, handles, name, number, []))
 
-    def stash_saves(self, compute) -> None:
-        """A paged layer saves its first stash record: only the newest ``stash_in_flight - 1``
-        committed stash groups keep their sources (this layer's make the bound); older ones go,
-        those whose copy the host has not seen end after ``compute`` waited on it (never a host
-        wait). Offload groups keep their own rules. No bound with ``stash_in_flight=0``."""
+    def layer_opens(self, compute) -> None:
+        """A layer's slot opens (its paged region, the experts, begins): only the newest
+        ``stash_in_flight - 1`` committed stash groups keep their sources (this layer's make the
+        bound); older ones go, those whose copy the host has not seen end after ``compute``
+        waited on it (never a host wait). Records are made at the commit, so the slot's opening
+        is the last point before the layer's own buffers (the fc1 output) are allocated. Offload
+        groups keep their own rules. No bound with ``stash_in_flight=0``."""
         if not self.stash_in_flight or not self._entries:
             return
         self.poll()  # what is seen done goes without a wait

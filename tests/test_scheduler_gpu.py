@@ -208,7 +208,7 @@ def test_gpu_paging_overlaps_compute():
 
 
 def test_gpu_host_lead_is_bounded_by_max_inflight_stashes():
-    """With the GPU behind (GEMMs queued ahead of every stash), a layer's first stash save lets
+    """With the GPU behind (GEMMs queued ahead of every stash), a layer's slot opening lets
     go of all but the newest ``stash_in_flight - 1`` committed layers' sources (the compute
     stream waits on their copies; the host never synchronizes), so at most that many
     capacity-sized sources are allocated beside the pool; without the bound every committed

@@ -3,7 +3,7 @@ event; inside a CUDA-graph capture (simulated: the CPU backend claims to capture
 event queries) only after the compute stream waited on the copy — stashes at the next commit,
 offloads once more than ``offload_in_flight`` groups of their module name are in flight, and
 whatever a forward left when its backward begins; and the bound on layers whose sources are
-allocated at once (``stash_in_flight``), kept at each layer's first stash save by compute-stream
+allocated at once (``stash_in_flight``), kept when each layer's slot opens by compute-stream
 waits, never host waits."""
 
 from __future__ import annotations
@@ -168,23 +168,23 @@ def host_waits(backend):
     return [e.event for e in backend.log if e.op == "host_wait"]
 
 
-def save_and_commit(sources, backend, handles):
-    """One paged layer: its first stash save (the bound applies), then its commit."""
-    sources.stash_saves(COMPUTE)
+def open_and_commit(sources, backend, handles):
+    """One paged layer: its slot opens (the bound applies), then it commits."""
+    sources.layer_opens(COMPUTE)
     return commit(sources, backend, handles)
 
 
 @pytest.mark.parametrize("in_flight", [1, 2, 3])
-def test_at_a_stash_save_older_layers_sources_go_after_a_compute_wait(in_flight):
-    """A host ahead of the GPU (no copy ever seen done): at each layer's first stash save only
-    the newest ``in_flight - 1`` committed layers keep their sources, the older ones go after
-    the compute stream waited on their copies, and the host never waits."""
+def test_when_a_layer_opens_older_layers_sources_go_after_a_compute_wait(in_flight):
+    """A host ahead of the GPU (no copy ever seen done): when a layer's slot opens only the
+    newest ``in_flight - 1`` committed layers keep their sources, the older ones go after the
+    compute stream waited on their copies, and the host never waits."""
     backend = LaggingBackend()
     sources = SourceLifetimes(backend, stash_in_flight=in_flight)
     groups, events = [], []
     for _ in range(6):
         groups.append(group())
-        sources.stash_saves(COMPUTE)
+        sources.layer_opens(COMPUTE)
         alive = [h[0].source is not None for h in groups[:-1]]
         kept = min(in_flight - 1, len(alive))
         assert alive == [False] * (len(alive) - kept) + [True] * kept
@@ -195,26 +195,26 @@ def test_at_a_stash_save_older_layers_sources_go_after_a_compute_wait(in_flight)
     assert host_waits(backend) == []
 
 
-def test_at_a_stash_save_what_the_host_saw_end_goes_without_a_wait():
+def test_when_a_layer_opens_what_the_host_saw_end_goes_without_a_wait():
     backend = LaggingBackend()
     sources = SourceLifetimes(backend, stash_in_flight=1)
     first, second, third = group(), group(), group()
-    first_done = save_and_commit(sources, backend, first)
-    second_done = save_and_commit(sources, backend, second)  # first: waited on
+    first_done = open_and_commit(sources, backend, first)
+    second_done = open_and_commit(sources, backend, second)  # first: waited on
     backend.completed = second_done.id  # the GPU caught up
-    save_and_commit(sources, backend, third)
+    open_and_commit(sources, backend, third)
     assert waited_on(backend) == [first_done.id]  # second was seen done: no wait
     assert first[0].source is None and second[0].source is None
     assert third[0].source is not None and host_waits(backend) == []
 
 
-def test_a_stash_save_leaves_offload_groups_to_their_own_rules():
+def test_a_layer_opening_leaves_offload_groups_to_their_own_rules():
     backend = LaggingBackend()
     sources = SourceLifetimes(backend, stash_in_flight=1)
     offloaded, stashed = group("expert_fc1"), group()
     commit(sources, backend, offloaded)
     stash_done = commit(sources, backend, stashed)
-    sources.stash_saves(COMPUTE)
+    sources.layer_opens(COMPUTE)
     assert waited_on(backend) == [stash_done.id]
     assert offloaded[0].source is not None and stashed[0].source is None
 
@@ -224,7 +224,7 @@ def test_eagerly_a_backward_drops_what_its_forward_left_after_a_compute_wait():
     done: their sources go then (the compute stream waits on the copies; the host does not),
     not at some later poll — else they sit beside the reloads of the same rows."""
     backend = LaggingBackend()
-    sources = SourceLifetimes(backend, stash_in_flight=4)  # no stash save in between
+    sources = SourceLifetimes(backend, stash_in_flight=4)  # no layer opens in between
     seen = group()
     seen_done = commit(sources, backend, seen)
     mine = [group(), group()]
@@ -245,7 +245,7 @@ def test_eagerly_without_a_bound_nothing_waits():
     sources = SourceLifetimes(backend, stash_in_flight=0)
     groups = [group() for _ in range(6)]
     for handles in groups:
-        save_and_commit(sources, backend, handles)
+        open_and_commit(sources, backend, handles)
     assert host_waits(backend) == [] and waited_on(backend) == [] and len(sources) == 6
     assert all(h[0].source is not None for h in groups)
 
@@ -253,8 +253,8 @@ def test_eagerly_without_a_bound_nothing_waits():
 def test_under_capture_the_bound_waits_on_the_compute_stream():
     backend = CapturingBackend()
     sources = SourceLifetimes(backend, stash_in_flight=1)
-    events = [save_and_commit(sources, backend, group()) for _ in range(3)]
-    assert host_waits(backend) == []  # the compute stream waits instead, at each save
+    events = [open_and_commit(sources, backend, group()) for _ in range(3)]
+    assert host_waits(backend) == []  # the compute stream waits instead, at each opening
     assert waited_on(backend) == [e.id for e in events[:2]]
 
 
@@ -284,7 +284,7 @@ def test_the_engine_keeps_the_bound_and_the_gradients_stay_the_controls(in_fligh
     groups = [e for e in log if e.op == "record" and e.kind == "stash-done"]
     released = [e for e in log if e.op == "wait" and e.kind == "source-release"]
     # nothing completes by itself on this backend, and the host never waits: every stash
-    # group's sources go after a compute-stream wait, at a later layer's first stash save (the
+    # group's sources go after a compute-stream wait, when a later layer's slot opens (the
     # bound) or when its forward's backward begins (no source outlives that)
     assert groups and not [e for e in log if e.op == "host_wait"]
     assert sorted(e.event for e in released) == sorted(e.event for e in groups)
@@ -298,3 +298,30 @@ def test_the_engine_keeps_the_bound_and_the_gradients_stay_the_controls(in_fligh
         assert most > 2
     expected, got = parameter_grads(control), parameter_grads(chunks)
     assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
+
+
+def test_the_previous_layers_sources_go_when_the_next_layer_opens_before_its_records():
+    """Records are made at the commit (``PagingContext.commit_slot`` saves the marked tensors
+    then), so the bound must act when the next layer's slot opens: there the previous layer's
+    capacity-sized sources go, before the next layer allocates its own buffers beside them."""
+    from megatron_paging.config import PagingConfig
+    from megatron_paging.pool import PagePools
+    from megatron_paging.scheduler import PagingScheduler
+
+    backend = LaggingBackend()
+    pools = PagePools(4)
+    pools.add(16 * 4, cuda_rows=256)
+    scheduler = PagingScheduler(backend, pools, config=PagingConfig(
+        page_size=4, kernel_backend="reference", prefetch_distance=2))
+    live = torch.tensor(24)
+    scheduler.open_slot(0, 0, 0)
+    first = scheduler.save(torch.randn(32, 16), live)
+    scheduler.commit()
+    assert first.source is not None  # its copy is not seen done on this backend
+    scheduler.open_slot(0, 1, 0)  # nothing saved in this slot yet
+    assert first.source is None
+    assert [e.event for e in backend.log if e.op == "wait" and e.kind == "source-release"]
+    second = scheduler.save(torch.randn(32, 16), live)
+    scheduler.commit()
+    assert second.source is not None and len(scheduler.sources) == 1
+    assert host_waits(backend) == []

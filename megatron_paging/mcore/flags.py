@@ -263,7 +263,7 @@ OUR_FLAGS = {
     ),
     "paging_max_inflight_stashes": dict(
         type=int, help="at most this many layers' capacity-sized stash inputs allocated at "
-        "once: at a layer's first stash save older layers' inputs go, after the compute "
+        "once: when a layer's experts begin, older layers' inputs go, after the compute "
         "stream waits on copies not yet seen done (never the host); 0 = no bound",
     ),
     "paging_recompute_expert_fc1": dict(
