@@ -147,8 +147,9 @@ for mode, run in runs.items():
         median_step_ms=timed[len(timed) // 2] if timed else None,
         step_ms_p25_p75=[timed[len(timed) // 4], timed[(3 * len(timed)) // 4]] if timed else None,
         steady_steps=len(timed),
-        bitwise_equal_to_unpaged=(run["microbatch_losses"] == control and bool(control))
-        if mode != "unpaged" else None,
+        # None when this call ran no unpaged control (nothing to compare with)
+        bitwise_equal_to_unpaged=(run["microbatch_losses"] == control)
+        if mode != "unpaged" and control else None,
         # graphed arms against the graphed control of the same call, when it ran
         **({"bitwise_equal_to_graphed_unpaged":
             run["microbatch_losses"] == graphed_control and bool(graphed_control)}
