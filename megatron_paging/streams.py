@@ -12,8 +12,6 @@ The scheduler never calls ``torch.cuda`` directly; it talks to a backend with fi
   one stream switch, not one per record.
 
 plus ``done(event)`` (has the event completed? never asked during graph capture),
-``host_wait(event)`` (block the host until the event completed: the one host wait, which bounds
-how far the host may run ahead of the paging stream; never during graph capture),
 ``capturing()`` (is the compute stream being captured into a CUDA graph?) and
 ``keep_alive(tensor, stream)`` (``stream`` uses ``tensor``: its memory must not be reused before
 that stream's queued work is done — ``record_stream`` on CUDA).
@@ -93,12 +91,6 @@ class CpuStreamBackend:
 
     def done(self, event: CpuEvent) -> bool:
         return True
-
-    def host_wait(self, event: CpuEvent, reason: str = "") -> None:
-        """Nothing to wait for (the work already ran); logged for tests."""
-        self.log.append(
-            LogEntry(next(self._seq), "host_wait", None, event.id, reason, {"on": event.what})
-        )
 
     def launch(self, stream: str, kind: str, fn: Callable[[], None], **info) -> None:
         pool = info.pop("pool", None)
@@ -194,9 +186,6 @@ class CudaStreamBackend:
 
     def done(self, event: torch.cuda.Event) -> bool:
         return event.query()
-
-    def host_wait(self, event: torch.cuda.Event, reason: str = "") -> None:
-        event.synchronize()
 
     @contextlib.contextmanager
     def scope(self, stream):

@@ -149,23 +149,16 @@ def test_a_forced_release_waits_for_every_copy_that_reads_its_storage():
 
 
 class LaggingBackend(CpuStreamBackend):
-    """A GPU that lags the host: an event is done only once the host waited on it (or on a
-    later event of the same stream: streams run in order)."""
+    """A GPU that lags the host: no event is done until a test moves ``completed`` (the newest
+    event id the "GPU" has reached). The backends have no host wait: nothing may block the host
+    on a copy."""
 
     def __init__(self):
         super().__init__()
-        self.completed = -1  # newest event id the "GPU" has reached
+        self.completed = -1
 
     def done(self, event):
         return event.id <= self.completed
-
-    def host_wait(self, event, reason=""):
-        super().host_wait(event, reason)
-        self.completed = max(self.completed, event.id)
-
-
-def host_waits(backend):
-    return [e.event for e in backend.log if e.op == "host_wait"]
 
 
 def open_and_commit(sources, backend, handles):
@@ -178,7 +171,7 @@ def open_and_commit(sources, backend, handles):
 def test_when_a_layer_opens_older_layers_sources_go_after_a_compute_wait(in_flight):
     """A host ahead of the GPU (no copy ever seen done): when a layer's slot opens only the
     newest ``in_flight - 1`` committed layers keep their sources, the older ones go after the
-    compute stream waited on their copies, and the host never waits."""
+    compute stream waited on their copies (the backends have no host wait)."""
     backend = LaggingBackend()
     sources = SourceLifetimes(backend, stash_in_flight=in_flight)
     groups, events = [], []
@@ -190,9 +183,8 @@ def test_when_a_layer_opens_older_layers_sources_go_after_a_compute_wait(in_flig
         assert alive == [False] * (len(alive) - kept) + [True] * kept
         events.append(commit(sources, backend, groups[-1]))
         assert len(sources) == kept + 1  # this layer's sources make the bound
-    # one compute wait per released layer, oldest first; the host never waited
+    # one compute wait per released layer, oldest first
     assert waited_on(backend) == [e.id for e in events[: 6 - in_flight]]
-    assert host_waits(backend) == []
 
 
 def test_when_a_layer_opens_what_the_host_saw_end_goes_without_a_wait():
@@ -205,7 +197,7 @@ def test_when_a_layer_opens_what_the_host_saw_end_goes_without_a_wait():
     open_and_commit(sources, backend, third)
     assert waited_on(backend) == [first_done.id]  # second was seen done: no wait
     assert first[0].source is None and second[0].source is None
-    assert third[0].source is not None and host_waits(backend) == []
+    assert third[0].source is not None
 
 
 def test_a_layer_opening_leaves_offload_groups_to_their_own_rules():
@@ -235,7 +227,7 @@ def test_eagerly_a_backward_drops_what_its_forward_left_after_a_compute_wait():
     sources.backward_begins(chunk=0, microbatch=0)
     assert all(h[0].source is None for h in [seen, *mine])
     assert waited_on(backend) == [e.id for e in mine_done]  # the seen one needed no wait
-    assert host_waits(backend) == [] and later[0].source is not None and len(sources) == 1
+    assert later[0].source is not None and len(sources) == 1
     sources.backward_begins(chunk=0, microbatch=0)  # the next slot of that backward: nothing
     assert len(waited_on(backend)) == 2 and len(sources) == 1
 
@@ -246,7 +238,7 @@ def test_eagerly_without_a_bound_nothing_waits():
     groups = [group() for _ in range(6)]
     for handles in groups:
         open_and_commit(sources, backend, handles)
-    assert host_waits(backend) == [] and waited_on(backend) == [] and len(sources) == 6
+    assert waited_on(backend) == [] and len(sources) == 6
     assert all(h[0].source is not None for h in groups)
 
 
@@ -254,7 +246,6 @@ def test_under_capture_the_bound_waits_on_the_compute_stream():
     backend = CapturingBackend()
     sources = SourceLifetimes(backend, stash_in_flight=1)
     events = [open_and_commit(sources, backend, group()) for _ in range(3)]
-    assert host_waits(backend) == []  # the compute stream waits instead, at each opening
     assert waited_on(backend) == [e.id for e in events[:2]]
 
 
@@ -283,10 +274,10 @@ def test_the_engine_keeps_the_bound_and_the_gradients_stay_the_controls(in_fligh
     log = backend.log[start:]
     groups = [e for e in log if e.op == "record" and e.kind == "stash-done"]
     released = [e for e in log if e.op == "wait" and e.kind == "source-release"]
-    # nothing completes by itself on this backend, and the host never waits: every stash
-    # group's sources go after a compute-stream wait, when a later layer's slot opens (the
-    # bound) or when its forward's backward begins (no source outlives that)
-    assert groups and not [e for e in log if e.op == "host_wait"]
+    # nothing completes by itself on this backend: every stash group's sources go after a
+    # compute-stream wait, when a later layer's slot opens (the bound) or when its forward's
+    # backward begins (no source outlives that)
+    assert groups
     assert sorted(e.event for e in released) == sorted(e.event for e in groups)
     alive, most = 0, 0  # layers whose sources are allocated, along the log
     for e in log:
@@ -324,4 +315,3 @@ def test_the_previous_layers_sources_go_when_the_next_layer_opens_before_its_rec
     second = scheduler.save(torch.randn(32, 16), live)
     scheduler.commit()
     assert second.source is not None and len(scheduler.sources) == 1
-    assert host_waits(backend) == []
