@@ -20,10 +20,7 @@ One paging stream carries every stash and reload, so freelists mutate in issue o
 from __future__ import annotations
 
 import itertools
-from collections import defaultdict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -31,20 +28,9 @@ from megatron_paging import kernels
 from megatron_paging.config import PagingConfig
 from megatron_paging.pool import PagePools
 from megatron_paging.record import RecordLayout, attach_buffers
+from megatron_paging.slot_queues import BACKWARD, WGRAD, Group, SlotQueues
 from megatron_paging.sources import SourceLifetimes
 from megatron_paging.transfers import PagedHandle, Parker, Transfers, reload_destination
-
-BACKWARD = "backward"
-WGRAD = "wgrad"
-
-
-@dataclass
-class _Group:
-    """The records one commit stashed for one slot and microbatch."""
-
-    microbatch: int
-    handles: list[PagedHandle] = field(default_factory=list)
-    position: int = 0  # commit order in the step: backward meets groups in reverse
 
 
 class PagingScheduler:
@@ -101,16 +87,7 @@ class PagingScheduler:
         # Open slots, innermost last, each with its pending records: an offload group may open
         # inside a paged-stash slot (Megatron's expert_fc1 inside the experts' stash context).
         self._open_slots: list[tuple[tuple, list[PagedHandle]]] = []
-        # branch -> (chunk, layer) -> FIFO of stashed groups
-        self._fifo: dict[str, dict[tuple[int, int], deque[_Group]]] = {
-            branch: defaultdict(deque) for branch in (BACKWARD, WGRAD)
-        }
-        # branch -> (chunk, microbatch) -> {layer: commit position} of the slots whose backward
-        # (or wgrad) has not started; a layer is any hashable key (an int for a paged-stash
-        # slot, a tuple for an offload group), ordered by the position
-        self._layers: dict[str, dict[tuple[int, int], dict[Any, int]]] = {
-            branch: defaultdict(dict) for branch in (BACKWARD, WGRAD)
-        }
+        self._queues = SlotQueues()  # the groups and slots each backward / wgrad will meet
         # what the queued copies still read, and when it may go (also the offload backend's)
         self.sources = SourceLifetimes(
             backend, config.offload_in_flight, config.stash_in_flight
@@ -257,7 +234,7 @@ class PagingScheduler:
         if not handles:
             return
         position = next(self._positions)
-        self._layers[BACKWARD][(chunk, microbatch)][layer] = position
+        self._queues.expect(BACKWARD, chunk, layer, microbatch, position)
         if self.hold_last_slot and not any(h.offload for h in handles):
             self._held = (chunk, layer, microbatch, handles, position)
             return
@@ -282,7 +259,7 @@ class PagingScheduler:
             if tracked:
                 self.sources.track(done, tracked)
             self.sources.release_captured(compute, done if tracked else None)
-        self._fifo[BACKWARD][(chunk, layer)].append(_Group(microbatch, handles, position))
+        self._queues.add(BACKWARD, chunk, layer, Group(microbatch, handles, position))
 
     def _hold(self, handle: PagedHandle | None = None, slot: tuple | None = None) -> bool:
         """Whether ``handle`` (or ``slot``) is the held slot's: the newest commit, whose
@@ -341,10 +318,8 @@ class PagingScheduler:
         if not self.overlap:
             return
         self.sources.poll()
-        layers = self._layers[branch].get((chunk, microbatch), {})
-        layers = sorted(layers, key=layers.__getitem__, reverse=True)
         compute = None  # resolved by the first reload that needs it, then reused
-        for below in layers[: self.prefetch_distance]:
+        for below in self._queues.newest(branch, chunk, microbatch, self.prefetch_distance):
             compute = self._reload_slot(
                 branch, chunk, below, microbatch, defer_wgrad, "prefetch", compute
             )
@@ -391,12 +366,7 @@ class PagingScheduler:
             h.source = None  # its backward never ran: nothing was stashed, nothing to reload
         self.sources.clear()
         self._prefetch_at_end.clear()
-        for branch in (BACKWARD, WGRAD):
-            for groups in self._fifo[branch].values():
-                left += sum(1 for g in groups for h in g.handles if h.tensor is None)
-            self._fifo[branch].clear()
-            self._layers[branch].clear()
-        return left
+        return left + self._queues.clear()
 
     # -------------------------------------------------------------- internals
     def _slot_start(
@@ -409,12 +379,9 @@ class PagingScheduler:
         self.backend.note(
             f"{branch}-slot-start", chunk=chunk, layer=layer, microbatch=microbatch
         )
-        layers = self._layers[branch].get((chunk, microbatch))
-        if layers is None:
+        known, position = self._queues.start(branch, chunk, layer, microbatch)
+        if not known:
             return
-        position = layers.pop(layer, None)
-        if not layers:
-            del self._layers[branch][(chunk, microbatch)]
         if branch == BACKWARD:
             self._hold(slot=(chunk, layer, microbatch))
         compute = self._reload_slot(branch, chunk, layer, microbatch, defer_wgrad, "slot")
@@ -427,12 +394,8 @@ class PagingScheduler:
 
     def _prefetch_below(self, branch, chunk, microbatch, position, defer_wgrad, compute=None):
         """Reload the ``prefetch_distance`` paged slots committed just before ``position``."""
-        layers = self._layers[branch].get((chunk, microbatch), {})
-        ahead = sorted(
-            (lower for lower, p in layers.items() if p < position),
-            key=layers.__getitem__, reverse=True,
-        )
-        for lower in ahead[: self.prefetch_distance]:
+        for lower in self._queues.below(branch, chunk, microbatch, position,
+                                        self.prefetch_distance):
             compute = self._reload_slot(
                 branch, chunk, lower, microbatch, defer_wgrad, "prefetch", compute
             )
@@ -441,25 +404,19 @@ class PagingScheduler:
         self, branch, chunk, layer, microbatch, defer_wgrad, reason, compute=None
     ):
         """Reload one slot's group; returns the compute stream (resolved at most once)."""
-        fifo = self._fifo[branch].get((chunk, layer))
-        if not fifo:
-            return compute
-        position = next((i for i, g in enumerate(fifo) if g.microbatch == microbatch), None)
-        if position is None:
+        taken = self._queues.take(branch, chunk, layer, microbatch)
+        if taken is None:
             return compute  # already reloaded (prefetched) or nothing paged for this microbatch
-        group = fifo[position]
-        del fifo[position]
+        group, oldest = taken
         handles = group.handles
         if branch == BACKWARD and defer_wgrad:
             resident = [h for h in handles if h.wgrad_only and h.tensor is None]
             handles = [h for h in handles if not h.wgrad_only]
             if resident:
-                self._fifo[WGRAD][(chunk, layer)].append(
-                    _Group(microbatch, resident, group.position)
-                )
-                self._layers[WGRAD][(chunk, microbatch)][layer] = group.position
+                self._queues.add(WGRAD, chunk, layer, Group(microbatch, resident, group.position))
+                self._queues.expect(WGRAD, chunk, layer, microbatch, group.position)
         return self._reload(
-            [h for h in handles if h.tensor is None], reason, oldest=position == 0, branch=branch,
+            [h for h in handles if h.tensor is None], reason, oldest=oldest, branch=branch,
             compute=compute,
         )
 
