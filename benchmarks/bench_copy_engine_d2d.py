@@ -9,9 +9,12 @@ idle. This measures, on one GPU and in one run:
 
 * each copy alone: the copy engine (``copy_``) and an SM kernel moving the same bytes
   (``torch.add(src, 0, out=dst)``, a full-grid elementwise kernel like our page copies);
-* a block of GEMMs, and a block of row gathers (``index_select``, the dispatcher's permutation),
-  alone and with the copies streaming beside them on a second stream: how much each block slows
-  and how fast the copies still go.
+* a block of GEMMs (``torch.mm``, cuBLAS), a block of the experts' grouped GEMMs
+  (``torch._grouped_mm``, a persistent CUTLASS kernel: one CTA per SM holds it until the GEMM
+  ends, so an SM copy cannot slip in between its CTAs the way it can between cuBLAS's) and a
+  block of row gathers (``index_select``, the dispatcher's permutation), alone and with the
+  copies streaming beside them on a second stream: how much each block slows and how fast the
+  copies still go.
 
 Usage: ``python benchmarks/bench_copy_engine_d2d.py [--out F] [--copy-mib 896]``. A probe for a
 design decision (docs/benchmarks.md); nothing in the runtime uses it.
@@ -89,11 +92,24 @@ def main(argv=None) -> None:
         for _ in range(24):
             torch.index_select(rows, 0, index, out=gathered)
 
+    blocks = {"gemm": gemms}
+    if hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability() >= (9, 0):
+        # moe_compute's fc1: 98304 capacity rows x hidden 1024 -> 2 x 3072 over 32 experts
+        grouped_x = torch.randn(98304, 1024, device="cuda", dtype=torch.bfloat16)
+        grouped_w = torch.randn(32, 6144, 1024, device="cuda", dtype=torch.bfloat16) * 0.02
+        offs = torch.arange(1, 33, device="cuda", dtype=torch.int32) * 3072
+
+        def grouped_gemms():
+            for _ in range(6):
+                torch._grouped_mm(grouped_x, grouped_w.transpose(1, 2), offs=offs)
+
+        blocks["grouped_gemm"] = grouped_gemms
+    blocks["gather"] = gathers
+
     copies = {
         "copy_engine": lambda: dst.copy_(src),
         "sm_kernel": lambda: torch.add(src, 0, out=dst),
     }
-    blocks = {"gemm": gemms, "gather": gathers}
     compute, side = torch.cuda.current_stream(), torch.cuda.Stream()
     result = header("copy_engine_d2d", copy_mib=args.copy_mib, reps=args.reps,
                     copy_engine_op=_copy_engine_name(src, dst))
