@@ -11,7 +11,8 @@
 # takes longer than one 10-minute device call; split it, for example
 #   GIT_COMMIT=$(git rev-parse HEAD) bash scripts/gpu_check.sh build tests sanitizer
 #   GIT_COMMIT=... bash scripts/gpu_check.sh build bench-kernels bench-scheduler mcore
-# (GIT_COMMIT: .git does not travel to the device machine; benchmarks record it in their JSON.
+# (GIT_COMMIT: the commit benchmarks record in their JSON; set it: git on the device machine may
+#  answer a stale commit (seen 2026-12-03). A warning is printed without it.
 #  PYTEST_EXTRA: more pytest arguments, e.g. "--deselect tests/test_example_pretrain.py";
 #  PYTEST_TARGETS: test files or node ids instead of the whole tests/ tree.
 #  PYTEST_SHARDS: run the tests as that many pytest processes side by side (default 1);
@@ -30,6 +31,11 @@ mkdir -p "$OUT"
 LOG="$OUT/gpu_check.log"
 : > "$LOG"
 export PYTHONUNBUFFERED=1
+if [ -z "${GIT_COMMIT:-}" ]; then
+  # Seen 2026-12-03: git on the device machine answered a commit other than the tree's.
+  echo "warning: GIT_COMMIT is not set; result files will record whatever git answers here" \
+    | tee -a "$LOG" >&2
+fi
 export MEGATRON_PAGING_EXT_DIR=${MEGATRON_PAGING_EXT_DIR:-/tmp/megatron_paging_ext}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if ls .whl/*.whl >/dev/null 2>&1; then
