@@ -21,6 +21,8 @@ from dataclasses import dataclass
 MAX_CTAS_ENV = "MEGATRON_PAGING_MAX_CTAS"
 DEFAULT_MAX_CTAS = 2048
 POOL_RESIDENCIES = ("persistent", "step")
+# Where the Megatron adapter reports the end of a layer's backward (PagingConfig.prefetch_point).
+PREFETCH_POINTS = ("experts", "dispatcher")
 
 
 class ConfigError(ValueError):
@@ -139,6 +141,11 @@ class PagingConfig:
     hold_last_slot: a committed slot's stash waits for the next commit; a slot whose backward
         starts first (the last layer before a backward) is never stashed or reloaded, and
         calibration sizes the pool without it (docs/scheduler.md).
+    prefetch_point: where Megatron-Core's adapter ends a layer's backward, which is when the
+        layers below are reloaded: ``experts`` (when the experts' input has its gradient, so
+        the reloads run beside the dispatcher's backward gathers) or ``dispatcher`` (when the
+        static dispatcher's input has it, so they run beside the attention's backward;
+        needs ``--moe-flex-dispatcher-backend static``). docs/scheduler.md.
     """
 
     page_size: int = 64
@@ -158,6 +165,7 @@ class PagingConfig:
     stash_in_flight: int = 1
     pool_residency: str = "persistent"
     hold_last_slot: bool = False
+    prefetch_point: str = "experts"
 
     def __post_init__(self):
         positive_int("page_size", self.page_size)
@@ -199,6 +207,11 @@ class PagingConfig:
                 "pool_residency",
                 f"must be one of {POOL_RESIDENCIES}, got {self.pool_residency!r}",
             )
+        if self.prefetch_point not in PREFETCH_POINTS:
+            raise ConfigError(
+                "prefetch_point",
+                f"must be one of {PREFETCH_POINTS}, got {self.prefetch_point!r}",
+            )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **fields) -> PagingConfig:
@@ -222,6 +235,7 @@ __all__ = [
     "DEFAULT_MAX_CTAS",
     "MAX_CTAS_ENV",
     "POOL_RESIDENCIES",
+    "PREFETCH_POINTS",
     "PagingConfig",
     "kernel_backend_choices",
     "max_ctas_from_env",

@@ -243,6 +243,10 @@ class PagingContext:
         if not self.pages_forward or not (torch.is_grad_enabled() and tensor.requires_grad):
             return tensor
         slot = (int(chunk), int(layer), int(microbatch))
+        if slot in self._slot_ends:
+            # Marked earlier in this forward (the dispatcher's input before the experts'): the
+            # slot's backward ends where its earliest marked input gets its gradient.
+            return tensor
         self._slot_ends.add(slot)
         return _SlotEnd.apply(tensor, self, slot)
 

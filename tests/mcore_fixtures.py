@@ -76,3 +76,27 @@ def installed():
         yield api
     finally:
         installer.uninstall()
+
+
+def cpu_moe_layer(config, layer_number: int = 1):
+    """Megatron-Core's MoELayer from our spec (PagedGroupedMLP, our flex dispatcher) whose router
+    gates on the CPU (Megatron's ``TopKRouter.gating`` moves its weight to CUDA)."""
+    import dataclasses
+    from functools import partial
+
+    import torch.nn.functional as F
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from megatron_paging.mcore.specs import paged_moe_mlp_builder
+
+    class CpuTopKRouter(TopKRouter):
+        def gating(self, input):
+            return F.linear(input.float(), self.weight.float())
+
+    builder = paged_moe_mlp_builder(config.num_moe_experts, gemm_backend="grouped")
+    submodules = dataclasses.replace(builder.keywords["submodules"], router=CpuTopKRouter)
+    builder = partial(builder.func, submodules=submodules)
+    return builder(
+        config=config, layer_number=layer_number, pg_collection=get_default_pg_collection()
+    )

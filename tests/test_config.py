@@ -47,6 +47,8 @@ BAD = {
     "stash_in_flight": ([-1, 1.0, True, None, "1"], "must be a non-negative integer"),
     "pool_residency": (["auto", "", None, True], "must be one of ('persistent', 'step')"),
     "hold_last_slot": ([0, 1, None, "yes"], "must be True or False"),
+    "prefetch_point": (["router", "", None, "Experts"],
+                       "must be one of ('experts', 'dispatcher')"),
 }
 # Values at the edge of what each field accepts.
 GOOD = {
@@ -67,6 +69,7 @@ GOOD = {
     "stash_in_flight": [0, 1, 8],
     "pool_residency": ["persistent", "step"],
     "hold_last_slot": [True, False],
+    "prefetch_point": ["experts", "dispatcher"],
 }
 
 

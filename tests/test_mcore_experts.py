@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("megatron.core")
 
-from mcore_fixtures import installed, model_parallel, moe_config  # noqa: E402, F401
+from mcore_fixtures import cpu_moe_layer, installed, model_parallel, moe_config  # noqa: E402, F401
 
 from megatron_paging.mcore.experts import (  # noqa: E402
     PagedGroupedMLP,
@@ -128,24 +128,7 @@ def test_delayed_wgrad_is_rejected(installed, model_parallel):  # noqa: F811
 
 
 def _moe_layer(config):
-    import dataclasses
-    from functools import partial
-
-    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    from megatron_paging.mcore.specs import paged_moe_mlp_builder
-
-    class CpuTopKRouter(TopKRouter):
-        """Megatron's TopKRouter.gating moves its weight to CUDA; gate on the CPU instead."""
-
-        def gating(self, input):
-            return F.linear(input.float(), self.weight.float())
-
-    builder = paged_moe_mlp_builder(config.num_moe_experts, gemm_backend="grouped")
-    submodules = dataclasses.replace(builder.keywords["submodules"], router=CpuTopKRouter)
-    builder = partial(builder.func, submodules=submodules)
-    return builder(config=config, layer_number=1, pg_collection=get_default_pg_collection())
+    return cpu_moe_layer(config)
 
 
 def _train_steps(api, layer, config, paged: bool, steps: int = 3):

@@ -353,3 +353,27 @@ def test_max_inflight_stashes_flag(parser):
                          "have no effect with --paging-implementation mcore")):
         with pytest.raises(ValueError, match=words):
             flags.validate_paging_args(parser.parse_args(argv), environ={}, cuda_available=False)
+
+
+def test_prefetch_point_flag(parser):
+    config = flags.paging_config(parser.parse_args(BASE), environ={}, cuda_available=False)
+    assert config.prefetch_point == "experts"
+    args = parser.parse_args(BASE + ["--paging-prefetch-point", "dispatcher"])
+    assert flags.paging_config(args, environ={}, cuda_available=False).prefetch_point == (
+        "dispatcher"
+    )
+    alltoall = ["--moe-paged-stash", "--moe-expert-rank-capacity-factor", "1.25",
+                "--moe-token-dispatcher-type", "alltoall"]
+    for argv, words in (
+        (alltoall + ["--paging-prefetch-point", "dispatcher"],
+         "--paging-prefetch-point dispatcher needs --moe-token-dispatcher-type flex "
+         "--moe-flex-dispatcher-backend static (got 'alltoall' / "),
+        (["--paging-prefetch-point", "dispatcher"], "only apply with --moe-paged-stash"),
+        (BASE + ["--paging-implementation", "mcore", "--paging-prefetch-point", "dispatcher"],
+         "--paging-prefetch-point have no effect with --paging-implementation mcore"),
+    ):
+        with pytest.raises(ValueError) as error:
+            flags.validate_paging_args(parser.parse_args(argv), environ={}, cuda_available=False)
+        assert words in str(error.value) and "\n" not in str(error.value)
+    with pytest.raises(SystemExit):  # not a choice: argparse names the flag
+        parser.parse_args(BASE + ["--paging-prefetch-point", "router"])

@@ -213,6 +213,36 @@ def test_slot_end_marker_reports_the_end_of_the_slots_backward():
     context.finish()
 
 
+def test_a_slots_earliest_marked_input_ends_its_backward():
+    """Two markers on one slot (the dispatcher's input, then the experts'): the second is the
+    identity, so the slot's backward ends, and the slot below is prefetched, only once the
+    earlier input has its gradient, after the work between the two has run backward."""
+    context, backend, _ = paged()
+    context.begin_step()
+    h = torch.randn(ROWS, WIDTH, requires_grad=True)
+    with context.forward(0, 0):
+        for layer in range(2):
+            h = context.slot_end_marker(h, 0, layer, 0)  # the dispatcher's input
+            between = h * 2  # the dispatcher's own work
+            between.register_hook(lambda g, layer=layer: backend.note("between", layer=layer))
+            inner = context.slot_end_marker(between, 0, layer, 0)  # the experts' input
+            assert inner is between  # already marked: identity, no second end
+            context.open_slot(0, layer, 0, h.device)
+            h = context.group_commit(Square.apply(context.mark(inner * 1, torch.tensor(ROWS))))
+    h.sum().backward()
+    order = [
+        (e.kind, e.info["layer"], e.info.get("reason"))
+        for e in backend.log
+        if e.kind in ("between", "backward-slot-end") or (e.op, e.kind) == ("launch", "reload")
+    ]
+    assert order == [
+        ("reload", 1, "slot"), ("between", 1, None), ("backward-slot-end", 1, None),
+        ("reload", 0, "prefetch"), ("between", 0, None), ("backward-slot-end", 0, None),
+    ]
+    assert context._slot_ends == set()
+    assert context.finish() == 0
+
+
 def test_reload_destinations_skip_the_deterministic_nan_fill(monkeypatch, deterministic_fill):
     """``--deterministic-mode`` makes torch.empty write NaN over every new buffer: a reload
     destination skips that full-capacity write (only its live rows are ever read) and the

@@ -48,6 +48,10 @@ ARMS: dict[str, Arm] = {
         Arm("paged_hold", True, ("--paging-hold-last-slot",), True,
             "paged; a layer is stashed when the next commits, so the last layer before each "
             "backward is never copied and the pool is a layer smaller"),
+        Arm("paged_prefetch_dispatcher", True, ("--paging-prefetch-point", "dispatcher"), True,
+            "paged; a layer's backward ends (and the layer below is reloaded) after the static "
+            "dispatcher's backward instead of the experts', so the reloads run beside the "
+            "attention's backward rather than the dispatcher's memory-bound gathers"),
         Arm("paged_persistent", True, ("--paging-pool-residency", "persistent"), True,
             "paged; the pool's pages kept across steps (the residency full-iteration graphs "
             "use) instead of returned after each eager step: at a memory cap, whether taking "
@@ -118,8 +122,8 @@ ARMS: dict[str, Arm] = {
 }  # fmt: skip
 # The control every other arm is compared with, and the arms that page (recompute target).
 CONTROL = "unpaged"
-PAGED_FAMILY = ("paged", "paged_hold", "paged_recompute_core_attn", "paged_recompute_fc1",
-                "paged_recompute_fc1_hold", "paged_recompute_fc1_tight",
+PAGED_FAMILY = ("paged", "paged_hold", "paged_prefetch_dispatcher", "paged_recompute_core_attn",
+                "paged_recompute_fc1", "paged_recompute_fc1_hold", "paged_recompute_fc1_tight",
                 "paged_recompute_fc1_pieces")
 # Shown beside the recompute target, not part of its verdict: the offload arms (and the spill
 # arm, for two of its layers) page live expert rows to the pinned host tier rather than keeping
@@ -131,6 +135,7 @@ RECOMPUTE_INFORMATIONAL = ("paged_offload", "paged_offload_dma", "paged_offload_
 # control, in the verdicts themselves): paging's own cost is read against it, beside them.
 SAME_MODEL_UNPAGED = {
     "paged_hold": CONTROL,
+    "paged_prefetch_dispatcher": CONTROL,
     "paged_recompute_fc1": "unpaged_recompute_fc1",
     "paged_recompute_fc1_hold": "unpaged_recompute_fc1",
     "paged_recompute_fc1_tight": "unpaged_recompute_fc1",

@@ -112,6 +112,16 @@ class MCorePagingAPI:
             tensor, stage, self._layer[stage], self._microbatch[stage]
         )
 
+    # -- our static dispatcher (mcore/dispatcher.py; not a Megatron-Core hook) ---------------
+    def paged_stash_dispatch_start(self, tensor):
+        """The static dispatcher's input. With ``prefetch_point="dispatcher"`` it is the layer
+        group's first marked input, so the group's backward ends (and the groups below are
+        prefetched) after the dispatcher's backward, beside the attention's backward, instead of
+        after the experts'; otherwise identity."""
+        if self.engine.config.prefetch_point != "dispatcher":
+            return tensor
+        return self.paged_stash_group_start(tensor)
+
     def get_paged_stash_context(
         self, name=None, max_num_tokens=None, num_tokens_tensor=None, avg_num_tokens=None
     ):

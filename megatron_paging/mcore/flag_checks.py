@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+from megatron_paging.mcore.dispatcher import STATIC_BACKEND
 from megatron_paging.mcore.offload import EXPERT_MODULES
 
 CORE_ATTENTION_DEFAULT = "sdpa"
@@ -104,6 +105,20 @@ def check_megatron_combinations(args) -> None:
         )
 
 
+def check_prefetch_point(args) -> None:
+    """``--paging-prefetch-point dispatcher`` marks the input of our static dispatcher: any
+    other dispatcher would never report the layer's backward end there."""
+    if getattr(args, "paging_prefetch_point", "experts") != "dispatcher":
+        return
+    dispatcher = getattr(args, "moe_token_dispatcher_type", None)
+    backend = getattr(args, "moe_flex_dispatcher_backend", None)
+    if dispatcher != "flex" or backend != STATIC_BACKEND:
+        raise ValueError(
+            "--paging-prefetch-point dispatcher needs --moe-token-dispatcher-type flex "
+            f"--moe-flex-dispatcher-backend {STATIC_BACKEND} (got {dispatcher!r} / {backend!r})"
+        )
+
+
 def check_recompute_expert_fc1(args) -> None:
     """``--paging-recompute-expert-fc1``: the experts then save no fc1 for ``moe_act``; its
     piece size needs it and is a non-negative row count."""
@@ -191,6 +206,7 @@ __all__ = [
     "check_core_attention",
     "check_megatron_combinations",
     "check_offload",
+    "check_prefetch_point",
     "check_recompute_expert_fc1",
     "check_recompute_modules",
     "pool_residency",

@@ -13,6 +13,9 @@ flag                            default   meaning
 ``--paging-max-ctas``           None      grid bound of the copy kernels (None: the
                                           ``MEGATRON_PAGING_MAX_CTAS`` environment, else 2048)
 ``--paging-prefetch-distance``  1         reload this many later-backward layers ahead
+``--paging-prefetch-point``     experts   ``experts`` | ``dispatcher``: the layer whose
+                                          backward reaches it prefetches the next (static
+                                          dispatcher only for ``dispatcher``)
 ``--paging-no-overlap``         off       stash/reload on the compute stream (the no-overlap
                                           control of benchmarks)
 ``--paging-overflow-policy``    rerun     ``rerun`` | ``skip`` | ``grow`` (see overflow.py)
@@ -84,6 +87,7 @@ import os
 from megatron_paging.config import (
     MAX_CTAS_ENV,
     POOL_RESIDENCIES,
+    PREFETCH_POINTS,
     ConfigError,
     PagingConfig,
     kernel_backend_choices,
@@ -100,6 +104,7 @@ from megatron_paging.mcore.flag_checks import (
     check_core_attention,
     check_megatron_combinations,
     check_offload,
+    check_prefetch_point,
     check_recompute_expert_fc1,
     check_recompute_modules,
     pool_residency,
@@ -126,6 +131,7 @@ MCORE_FLAGS = {
 PAGING_DEFAULTS = {
     "paging_max_ctas": None,
     "paging_prefetch_distance": 1,
+    "paging_prefetch_point": "experts",
     "paging_no_overlap": False,
     "paging_overflow_policy": "rerun",
     "paging_growth_factor": 1.5,
@@ -160,6 +166,7 @@ OFFLOAD_ONLY = (
 OURS_ONLY = (
     "paging_kernel_backend",
     "paging_prefetch_distance",
+    "paging_prefetch_point",
     "paging_no_overlap",
     "paging_max_ctas",
     "paging_overflow_policy",
@@ -176,6 +183,7 @@ FLAG_OF_FIELD = {
     "kernel_backend": "--paging-kernel-backend",
     "max_ctas": "--paging-max-ctas",
     "prefetch_distance": "--paging-prefetch-distance",
+    "prefetch_point": "--paging-prefetch-point",
     "overlap": "--paging-no-overlap",
     "overflow_policy": "--paging-overflow-policy",
     "growth_factor": "--paging-growth-factor",
@@ -195,6 +203,12 @@ OUR_FLAGS = {
     ),
     "paging_prefetch_distance": dict(
         type=int, help="reload this many later-backward layers together with the current one"
+    ),
+    "paging_prefetch_point": dict(
+        choices=PREFETCH_POINTS,
+        help="where a layer's backward ends and the layers below are reloaded: after its "
+        "experts' backward (experts) or after the static dispatcher's (dispatcher: the "
+        "reloads then run beside the attention's backward, not the dispatcher's gathers)",
     ),
     "paging_no_overlap": dict(
         action="store_true", help="run stash and reload on the compute stream (no-overlap control)"
@@ -356,6 +370,7 @@ def paging_config(
 
     check_core_attention(args)
     check_recompute_expert_fc1(args)
+    check_prefetch_point(args)
     check_recompute_modules(args, te_available)
     backend = getattr(args, "moe_flex_dispatcher_backend", None)
     if backend == STATIC_BACKEND and getattr(args, "moe_token_dispatcher_type", None) != "flex":
@@ -382,6 +397,7 @@ def paging_config(
             kernel_backend=args.paging_kernel_backend,
             max_ctas=env_max_ctas if max_ctas is None else max_ctas,
             prefetch_distance=args.paging_prefetch_distance,
+            prefetch_point=getattr(args, "paging_prefetch_point", "experts"),
             overlap=not args.paging_no_overlap,
             overflow_policy=args.paging_overflow_policy,
             growth_factor=args.paging_growth_factor,

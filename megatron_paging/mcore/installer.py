@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from megatron_paging.config import PagingConfig
 from megatron_paging.env import check_megatron_core_version
 from megatron_paging.mcore import ddp_stream, offload_shims
+from megatron_paging.mcore import dispatcher as static_dispatcher
 from megatron_paging.mcore.api import MCorePagingAPI
 from megatron_paging.mcore.dispatcher import STATIC_BACKEND, PagingFlexTokenDispatcher
 from megatron_paging.mcore.flags import allow_static_backend
@@ -285,6 +286,9 @@ class PagingInstaller:
         self.rebindings = self._rebind_everywhere(replacements, originals)
         self.replaced = replace_paged_stash
         self.offload_backend = offload_backend
+
+        if replace_paged_stash:
+            self._rebind(static_dispatcher, "layer_input_marker", api.paged_stash_dispatch_start)
 
         # The dispatcher is constructed in one place only: MoELayer.__init__.
         moe_layer = sys.modules[MOE_LAYER_MODULE]
