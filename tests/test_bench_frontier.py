@@ -25,6 +25,7 @@ from frontier.arms import (
     skip_reason,
 )
 from frontier.logs import (
+    call_of_runs,
     classify,
     memory_split,
     parity,
@@ -329,6 +330,42 @@ def test_targets_pass_and_miss_from_numbers():
     assert not t["paged_1.2x_faster_than_recompute_moe_at_le_its_activation"]["required"]
     assert evaluate_targets({"small": {}})["small"][
         "paged_activation_le_1.1x_live_plus_one_layer"]["status"] == "NOT RUN"
+
+
+def test_step_ratios_across_device_calls_are_no_verdict():
+    """The machine's step time drifts between device calls (5e0b255: the same unpaged run
+    1959.6 and 2015.0 ms): a resumed file's arms from two calls give no PASS or MISS."""
+    rows = {
+        "unpaged": _row(2015.0, 4000.0, call=1),
+        "paged": _row(2023.2, 3500.0, call=0),  # 1.004x "unpaged" of another call
+        "paged_prefetch_dispatcher": _row(2078.1, 3500.0, call=1),
+        "recompute_moe": _row(2600.0, 3600.0, call=1),
+    }
+    t = evaluate_targets({"moe_compute": rows})["moe_compute"]
+    step = t["paged_step_le_1.01x_unpaged"]
+    assert step["status"] == "NOT COMPARABLE" and step["met"] is None
+    assert step["ratio"] == pytest.approx(2023.2 / 2015.0)
+    assert "different device calls (0, 1)" in step["reason"]
+    same = step["same_model_per_arm"]["paged_prefetch_dispatcher"]  # one call: a verdict
+    assert same["status"] == "MISS" and same["ratio"] == pytest.approx(2078.1 / 2015.0)
+    rec = t["paged_1.2x_faster_than_recompute_moe_at_le_its_activation"]["per_arm"]
+    assert set(rec) == {"paged_prefetch_dispatcher"}  # paged ran in the other call
+    lines = report_table({"gpu": None, "commit": "x", "summary": {"moe_compute": rows},
+                          "budget": {"outcomes": {}}, "skipped": {}, "remaining": [],
+                          "targets": {"moe_compute": t}})
+    assert any(line.startswith("  moe_compute: paged_step_le_1.01x_unpaged: NOT COMPARABLE "
+                               "(ratio 1.004: paged and unpaged ran in different device calls")
+               for line in lines)
+    # Rows of one call, or of files whose calls do not say, keep their verdict.
+    for call in (1, None):
+        rows["paged"]["call"] = call
+        step = evaluate_targets({"moe_compute": rows})["moe_compute"][
+            "paged_step_le_1.01x_unpaged"]
+        assert step["status"] == "PASS"
+    # Where the calls say it: the last call that ran a key measured it.
+    calls = [{"ran": ["moe_compute:paged", "moe_compute:unpaged"]},
+             {"ran": ["moe_compute:unpaged"]}, {}]
+    assert call_of_runs(calls) == {"moe_compute:paged": 0, "moe_compute:unpaged": 1}
 
 
 def test_same_model_step_ratios_sit_beside_the_strict_verdict():

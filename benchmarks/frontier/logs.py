@@ -162,11 +162,22 @@ def removed_runs(runs: dict) -> dict:
             for key, rec in runs.items() if rec.get("kind") == "arm" and rec["arm"] not in ARMS}
 
 
-def summarize(runs: dict) -> dict:
+def call_of_runs(calls: list) -> dict:
+    """Run key -> index of the device call that measured it last (``calls[i]["ran"]``)."""
+    where = {}
+    for index, call in enumerate(calls or []):
+        for key in call.get("ran") or []:
+            where[key] = index
+    return where
+
+
+def summarize(runs: dict, calls: list | None = None) -> dict:
     """{size: {arm: row}} of the frontier runs of the current arms (:func:`removed_runs` lists
-    the others), with parity against the size's control."""
+    the others), with parity against the size's control and the index of the call that ran
+    each (None where ``calls`` does not say)."""
+    where = call_of_runs(calls)
     out: dict = {}
-    for rec in runs.values():
+    for key, rec in runs.items():
         if rec["kind"] != "arm" or rec["arm"] not in ARMS:
             continue
         control = runs.get(f"{rec['size']}:{CONTROL}")
@@ -184,6 +195,7 @@ def summarize(runs: dict) -> dict:
         row["step_ms"] = step["median"] if step else None
         row["step_spread"] = step
         row["parity_required"] = ARMS[rec["arm"]].exact
+        row["call"] = where.get(key)
         if rec["arm"] != CONTROL and control and control.get("status") == "ok":
             row["parity"] = parity(rec.get("microbatch_losses", []),
                                    control.get("microbatch_losses", []))

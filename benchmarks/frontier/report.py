@@ -39,7 +39,7 @@ ARM_COLORS = {
 def build_result(current: dict, settings: dict, runs: dict, calls: list, skipped: dict,
                  offload: bool, budget: dict | None, opts: BudgetOptions | None,
                  left: list) -> dict:
-    summary = summarize(runs)
+    summary = summarize(runs, calls)
     sizes = {}
     for name, size in SIZES.items():
         entry = {"flags": list(size.flags), "note": size.note}
@@ -155,7 +155,9 @@ def table(result: dict) -> list[str]:
             continue
         for name, t in targets.items():
             detail = ""
-            if "ratio" in t:
+            if "reason" in t:
+                detail = f" (ratio {t['ratio']:.3f}: {t['reason']})"
+            elif "ratio" in t:
                 detail = f" (ratio {t['ratio']:.3f}" + (", within noise)" if t["within_noise"]
                                                          else ")")
             elif name.startswith("paged_activation") and t.get("met") is not None:
@@ -185,7 +187,8 @@ def table(result: dict) -> list[str]:
                     continue
                 lines.append(f"  {scope}:   informational, same model: [{a} vs "
                              f"{v['unpaged_arm']}: {v['ratio']:.3f}x"
-                             + (", within noise" if v["within_noise"] else "")
+                             + (", within noise" if v.get("within_noise") else "")
+                             + (", different calls" if "reason" in v else "")
                              + f"]: {v['status']}")
             for a, v in t.get("informational_per_arm", {}).items():
                 lines.append(f"  {scope}:   informational, not the strict target:"
