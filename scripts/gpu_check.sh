@@ -5,8 +5,8 @@
 # Usage (device tool, repo root; .whl carries megatron-core's wheel):
 #   bash scripts/gpu_check.sh [steps...]     steps: info build tests sanitizer bench-kernels
 #                                            host-cost bench-scheduler bench-offload
-#                                            bench-swiglu mcore frontier
-#                                            (default: all but frontier)
+#                                            bench-swiglu mcore frontier step-ratio
+#                                            (default: all but frontier and step-ratio)
 # Each step has its own time limit so one hang cannot eat the whole call. Everything together
 # takes longer than one 10-minute device call; split it, for example
 #   GIT_COMMIT=$(git rev-parse HEAD) bash scripts/gpu_check.sh build tests sanitizer
@@ -23,6 +23,9 @@
 #  frontier: benchmarks/bench_frontier.py, resumable over several calls (docs/benchmarks.md):
 #  FRONTIER_TIME_S its own time budget (default 500 s; the step's limit is 40 s more),
 #  BENCH_KERNELS_ARGS: more bench_kernels.py arguments ("--regimes 0,1 --variants bulk-dyn ...").
+#  step-ratio: benchmarks/bench_step_ratio.py (arms round-robin against unpaged, one call):
+#  STEP_RATIO_TIME_S its time budget (default 500 s), STEP_RATIO_ARGS its arguments
+#  ("--arms paged --rounds 3 --env CUDA_DEVICE_MAX_CONNECTIONS=32").
 #  FRONTIER_RESUME an earlier call's frontier.json carried in the tree (e.g.
 #  benchmarks/results/frontier_h200.json), FRONTIER_ARGS more arguments ("--budget only", ...).)
 set -u
@@ -118,6 +121,11 @@ for step in "${steps[@]}"; do
       # shellcheck disable=SC2086
       run_step frontier $((ftime + 40)) python3 benchmarks/bench_frontier.py \
         --out "$OUT/frontier.json" --time-budget-s "$ftime" "${resume[@]}" ${FRONTIER_ARGS:-} ;;
+    step-ratio)
+      stime=${STEP_RATIO_TIME_S:-500}
+      # shellcheck disable=SC2086
+      run_step step-ratio $((stime + 40)) python3 benchmarks/bench_step_ratio.py \
+        --out "$OUT/step_ratio.json" --time-budget-s "$stime" ${STEP_RATIO_ARGS:-} ;;
     mcore)
       if [ -f scripts/mcore_gpu_run.sh ]; then
         run_step mcore "${MCORE_LIMIT_S:-420}" bash scripts/mcore_gpu_run.sh "$OUT"
@@ -132,7 +140,7 @@ echo
 echo "==================== gpu_check summary ===================="
 printf '%-18s %-10s %s\n' step status seconds
 for step in info build tests memcheck racecheck bench-kernels host-cost host-cost-before \
-            bench-scheduler bench-offload bench-swiglu mcore frontier; do
+            bench-scheduler bench-offload bench-swiglu mcore frontier step-ratio; do
   [ -n "${status[$step]:-}" ] && printf '%-18s %-10s %s\n' "$step" "${status[$step]}" "${seconds[$step]}"
 done
 if ls "$OUT"/gpu_tests_*.xml >/dev/null 2>&1; then

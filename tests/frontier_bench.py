@@ -26,3 +26,31 @@ def load_script(name: str):
 
 
 bf = load_script("bench_frontier")  # main() and its glue; the rest is in benchmarks/frontier/
+
+# The argv head a fake example script prints for the frontier's DRY_RUN query (a small MoE).
+FAKE_BASE_ARGV = (
+    "--num-layers 8 --hidden-size 1024 --num-attention-heads 16 --ffn-hidden-size 4096 "
+    "--seq-length 2048 --max-position-embeddings 2048 --swiglu "
+    "--untie-embeddings-and-output-weights --num-experts 16 --moe-router-topk 2 "
+    "--moe-ffn-hidden-size 1024 --moe-token-dispatcher-type flex "
+    "--moe-expert-rank-capacity-factor 1.5 --micro-batch-size 1 --global-batch-size 8 "
+    "--train-iters 20 --bf16 --vocab-size 32000"
+)
+
+
+def install_fake_example(tmp_path: Path, source: str, monkeypatch) -> Path:
+    """Point the frontier's example script at a bash wrapper running the Python ``source``
+    (``BASE`` in it: :data:`FAKE_BASE_ARGV`); returns the wrapper."""
+    import textwrap
+
+    fake = tmp_path / "fake_example.py"
+    fake.write_text(f"BASE = {FAKE_BASE_ARGV!r}.split()\n" + source)
+    script = tmp_path / "fake_run.sh"
+    script.write_text(textwrap.dedent(f"""\
+        #!/usr/bin/env bash
+        exec "{sys.executable}" "{fake}" "$@"
+        """))
+    from frontier import arms as frontier_arms
+
+    monkeypatch.setattr(frontier_arms, "SCRIPT", script)  # script_argv and Runner.run read it
+    return script

@@ -5,12 +5,9 @@ that every runnable arm's flags parse with Megatron's and our parsers."""
 from __future__ import annotations
 
 import json
-import sys
-import textwrap
 
 import frontier_bench  # noqa: F401 (a plain import, so sorted first: puts benchmarks/ on sys.path)
 import pytest
-from frontier import arms as frontier_arms
 from frontier.arms import (
     ARMS,
     SIZES,
@@ -22,7 +19,7 @@ from frontier.arms import (
 from frontier.logs import (
     summarize,
 )
-from frontier_bench import bf
+from frontier_bench import bf, install_fake_example
 
 MIB = 2**20
 
@@ -31,12 +28,6 @@ MIB = 2**20
 
 FAKE = r'''
 import os, sys
-BASE = ("--num-layers 8 --hidden-size 1024 --num-attention-heads 16 --ffn-hidden-size 4096 "
-        "--seq-length 2048 --max-position-embeddings 2048 --swiglu "
-        "--untie-embeddings-and-output-weights --num-experts 16 --moe-router-topk 2 "
-        "--moe-ffn-hidden-size 1024 --moe-token-dispatcher-type flex "
-        "--moe-expert-rank-capacity-factor 1.5 --micro-batch-size 1 --global-batch-size 8 "
-        "--train-iters 20 --bf16 --vocab-size 32000").split()
 PAGING = "--moe-paged-stash --moe-paged-stash-page-size 64".split()
 argv = BASE + (PAGING if os.environ["PAGED"] == "1" else []) + sys.argv[1:]
 if os.environ.get("DRY_RUN") == "1":
@@ -84,14 +75,7 @@ print(f"paging-example rank 0: peak_allocated_mib={steady:.1f} "
 
 @pytest.fixture
 def fake_example(tmp_path, monkeypatch):
-    fake = tmp_path / "fake_example.py"
-    fake.write_text(FAKE)
-    script = tmp_path / "fake_run.sh"
-    script.write_text(textwrap.dedent(f"""\
-        #!/usr/bin/env bash
-        exec "{sys.executable}" "{fake}" "$@"
-        """))
-    monkeypatch.setattr(frontier_arms, "SCRIPT", script)  # script_argv and Runner.run read it
+    install_fake_example(tmp_path, FAKE, monkeypatch)
     monkeypatch.setattr(bf, "_total_mib", lambda: 143771.0)
     return tmp_path
 
