@@ -23,6 +23,8 @@ DEFAULT_MAX_CTAS = 2048
 POOL_RESIDENCIES = ("persistent", "step")
 # Where the Megatron adapter reports the end of a layer's backward (PagingConfig.prefetch_point).
 PREFETCH_POINTS = ("experts", "dispatcher")
+# When a committed layer's stash is issued (PagingConfig.stash_point).
+STASH_POINTS = ("commit", "next-layer")
 
 
 class ConfigError(ValueError):
@@ -141,6 +143,12 @@ class PagingConfig:
     hold_last_slot: a committed slot's stash waits for the next commit; a slot whose backward
         starts first (the last layer before a backward) is never stashed or reloaded, and
         calibration sizes the pool without it (docs/scheduler.md).
+    stash_point: when a committed layer's stash is issued: ``commit`` (at once) or
+        ``next-layer`` (when the next layer's slot opens, right before its experts' GEMMs,
+        so the copies run beside compute-bound kernels instead of the memory-bound ones after
+        a commit; its sources stay until the layer after that opens). ``next-layer`` holds the
+        newest layer as ``hold_last_slot`` does: a slot whose backward starts first is never
+        stashed. docs/scheduler.md.
     prefetch_point: where Megatron-Core's adapter ends a layer's backward, which is when the
         layers below are reloaded: ``experts`` (when the experts' input has its gradient, so
         the reloads run beside the dispatcher's backward gathers) or ``dispatcher`` (when the
@@ -166,6 +174,7 @@ class PagingConfig:
     pool_residency: str = "persistent"
     hold_last_slot: bool = False
     prefetch_point: str = "experts"
+    stash_point: str = "commit"
 
     def __post_init__(self):
         positive_int("page_size", self.page_size)
@@ -207,6 +216,10 @@ class PagingConfig:
                 "pool_residency",
                 f"must be one of {POOL_RESIDENCIES}, got {self.pool_residency!r}",
             )
+        if self.stash_point not in STASH_POINTS:
+            raise ConfigError(
+                "stash_point", f"must be one of {STASH_POINTS}, got {self.stash_point!r}"
+            )
         if self.prefetch_point not in PREFETCH_POINTS:
             raise ConfigError(
                 "prefetch_point",
@@ -236,6 +249,7 @@ __all__ = [
     "MAX_CTAS_ENV",
     "POOL_RESIDENCIES",
     "PREFETCH_POINTS",
+    "STASH_POINTS",
     "PagingConfig",
     "kernel_backend_choices",
     "max_ctas_from_env",

@@ -57,7 +57,8 @@ def _cfg(**over):
 
 def test_arm_table_and_flags():
     assert [a for a, arm in ARMS.items() if arm.exact] == [
-        "paged", "paged_hold", "paged_prefetch_dispatcher", "paged_persistent",
+        "paged", "paged_hold", "paged_prefetch_dispatcher", "paged_stash_next_layer",
+        "paged_persistent",
         "paged_unbounded_lead", "mcore_manager",
         "mcore_offload", "paged_offload", "paged_offload_dma", "paged_stash_plus_offload",
         "unpaged_recompute_fc1", "paged_recompute_fc1", "paged_recompute_fc1_hold",
@@ -71,7 +72,7 @@ def test_arm_table_and_flags():
     assert ARMS["paged_recompute_core_attn"].paged
     assert ARMS["paged_prefetch_dispatcher"].flags == ("--paging-prefetch-point", "dispatcher")
     assert PAGED_FAMILY == ("paged", "paged_hold", "paged_prefetch_dispatcher",
-                            "paged_recompute_core_attn",
+                            "paged_stash_next_layer", "paged_recompute_core_attn",
                             "paged_recompute_fc1", "paged_recompute_fc1_hold",
                             "paged_recompute_fc1_tight", "paged_recompute_fc1_pieces")
     # the pool arms' factors win over the script's 1.10 (argparse: the last value)
@@ -133,9 +134,9 @@ def test_offload_arms_wait_for_the_flag(tmp_path):
     assert set(skipped) == {"small:mcore_offload", "small:paged_offload",
                             "small:paged_offload_dma", "small:paged_stash_plus_offload",
                             "small:paged_offload_dma_recompute_fc1"}
-    assert len(tasks) == 16
+    assert len(tasks) == 17
     tasks, skipped = frontier_tasks(["small"], list(ARMS), None, {}, 12, offload=True)
-    assert not skipped and len(tasks) == 21
+    assert not skipped and len(tasks) == 22
 
 
 # ----------------------------------------------------------------------------- arithmetic

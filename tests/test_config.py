@@ -49,6 +49,7 @@ BAD = {
     "hold_last_slot": ([0, 1, None, "yes"], "must be True or False"),
     "prefetch_point": (["router", "", None, "Experts"],
                        "must be one of ('experts', 'dispatcher')"),
+    "stash_point": (["next", "", None, "save"], "must be one of ('commit', 'next-layer')"),
 }
 # Values at the edge of what each field accepts.
 GOOD = {
@@ -70,6 +71,7 @@ GOOD = {
     "pool_residency": ["persistent", "step"],
     "hold_last_slot": [True, False],
     "prefetch_point": ["experts", "dispatcher"],
+    "stash_point": ["commit", "next-layer"],
 }
 
 

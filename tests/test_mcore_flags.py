@@ -377,3 +377,31 @@ def test_prefetch_point_flag(parser):
         assert words in str(error.value) and "\n" not in str(error.value)
     with pytest.raises(SystemExit):  # not a choice: argparse names the flag
         parser.parse_args(BASE + ["--paging-prefetch-point", "router"])
+
+
+def test_stash_point_flag(parser):
+    config = flags.paging_config(parser.parse_args(BASE), environ={}, cuda_available=False)
+    assert config.stash_point == "commit"
+    args = parser.parse_args(BASE + ["--paging-stash-point", "next-layer"])
+    assert flags.paging_config(args, environ={}, cuda_available=False).stash_point == "next-layer"
+    for argv, words in (
+        (["--paging-stash-point", "next-layer"], "only apply with --moe-paged-stash"),
+        (BASE + ["--paging-implementation", "mcore", "--paging-stash-point", "next-layer"],
+         "--paging-stash-point have no effect with --paging-implementation mcore"),
+    ):
+        with pytest.raises(ValueError) as error:
+            flags.validate_paging_args(parser.parse_args(argv), environ={}, cuda_available=False)
+        assert words in str(error.value) and "\n" not in str(error.value)
+
+
+def test_every_flag_of_ours_is_documented():
+    """docs/mcore.md's flag table and the README's list every flag we add."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    docs = (root / "docs" / "mcore.md").read_text()
+    readme = (root / "README.md").read_text()
+    for dest in flags.OUR_FLAGS:
+        flag = "`--" + dest.replace("_", "-")
+        assert f"| {flag}" in docs, f"{flag} missing from docs/mcore.md's flag table"
+        assert flag in readme, f"{flag} missing from README.md"

@@ -51,11 +51,14 @@ def zero_grads(chunks) -> None:
         p.grad = None
 
 
-def paged_run(hold: bool, name: str, steps: int = 3, backend=None):
+def paged_run(hold: bool | PagingConfig, name: str, steps: int = 3, backend=None):
+    """Calibration then paged steps of ``name``'s order (``hold``: cfg(hold), or a config);
+    returns the chunks, the engine and the last step's log."""
     num_chunks, ops = schedule(name)
     chunks = synthetic_chunks(num_chunks, LAYERS, seed=5)
     backend = backend or CpuStreamBackend()
-    engine = PagingEngine(cfg(hold), stream_backend=backend)
+    config = hold if isinstance(hold, PagingConfig) else cfg(hold)
+    engine = PagingEngine(config, stream_backend=backend)
     context = PagingContext(engine)
     for _ in range(steps):  # calibration, then paged steps
         zero_grads(chunks)
@@ -151,12 +154,14 @@ def test_unpack_before_the_slot_start_resolves_the_held_records():
     assert scheduler.finish() == 0
 
 
-def test_a_captured_step_with_held_slots_keeps_the_capture_rules():
+def captured_step_keeps_the_capture_rules(config: PagingConfig) -> None:
+    """Two eager steps of DualPipeV, then one captured (FakeCapture): no capture violation,
+    as many stashes as reloads, every page back."""
     backend = FakeCapture()
     backend.end_capture()
     num_chunks, ops = schedule("dualpipev")
     chunks = synthetic_chunks(num_chunks, LAYERS, seed=5)
-    engine = PagingEngine(cfg(True), stream_backend=backend)
+    engine = PagingEngine(config, stream_backend=backend)
     context = PagingContext(engine)
     for _ in range(2):
         zero_grads(chunks)
@@ -168,6 +173,10 @@ def test_a_captured_step_with_held_slots_keeps_the_capture_rules():
     assert backend.violations == [] and backend.counts["stash"] > 0
     assert backend.counts["stash"] == backend.counts["reload"]
     assert all_free(engine.pools) and CPU.type == "cpu"
+
+
+def test_a_captured_step_with_held_slots_keeps_the_capture_rules():
+    captured_step_keeps_the_capture_rules(cfg(True))
 
 
 def wide_last_layer_chunks(num_chunks: int, layers: int = LAYERS):

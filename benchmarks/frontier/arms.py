@@ -52,6 +52,10 @@ ARMS: dict[str, Arm] = {
             "paged; a layer's backward ends (and the layer below is reloaded) after the static "
             "dispatcher's backward instead of the experts', so the reloads run beside the "
             "attention's backward rather than the dispatcher's memory-bound gathers"),
+        Arm("paged_stash_next_layer", True, ("--paging-stash-point", "next-layer"), True,
+            "paged; a layer's stash is issued when the next layer's experts begin (beside their "
+            "GEMMs, not beside the combine's gathers), the newest layer held as with "
+            "--paging-hold-last-slot"),
         Arm("paged_persistent", True, ("--paging-pool-residency", "persistent"), True,
             "paged; the pool's pages kept across steps (the residency full-iteration graphs "
             "use) instead of returned after each eager step: at a memory cap, whether taking "
@@ -122,9 +126,9 @@ ARMS: dict[str, Arm] = {
 }  # fmt: skip
 # The control every other arm is compared with, and the arms that page (recompute target).
 CONTROL = "unpaged"
-PAGED_FAMILY = ("paged", "paged_hold", "paged_prefetch_dispatcher", "paged_recompute_core_attn",
-                "paged_recompute_fc1", "paged_recompute_fc1_hold", "paged_recompute_fc1_tight",
-                "paged_recompute_fc1_pieces")
+PAGED_FAMILY = ("paged", "paged_hold", "paged_prefetch_dispatcher", "paged_stash_next_layer",
+                "paged_recompute_core_attn", "paged_recompute_fc1", "paged_recompute_fc1_hold",
+                "paged_recompute_fc1_tight", "paged_recompute_fc1_pieces")
 # Shown beside the recompute target, not part of its verdict: the offload arms (and the spill
 # arm, for two of its layers) page live expert rows to the pinned host tier rather than keeping
 # them on the device, a different trade; the unpaged fc1 recompute pages nothing (it shows what
@@ -136,6 +140,7 @@ RECOMPUTE_INFORMATIONAL = ("paged_offload", "paged_offload_dma", "paged_offload_
 SAME_MODEL_UNPAGED = {
     "paged_hold": CONTROL,
     "paged_prefetch_dispatcher": CONTROL,
+    "paged_stash_next_layer": CONTROL,
     "paged_recompute_fc1": "unpaged_recompute_fc1",
     "paged_recompute_fc1_hold": "unpaged_recompute_fc1",
     "paged_recompute_fc1_tight": "unpaged_recompute_fc1",

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 # One colour per arm, by name (a new arm keeps the others' colours in old plots' order).
 ARM_COLORS = {
     "unpaged": "grey", "paged": "tab:blue", "paged_hold": "tab:olive",
-    "paged_prefetch_dispatcher": "deepskyblue",
+    "paged_prefetch_dispatcher": "deepskyblue", "paged_stash_next_layer": "royalblue",
     "mcore_manager": "tab:orange", "recompute_moe": "tab:red",
     "paged_recompute_core_attn": "tab:cyan", "mcore_offload": "tab:brown",
     "paged_offload": "tab:purple", "paged_offload_dma": "indigo",

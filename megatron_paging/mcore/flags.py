@@ -5,54 +5,9 @@ Megatron-Core 0.19.2 already defines (from ``TransformerConfig`` fields) and we 
 ``--moe-paged-stash``, ``--moe-paged-stash-page-size`` (64),
 ``--moe-paged-stash-buffer-size-factor-cuda`` (1.10), ``--moe-paged-stash-buffer-size-factor-cpu``
 (0.0) and ``--moe-expert-rank-capacity-factor``. :func:`add_paging_args` adds them only to a
-parser that lacks them (a bare parser in tests or tools), and adds ours:
-
-==============================  ========  ===================================================
-flag                            default   meaning
-==============================  ========  ===================================================
-``--paging-max-ctas``           None      grid bound of the copy kernels (None: the
-                                          ``MEGATRON_PAGING_MAX_CTAS`` environment, else 2048)
-``--paging-prefetch-distance``  1         reload this many later-backward layers ahead
-``--paging-prefetch-point``     experts   ``experts`` | ``dispatcher``: the layer whose
-                                          backward reaches it prefetches the next (static
-                                          dispatcher only for ``dispatcher``)
-``--paging-no-overlap``         off       stash/reload on the compute stream (the no-overlap
-                                          control of benchmarks)
-``--paging-overflow-policy``    rerun     ``rerun`` | ``skip`` | ``grow`` (see overflow.py)
-``--paging-growth-factor``      1.5       device-tier multiplier of ``grow``
-``--paging-kernel-backend``     auto      ``auto`` | ``cuda`` | ``tile`` | ``bulk`` |
-                                          ``reference`` (see megatron_paging.kernels)
-``--paging-gemm-backend``       auto      PagedGroupedMLP GEMMs: ``auto`` | ``grouped`` |
-                                          ``loop``
-``--paging-implementation``     ours      ``ours`` | ``mcore``: page through megatron-paging,
-                                          or through Megatron-Core's own manager and Triton
-                                          kernels (the benchmark baseline; same model)
-``--paging-core-attention``     sdpa      ``sdpa`` (fused SDPAttention) | ``local`` (Megatron's
-                                          unfused DotProductAttention)
-``--paging-sdpa-backend``       auto      SDPAttention's pinned SDPA backend: ``auto`` |
-                                          ``flash`` | ``efficient`` | ``cudnn`` | ``math``
-``--paging-offload-backend``    mcore     ``mcore`` | ``paged``: Megatron-Core's fine-grained
-                                          activation offloading, or ours (docs/offload.md)
-``--paging-offload-host-factor`` 1.25     offload host tier = this x calibrated live-row peak
-``--paging-offload-max-ctas``   4 8       grid bounds of the kernels of offloaded live rows,
-                                          D2H then H2D (one value: both)
-``--paging-offload-dma-prefix`` 0.0       offloaded live rows: the copy engine moves this
-                                          fraction of the calibrated smallest live count
-                                          first, the kernels the rest (docs/offload.md)
-``--paging-pool-residency``     auto      ``step`` (device pages freed between steps) |
-                                          ``persistent`` | ``auto`` (persistent under
-                                          full-iteration graphs, else step)
-``--paging-hold-last-slot``     off       stash a layer when the next one commits; the last
-                                          layer before a backward is never copied
-``--paging-recompute-expert-fc1`` off     PagedGroupedMLP saves only its input and recomputes
-                                          fc1 in backward (one grouped GEMM; paging and
-                                          offloading move ``x``, not the wider fc1)
-``--paging-keep-ddp-side-stream`` off     make DDP on Megatron's side stream (default: on the
-                                          training stream; mcore/ddp_stream.py says why)
-``--paging-recompute-expert-fc1-piece-rows`` 0  its unfused activation in pieces of this
-                                          many rows (0: whole; needs --no-bias-swiglu-fusion;
-                                          smaller transient, slower: docs/mcore.md)
-==============================  ========  ===================================================
+parser that lacks them (a bare parser in tests or tools), and adds ours: ``OUR_FLAGS`` below,
+each with its default (``PAGING_DEFAULTS``) and help; docs/mcore.md's flag table explains every
+one.
 
 It also adds ``static`` to the choices of Megatron's ``--moe-flex-dispatcher-backend`` (our
 sync-free dispatch backend, :mod:`.dispatcher`).
@@ -88,6 +43,7 @@ from megatron_paging.config import (
     MAX_CTAS_ENV,
     POOL_RESIDENCIES,
     PREFETCH_POINTS,
+    STASH_POINTS,
     ConfigError,
     PagingConfig,
     kernel_backend_choices,
@@ -132,6 +88,7 @@ PAGING_DEFAULTS = {
     "paging_max_ctas": None,
     "paging_prefetch_distance": 1,
     "paging_prefetch_point": "experts",
+    "paging_stash_point": "commit",
     "paging_no_overlap": False,
     "paging_overflow_policy": "rerun",
     "paging_growth_factor": 1.5,
@@ -167,6 +124,7 @@ OURS_ONLY = (
     "paging_kernel_backend",
     "paging_prefetch_distance",
     "paging_prefetch_point",
+    "paging_stash_point",
     "paging_no_overlap",
     "paging_max_ctas",
     "paging_overflow_policy",
@@ -184,6 +142,7 @@ FLAG_OF_FIELD = {
     "max_ctas": "--paging-max-ctas",
     "prefetch_distance": "--paging-prefetch-distance",
     "prefetch_point": "--paging-prefetch-point",
+    "stash_point": "--paging-stash-point",
     "overlap": "--paging-no-overlap",
     "overflow_policy": "--paging-overflow-policy",
     "growth_factor": "--paging-growth-factor",
@@ -209,6 +168,12 @@ OUR_FLAGS = {
         help="where a layer's backward ends and the layers below are reloaded: after its "
         "experts' backward (experts) or after the static dispatcher's (dispatcher: the "
         "reloads then run beside the attention's backward, not the dispatcher's gathers)",
+    ),
+    "paging_stash_point": dict(
+        choices=STASH_POINTS,
+        help="when a committed layer is stashed: at once (commit) or when the next layer's "
+        "experts begin (next-layer: the copies run beside its GEMMs; the newest layer is held "
+        "as with --paging-hold-last-slot)",
     ),
     "paging_no_overlap": dict(
         action="store_true", help="run stash and reload on the compute stream (no-overlap control)"
@@ -398,6 +363,7 @@ def paging_config(
             max_ctas=env_max_ctas if max_ctas is None else max_ctas,
             prefetch_distance=args.paging_prefetch_distance,
             prefetch_point=getattr(args, "paging_prefetch_point", "experts"),
+            stash_point=getattr(args, "paging_stash_point", "commit"),
             overlap=not args.paging_no_overlap,
             overflow_policy=args.paging_overflow_policy,
             growth_factor=args.paging_growth_factor,

@@ -1,6 +1,6 @@
-"""``--paging-prefetch-point`` on real Megatron-Core MoE layers (CPU, static dispatcher): where
-a layer's backward ends, which is when the layer below is reloaded, and that the choice changes
-no bit of the results."""
+"""``--paging-prefetch-point`` and ``--paging-stash-point`` on real Megatron-Core MoE layers
+(CPU, static dispatcher): where a layer's backward ends (when the layer below is reloaded),
+where a layer's stash is issued, and that neither choice changes a bit of the results."""
 
 from __future__ import annotations
 
@@ -16,14 +16,13 @@ from megatron_paging.mcore import dispatcher as static_dispatcher  # noqa: E402
 from megatron_paging.mcore.installer import PagingInstaller  # noqa: E402
 
 
-def _two_layer_steps(prefetch_point: str | None, monkeypatch, steps: int = 3):
-    """Three steps of two stacked MoE layers (one microbatch); paged unless ``prefetch_point``
-    is None. Returns the grads of every step and the last step's scheduler log."""
+def _two_layer_steps(config_fields: dict | None, monkeypatch, steps: int = 3):
+    """Three steps of two stacked MoE layers (one microbatch); paged with these PagingConfig
+    fields, unpaged when None. Returns the grads of every step and the last step's log."""
     installer = PagingInstaller()
-    config_fields = {} if prefetch_point is None else {"prefetch_point": prefetch_point}
-    api = installer.install(config=PagingConfig(pool_residency="step", **config_fields))
+    api = installer.install(config=PagingConfig(pool_residency="step", **(config_fields or {})))
     try:
-        paged = prefetch_point is not None
+        paged = config_fields is not None
         torch.manual_seed(0)
         config = moe_config(moe_paged_stash=paged, moe_expert_rank_capacity_factor=2.0)
         layers = [cpu_moe_layer(config, layer_number=n) for n in (1, 2)]
@@ -89,8 +88,9 @@ def test_the_prefetch_point_moves_the_layers_backward_end_past_the_dispatchers_b
     model_parallel, monkeypatch  # noqa: F811
 ):
     control, _ = _two_layer_steps(None, monkeypatch)
-    at_experts, experts_log = _two_layer_steps("experts", monkeypatch)
-    at_dispatcher, dispatcher_log = _two_layer_steps("dispatcher", monkeypatch)
+    at_experts, experts_log = _two_layer_steps({"prefetch_point": "experts"}, monkeypatch)
+    at_dispatcher, dispatcher_log = _two_layer_steps({"prefetch_point": "dispatcher"},
+                                                     monkeypatch)
     # The experts' input ends layer 1's backward before any of its dispatcher's gathers ran
     # backward; the dispatcher's input only after them (the dispatch gathers of x: 2 at EP 1).
     assert _gathers_inside_slot_backward(experts_log, 1) == 0
@@ -100,4 +100,31 @@ def test_the_prefetch_point_moves_the_layers_backward_end_past_the_dispatchers_b
         control, at_experts, at_dispatcher, strict=True
     ):
         for a, b, c in zip(step_control, step_experts, step_dispatcher, strict=True):
+            assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def _gathers_between_commit_and_stash(log, layer: int) -> int:
+    """Dispatcher gathers between ``layer``'s commit and the launch of its stash."""
+    events = [(e.op, e.kind, e.info.get("layer")) for e in _last_step(log)]
+    commit = events.index(("note", "commit", layer))
+    stash = events.index(("launch", "stash", layer))
+    return sum(kind == "gather" for _, kind, _ in events[commit:stash])
+
+
+def test_the_next_layer_stash_point_issues_a_stash_after_the_next_layers_dispatch(
+    model_parallel, monkeypatch  # noqa: F811
+):
+    control, _ = _two_layer_steps(None, monkeypatch)
+    at_commit, commit_log = _two_layer_steps({}, monkeypatch)
+    next_layer, next_log = _two_layer_steps({"stash_point": "next-layer"}, monkeypatch)
+    # At the commit: layer 0's copy is queued before its combine runs. At the next layer: after
+    # layer 0's combine and layer 1's dispatch (2 + 2 gathers at EP 1), right before layer 1's
+    # experts, whose GEMMs it then runs beside.
+    assert _gathers_between_commit_and_stash(commit_log, 0) == 0
+    assert _gathers_between_commit_and_stash(next_log, 0) >= 4
+    # The last layer before the backward is held: never copied.
+    assert ("launch", "stash", 1) not in [(e.op, e.kind, e.info.get("layer"))
+                                          for e in _last_step(next_log)]
+    for step_control, step_commit, step_next in zip(control, at_commit, next_layer, strict=True):
+        for a, b, c in zip(step_control, step_commit, step_next, strict=True):
             assert torch.equal(a, b) and torch.equal(a, c)
