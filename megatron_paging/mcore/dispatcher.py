@@ -244,7 +244,7 @@ class StaticCapacityManager(_DispatchManager):
 
     # -- dispatch / combine -----------------------------------------------------------------
     def dispatch(self, hidden_states, async_finish=True, allocate_on_comm_stream=True):
-        if self.config.moe_paged_stash:
+        if getattr(self.config, "moe_paged_stash", False):
             hidden_states = layer_input_marker(hidden_states)
         send = _IndexedSum.apply(
             hidden_states, self._send_token, self._send_valid, self._token_row, self._token_valid
