@@ -20,7 +20,8 @@ kernels' grid (``--paging-ctas``); ``paged_unbounded_lead`` keeps any number of 
 sources allocated while their copies run (``stash_in_flight=0``), ``paged_lead_2`` two (the
 default: 1);
 ``paged_hold`` stashes a layer only when the next one commits (``hold_last_slot``), so the last
-layer before each backward is never copied.
+layer before each backward is never copied; ``paged_stash_next_layer`` stashes it when the next
+layer opens instead (``stash_point="next-layer"``: the copy beside that layer's GEMMs).
 
 The arms share one set of weights and run interleaved in ``--rounds`` rounds (rotated order), so
 a slow machine phase or an arm's position shows as a round-to-round difference, and
@@ -158,6 +159,8 @@ def main() -> None:
     arms["paged_lead_2"] = paged(stash_in_flight=2)  # one more queued layer of slack
     # The newest slot waits for the next commit: no copy at the forward/backward turn.
     arms["paged_hold"] = paged(hold_last_slot=True)
+    # A layer's stash issued when the next layer opens (beside its GEMMs), the newest one held.
+    arms["paged_stash_next_layer"] = paged(stash_point="next-layer")
     if args.arms:
         unknown = sorted(set(args.arms) - set(arms))
         if unknown:
