@@ -236,7 +236,9 @@ class PagingScheduler:
             records=[h.id for h in handles],
         )
         held, self._held = self._held, None
-        if held is not None:  # another slot committed: the held one is stashed now
+        if held is not None and self.stash_at_next_layer and isinstance(layer, tuple):
+            self._held = held  # an offload group (the next attention's): the next layer issues it
+        elif held is not None:  # another slot committed: the held one is stashed now
             self._stash(*held)
         if not handles:
             return

@@ -115,3 +115,44 @@ def test_the_next_layer_stash_point_gives_the_controls_gradients_bit_for_bit(nam
 
 def test_a_captured_step_with_the_next_layer_stash_point_keeps_the_capture_rules():
     captured_step_keeps_the_capture_rules(cfg())
+
+
+def test_offload_groups_committing_between_two_layers_leave_the_held_layer_to_the_next():
+    """Dense offload groups (the next layer's attention) commit between a layer's commit and
+    the next layer's opening: the held layer's stash still waits for that opening (with
+    ``hold_last_slot`` alone any commit stashes it), and the round trips stay exact."""
+    from offload_helpers import HIDDEN, _context
+
+    backend = CpuStreamBackend()
+    context = _context(backend, stash_point="next-layer")
+
+    def step(seed):
+        gen = torch.Generator().manual_seed(seed)
+        context.begin_step()
+        saved = []
+        for layer in range(2):
+            context.open_offload_group(0, ("offload", layer, "attn_norm"), 1, "cpu")
+            dense = torch.randn(6, HIDDEN, generator=gen)
+            dense_item = context.pack_offload(dense)
+            context.commit_slot()
+            context.open_slot(0, layer, 1, "cpu")
+            rows = torch.randn(16, HIDDEN, generator=gen)
+            item = context.pack_marked(rows.clone(), torch.tensor([9]), 16)
+            context.commit_slot()
+            saved.append((layer, dense, dense_item, rows, item))
+        for layer, dense, dense_item, rows, item in reversed(saved):
+            context.scheduler.backward_slot_start(0, layer, 1)
+            assert torch.equal(context.unpack(item)[:9], rows[:9])
+            context.scheduler.backward_slot_start(0, ("offload", layer, "attn_norm"), 1)
+            assert torch.equal(context.unpack(dense_item), dense)
+        context.finish()
+
+    step(0)  # calibration
+    backend.log.clear()
+    step(1)
+    events = [(e.op, e.kind, e.info.get("layer"), e.info.get("offload")) for e in backend.log
+              if e.op == "launch" and e.kind == "stash" or (e.op, e.kind) == ("note", "commit")]
+    layer0_stash = events.index(("launch", "stash", 0, None))
+    group1_copy = events.index(("launch", "stash", ("offload", 1, "attn_norm"), "whole"))
+    assert layer0_stash > group1_copy  # not at that group's commit: at layer 1's opening
+    assert ("launch", "stash", 1, None) not in events  # the last layer: held, never copied
