@@ -250,6 +250,10 @@ class PagingContext:
         self._slot_ends.add(slot)
         return _SlotEnd.apply(tensor, self, slot)
 
+    def marks_slot_end(self, chunk: int, layer: int, microbatch: int) -> bool:
+        """Whether the slot's input already carries an end marker in this forward."""
+        return (int(chunk), int(layer), int(microbatch)) in self._slot_ends
+
     def group_commit(self, tensor: torch.Tensor) -> torch.Tensor:
         """End of the layer's forward (identity): stash its records; its backward reloads them.
 

@@ -16,11 +16,15 @@ from megatron_paging.mcore import dispatcher as static_dispatcher  # noqa: E402
 from megatron_paging.mcore.installer import PagingInstaller  # noqa: E402
 
 
-def _two_layer_steps(config_fields: dict | None, monkeypatch, steps: int = 3):
+def _two_layer_steps(config_fields: dict | None, monkeypatch, steps: int = 3,
+                     unmarked: bool = False):
     """Three steps of two stacked MoE layers (one microbatch); paged with these PagingConfig
-    fields, unpaged when None. Returns the grads of every step and the last step's log."""
+    fields, unpaged when None (``unmarked``: the dispatcher does not mark its input, as another
+    dispatcher would not). Returns the grads of every step and the last step's log."""
     installer = PagingInstaller()
     api = installer.install(config=PagingConfig(pool_residency="step", **(config_fields or {})))
+    if unmarked:
+        monkeypatch.setattr(static_dispatcher, "layer_input_marker", lambda hidden: hidden)
     try:
         paged = config_fields is not None
         torch.manual_seed(0)
@@ -85,12 +89,14 @@ def _prefetch_after_end(log, layer: int) -> bool:
 
 
 def test_the_prefetch_point_moves_the_layers_backward_end_past_the_dispatchers_backward(
-    model_parallel, monkeypatch  # noqa: F811
+    model_parallel, monkeypatch, caplog  # noqa: F811
 ):
     control, _ = _two_layer_steps(None, monkeypatch)
     at_experts, experts_log = _two_layer_steps({"prefetch_point": "experts"}, monkeypatch)
-    at_dispatcher, dispatcher_log = _two_layer_steps({"prefetch_point": "dispatcher"},
-                                                     monkeypatch)
+    with caplog.at_level("WARNING", logger="megatron_paging.mcore.api"):
+        at_dispatcher, dispatcher_log = _two_layer_steps({"prefetch_point": "dispatcher"},
+                                                         monkeypatch)
+    assert not [r for r in caplog.records if "did not mark its input" in r.message]
     # The experts' input ends layer 1's backward before any of its dispatcher's gathers ran
     # backward; the dispatcher's input only after them (the dispatch gathers of x: 2 at EP 1).
     assert _gathers_inside_slot_backward(experts_log, 1) == 0
@@ -128,3 +134,17 @@ def test_the_next_layer_stash_point_issues_a_stash_after_the_next_layers_dispatc
     for step_control, step_commit, step_next in zip(control, at_commit, next_layer, strict=True):
         for a, b, c in zip(step_control, step_commit, step_next, strict=True):
             assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_the_dispatcher_point_without_a_dispatcher_mark_says_so_once(
+    model_parallel, monkeypatch, caplog  # noqa: F811
+):
+    control, _ = _two_layer_steps(None, monkeypatch)
+    with caplog.at_level("WARNING", logger="megatron_paging.mcore.api"):
+        fallback, log = _two_layer_steps({"prefetch_point": "dispatcher"}, monkeypatch,
+                                         unmarked=True)
+    said = [r.getMessage() for r in caplog.records if "did not mark its input" in r.message]
+    assert len(said) == 1 and "prefetch_point='dispatcher'" in said[0]
+    assert _gathers_inside_slot_backward(log, 1) == 0  # the experts' input ended the layer
+    for step_control, step_fallback in zip(control, fallback, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(step_control, step_fallback, strict=True))

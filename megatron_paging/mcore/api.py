@@ -102,15 +102,24 @@ class MCorePagingAPI:
         self._group: _Group | None = None
         self.iteration = 0
         self.offload = None  # the paged offloading backend's manager, when install() made one
+        self._unmarked_warned = False  # prefetch_point="dispatcher" without a dispatcher mark
 
     # -- experts.py ------------------------------------------------------------------------
     def paged_stash_group_start(self, tensor):
         """Mark the start of a layer group (identity: nothing to wait for). Its backward, once
         the group's backward is done, prefetches the groups below (the slot-end rule)."""
-        stage = self.vp_stage
-        return self.context.slot_end_marker(
-            tensor, stage, self._layer[stage], self._microbatch[stage]
-        )
+        slot = self._slot()
+        if (self.engine.config.prefetch_point == "dispatcher" and not self._unmarked_warned
+                and self.context.pages_forward and torch.is_grad_enabled()
+                and tensor.requires_grad and not self.context.marks_slot_end(*slot)):
+            # Only our static dispatcher marks its input: said once, not silently ignored.
+            self._unmarked_warned = True
+            logger.warning(
+                "megatron-paging: prefetch_point='dispatcher' but layer %s's dispatcher did not "
+                "mark its input (not the static flex backend?): its experts' input ends the "
+                "layer's backward instead", slot[1],
+            )
+        return self.context.slot_end_marker(tensor, *slot)
 
     # -- our static dispatcher (mcore/dispatcher.py; not a Megatron-Core hook) ---------------
     def paged_stash_dispatch_start(self, tensor):
@@ -120,7 +129,12 @@ class MCorePagingAPI:
         after the experts'; otherwise identity."""
         if self.engine.config.prefetch_point != "dispatcher":
             return tensor
-        return self.paged_stash_group_start(tensor)
+        return self.context.slot_end_marker(tensor, *self._slot())
+
+    def _slot(self) -> tuple[int, int, int]:
+        """``(vp_stage, layer, microbatch)`` of the slot the running layer opens."""
+        stage = self.vp_stage
+        return stage, self._layer[stage], self._microbatch[stage]
 
     def get_paged_stash_context(
         self, name=None, max_num_tokens=None, num_tokens_tensor=None, avg_num_tokens=None
@@ -142,8 +156,7 @@ class MCorePagingAPI:
         # overwrite its own tensor for the next microbatch before this one is reloaded.
         live = num_tokens_tensor.reshape(1).to(torch.int64, copy=True)
         self._group = _Group(max_num_tokens, live, avg_num_tokens, name)
-        stage = self.vp_stage
-        self.context.open_slot(stage, self._layer[stage], self._microbatch[stage], live.device)
+        self.context.open_slot(*self._slot(), live.device)
         return self.context.hooks(self._pack)
 
     def _pack(self, tensor):
