@@ -22,7 +22,8 @@
 #  `git archive <commit> megatron_paging | tar -x -C .old_tree`), that tree too ("before").
 #  frontier: benchmarks/bench_frontier.py, resumable over several calls (docs/benchmarks.md):
 #  FRONTIER_TIME_S its own time budget (default 500 s; the step's limit is 40 s more),
-#  BENCH_KERNELS_ARGS: more bench_kernels.py arguments ("--regimes 0,1 --variants bulk-dyn ...").
+#  BENCH_KERNELS_ARGS: more bench_kernels.py arguments ("--regimes 0,1 --variants bulk-dyn ...");
+#  BENCH_SCHEDULER_ARGS likewise for bench_scheduler.py ("--arms paged paged_hold --rounds 3").
 #  step-ratio: benchmarks/bench_step_ratio.py (arms round-robin against unpaged, one call):
 #  STEP_RATIO_TIME_S its time budget (default 500 s), STEP_RATIO_ARGS its arguments
 #  ("--arms paged --rounds 3 --env CUDA_DEVICE_MAX_CONNECTIONS=32").
@@ -108,8 +109,9 @@ for step in "${steps[@]}"; do
           MEGATRON_PAGING_EXT_DIR=/tmp/megatron_paging_ext_old \
           python3 benchmarks/bench_host_cost.py --label before --out "$OUT/host_before.json"
       fi ;;
+    # shellcheck disable=SC2086
     bench-scheduler) run_step bench-scheduler 240 python3 benchmarks/bench_scheduler.py \
-                       --out "$OUT/scheduler.json" ;;
+                       --out "$OUT/scheduler.json" ${BENCH_SCHEDULER_ARGS:-} ;;
     bench-offload) run_step bench-offload 180 python3 benchmarks/bench_offload.py \
                      --out "$OUT/offload.json" ;;
     bench-swiglu) run_step bench-swiglu 120 python3 benchmarks/bench_weighted_swiglu.py \
