@@ -10,6 +10,7 @@ import pytest
 
 from megatron_paging.tools.kernel_timeline import (
     differences,
+    exposed_paging,
     idle_gaps,
     load,
     main,
@@ -133,3 +134,34 @@ def test_idle_gaps_of_a_record_without_launch_times():
     g = idle_gaps(record)
     assert g["unknown_gaps"] == 1 and g["unknown_ms"] == pytest.approx(0.040)  # [100, 140]
     assert g["host_gaps"] == g["queued_gaps"] == 0
+
+
+def test_exposed_paging_credits_each_lone_copy_to_the_compute_ops_around_it():
+    events = [
+        cpu_call("cudaLaunchKernel", 1, 0), kernel("prepare", 7, 0, 10, 1),
+        # the stash starts beside prepare and runs on alone from 10 to 40 while the GEMM,
+        # launched at 5 (before the compute went idle), waits: 30 us exposed, queued
+        cpu_call("cudaLaunchKernel", 2, 1), kernel("bulk_kernel<false, 8>", 20, 5, 40, 2),
+        cpu_call("cudaLaunchKernel", 3, 5), kernel("grouped_gemm", 7, 40, 100, 3),
+        # a copy in a gap the host left (the fill launched at 130, after the compute idled at
+        # 100): 20 us exposed, host-late
+        cpu_call("cudaLaunchKernel", 4, 90), kernel("tile_kernel<true, 8>", 20, 110, 130, 4),
+        cpu_call("cudaLaunchKernel", 5, 130), kernel("fill", 7, 135, 150, 5),
+        # a gap with no copy in it counts nothing; a copy wholly beside compute neither
+        cpu_call("cudaLaunchKernel", 6, 120), kernel("grouped_gemm", 7, 160, 200, 6),
+        cpu_call("cudaLaunchKernel", 7, 121), kernel("bulk_kernel<false, 8>", 20, 170, 180, 7),
+    ]
+    x = exposed_paging(timeline_record(events, 1, 0.0))
+    assert x["exposed_ms"] == pytest.approx(0.050)
+    assert x["queued_ms"] == pytest.approx(0.030)
+    assert x["host_ms"] == pytest.approx(0.020)
+    assert x["unknown_ms"] == 0
+    assert x["between"] == [
+        ("prepare", "grouped_gemm", 1, pytest.approx(0.030), pytest.approx(0.030)),
+        ("grouped_gemm", "fill", 1, pytest.approx(0.020), 0.0),
+    ]
+    # the same copies without launch times: exposed still, the cause unknown
+    record = timeline_record(events, 1, 0.0)
+    del record["launch_us"]
+    y = exposed_paging(record)
+    assert y["unknown_ms"] == pytest.approx(0.050) and y["queued_ms"] == y["host_ms"] == 0

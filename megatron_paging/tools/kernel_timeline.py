@@ -7,7 +7,9 @@ iteration; ``python -m megatron_paging.tools.kernel_timeline A.json [B.json]`` p
 hidden, or compute kernels slowed by copies running beside them), and :func:`idle_gaps`: the
 stretches in which no device op runs, each classed by the op that ends it — launched by the
 host only after the device went idle (``host``: the host is late) or already queued and held
-back by a stream dependency or the device's front end (``queued``).
+back by a stream dependency or the device's front end (``queued``), and
+:func:`exposed_paging`: the paging kernels that ran with nothing beside them, by the compute
+ops around each such stretch.
 
 A diagnostic outside the paging runtime; it reads profiler events only.
 """
@@ -140,6 +142,43 @@ def idle_gaps(record: dict, min_us: float = 2.0, top: int = 8) -> dict:
     }
 
 
+def exposed_paging(record: dict, top: int = 8) -> dict:
+    """Where paging kernels run with no other kernel beside them, and what the compute waited
+    for: each stretch in which only paging kernels run is credited to the pair of non-paging
+    ops around it (the one that ended last before it, the one that starts it again). When the
+    op after was launched before the stretch began (``queued``), the compute was held back
+    while the copy ran — a stream wait, or the copy holding the SMs that op needs; when it was
+    launched later (``host``) the copy only filled time the host left idle. ``between``: the
+    pairs with the most exposed paging time, ``(before, after, stretches, ms, queued ms)``."""
+    names, rows = record["names"], record["rows"]
+    launch = record.get("launch_us") or [None] * len(rows)
+    paging = sorted((r[2], r[2] + r[3]) for r in rows if is_paging_kernel(names[r[0]]))
+    other = sorted((r[2], r[2] + r[3], i) for i, r in enumerate(rows)
+                   if not is_paging_kernel(names[r[0]]))
+    totals = {"queued": 0.0, "host": 0.0, "unknown": 0.0}
+    pairs: dict[tuple[str, str], list] = defaultdict(lambda: [0, 0.0, 0.0])
+    end, last = None, None
+    for start, stop, i in other:
+        if end is not None and start > end:
+            alone = _overlap_us(paging, [(end, start)])
+            if alone > 0:
+                kind = ("unknown" if launch[i] is None else
+                        "queued" if launch[i] <= end else "host")
+                totals[kind] += alone
+                entry = pairs[(names[rows[last][0]], names[rows[i][0]])]
+                entry[0] += 1
+                entry[1] += alone
+                entry[2] += alone if kind == "queued" else 0.0
+        if end is None or stop > end:
+            end, last = stop, i
+    ranked = sorted(pairs.items(), key=lambda kv: kv[1][1], reverse=True)[:top]
+    return {
+        "exposed_ms": sum(totals.values()) / 1e3,
+        **{f"{k}_ms": v / 1e3 for k, v in totals.items()},
+        "between": [(a, b, n, us / 1e3, q / 1e3) for (a, b), (n, us, q) in ranked],
+    }
+
+
 def per_name(record: dict) -> dict[str, tuple[int, float]]:
     totals: dict[str, list] = defaultdict(lambda: [0, 0.0])
     for r in record["rows"]:
@@ -188,6 +227,13 @@ def main(argv=None) -> None:
               f"unknown {g['unknown_gaps']} / {g['unknown_ms']:.2f} ms")
         for name, n, ms in g["queued_after"]:
             print(f"      queued gap before {name[:70]}: {n} x, {ms:.2f} ms")
+        x = exposed_paging(record, top=4)
+        print(f"    paging with nothing beside it: {x['exposed_ms']:.2f} ms (compute already "
+              f"queued {x['queued_ms']:.2f}, host late {x['host_ms']:.2f}, unknown "
+              f"{x['unknown_ms']:.2f})")
+        for before, after, n, ms, queued in x["between"]:
+            print(f"      {n} x, {ms:.2f} ms ({queued:.2f} queued) after {before[:45]} / "
+                  f"before {after[:45]}")
     if len(records) == 2:
         a, b = (p.name for p in args.records)
         print(f"kernels whose time differs most ({a} -> {b}):")
