@@ -23,7 +23,7 @@ from pathlib import Path
 from common import add_provenance_args, provenance, write
 from frontier.logs import parse_iterations
 
-from megatron_paging.tools.kernel_timeline import differences, load, summarize
+from megatron_paging.tools.kernel_timeline import differences, exposed_paging, load, summarize
 
 
 def step_times(log_text: str, profiled: int | None, warmup: int = 2) -> list[float]:
@@ -53,6 +53,7 @@ def run_summary(timeline: Path, log: Path | None) -> dict:
         with opener(log, "rt", errors="replace") as f:
             text = f.read()
     steps = step_times(text, record.get("iteration")) if log else []
+    alone = exposed_paging(record, top=4)
     return {
         "timeline": timeline.name,
         "profiled_iteration": record.get("iteration"),
@@ -63,6 +64,11 @@ def run_summary(timeline: Path, log: Path | None) -> dict:
         "paging_kernels": s["paging_kernels"], "paging_kernel_ms": s["paging_sum_ms"],
         "paging_beside_compute_ms": s["paging_hidden_ms"],
         "paging_exposed_ms": s["paging_sum_ms"] - s["paging_hidden_ms"],
+        "paging_alone_compute_queued_ms": alone["queued_ms"],
+        "paging_alone_host_late_ms": alone["host_ms"],
+        "paging_alone_between": [
+            {"before": a[:120], "after": b[:120], "stretches": n, "ms": ms, "queued_ms": q}
+            for a, b, n, ms, q in alone["between"]],
         "copies": s["copies"], "copies_ms": s["copies_sum_ms"],
         "copies_beside_kernels_ms": s["copies_beside_kernels_ms"],
         "copies_alone_ms": s["copies_sum_ms"] - s["copies_beside_kernels_ms"],

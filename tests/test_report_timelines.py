@@ -61,6 +61,29 @@ def test_compute_slowdown_and_exposed_copies(report, tmp_path):
     assert r["kernels_differing_most_ms"][0]["kernel"].startswith("void megatron_paging")
 
 
+def test_lone_paging_is_credited_to_the_gemm_it_held_back(report, tmp_path):
+    prep, gemm = "prepare_grouped_gemm_data", "cutlass_gemm"
+    stash = "void megatron_paging::bulk_kernel<false, 8>"
+    control = timeline([(prep, 7, 0.0, 10.0), (gemm, 7, 10.0, 1000.0)])
+    # the stash starts with prepare and holds the GEMM (launched at 5 us) back by 490 us
+    run = timeline([(prep, 7, 0.0, 10.0), (stash, 19, 5.0, 495.0), (gemm, 7, 500.0, 1000.0)])
+    run["launch_us"] = [0.0, 1.0, 5.0]
+    for name, record in (("un", control), ("stash", run)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(record))
+    out = tmp_path / "r.json"
+    argv = ["--gpu", "NVIDIA H200", "--commit", "abc1234", "--date", "2026-12-03",
+            "--control", f"unpaged={tmp_path / 'un.json'}",
+            "--run", f"stash={tmp_path / 'stash.json'}", "--out", str(out)]
+    assert report.main(argv) == 0
+    r = json.loads(out.read_text())["runs"]["stash"]
+    assert r["paging_exposed_ms"] == pytest.approx(0.490)
+    assert r["paging_alone_compute_queued_ms"] == pytest.approx(0.490)
+    assert r["paging_alone_host_late_ms"] == 0
+    assert r["paging_alone_between"] == [{"before": prep, "after": gemm, "stretches": 1,
+                                          "ms": pytest.approx(0.490),
+                                          "queued_ms": pytest.approx(0.490)}]
+
+
 def test_bad_spec_is_one_line(report):
     with pytest.raises(SystemExit, match="expected LABEL=TIMELINE"):
         report.parse_spec("no-label-here")

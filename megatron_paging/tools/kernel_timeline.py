@@ -148,7 +148,8 @@ def exposed_paging(record: dict, top: int = 8) -> dict:
     ops around it (the one that ended last before it, the one that starts it again). When the
     op after was launched before the stretch began (``queued``), the compute was held back
     while the copy ran — a stream wait, or the copy holding the SMs that op needs; when it was
-    launched later (``host``) the copy only filled time the host left idle. ``between``: the
+    launched later (``host``) the copy only filled time the host left idle. Paging before the
+    first or after the last non-paging op has no pair and is not counted. ``between``: the
     pairs with the most exposed paging time, ``(before, after, stretches, ms, queued ms)``."""
     names, rows = record["names"], record["rows"]
     launch = record.get("launch_us") or [None] * len(rows)
