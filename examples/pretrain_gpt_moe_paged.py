@@ -8,8 +8,9 @@ Megatron's own ``pretrain()`` drives everything; this script only adds:
   offloading);
 * our flags (``extra_args_provider=add_paging_args``) and their start-up validation;
 * a model provider that builds ``GPTModel`` from the local (TE-free) layer spec with
-  :class:`~megatron_paging.mcore.experts.PagedGroupedMLP` experts and, by default, fused SDPA
-  core attention (``--paging-core-attention``).
+  :class:`~megatron_paging.mcore.experts.PagedGroupedMLP` experts and fused SDPA core attention.
+
+Start-up checks (a GPU, the paging flags, the benchmark controls) are :mod:`preflight`'s.
 
 Launch: ``examples/run_pretrain_1gpu.sh`` (one GPU; its comment shows the EP/PP line).
 Paged vs unpaged control: the same command with and without ``--moe-paged-stash`` (both keep
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from functools import partial
 
 import torch
@@ -38,16 +38,15 @@ from megatron.training.argument_utils import (
 )
 from megatron.training.arguments import parse_and_validate_args
 from megatron.training.utils import is_first_or_last_pipeline_stage
-from step_probe import PROBE, observe_training_steps  # beside this script (its sys.path[0])
+from preflight import check  # beside this script (its sys.path[0])
+from step_probe import PROBE, observe_training_steps
 
 from megatron_paging.mcore import install
-from megatron_paging.mcore.flags import add_paging_args, install_options, paging_config
+from megatron_paging.mcore.flags import add_paging_args, install_options
 from megatron_paging.mcore.offload_shims import offload_args_lift
 from megatron_paging.mcore.specs import get_gpt_moe_paged_layer_spec
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
-# Benchmarks under a memory budget: torch.cuda.set_per_process_memory_fraction(this) at start.
-MEMORY_FRACTION_ENV = "MEGATRON_PAGING_MEMORY_FRACTION"
 
 
 def model_provider(
@@ -55,18 +54,12 @@ def model_provider(
 ):
     """GPT-MoE on the local spec with paged grouped experts."""
     args = get_args()
-    if args.num_experts is None:
-        raise ValueError("this example trains an MoE model: pass --num-experts")
     config = core_transformer_config_from_args(args)
     spec = get_gpt_moe_paged_layer_spec(
         args.num_experts,
         normalization=args.normalization,
         qk_layernorm=args.qk_layernorm,
-        gemm_backend=args.paging_gemm_backend,
-        core_attention=args.paging_core_attention,
-        sdpa_backend=args.paging_sdpa_backend,
         recompute_expert_fc1=args.paging_recompute_expert_fc1,
-        recompute_expert_fc1_piece_rows=args.paging_recompute_expert_fc1_piece_rows,
     )
     return GPTModel(
         config=config,
@@ -162,26 +155,16 @@ def use_prebuilt_dataset_helpers() -> None:
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    fraction = os.environ.get(MEMORY_FRACTION_ENV)
-    if fraction:
-        torch.cuda.set_per_process_memory_fraction(float(fraction))
+    _, config, controls = check()  # every paging flag and MEGATRON_PAGING_MAX_CTAS, once
+    if controls.memory_fraction is not None:
+        torch.cuda.set_per_process_memory_fraction(controls.memory_fraction)
     train_valid_test_datasets_provider.is_distributed = True
     with offload_args_lift():  # Megatron's TE-only offloading assertion, where it does not apply
         args = parse_and_validate_args(
             extra_args_provider=add_paging_args, args_defaults={"tokenizer_type": "NullTokenizer"}
         )
-    try:
-        config = paging_config(args)  # every paging flag and MEGATRON_PAGING_MAX_CTAS, once
-        if args.tensor_model_parallel_size != 1:
-            raise ValueError(
-                "--tensor-model-parallel-size: this example reads batches without TP broadcast; "
-                "use 1 (EP/PP work)"
-            )
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
     # Before any model or config is built: the hook points are imported by name.
-    api = install(**install_options(args, config))
+    api = install(**install_options(args, config, mcore_manager=controls.mcore_manager))
     observe_training_steps(PROBE)
     use_prebuilt_dataset_helpers()
     cfg = pretrain_cfg_container_from_args(args)
@@ -193,7 +176,7 @@ def main() -> None:
         forward_step,
         model_provider=model_provider,
     )
-    report_memory(api, args.paging_implementation)
+    report_memory(api, "mcore" if controls.mcore_manager else "ours")
 
 
 def _state_mib(model, optimizer) -> dict[str, float]:

@@ -49,9 +49,13 @@ if [ "$PAGED" = 1 ]; then
           --moe-paged-stash-buffer-size-factor-cuda 1.10 --paging-overflow-policy rerun)
 fi
 
+ARGS=("${MODEL[@]}" "${MOE[@]}" "${TRAIN[@]}" "${PAGING[@]}" "$@")
 if [ "${DRY_RUN:-0}" = 1 ]; then  # print the example's arguments, one per line
-  printf '%s\n' "${MODEL[@]}" "${MOE[@]}" "${TRAIN[@]}" "${PAGING[@]}" "$@"
+  printf '%s\n' "${ARGS[@]}"
   exit 0
 fi
+# A GPU, the paging flags and the benchmark controls, checked before torchrun starts anything:
+# a refusal is one "error:" line (the last one printed) and exit status 2.
+NPROC=$NPROC "$PYTHON" examples/preflight.py "${ARGS[@]}" || exit $?
 exec "$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC" \
-  examples/pretrain_gpt_moe_paged.py "${MODEL[@]}" "${MOE[@]}" "${TRAIN[@]}" "${PAGING[@]}" "$@"
+  examples/pretrain_gpt_moe_paged.py "${ARGS[@]}"

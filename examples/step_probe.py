@@ -19,20 +19,20 @@ from megatron_paging.tools.kernel_timeline import timeline_record
 from megatron_paging.tools.memory_trace import format_breakdown, peak_breakdown
 
 # Verification runs: append every microbatch loss, exactly (float.hex), to this file (+ rank).
-LOSS_LOG_ENV = "MEGATRON_PAGING_LOSS_LOG"
+LOSS_LOG_ENV = "MEGATRON_PAGING_BENCH_LOSS_LOG"
 # Diagnostics: profile this training iteration (1-based, as Megatron logs it) with torch.profiler
 # and print its top kernels and host ops.
-PROFILE_ENV = "MEGATRON_PAGING_PROFILE_ITER"
+PROFILE_ENV = "MEGATRON_PAGING_BENCH_PROFILE_ITER"
 # Diagnostics: record the allocator's history during this iteration and print what is alive at
 # its peak, grouped by the code that allocated it (megatron_paging.tools.memory_trace).
-MEMORY_ENV = "MEGATRON_PAGING_MEMORY_ITER"
+MEMORY_ENV = "MEGATRON_PAGING_BENCH_MEMORY_ITER"
 # Verification: count the CUDA kernels of these iterations (comma-separated, e.g. "6,7"), so a
 # run can show that every replay of a captured CUDA graph launches the same work.
-KERNEL_COUNT_ENV = "MEGATRON_PAGING_KERNEL_COUNT_ITERS"
+KERNEL_COUNT_ENV = "MEGATRON_PAGING_BENCH_KERNEL_COUNT_ITERS"
 # Diagnostics: write the profiled iteration's kernel timeline (every kernel's stream, start and
 # duration) to this JSON file (+ rank); read it with
 # python -m megatron_paging.tools.kernel_timeline.
-PROFILE_JSON_ENV = "MEGATRON_PAGING_PROFILE_JSON"
+PROFILE_JSON_ENV = "MEGATRON_PAGING_BENCH_PROFILE_JSON"
 
 
 def iterations_from_env(name: str) -> tuple[int, ...]:

@@ -1,30 +1,39 @@
-"""PagingConfig: every paging option, typed and validated once, where it enters the program.
+"""Paging options: the flags a user sets (:class:`PagingArgs`) and the runtime's config
+(:class:`PagingConfig`), typed and validated once where they enter the program.
 
-The boundaries that build one — Megatron's flags (:mod:`megatron_paging.mcore.flags`), the
-demo's command line and the Python API — catch :class:`ConfigError` and report it in their own
-words (the flag or variable that holds the bad value, one line). Everything below the boundary
+* :class:`PagingArgs` is the whole command-line surface megatron-paging adds to Megatron: one
+  field is one flag of the same name (``paging_overflow_policy`` is ``--paging-overflow-policy``),
+  its docstring is the flag's help. :mod:`megatron_paging.mcore.flags` builds the argparse group
+  from it with Megatron's own ``ArgumentGroupFactory``; the demo reuses that group. Annotations
+  stay real (no postponed evaluation here): the factory reads choices from ``Literal`` types.
+* :class:`PagingConfig` is what the engine, scheduler and kernels read. Its pool fields come from
+  Megatron-Core's own ``--moe-paged-stash*`` flags, ``max_ctas`` from ``MEGATRON_PAGING_MAX_CTAS``
+  (read when a run builds its config, never at import), and a few fields have no flag: they are
+  set by the Megatron adapter from Megatron's flags (``pool_residency``, ``offload_dma_prefix``,
+  ``offload_in_flight``) or by benchmarks and tests through the Python API.
+
+The boundaries that build a config catch :class:`ConfigError` and report it in their own words
+(the flag or variable that holds the bad value, one line). Everything below the boundary
 (engine, scheduler, calibration, kernels) trusts the config it is given.
-
-``MEGATRON_PAGING_MAX_CTAS`` is read here, through :func:`max_ctas_from_env`, when a config is
-built for a run — never at import, so ``--help`` and ``megatron-paging info`` work with a bad
-value.
 """
-
-from __future__ import annotations
 
 import dataclasses
 import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 MAX_CTAS_ENV = "MEGATRON_PAGING_MAX_CTAS"
 DEFAULT_MAX_CTAS = 2048
+
+OverflowPolicyName = Literal["rerun", "skip", "grow"]
+OffloadBackendName = Literal["mcore", "paged"]
+OVERFLOW_POLICIES: tuple[str, ...] = get_args(OverflowPolicyName)
+OFFLOAD_BACKENDS: tuple[str, ...] = get_args(OffloadBackendName)
+# ``auto``: the CUDA kernels for CUDA pools, the pure-torch reference otherwise (kernels/).
+KERNEL_BACKENDS = ("auto", "cuda", "tile", "bulk", "reference")
 POOL_RESIDENCIES = ("persistent", "step")
-# Where the Megatron adapter reports the end of a layer's backward (PagingConfig.prefetch_point).
-PREFETCH_POINTS = ("experts", "dispatcher")
-# When a committed layer's stash is issued (PagingConfig.stash_point).
-STASH_POINTS = ("commit", "next-layer")
 
 
 class ConfigError(ValueError):
@@ -34,10 +43,6 @@ class ConfigError(ValueError):
         super().__init__(f"{field} {problem}")
         self.field = field
         self.problem = problem
-
-    def renamed(self, names: Mapping[str, str]) -> ConfigError:
-        """The same error under the name a boundary uses for the field (e.g. its flag)."""
-        return ConfigError(names.get(self.field, self.field), self.problem)
 
 
 def positive_int(field: str, value) -> int:
@@ -60,6 +65,11 @@ def _number(field: str, value) -> float:
     return float(value)
 
 
+def _choice(field: str, value, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(field, f"must be one of {', '.join(choices)}; got {value!r}")
+
+
 def max_ctas_from_env(environ: Mapping[str, str] | None = None) -> int | None:
     """``MEGATRON_PAGING_MAX_CTAS`` as a positive int, None when unset; ConfigError if bad."""
     environ = os.environ if environ is None else environ
@@ -78,162 +88,140 @@ def max_ctas_from_env(environ: Mapping[str, str] | None = None) -> int | None:
     return value
 
 
-def kernel_backend_choices() -> tuple[str, ...]:
-    """``auto`` and every registered kernel backend (:data:`megatron_paging.kernels.REGISTRY`)."""
-    from megatron_paging.kernels import REGISTRY  # the registry imports this module
+@dataclass(frozen=True)
+class PagingArgs:
+    """megatron-paging's flags (docs/mcore.md). Megatron-Core's own --moe-paged-stash,
+    --moe-paged-stash-page-size and --moe-paged-stash-buffer-size-factor-cuda/-cpu size the pool."""
 
-    return ("auto", *REGISTRY)
+    paging_overflow_policy: OverflowPolicyName = "rerun"
+    """What a step whose pages overflowed does: rerun it without paging before the optimizer
+    step (Megatron-Core's behaviour), skip its update on the device, or skip it and grow the
+    device page tier for the steps after it."""
 
+    paging_prefetch_distance: int = dataclasses.field(
+        default=1, metadata={"argparse_meta": {"metavar": "LAYERS"}}
+    )
+    """How many layers below the one whose backward starts are reloaded ahead of it (0: a
+    layer's reload starts with its own backward)."""
 
-def overflow_policy_choices() -> tuple[str, ...]:
-    """Every overflow policy (:data:`megatron_paging.overflow.POLICIES`)."""
-    from megatron_paging.overflow import POLICIES  # it imports this module
+    paging_hold_last_slot: bool = False
+    """Keep the last layer before each backward where it is instead of copying it out and back;
+    the device page tier is then sized one layer smaller."""
 
-    return tuple(POLICIES)
+    paging_recompute_expert_fc1: bool = False
+    """The experts save only their input and recompute fc1 in the backward (one grouped GEMM,
+    the same gradients bit for bit): paging and offloading then move the input rows instead of
+    the wider fc1 output."""
+
+    paging_offload_backend: OffloadBackendName = "mcore"
+    """Backend of --fine-grained-activation-offloading: Megatron-Core's own (mcore), or
+    megatron-paging's (paged: expert inputs move only their live rows, dense tensors move whole,
+    both on the paging stream)."""
+
+    paging_offload_host_factor: float = dataclasses.field(
+        default=1.25, metadata={"argparse_meta": {"metavar": "FACTOR"}}
+    )
+    """Pinned host memory for offloaded live rows, as a multiple (>= 1) of the peak the
+    calibration step measured (routing changes live counts from step to step)."""
 
 
 @dataclass(frozen=True)
 class PagingConfig:
-    """What a paging run does. Field by field (docs/mcore.md lists the flags that set them):
+    """What a paging run does. Field by field:
 
-    page_size: rows per page.
-    cuda_factor: device tier = ``|cuda_factor|`` x the calibrated peak rows in flight.
-        Megatron-Core's sign convention: positive sizes from the dispatcher's average-token
-        hint (``avg_num_tokens``) where records carry one, else from the measured peak;
-        negative always from the measured peak. Must not be 0.
-    host_factor: pinned host tier, same convention; 0 = no host tier.
-    kernel_backend: ``auto`` (CUDA kernels on CUDA tensors, else the reference), ``cuda``
-        (the CUDA kernels, bulk or tile path chosen per record), ``tile``, ``bulk`` (one
-        path forced), ``reference`` (pure torch).
+    page_size: rows per page (``--moe-paged-stash-page-size``).
+    cuda_factor: device tier = ``|cuda_factor|`` x the calibrated peak rows in flight
+        (``--moe-paged-stash-buffer-size-factor-cuda``). Megatron-Core's sign convention:
+        positive sizes from the dispatcher's average-token hint where records carry one, else
+        from the measured peak; negative always from the measured peak. Must not be 0.
+    host_factor: pinned host tier, same convention; 0 = no host tier
+        (``--moe-paged-stash-buffer-size-factor-cpu``).
     max_ctas: grid bound of the copy kernels (None: ``MEGATRON_PAGING_MAX_CTAS``, else 2048).
-    prefetch_distance: paged layers reloaded ahead of the one whose backward starts.
-    overlap: False runs stash and reload on the compute stream (the no-overlap control).
-    overflow_policy: ``rerun``, ``skip`` or ``grow`` (docs/overflow.md).
-    growth_factor: device-tier multiplier of the ``grow`` policy.
-    offload_host_factor: host tier of the offload pools = this x the calibrated peak of
-        offloaded live rows in flight (>= 1; routing changes live counts between steps).
-    offload_d2h_max_ctas, offload_h2d_max_ctas: grid bounds of the copy kernels that move
-        offloaded live-row records to the host and back (PCIe, not HBM, bounds them). On the
-        H200 (benchmarks/results/offload_h200.json) D2H reaches 51.9 GB/s with 4 CTAs (52.2
-        with 8) while a GEMM beside it slows by 6.8% instead of 14.7%; H2D needs 8 (33.1 GB/s
-        with 4, 51.3 with 8). More CTAs only take SMs from the compute.
-    offload_dma_prefix: the first rows of an offloaded live-row buffer that the copy engine
-        moves (one DMA copy to a pinned arena range, like a whole tensor), as a fraction of
-        the smallest live count the calibration step saw for that buffer shape (capacity rows,
-        row bytes); the kernels move only the live rows past that prefix. The host must know a
-        copy's size, and it never reads a live count after calibration, so the prefix is a
-        host constant: when a later step's live count is below it, the padding rows up to it
-        cross PCIe too (harmless: nothing reads them). The copy engine takes no SMs, so the
-        compute beside it does not slow (``offload_h200.json``: a GEMM beside a D2H copy 0.99x
-        against 1.07x beside the 4-CTA kernel). 0 = every live row through the kernels.
-    offload_in_flight: inside a CUDA-graph capture, the compute stream waits on an offload's
-        copy (before its source's memory is reused) once more than this many groups of the same
-        module name are in flight (Megatron-Core's
-        ``--fine-grained-offloading-max-inflight-offloads``; eagerly it never waits).
-    stash_in_flight: at most this many layers' stash sources (capacity-sized, allocated until
-        copied, beside the pool) at once, the opening layer's included: when a layer's slot
-        opens, older layers' sources go, after a compute-stream wait on copies the host has not
-        seen end (never a host wait: a host far ahead of the GPU would otherwise hold them
-        all); 0 = no bound.
-    pool_residency: ``persistent`` keeps the device tier's pages allocated for the whole run;
-        ``step`` frees them when a step ends and allocates them again when the next begins, so
-        the memory between steps (the optimizer step) does not carry the pool. ``step`` cannot
-        be captured in a CUDA graph (the pages' addresses change), and the engine refuses it
-        there.
-    hold_last_slot: a committed slot's stash waits for the next commit; a slot whose backward
-        starts first (the last layer before a backward) is never stashed or reloaded, and
-        calibration sizes the pool without it (docs/scheduler.md).
-    stash_point: when a committed layer's stash is issued: ``commit`` (at once) or
-        ``next-layer`` (when the next layer's slot opens, right before its experts' GEMMs,
-        so the copies run beside compute-bound kernels instead of the memory-bound ones after
-        a commit; its sources stay until the layer after that opens). ``next-layer`` holds the
-        newest layer as ``hold_last_slot`` does: a slot whose backward starts first is never
-        stashed. docs/scheduler.md.
-    prefetch_point: where Megatron-Core's adapter ends a layer's backward, which is when the
-        layers below are reloaded: ``experts`` (when the experts' input has its gradient, so
-        the reloads run beside the dispatcher's backward gathers) or ``dispatcher`` (when the
-        static dispatcher's input has it, so they run beside the attention's backward;
-        needs ``--moe-flex-dispatcher-backend static``). docs/scheduler.md.
+    overflow_policy, prefetch_distance, hold_last_slot, offload_host_factor: the flags of the
+        same names (:class:`PagingArgs`).
+    offload_dma_prefix: the first rows of an offloaded live-row buffer that the copy engine moves
+        (one DMA copy), as a fraction of the smallest live count calibration saw for that buffer
+        shape; the kernels move the live rows past it. The Megatron adapter sets 1 when
+        ``CUDA_DEVICE_MAX_CONNECTIONS`` allows more than one hardware queue (the copy engine
+        then runs beside the compute without SMs), else 0 (docs/offload.md).
+    offload_in_flight: inside a CUDA-graph capture, the compute stream waits on an offload's copy
+        once more than this many groups of one module are in flight (Megatron-Core's
+        ``--fine-grained-offloading-max-inflight-offloads``).
+    pool_residency: ``step`` frees the device page tier between steps (the optimizer step gets
+        its memory); ``persistent`` keeps it (what a captured CUDA graph needs). The adapter
+        picks ``persistent`` under ``--cuda-graph-impl full_iteration``, else ``step``.
+    kernel_backend: ``auto`` (CUDA kernels on CUDA tensors, else the reference), ``cuda``,
+        ``tile``, ``bulk`` (one CUDA path forced) or ``reference`` (pure torch): tests and
+        benchmarks choose; users keep ``auto``.
+    overlap: False runs stash and reload on the compute stream (the no-overlap control of
+        benchmarks).
+    stash_in_flight: at most this many layers' capacity-sized stash sources allocated at once,
+        the opening layer's included (0: no bound; docs/scheduler.md).
+    offload_d2h_max_ctas, offload_h2d_max_ctas: grid bounds of the kernels that move offloaded
+        live rows to the host and back (PCIe bounds them, more CTAs only slow the compute).
     """
 
     page_size: int = 64
     cuda_factor: float = 1.10
     host_factor: float = 0.0
-    kernel_backend: str = "auto"
     max_ctas: int | None = None
-    prefetch_distance: int = 1
-    overlap: bool = True
     overflow_policy: str = "rerun"
-    growth_factor: float = 1.5
+    prefetch_distance: int = 1
+    hold_last_slot: bool = False
     offload_host_factor: float = 1.25
-    offload_d2h_max_ctas: int = 4
-    offload_h2d_max_ctas: int = 8
     offload_dma_prefix: float = 0.0
     offload_in_flight: int = 2
-    stash_in_flight: int = 1
     pool_residency: str = "persistent"
-    hold_last_slot: bool = False
-    prefetch_point: str = "experts"
-    stash_point: str = "commit"
+    kernel_backend: str = "auto"
+    overlap: bool = True
+    stash_in_flight: int = 1
+    offload_d2h_max_ctas: int = 4
+    offload_h2d_max_ctas: int = 8
 
     def __post_init__(self):
         positive_int("page_size", self.page_size)
         if _number("cuda_factor", self.cuda_factor) == 0:
             raise ConfigError("cuda_factor", "must be non-zero (it sizes the device page tier)")
         _number("host_factor", self.host_factor)
-        if self.kernel_backend not in kernel_backend_choices():
-            raise ConfigError(
-                "kernel_backend",
-                f"must be one of {kernel_backend_choices()}, got {self.kernel_backend!r}",
-            )
         if self.max_ctas is not None:
             positive_int("max_ctas", self.max_ctas)
+        _choice("overflow_policy", self.overflow_policy, OVERFLOW_POLICIES)
         non_negative_int("prefetch_distance", self.prefetch_distance)
         for name in ("overlap", "hold_last_slot"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, f"must be True or False, got {getattr(self, name)!r}")
-        if self.overflow_policy not in overflow_policy_choices():
-            raise ConfigError(
-                "overflow_policy",
-                f"must be one of {overflow_policy_choices()}, got {self.overflow_policy!r}",
-            )
-        if _number("growth_factor", self.growth_factor) <= 1:
-            raise ConfigError("growth_factor", f"must be > 1, got {self.growth_factor!r}")
         if _number("offload_host_factor", self.offload_host_factor) < 1:
             raise ConfigError(
                 "offload_host_factor", f"must be >= 1, got {self.offload_host_factor!r}"
             )
-        positive_int("offload_d2h_max_ctas", self.offload_d2h_max_ctas)
-        positive_int("offload_h2d_max_ctas", self.offload_h2d_max_ctas)
         if not 0 <= _number("offload_dma_prefix", self.offload_dma_prefix) <= 1:
             raise ConfigError(
                 "offload_dma_prefix", f"must be in [0, 1], got {self.offload_dma_prefix!r}"
             )
         non_negative_int("offload_in_flight", self.offload_in_flight)
+        _choice("pool_residency", self.pool_residency, POOL_RESIDENCIES)
+        _choice("kernel_backend", self.kernel_backend, KERNEL_BACKENDS)
         non_negative_int("stash_in_flight", self.stash_in_flight)
-        if self.pool_residency not in POOL_RESIDENCIES:
-            raise ConfigError(
-                "pool_residency",
-                f"must be one of {POOL_RESIDENCIES}, got {self.pool_residency!r}",
-            )
-        if self.stash_point not in STASH_POINTS:
-            raise ConfigError(
-                "stash_point", f"must be one of {STASH_POINTS}, got {self.stash_point!r}"
-            )
-        if self.prefetch_point not in PREFETCH_POINTS:
-            raise ConfigError(
-                "prefetch_point",
-                f"must be one of {PREFETCH_POINTS}, got {self.prefetch_point!r}",
-            )
+        positive_int("offload_d2h_max_ctas", self.offload_d2h_max_ctas)
+        positive_int("offload_h2d_max_ctas", self.offload_h2d_max_ctas)
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, **fields) -> PagingConfig:
+    def from_env(cls, environ: Mapping[str, str] | None = None, **fields) -> "PagingConfig":
         """A config whose unset ``max_ctas`` comes from ``MEGATRON_PAGING_MAX_CTAS``."""
         if fields.get("max_ctas") is None:
             fields["max_ctas"] = max_ctas_from_env(environ)
         return cls(**fields)
 
-    def replace(self, **changes) -> PagingConfig:
+    @classmethod
+    def from_args(cls, args: PagingArgs, **fields) -> "PagingConfig":
+        """A config with the flags of ``args`` (``paging_<name>`` -> ``<name>``) and ``fields``."""
+        for flag in dataclasses.fields(PagingArgs):
+            name = flag.name.removeprefix("paging_")
+            if name in _CONFIG_FIELDS:
+                fields.setdefault(name, getattr(args, flag.name))
+        return cls(**fields)
+
+    def replace(self, **changes) -> "PagingConfig":
         """A copy with ``changes`` applied (validated again)."""
         return dataclasses.replace(self, **changes)
 
@@ -243,17 +231,19 @@ class PagingConfig:
         return DEFAULT_MAX_CTAS if self.max_ctas is None else self.max_ctas
 
 
+_CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(PagingConfig))
+
 __all__ = [
     "ConfigError",
     "DEFAULT_MAX_CTAS",
+    "KERNEL_BACKENDS",
     "MAX_CTAS_ENV",
+    "OFFLOAD_BACKENDS",
+    "OVERFLOW_POLICIES",
     "POOL_RESIDENCIES",
-    "PREFETCH_POINTS",
-    "STASH_POINTS",
+    "PagingArgs",
     "PagingConfig",
-    "kernel_backend_choices",
     "max_ctas_from_env",
     "non_negative_int",
-    "overflow_policy_choices",
     "positive_int",
 ]

@@ -139,7 +139,7 @@ class PagingEngine:
             raise CaptureError(
                 "paging: pool_residency='step' frees the pages between steps, so a CUDA graph "
                 "cannot hold their addresses; capture with pool_residency='persistent' "
-                "(--paging-pool-residency persistent)"
+                "(what --cuda-graph-impl full_iteration selects)"
             )
         self.mode = OFF
         self.step_open = True

@@ -29,10 +29,8 @@ def importable(module: str) -> bool:
 
 
 def extension_cache_dir() -> Path:
-    """Where the JIT-built CUDA extension is cached (``MEGATRON_PAGING_EXT_DIR`` overrides)."""
-    override = os.environ.get("MEGATRON_PAGING_EXT_DIR")
-    if override:
-        return Path(override)
+    """Where the JIT-built CUDA extension is cached (under ``$XDG_CACHE_HOME``, default
+    ``~/.cache``), one folder per torch and CUDA version."""
     import torch
 
     cuda = (torch.version.cuda or "none").replace(".", "")

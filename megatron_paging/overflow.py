@@ -13,8 +13,8 @@ replace the gradients before the optimizer consumes them, as Megatron-Core does;
 read after the step, which was already dropped on device through
 :mod:`megatron_paging.optimizer_skip`) and *what* to do with a step to discard
 (:meth:`OverflowPolicy.on_discard`), through the driver's :class:`StepControl`. A new policy is
-one class here, listed in :data:`POLICIES` (every flag's choices and the config's validation
-read that table).
+one class here, listed in :data:`POLICIES`, and one name in
+:data:`megatron_paging.config.OVERFLOW_POLICIES` (the flag's choices).
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ OVERFLOW_ADVICE = (
     "moe_paged_stash_buffer_size_factor_cpu."
 )
 OVER_BUDGET_ADVICE = "Consider increasing moe_expert_rank_capacity_factor."
+# How much the ``grow`` policy enlarges the device page tier after an overflowing step.
+GROWTH_FACTOR = 1.5
 
 # Slots of the packed flag tensor: one all_reduce moves all of them.
 OVERFLOW, HOST_SPILL, INVALID_LIVE, OVER_BUDGET = range(4)
@@ -117,12 +119,8 @@ class GrowPolicy(OverflowPolicy):
     name = "grow"
     reads_before_optimizer = False
 
-    def __init__(self, growth_factor: float = 1.5):
+    def __init__(self, growth_factor: float = GROWTH_FACTOR):
         self.growth_factor = growth_factor
-
-    @classmethod
-    def from_config(cls, config: PagingConfig) -> GrowPolicy:
-        return cls(config.growth_factor)
 
     def on_discard(self, flags: StepFlags, step: StepControl) -> str:
         if not flags.overflow_ranks:

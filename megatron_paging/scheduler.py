@@ -4,8 +4,7 @@ A record's life (timeline and rules in docs/scheduler.md): ``open_slot(chunk, la
 microbatch)`` opens a layer's forward; ``save(tensor, live_rows, ...)`` makes a pending record
 (the live count is cloned now); ``commit()`` ends the forward: the paging stream waits on a
 compute-stream event and stashes the slot's records in issue order, and the group joins the
-slot's FIFO (``hold_last_slot``: one commit later, see :meth:`PagingScheduler._hold`;
-``stash_point="next-layer"``: when the next layer's slot opens);
+slot's FIFO (``hold_last_slot``: one commit later, see :meth:`PagingScheduler._hold`);
 ``backward_slot_start`` reloads the slot (and prefetches ``prefetch_distance`` slots below, at
 the start or, with ``prefetch_at_end``, at ``backward_slot_end``); ``unpack`` makes the compute
 stream wait on the record's reload only when autograd needs it (late wait).
@@ -69,10 +68,7 @@ class PagingScheduler:
         self.config = config
         self.prefetch_distance = config.prefetch_distance
         self.overlap = config.overlap
-        # next-layer: the newest committed layer is held (as with hold_last_slot) and stashed
-        # when the next layer's slot opens instead of when it commits
-        self.stash_at_next_layer = config.stash_point == "next-layer"
-        self.hold_last_slot = config.hold_last_slot or self.stash_at_next_layer
+        self.hold_last_slot = config.hold_last_slot
         # (chunk, layer, microbatch, handles, position) of the held newest slot (see _hold)
         self._held: tuple | None = None
         self.max_ctas = config.grid_bound
@@ -140,11 +136,6 @@ class PagingScheduler:
             )
         if not group:  # a layer's paged region begins: older layers' sources go first
             self.sources.layer_opens(self.backend.compute_stream())
-            if self.stash_at_next_layer and self._held is not None:
-                # Right before this layer's GEMMs: the held layer's copies run beside them.
-                # Tracked after layer_opens, its sources stay until the next layer opens.
-                held, self._held = self._held, None
-                self._stash(*held)
         self._open_slots.append((slot, []))
 
     def save(
@@ -224,8 +215,7 @@ class PagingScheduler:
 
     def commit(self) -> None:
         """End of the open slot's forward: stash its pending records on the paging stream
-        (with ``hold_last_slot``: hold them until another slot commits, with
-        ``stash_point="next-layer"`` until the next layer slot opens; see :meth:`_hold`)."""
+        (with ``hold_last_slot``: hold them until another slot commits; see :meth:`_hold`)."""
         if not self._open_slots:
             raise RuntimeError("commit() without an open slot")
         (chunk, layer, microbatch), handles = self._open_slots.pop()
@@ -236,9 +226,7 @@ class PagingScheduler:
             records=[h.id for h in handles],
         )
         held, self._held = self._held, None
-        if held is not None and self.stash_at_next_layer and isinstance(layer, tuple):
-            self._held = held  # an offload group (the next attention's): the next layer issues it
-        elif held is not None:  # another slot committed: the held one is stashed now
+        if held is not None:  # another slot committed: the held one is stashed now
             self._stash(*held)
         if not handles:
             return

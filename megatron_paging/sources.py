@@ -7,7 +7,7 @@ sources do not come here eagerly (``Transfers.hand_over_offload_sources`` gives 
 allocator at once). A host ahead of the GPU sees a copy end late, though, and every layer it
 committed meanwhile would keep its capacity-sized sources allocated beside the preallocated
 pool. So when a layer's slot opens (its paged region begins), the sources of all but the newest
-``stash_in_flight - 1`` committed stash groups go (``--paging-max-inflight-stashes``): at most
+``stash_in_flight - 1`` committed stash groups go (``PagingConfig.stash_in_flight``): at most
 that many layers' sources, the opening one's included, are allocated at once. What the host has
 not seen end goes after a compute-stream wait on its copy, not a host wait: the memory follows
 the stream order, the host keeps its lead, and the copy had the layer's work before the opening

@@ -1,7 +1,7 @@
 """PagingConfig: every field's validation (one-line ConfigError naming the field), ``replace``,
-``from_env``, ``ConfigError.renamed``, ``grid_bound``, the choice lists that come from the
-registries; and ``MEGATRON_PAGING_MAX_CTAS``, read when a config is built and never at import
-(so importing, ``megatron-paging info`` and ``--help`` work with a bad value)."""
+``from_env``, ``from_args`` (PagingArgs, the flags), ``grid_bound``, the choice lists that must
+match the registries; and ``MEGATRON_PAGING_MAX_CTAS``, read when a config is built and never
+at import (so importing, ``megatron-paging info`` and ``--help`` work with a bad value)."""
 
 from __future__ import annotations
 
@@ -17,13 +17,14 @@ from megatron_paging import kernels, overflow
 from megatron_paging.cli import main as cli_main
 from megatron_paging.config import (
     DEFAULT_MAX_CTAS,
+    KERNEL_BACKENDS,
     MAX_CTAS_ENV,
+    OVERFLOW_POLICIES,
     ConfigError,
+    PagingArgs,
     PagingConfig,
-    kernel_backend_choices,
     max_ctas_from_env,
     non_negative_int,
-    overflow_policy_choices,
     positive_int,
 )
 
@@ -38,18 +39,14 @@ BAD = {
     "prefetch_distance": ([-1, 1.0, True, None, "1"], "must be a non-negative integer"),
     "overlap": ([1, 0, None, "yes"], "must be True or False"),
     "overflow_policy": (["abort", "RERUN", "", None], "must be one of"),
-    "growth_factor": ([NAN, INF, True, "2", None], "must be a finite number"),
     "offload_host_factor": ([NAN, INF, True, "1.25", None], "must be a finite number"),
     "offload_d2h_max_ctas": ([0, -1, 4.0, True, None], "must be a positive integer"),
     "offload_h2d_max_ctas": ([0, -1, 8.0, True, None], "must be a positive integer"),
     "offload_dma_prefix": ([NAN, INF, True, "1", None], "must be a finite number"),
     "offload_in_flight": ([-1, 2.0, True, None], "must be a non-negative integer"),
     "stash_in_flight": ([-1, 1.0, True, None, "1"], "must be a non-negative integer"),
-    "pool_residency": (["auto", "", None, True], "must be one of ('persistent', 'step')"),
+    "pool_residency": (["auto", "", None, True], "must be one of persistent, step"),
     "hold_last_slot": ([0, 1, None, "yes"], "must be True or False"),
-    "prefetch_point": (["router", "", None, "Experts"],
-                       "must be one of ('experts', 'dispatcher')"),
-    "stash_point": (["next", "", None, "save"], "must be one of ('commit', 'next-layer')"),
 }
 # Values at the edge of what each field accepts.
 GOOD = {
@@ -61,7 +58,6 @@ GOOD = {
     "prefetch_distance": [0, 7],
     "overlap": [True, False],
     "overflow_policy": ["rerun", "skip", "grow"],
-    "growth_factor": [1.0001, 2, 10.0],
     "offload_host_factor": [1, 1.0, 3.5],
     "offload_d2h_max_ctas": [1, 132],
     "offload_h2d_max_ctas": [1, 132],
@@ -70,8 +66,6 @@ GOOD = {
     "stash_in_flight": [0, 1, 8],
     "pool_residency": ["persistent", "step"],
     "hold_last_slot": [True, False],
-    "prefetch_point": ["experts", "dispatcher"],
-    "stash_point": ["commit", "next-layer"],
 }
 
 
@@ -107,13 +101,9 @@ def test_bad_field_is_a_one_line_error_naming_it(name, value, words):
         ("cuda_factor", 0, "must be non-zero"),
         ("cuda_factor", 0.0, "must be non-zero"),
         ("cuda_factor", -0.0, "must be non-zero"),
-        ("growth_factor", 1, "must be > 1"),
-        ("growth_factor", 1.0, "must be > 1"),
         ("offload_host_factor", 0.99, "must be >= 1"),
         ("offload_dma_prefix", -0.1, r"must be in \[0, 1\]"),
         ("offload_dma_prefix", 1.01, r"must be in \[0, 1\]"),
-        ("growth_factor", 0.5, "must be > 1"),
-        ("growth_factor", -3, "must be > 1"),
     ],
 )
 def test_range_errors_name_the_field(name, value, words):
@@ -135,14 +125,14 @@ def test_defaults_are_megatron_cores():
     assert (config.page_size, config.cuda_factor, config.host_factor) == (64, 1.10, 0.0)
     assert (config.kernel_backend, config.max_ctas, config.overflow_policy) == (
         "auto", None, "rerun")
-    assert (config.prefetch_distance, config.overlap, config.growth_factor) == (1, True, 1.5)
+    assert (config.prefetch_distance, config.overlap, config.hold_last_slot) == (1, True, False)
 
 
 def test_kernel_backend_error_lists_the_choices():
     with pytest.raises(ConfigError) as excinfo:
         PagingConfig(kernel_backend="triton")
     assert str(excinfo.value) == (
-        f"kernel_backend must be one of {kernel_backend_choices()}, got 'triton'"
+        f"kernel_backend must be one of {', '.join(KERNEL_BACKENDS)}; got 'triton'"
     )
 
 
@@ -164,7 +154,7 @@ def test_replace_returns_a_validated_copy():
     assert config.replace() == config and config.replace() is not config
 
 
-@pytest.mark.parametrize(("name", "value"), [("page_size", 0), ("growth_factor", 1),
+@pytest.mark.parametrize(("name", "value"), [("page_size", 0), ("offload_host_factor", 0.5),
                                               ("kernel_backend", "triton"), ("max_ctas", 0)])
 def test_replace_validates_again(name, value):
     with pytest.raises(ConfigError) as excinfo:
@@ -225,25 +215,44 @@ def test_max_ctas_from_env_values(raw, value):
     assert max_ctas_from_env({"OTHER": raw}) is None
 
 
-# ----------------------------------------------------------------------------- ConfigError
+# ----------------------------------------------------------------------------- PagingArgs
 
 
-def test_renamed_uses_the_boundarys_name_and_keeps_the_problem():
-    error = ConfigError("page_size", "must be a positive integer, got 0")
-    renamed = error.renamed({"page_size": "--page-size", "cuda_factor": "--pool-factor"})
-    assert type(renamed) is ConfigError and renamed is not error
-    assert renamed.field == "--page-size" and renamed.problem == error.problem
-    assert str(renamed) == "--page-size must be a positive integer, got 0"
-    assert str(error) == "page_size must be a positive integer, got 0"  # unchanged
-    unmapped = error.renamed({"growth_factor": "--growth-factor"})
-    assert unmapped.field == "page_size" and str(unmapped) == str(error)
+def test_from_args_takes_every_flag_that_is_a_config_field():
+    args = PagingArgs(paging_overflow_policy="grow", paging_prefetch_distance=3,
+                      paging_hold_last_slot=True, paging_offload_host_factor=2.0,
+                      paging_recompute_expert_fc1=True, paging_offload_backend="paged")
+    config = PagingConfig.from_args(args, page_size=32)
+    assert (config.overflow_policy, config.prefetch_distance, config.hold_last_slot) == (
+        "grow", 3, True)
+    assert (config.offload_host_factor, config.page_size) == (2.0, 32)
+    # model and install options are not the engine's: they stay in PagingArgs
+    names = {f.name for f in dataclasses.fields(PagingConfig)}
+    assert "recompute_expert_fc1" not in names and "offload_backend" not in names
+    assert PagingConfig.from_args(PagingArgs()) == PagingConfig()
 
 
-def test_renamed_from_a_real_validation_error():
+def test_from_args_validates_and_names_the_config_field():
     with pytest.raises(ConfigError) as excinfo:
-        PagingConfig(growth_factor=1)
-    renamed = excinfo.value.renamed({"growth_factor": "--moe-paging-growth-factor"})
-    assert str(renamed) == "--moe-paging-growth-factor must be > 1, got 1"
+        PagingConfig.from_args(PagingArgs(paging_prefetch_distance=-1))
+    assert excinfo.value.field == "prefetch_distance"
+
+
+def test_every_flag_is_named_paging_and_documented():
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(PagingArgs)))
+    body = tree.body[0].body
+    documented = {
+        a.target.id for a, b in zip(body, body[1:], strict=False)
+        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)
+        and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str)
+    }
+    flags = {f.name for f in dataclasses.fields(PagingArgs)}
+    assert flags == documented
+    assert all(name.startswith("paging_") for name in flags)
 
 
 @pytest.mark.parametrize(("check", "bad", "good"), [
@@ -266,23 +275,9 @@ def test_grid_bound():
     assert PagingConfig(max_ctas=4096).grid_bound == 4096
 
 
-def test_choices_come_from_the_registries(monkeypatch):
-    assert kernel_backend_choices() == ("auto", *kernels.REGISTRY)
-    assert set(kernel_backend_choices()) == {"auto", "reference", "cuda", "tile", "bulk"}
-    assert overflow_policy_choices() == tuple(overflow.POLICIES)
-    assert set(overflow_policy_choices()) == {"rerun", "skip", "grow"}
-    # A newly registered backend or policy is a valid choice at once, and only while registered.
-    backend = kernels.KernelBackend("fake", lambda *args: None, ("cpu",))
-    monkeypatch.setitem(kernels.REGISTRY, "fake", backend)
-    monkeypatch.setitem(overflow.POLICIES, "abort", overflow.SkipPolicy)
-    assert kernel_backend_choices()[-1] == "fake" and overflow_policy_choices()[-1] == "abort"
-    config = PagingConfig(kernel_backend="fake", overflow_policy="abort")
-    assert (config.kernel_backend, config.overflow_policy) == ("fake", "abort")
-    monkeypatch.undo()
-    for name, value in (("kernel_backend", "fake"), ("overflow_policy", "abort")):
-        with pytest.raises(ConfigError) as excinfo:
-            PagingConfig(**{name: value})
-        assert excinfo.value.field == name
+def test_choices_match_the_registries():
+    assert set(KERNEL_BACKENDS) == {"auto", *kernels.REGISTRY}
+    assert set(OVERFLOW_POLICIES) == set(overflow.POLICIES) == {"rerun", "skip", "grow"}
 
 
 # ----------------------------------------------------------------------------- environment

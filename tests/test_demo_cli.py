@@ -17,6 +17,7 @@ from megatron_paging.demo import training
 from megatron_paging.demo.pipeline import stage_indices
 from megatron_paging.demo.training import StepOutcome, compare
 from megatron_paging.kernels import KernelBackend
+from megatron_paging.overflow import GROWTH_FACTOR
 
 SMALL = [
     "--device", "cpu", "--steps", "3", "--layers", "1", "--hidden", "32", "--experts", "4",
@@ -211,8 +212,7 @@ def test_skip_that_updates_parameters_is_reported(tmp_path, capsys, monkeypatch)
 
 
 def test_grow_policy_next_step_does_not_overflow(tmp_path, capsys):
-    code, out = run_cli(tmp_path, capsys, "--pool-factor", "0.3", "--overflow-policy", "grow",
-                        "--growth-factor", "4")
+    code, out = run_cli(tmp_path, capsys, "--pool-factor", "0.7", "--overflow-policy", "grow")
     assert code == 0, out
     assert out.splitlines()[-1].startswith("parity: n/a (policy grow skipped 1 step(s);")
     rows = table_rows(out)
@@ -220,10 +220,10 @@ def test_grow_policy_next_step_does_not_overflow(tmp_path, capsys):
     assert [r["overflow"] for r in rows] == ["no", "yes", "no"]
     assert "pools (after grow): " in out
 
-    result = demo_cli.run_demo(demo_args(tmp_path, "--pool-factor", "0.3", "--overflow-policy",
-                                         "grow", "--growth-factor", "4"))
+    result = demo_cli.run_demo(demo_args(tmp_path, "--pool-factor", "0.7", "--overflow-policy",
+                                         "grow"))
     for before, after in zip(result.paged.calibrated_pools, result.paged.pools, strict=True):
-        assert after.num_cuda_pages == math.ceil(before.num_cuda_pages * 4)
+        assert after.num_cuda_pages == math.ceil(before.num_cuda_pages * GROWTH_FACTOR)
     assert result.paged.steps[2].pages_left == 0
 
 
@@ -238,7 +238,6 @@ def test_grow_policy_next_step_does_not_overflow(tmp_path, capsys):
         (["--host-pool-factor", "-1"], "--host-pool-factor"),
         (["--kernel-backend", "triton"], "--kernel-backend"),
         (["--overflow-policy", "drop"], "--overflow-policy"),
-        (["--growth-factor", "1"], "--growth-factor"),
         (["--schedule", "gpipe"], "--schedule"),
         (["--rank", "-1"], "--rank"),
     ],
@@ -418,8 +417,7 @@ def test_a_plot_name_without_suffix_gets_png_and_the_printed_path_is_the_file(tm
         (["--schedule", "dualpipev"], "parity: bitwise"),
         (["--pool-factor", "0.3"], "parity: bitwise"),
         (["--pool-factor", "0.3", "--overflow-policy", "skip"], "parity: n/a (policy skip"),
-        (["--pool-factor", "0.3", "--overflow-policy", "grow", "--growth-factor", "4"],
-         "parity: n/a (policy grow"),
+        (["--pool-factor", "0.7", "--overflow-policy", "grow"], "parity: n/a (policy grow"),
     ],
 )
 def test_cuda_demo(tmp_path, capsys, extra, last):

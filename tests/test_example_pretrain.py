@@ -59,7 +59,7 @@ def _train(
         "PAGED": "1" if paged else "0",
         "NPROC": str(nproc),
         "PYTHON": sys.executable,
-        "MEGATRON_PAGING_LOSS_LOG": str(loss_log),
+        "MEGATRON_PAGING_BENCH_LOSS_LOG": str(loss_log),
         "NCCL_NVLS_ENABLE": "0",
         "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
         **(env_extra or {}),
@@ -146,7 +146,7 @@ def test_example_two_gpus_paged_bitwise_equal_to_unpaged(tmp_path, extra):
 
 
 def test_example_graphed_paged_equals_graphed_unpaged_and_eager(tmp_path, eager_unpaged_long):
-    counts = {"MEGATRON_PAGING_KERNEL_COUNT_ITERS": "8,9,15"}
+    counts = {"MEGATRON_PAGING_BENCH_KERNEL_COUNT_ITERS": "8,9,15"}
     graphed_unpaged, log_u = _train(tmp_path / "gu", paged=False, extra=GRAPHS, env_extra=counts)
     graphed_paged, log_p = _train(tmp_path / "gp", paged=True, extra=GRAPHS, env_extra=counts)
     for log in (log_u, log_p):
@@ -235,34 +235,38 @@ def eager_unpaged_short(tmp_path_factory):
     return losses
 
 
-DMA_PREFIX = ("--paging-offload-dma-prefix", "1")
+# More than one hardware queue: offloaded live rows go by the copy engine's prefix.
+DMA_PREFIX = {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}
 RECOMPUTE_FC1 = ("--paging-recompute-expert-fc1",)
 
 
 @pytest.mark.parametrize(
-    ("backend", "modules", "stash", "more"),
+    ("backend", "modules", "stash", "more", "env"),
     [
-        pytest.param("paged", EXPERT_MODULES, False, (), id="paged-experts"),
-        pytest.param("paged", EXPERT_MODULES, False, DMA_PREFIX, id="paged-experts+dma-prefix"),
-        pytest.param("paged", DENSE_MODULES, False, (), id="paged-dense"),
-        pytest.param("paged", DENSE_MODULES + EXPERT_MODULES, False, (), id="paged-both"),
-        pytest.param("paged", DENSE_MODULES + EXPERT_MODULES, True, (), id="paged-both+stash"),
-        pytest.param("paged", DENSE_MODULES + EXPERT_MODULES, True, DMA_PREFIX,
+        pytest.param("paged", EXPERT_MODULES, False, (), {}, id="paged-experts"),
+        pytest.param("paged", EXPERT_MODULES, False, (), DMA_PREFIX,
+                     id="paged-experts+dma-prefix"),
+        pytest.param("paged", DENSE_MODULES, False, (), {}, id="paged-dense"),
+        pytest.param("paged", DENSE_MODULES + EXPERT_MODULES, False, (), {}, id="paged-both"),
+        pytest.param("paged", DENSE_MODULES + EXPERT_MODULES, True, (), {},
+                     id="paged-both+stash"),
+        pytest.param("paged", DENSE_MODULES + EXPERT_MODULES, True, (), DMA_PREFIX,
                      id="paged-both+stash+dma-prefix"),
-        pytest.param("paged", DENSE_MODULES + ("moe_act",), True, (),
+        pytest.param("paged", DENSE_MODULES + ("moe_act",), True, (), {},
                      id="paged-dense+moe_act+stash"),
-        pytest.param("mcore", DENSE_MODULES + EXPERT_MODULES, False, (), id="mcore-both"),
+        pytest.param("mcore", DENSE_MODULES + EXPERT_MODULES, False, (), {}, id="mcore-both"),
         # the experts save only x and recompute fc1: expert_fc1 is their one offload group
-        pytest.param("paged", ("expert_fc1",), False, (*RECOMPUTE_FC1, *DMA_PREFIX),
+        pytest.param("paged", ("expert_fc1",), False, RECOMPUTE_FC1, DMA_PREFIX,
                      id="paged-expert_fc1+recompute-fc1+dma-prefix"),
-        pytest.param("paged", DENSE_MODULES + ("expert_fc1",), True, RECOMPUTE_FC1,
+        pytest.param("paged", DENSE_MODULES + ("expert_fc1",), True, RECOMPUTE_FC1, {},
                      id="paged-dense+expert_fc1+recompute-fc1+stash"),
     ],
 )
 def test_example_offloading_is_bitwise_equal_to_no_offloading(
-    tmp_path, eager_unpaged_short, backend, modules, stash, more
+    tmp_path, eager_unpaged_short, backend, modules, stash, more, env
 ):
-    losses, log = _train(tmp_path, paged=stash, extra=(*_offloading(backend, modules), *more))
+    losses, log = _train(tmp_path, paged=stash, extra=(*_offloading(backend, modules), *more),
+                         env_extra=env)
     report = _report(log)
     assert float(report["offload_host_mib"]) > 0 or backend == "mcore"
     if backend == "paged":
@@ -271,7 +275,7 @@ def test_example_offloading_is_bitwise_equal_to_no_offloading(
             live, capacity = (float(report[k]) for k in
                               ("offload_rows_live_mib", "offload_rows_capacity_mib"))
             assert 0 < live <= capacity
-        if DMA_PREFIX[0] in more:  # the copy engine's prefix arena was sized and used
+        if env:  # the copy engine's prefix arena was sized and used
             assert "DMA prefix rows" in log
     assert losses == eager_unpaged_short
 
@@ -284,10 +288,10 @@ def test_example_paged_stash_with_recomputed_fc1_equals_unpaged(tmp_path, eager_
     assert losses == eager_unpaged_short
 
 
-@pytest.mark.parametrize("more", [(), DMA_PREFIX], ids=["kernels", "dma-prefix"])
-def test_example_graphed_offloading_equals_eager_unpaged(tmp_path, eager_unpaged_long, more):
-    extra = (*GRAPHS, *_offloading("paged", DENSE_MODULES + ("moe_act",)), *more)
-    losses, log = _train(tmp_path, paged=True, extra=extra)
+@pytest.mark.parametrize("env", [{}, DMA_PREFIX], ids=["kernels", "dma-prefix"])
+def test_example_graphed_offloading_equals_eager_unpaged(tmp_path, eager_unpaged_long, env):
+    extra = (*GRAPHS, *_offloading("paged", DENSE_MODULES + ("moe_act",)))
+    losses, log = _train(tmp_path, paged=True, extra=extra, env_extra=env)
     assert log.count(CAPTURE_LINE) == 1
     report = _report(log)
     assert report["graph_replays"] == str(GRAPH_STEPS - 3)

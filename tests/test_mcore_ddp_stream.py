@@ -38,10 +38,6 @@ def test_install_wraps_megatrons_ddp_builder_and_uninstall_restores_it(installer
     wrapped = training.wrap_model_chunks_with_ddp
     assert wrapped is not ORIGINAL_WRAP and wrapped.megatron_paging_ddp_stream
     assert wrapped.__wrapped__ is ORIGINAL_WRAP
-    # asking for Megatron's side stream reinstalls without the wrapper
-    installer.install(ddp_on_training_stream=False)
-    assert training.wrap_model_chunks_with_ddp is ORIGINAL_WRAP
-    installer.install()
     installer.uninstall()
     assert training.wrap_model_chunks_with_ddp is ORIGINAL_WRAP
 

@@ -21,7 +21,7 @@ HIDDEN, FFN, CAPACITY = 32, 48, 24
 COUNTS = [5, 0, 7, 3]
 
 
-def _pair(gemm_backend="loop", gated=True, piece_rows=0, fused=False):
+def _pair(gemm_backend="loop", gated=True, fused=False):
     """The same experts (same weights) with and without the fc1 recompute."""
     config = moe_config(
         hidden_size=HIDDEN, moe_ffn_hidden_size=FFN, gated_linear_unit=gated,
@@ -29,8 +29,7 @@ def _pair(gemm_backend="loop", gated=True, piece_rows=0, fused=False):
     )
     torch.manual_seed(0)
     saving = PagedGroupedMLP(4, config, gemm_backend=gemm_backend)
-    recomputing = PagedGroupedMLP(4, config, gemm_backend=gemm_backend, recompute_fc1=True,
-                                  recompute_piece_rows=piece_rows)
+    recomputing = PagedGroupedMLP(4, config, gemm_backend=gemm_backend, recompute_fc1=True)
     recomputing.load_state_dict(saving.state_dict())
     return saving, recomputing
 
@@ -49,17 +48,15 @@ def _run(module, seed=1):
 
 
 @pytest.mark.parametrize("gated, activation", [
-    (True, "whole"), (True, "pieces-of-5"), (True, "fused"), (False, "whole"),
-    (False, "pieces-of-5"),  # the fused activation is SwiGLU (gated silu) only
+    (True, "unfused"), (True, "fused"),
+    (False, "unfused"),  # the fused activation is SwiGLU (gated silu) only
 ])
 @pytest.mark.parametrize("gemm_backend", ["loop", "grouped"])
 def test_recomputed_fc1_gives_bitwise_the_same_outputs_and_gradients(
     installed, model_parallel, gemm_backend, gated, activation  # noqa: F811
 ):
-    # 24 capacity rows in pieces of 5: the activation runs as 5 pieces, the last one short.
     # fused: the fused SwiGLU's formulas (their torch reference on CPU).
-    piece_rows = 5 if activation == "pieces-of-5" else 0
-    saving, recomputing = _pair(gemm_backend, gated, piece_rows, fused=activation == "fused")
+    saving, recomputing = _pair(gemm_backend, gated, fused=activation == "fused")
     expected, got = _run(saving), _run(recomputing)
     names = ["output", "x.grad", "probs.grad", "weight1.grad", "weight2.grad"]
     for name, a, b in zip(names, expected, got, strict=True):
@@ -108,15 +105,9 @@ def test_recompute_with_offloaded_moe_act_is_refused(installed, model_parallel):
     with pytest.raises(ValueError, match="drop moe_act") as error:
         PagedGroupedMLP(4, config, recompute_fc1=True)
     assert "\n" not in str(error.value)
-    with pytest.raises(ValueError, match="recompute_piece_rows must be a non-negative integer"):
-        PagedGroupedMLP(4, moe_config(), recompute_fc1=True, recompute_piece_rows=-1)
-    with pytest.raises(ValueError, match="applies only with recompute_fc1=True"):
-        PagedGroupedMLP(4, moe_config(), recompute_piece_rows=8)
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (dict(recompute_piece_rows=8), "pass --no-bias-swiglu-fusion with "
-     "--paging-recompute-expert-fc1-piece-rows"),
     (dict(config=dict(activation_func_clamp_value=7.0)), "no activation_func_clamp_value"),
     (dict(config=dict(activation_func=F.gelu, gated_linear_unit=True)), "fuses only SwiGLU"),
 ])
@@ -157,8 +148,7 @@ def test_moe_layer_paged_with_recompute_pages_only_x_and_matches_unpaged(
 
     def layer(recompute_fc1):
         torch.manual_seed(0)
-        builder = paged_moe_mlp_builder(config.num_moe_experts, "grouped", recompute_fc1,
-                                        recompute_piece_rows=7 if recompute_fc1 else 0)
+        builder = paged_moe_mlp_builder(config.num_moe_experts, "grouped", recompute_fc1)
         submodules = dataclasses.replace(builder.keywords["submodules"], router=CpuTopKRouter)
         return partial(builder.func, submodules=submodules)(
             config=config, layer_number=1, pg_collection=get_default_pg_collection())
@@ -198,60 +188,11 @@ def test_the_flag_builds_the_unpaged_model_too_and_refuses_moe_act_offload():
         flags.paging_config(args, environ={}, cuda_available=False, te_available=False)
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--paging-recompute-expert-fc1-piece-rows", "4096"],
-     "--paging-recompute-expert-fc1-piece-rows only applies with --paging-recompute-expert-fc1"),
-    (["--paging-recompute-expert-fc1", "--paging-recompute-expert-fc1-piece-rows", "-1"],
-     "--paging-recompute-expert-fc1-piece-rows must be >= 0 (0: whole), got -1"),
-    (["--swiglu", "--paging-recompute-expert-fc1", "--paging-recompute-expert-fc1-piece-rows",
-      "4096"],
-     "--paging-recompute-expert-fc1-piece-rows pieces the unfused activation's fp32 "
-     "temporaries, which the fused SwiGLU (Megatron's default bias_swiglu_fusion) does not "
-     "make: add --no-bias-swiglu-fusion or drop the piece rows"),
-])
-def test_piece_rows_flag_refusals_are_one_line(argv, message):
-    flags, args = _args(argv)
-    with pytest.raises(ValueError) as error:
-        flags.paging_config(args, environ={}, cuda_available=False, te_available=False)
-    assert str(error.value) == message
-
-
-def test_piece_rows_flag_reaches_the_experts_through_the_spec(installed, model_parallel):  # noqa: F811
+def test_the_flag_reaches_the_experts_through_the_spec(installed, model_parallel):  # noqa: F811
     from megatron_paging.mcore.specs import get_gpt_moe_paged_layer_spec
 
-    flags, args = _args(["--swiglu", "--no-bias-swiglu-fusion", "--paging-recompute-expert-fc1",
-                         "--paging-recompute-expert-fc1-piece-rows", "4096"])
-    flags.paging_config(args, environ={}, cuda_available=False, te_available=False)
+    flags, args = _args(["--swiglu", "--paging-recompute-expert-fc1"])
     spec = get_gpt_moe_paged_layer_spec(
-        4, recompute_expert_fc1=args.paging_recompute_expert_fc1,
-        recompute_expert_fc1_piece_rows=args.paging_recompute_expert_fc1_piece_rows)
+        4, recompute_expert_fc1=flags.paging_args(args).paging_recompute_expert_fc1)
     experts = spec.submodules.mlp.keywords["submodules"].experts
-    assert experts.keywords == {"gemm_backend": "auto", "recompute_fc1": True,
-                                "recompute_piece_rows": 4096}
-
-
-def test_one_piece_hands_back_the_activation_itself_and_pieces_cover_every_row():
-    """Whole (piece_rows 0, or a piece as large as the buffer): no buffer, no copy."""
-    from megatron_paging.mcore import expert_activation
-
-    fc1, probs = torch.randn(10, 6), torch.rand(10)
-    made, returned = [], []
-
-    class Counting(expert_activation.TorchActivation):
-        def expression(self, f, p):
-            made.append(f.shape[0])
-            returned.append(f[:, :3] * p.unsqueeze(-1))
-            return returned[-1]
-
-    whole = Counting(None, 0).forward(fc1, probs)
-    assert made == [10] and whole is returned[0]  # the activation's own tensor, not a copy
-    made.clear()
-    pieces = Counting(None, 4).forward(fc1, probs)
-    assert made == [4, 4, 2] and torch.equal(pieces, whole)
-    pieces_of = expert_activation._pieces
-    assert pieces_of(10, 0) == [(0, 10)] and pieces_of(10, 16) == [(0, 10)]
-    assert pieces_of(0, 4) == []
-    empty = Counting(None, 4).forward(fc1[:0], probs[:0])
-    assert empty.shape == (0, 3)
-    inter, dfc1, dprobs = Counting(None, 4).backward(fc1[:0], probs[:0], torch.zeros(0, 3))
-    assert inter.shape == (0, 3) and dfc1.shape == (0, 6) and dprobs.shape == (0,)
+    assert experts.keywords == {"gemm_backend": "auto", "recompute_fc1": True}

@@ -1,5 +1,5 @@
-"""Flags through Megatron's real argument parser, the PagingConfig they build, and every
-start-up error of paging_config / validate_paging_args."""
+"""Flags through Megatron's real argument parser (generated from PagingArgs), the PagingConfig
+they build, and every start-up error of paging_config."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import pytest
 
 pytest.importorskip("megatron.training")
 
-from megatron_paging.config import PagingConfig  # noqa: E402
+import dataclasses  # noqa: E402
+
+from megatron_paging.config import PagingArgs, PagingConfig  # noqa: E402
 from megatron_paging.mcore import flag_checks, flags  # noqa: E402
 
 BASE = [
@@ -37,14 +39,34 @@ def parser():
     return parser
 
 
-def _validate(parser, argv, environ=None, cuda=False):
+def _validate(parser, argv, environ=None, cuda=False, **kwargs):
     args = parser.parse_args(argv)
-    flags.validate_paging_args(args, environ=environ or {}, cuda_available=cuda)
+    flags.paging_config(args, environ=environ or {}, cuda_available=cuda, **kwargs)
     return args
 
 
-def test_every_flag_has_its_default_and_keywords():
-    assert flags.OUR_FLAGS.keys() == flags.PAGING_DEFAULTS.keys()
+def test_the_flags_are_the_fields_of_paging_args(parser):
+    ours = {a.dest for a in parser._actions if a.dest.startswith("paging_")}
+    assert ours == {f.name for f in dataclasses.fields(PagingArgs)}
+    for f in dataclasses.fields(PagingArgs):
+        action = parser._option_string_actions[flags.flag_name(f.name)]
+        assert action.default == f.default and action.help, f.name
+
+
+def test_help_renders_every_flag(parser):
+    text = parser.format_help()  # raises on an unescaped "%" in any help string
+    for f in dataclasses.fields(PagingArgs):
+        assert flags.flag_name(f.name) in text
+    for flag in flags.MCORE_FLAGS:
+        assert flag in text
+    assert "static" in text
+
+
+def test_mend_help_escapes_only_lone_percent_signs():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--a", default=3, help="10% more, %(default)s and 50%% kept")
+    flags.mend_help(parser)
+    assert "10% more, 3 and 50% kept" in parser.format_help()
 
 
 def test_defaults_and_megatron_names(parser):
@@ -54,29 +76,18 @@ def test_defaults_and_megatron_names(parser):
     assert args.moe_paged_stash_buffer_size_factor_cuda == pytest.approx(1.10)
     assert args.moe_paged_stash_buffer_size_factor_cpu == 0.0
     assert args.moe_flex_dispatcher_backend == "static"
-    # Eager Megatron runs free the pages between steps (--paging-pool-residency auto).
+    # Eager Megatron runs free the pages between steps; graphs keep them (below).
     eager = PagingConfig(pool_residency="step")
     assert flags.paging_config(args, environ={}, cuda_available=False) == eager
-    assert (args.paging_overflow_policy, args.paging_gemm_backend) == ("rerun", "auto")
-    assert (args.paging_core_attention, args.paging_sdpa_backend) == ("sdpa", "auto")
-    options = flags.install_options(args, eager)
-    assert options == dict(replace_paged_stash=True, config=eager, ddp_on_training_stream=True)
-    # Megatron's side stream for DDP, on request (acts without --moe-paged-stash too)
-    kept = _validate(parser, BASE + ["--paging-keep-ddp-side-stream"])
-    assert flags.install_options(kept, eager)["ddp_on_training_stream"] is False
-    unpaged = [a for a in BASE if a != "--moe-paged-stash"] + ["--paging-keep-ddp-side-stream"]
-    assert flags.install_options(_validate(parser, unpaged))["ddp_on_training_stream"] is False
+    assert flags.paging_args(args) == PagingArgs()
+    assert flags.install_options(args, eager) == dict(replace_paged_stash=True, config=eager)
 
 
 def test_our_flags_parse(parser):
     argv = BASE + [
-        "--paging-max-ctas", "512",
         "--paging-prefetch-distance", "2",
         "--paging-overflow-policy", "grow",
-        "--paging-growth-factor", "2.5",
-        "--paging-kernel-backend", "reference",
-        "--paging-gemm-backend", "loop",
-        "--paging-no-overlap",
+        "--paging-hold-last-slot",
         "--moe-paged-stash-page-size", "32",
         "--moe-paged-stash-buffer-size-factor-cuda", "-1.25",
         "--moe-paged-stash-buffer-size-factor-cpu", "0.5",
@@ -86,16 +97,13 @@ def test_our_flags_parse(parser):
                                  cuda_available=False)
     # Megatron-Core's sign convention: a negative factor sizes from the measured peak.
     assert config == PagingConfig(
-        page_size=32, cuda_factor=-1.25, host_factor=0.5, kernel_backend="reference",
-        max_ctas=512, prefetch_distance=2, overlap=False, overflow_policy="grow",
-        growth_factor=2.5, pool_residency="step",
+        page_size=32, cuda_factor=-1.25, host_factor=0.5, max_ctas=512, prefetch_distance=2,
+        overflow_policy="grow", hold_last_slot=True, pool_residency="step",
     )
-    assert flags.install_options(args, config) == dict(
-        replace_paged_stash=True, config=config, ddp_on_training_stream=True
-    )
+    assert flags.install_options(args, config) == dict(replace_paged_stash=True, config=config)
 
 
-def test_max_ctas_comes_from_the_environment_when_no_flag_sets_it(parser):
+def test_max_ctas_comes_from_the_environment(parser):
     args = parser.parse_args(BASE)
     config = flags.paging_config(args, environ={"MEGATRON_PAGING_MAX_CTAS": " 96 "},
                                  cuda_available=False)
@@ -105,76 +113,85 @@ def test_max_ctas_comes_from_the_environment_when_no_flag_sets_it(parser):
     flags.paging_config(unpaged, environ={"MEGATRON_PAGING_MAX_CTAS": "bad"}, cuda_available=False)
 
 
+OFFLOAD = ["--fine-grained-activation-offloading", "--paging-offload-backend", "paged"]
+
+
 @pytest.mark.parametrize(
-    "argv, environ, cuda, message",
+    "argv, environ, message",
     [
-        (["--paging-overflow-policy", "skip"], {}, False,
-         "--paging-overflow-policy only apply with --moe-paged-stash"),
-        (["--paging-max-ctas", "8", "--paging-kernel-backend", "reference"], {}, False,
-         "--paging-max-ctas, --paging-kernel-backend only apply with --moe-paged-stash"),
-        (["--moe-flex-dispatcher-backend", "static"], {}, False,
+        (["--paging-overflow-policy", "skip"], {},
+         "--paging-overflow-policy only applies with --moe-paged-stash or "
+         "--paging-offload-backend paged"),
+        (["--paging-prefetch-distance", "2", "--paging-hold-last-slot"], {},
+         "--paging-prefetch-distance, --paging-hold-last-slot only apply with"),
+        (BASE + ["--paging-offload-host-factor", "2"], {},
+         "--paging-offload-host-factor only applies with --paging-offload-backend paged"),
+        (["--moe-flex-dispatcher-backend", "static"], {},
          "--moe-flex-dispatcher-backend static needs --moe-token-dispatcher-type flex"),
-        (BASE + ["--moe-paged-stash-page-size", "0"], {}, False,
+        (BASE + ["--moe-paged-stash-page-size", "0"], {},
          "--moe-paged-stash-page-size must be a positive integer"),
-        (BASE + ["--moe-paged-stash-buffer-size-factor-cuda", "0"], {}, False,
+        (BASE + ["--moe-paged-stash-buffer-size-factor-cuda", "0"], {},
          "--moe-paged-stash-buffer-size-factor-cuda must be non-zero"),
-        (BASE + ["--moe-paged-stash-buffer-size-factor-cpu", "nan"], {}, False,
+        (BASE + ["--moe-paged-stash-buffer-size-factor-cpu", "nan"], {},
          "--moe-paged-stash-buffer-size-factor-cpu must be a finite number"),
-        (["--moe-paged-stash"], {}, False,
+        (["--moe-paged-stash"], {},
          "--moe-paged-stash needs --moe-expert-rank-capacity-factor"),
-        (BASE[:1] + ["--moe-expert-rank-capacity-factor", "-1"], {}, False,
+        (BASE[:1] + ["--moe-expert-rank-capacity-factor", "-1"], {},
          "--moe-expert-rank-capacity-factor must be > 0"),
-        (BASE + ["--paging-max-ctas", "0"], {}, False,
-         "--paging-max-ctas must be a positive integer"),
-        (BASE + ["--paging-max-ctas", "256"], {"MEGATRON_PAGING_MAX_CTAS": "1024"}, False,
-         "--paging-max-ctas 256 conflicts with MEGATRON_PAGING_MAX_CTAS=1024"),
-        (BASE + ["--paging-prefetch-distance", "-1"], {}, False,
+        (BASE + ["--paging-prefetch-distance", "-1"], {},
          "--paging-prefetch-distance must be a non-negative integer, got -1"),
-        (BASE + ["--paging-growth-factor", "1.0"], {}, False,
-         "--paging-growth-factor must be > 1, got 1.0"),
-        (BASE + ["--paging-max-inflight-stashes", "-1"], {}, False,
-         "--paging-max-inflight-stashes must be a non-negative integer, got -1"),
-        (BASE, {"MEGATRON_PAGING_MAX_CTAS": "lots"}, False,
+        (BASE + OFFLOAD[:1] + ["--offload-modules", "core_attn", "--paging-offload-backend",
+                               "paged", "--paging-offload-host-factor", "0.5"], {},
+         "--paging-offload-host-factor must be >= 1, got 0.5"),
+        (BASE, {"MEGATRON_PAGING_MAX_CTAS": "lots"},
          "MEGATRON_PAGING_MAX_CTAS must be a positive integer (it bounds the copy kernels' "
          "grid), got 'lots'"),
-        (BASE + ["--cuda-graph-impl", "local"], {}, False,
+        (BASE + ["--cuda-graph-impl", "local"], {},
          "--cuda-graph-impl local cannot be combined with --moe-paged-stash"),
-        (BASE + ["--paging-kernel-backend", "bulk"], {}, False,
-         "--paging-kernel-backend bulk needs a CUDA device"),
-        (["--paging-core-attention", "local", "--paging-sdpa-backend", "flash"], {}, False,
-         "--paging-sdpa-backend flash needs --paging-core-attention sdpa"),
-        (["--paging-sdpa-backend", "cudnn", "--deterministic-mode"], {}, False,
-         "--paging-sdpa-backend cudnn is not deterministic"),
-        (BASE + ["--paging-no-overlap", "--paging-implementation", "mcore"], {}, False,
-         "--paging-no-overlap have no effect with --paging-implementation mcore"),
-        (BASE + ["--paging-kernel-backend", "cuda"], {}, False,
-         "--paging-kernel-backend cuda needs a CUDA device"),
-        (BASE + ["--paging-implementation", "mcore", "--paging-max-ctas", "8",
-                 "--paging-prefetch-distance", "2", "--paging-kernel-backend", "reference",
-                 "--paging-overflow-policy", "skip", "--paging-gemm-backend", "loop"],
-         {"MEGATRON_PAGING_MAX_CTAS": "8"}, False,
-         "--paging-max-ctas, --paging-prefetch-distance, --paging-overflow-policy, "
-         "--paging-kernel-backend have no effect with --paging-implementation mcore"),
-        (BASE + ["--paging-implementation", "mcore", "--paging-overflow-policy", "grow"], {},
-         False, "--paging-overflow-policy have no effect with --paging-implementation mcore"),
-        (["--paging-gemm-backend", "loop", "--paging-prefetch-distance", "2"], {}, False,
-         "--paging-prefetch-distance only apply with --moe-paged-stash"),
+        (["--paging-offload-backend", "paged"], {},
+         "--paging-offload-backend paged needs --fine-grained-activation-offloading"),
+        (OFFLOAD, {}, "--fine-grained-activation-offloading needs --offload-modules"),
+        (OFFLOAD + ["--offload-modules", "bogus_module"], {},
+         "--offload-modules bogus_module: not offloadable with --paging-offload-backend paged; "
+         "choose from attn_norm, qkv_linear, core_attn, attn_proj, mlp_norm, expert_fc1, "
+         "moe_act"),
+        (OFFLOAD[:1] + ["--offload-modules", "core_attn", "nope"], {},
+         "--offload-modules nope: not offloadable with --paging-offload-backend mcore"),
+        (OFFLOAD + ["--offload-modules", "fused_group_mlp"], {},
+         "--offload-modules fused_group_mlp: not offloadable"),
+        (OFFLOAD[:1] + ["--offload-modules", "fused_group_mlp"], {},
+         "--offload-modules fused_group_mlp needs Transformer Engine's op fuser"),
+        (OFFLOAD + ["--offload-modules", "attn_proj"], {},
+         "--offload-modules attn_proj needs core_attn too"),
+        (BASE + OFFLOAD[:1] + ["--offload-modules", "expert_fc1"], {},
+         "--offload-modules expert_fc1 with --moe-paged-stash needs --paging-offload-backend "
+         "paged"),
+        (OFFLOAD + ["--offload-modules", "expert_fc1"], {},
+         "--offload-modules expert_fc1 with --paging-offload-backend paged needs "
+         "--moe-expert-rank-capacity-factor"),
+        (OFFLOAD + ["--offload-modules", "core_attn", "--cuda-graph-impl", "local"], {},
+         "--cuda-graph-impl local cannot be combined with --paging-offload-backend paged"),
+        (OFFLOAD + ["--offload-modules", "core_attn", "--delay-offload-until-cuda-graph"], {},
+         "--delay-offload-until-cuda-graph has no effect with --paging-offload-backend paged"),
+        (OFFLOAD + ["--offload-modules", "core_attn",
+                    "--fine-grained-offloading-max-inflight-offloads", "3"], {},
+         "--fine-grained-offloading-max-inflight-offloads applies to --paging-offload-backend "
+         "paged only with --cuda-graph-impl full_iteration"),
+        (["--paging-recompute-expert-fc1"] + OFFLOAD[:1] + ["--offload-modules", "moe_act"], {},
+         "--offload-modules moe_act offloads the experts' fc1, which "
+         "--paging-recompute-expert-fc1 does not keep"),
     ],
 )  # fmt: skip
-def test_startup_errors(parser, argv, environ, cuda, message):
+def test_startup_errors(parser, argv, environ, message):
     with pytest.raises(ValueError) as error:
-        _validate(parser, argv, environ=environ, cuda=cuda)
+        _validate(parser, argv, environ=environ, te_available=False)
     assert message in str(error.value)
     assert "\n" not in str(error.value)
 
 
-def test_cuda_backend_accepted_with_cuda(parser):
-    args = _validate(parser, BASE + ["--paging-kernel-backend", "cuda"], cuda=True)
-    assert args.paging_kernel_backend == "cuda"
-
-
 def test_bad_choices_are_rejected_by_the_parser(parser, capsys):
-    for argv in (["--paging-overflow-policy", "retry"], ["--moe-flex-dispatcher-backend", "x"]):
+    for argv in (["--paging-overflow-policy", "retry"], ["--moe-flex-dispatcher-backend", "x"],
+                 ["--paging-offload-backend", "te"]):
         with pytest.raises(SystemExit):
             parser.parse_args(argv)
     assert "invalid choice" in capsys.readouterr().err
@@ -185,65 +202,47 @@ def test_bare_parser_gets_megatron_flags_too():
     args = _validate(parser, BASE[:3] + ["--paging-prefetch-distance", "0"])
     assert args.paging_prefetch_distance == 0
     assert args.moe_paged_stash and args.moe_expert_rank_capacity_factor == 1.25
+    parser.format_help()
 
 
-def test_mcore_implementation_takes_the_gemm_backend_only(parser):
-    argv = BASE + ["--paging-implementation", "mcore", "--paging-gemm-backend", "loop"]
-    args = _validate(parser, argv)
-    assert args.paging_gemm_backend == "loop"
-    assert flags.install_options(args) == dict(
-        replace_paged_stash=False, ddp_on_training_stream=True
-    )
+def test_megatron_cores_manager_gets_no_config_of_ours(parser):
+    args = _validate(parser, BASE, mcore_manager=True)
+    assert flags.paging_config(args, environ={}, cuda_available=False,
+                               mcore_manager=True) == PagingConfig()
+    assert flags.install_options(args, mcore_manager=True) == dict(replace_paged_stash=False)
+    with pytest.raises(ValueError, match="not on Megatron-Core's own paged-stash manager"):
+        _validate(parser, BASE + OFFLOAD + ["--offload-modules", "core_attn"],
+                  mcore_manager=True)
 
 
-def test_full_iteration_graphs_are_accepted_with_paging(parser):
-    argv = BASE + ["--cuda-graph-impl", "full_iteration"]
-    config = flags.paging_config(parser.parse_args(argv), environ={}, cuda_available=False)
-    assert config == PagingConfig()  # auto keeps the pages a captured graph points at
-
-
-@pytest.mark.parametrize(
-    "extra, residency",
-    [([], "step"), (["--paging-pool-residency", "persistent"], "persistent"),
-     (["--paging-pool-residency", "step"], "step"),
-     (["--cuda-graph-impl", "full_iteration", "--paging-pool-residency", "persistent"],
-      "persistent")],
-)
-def test_pool_residency_flag(parser, extra, residency):
+@pytest.mark.parametrize("extra, residency", [
+    ([], "step"), (["--cuda-graph-impl", "full_iteration"], "persistent")])
+def test_pool_residency_follows_the_graph_mode(parser, extra, residency):
     config = flags.paging_config(parser.parse_args(BASE + extra), environ={}, cuda_available=False)
     assert config.pool_residency == residency
 
 
-def test_hold_last_slot_flag(parser):
-    args = parser.parse_args(BASE + ["--paging-hold-last-slot"])
-    assert flags.paging_config(args, environ={}, cuda_available=False).hold_last_slot
-    assert not flags.paging_config(parser.parse_args(BASE), environ={},
-                                   cuda_available=False).hold_last_slot
-    for argv, words in ((["--paging-hold-last-slot"], "only apply with --moe-paged-stash"),
-                        (BASE + ["--paging-implementation", "mcore", "--paging-hold-last-slot"],
-                         "have no effect with --paging-implementation mcore")):
-        with pytest.raises(ValueError, match=words):
-            flags.validate_paging_args(parser.parse_args(argv), environ={}, cuda_available=False)
+@pytest.mark.parametrize("connections, prefix", [(None, 1.0), ("32", 1.0), ("1", 0.0)])
+def test_offload_dma_prefix_follows_the_hardware_queues(parser, connections, prefix):
+    args = parser.parse_args(BASE + OFFLOAD + ["--offload-modules", "core_attn"])
+    environ = {} if connections is None else {"CUDA_DEVICE_MAX_CONNECTIONS": connections}
+    config = flags.paging_config(args, environ=environ, cuda_available=False)
+    assert config.offload_dma_prefix == prefix
+    stash_only = flags.paging_config(parser.parse_args(BASE), environ=environ,
+                                     cuda_available=False)
+    assert stash_only.offload_dma_prefix == 0.0
 
 
-@pytest.mark.parametrize(
-    "argv, message",
-    [(BASE + ["--cuda-graph-impl", "full_iteration", "--paging-pool-residency", "step"],
-      "--paging-pool-residency step cannot be combined with --cuda-graph-impl full_iteration"),
-     (BASE + ["--paging-implementation", "mcore", "--paging-pool-residency", "persistent"],
-      "--paging-pool-residency have no effect with --paging-implementation mcore"),
-     (["--paging-pool-residency", "step"],
-      "--paging-pool-residency only apply with --moe-paged-stash")],
-)
-def test_pool_residency_refusals(parser, argv, message):
-    with pytest.raises(ValueError) as error:
-        flags.validate_paging_args(parser.parse_args(argv), environ={}, cuda_available=False)
-    assert str(error.value).startswith(message) and "\n" not in str(error.value)
+def test_offload_options_reach_install(parser):
+    args = _validate(parser, BASE + OFFLOAD + ["--offload-modules", "core_attn", "expert_fc1"])
+    assert flags.install_options(args)["offload_backend"] == "paged"
+    mcore = _validate(parser, OFFLOAD[:1] + ["--offload-modules", "core_attn"])
+    assert flags.install_options(mcore)["offload_backend"] == "mcore"
 
 
-def test_gemm_backend_also_selects_the_unpaged_controls_gemms(parser):
-    args = _validate(parser, ["--paging-gemm-backend", "grouped"])
-    assert not args.moe_paged_stash and args.paging_gemm_backend == "grouped"
+def test_recompute_expert_fc1_needs_no_paging(parser):
+    args = _validate(parser, ["--paging-recompute-expert-fc1"])
+    assert flags.paging_args(args).paging_recompute_expert_fc1
 
 
 @pytest.mark.parametrize("modules", [["layernorm"], ["core_attn", "layernorm"], ["moe_act"],
@@ -259,8 +258,6 @@ def test_recompute_through_checkpoint_without_output_needs_te(parser, modules, p
     message = str(error.value)
     assert message.startswith(f"--recompute-modules {needs_te} needs Transformer Engine")
     assert "CheckpointWithoutOutput" in message and "\n" not in message
-    with pytest.raises(ValueError, match="needs Transformer Engine"):
-        flags.validate_paging_args(args, environ={}, cuda_available=False, te_available=False)
     # With Transformer Engine installed, Megatron-Core's own path works.
     flags.paging_config(args, environ={}, cuda_available=False, te_available=True)
 
@@ -334,74 +331,18 @@ def test_transformer_engine_is_detected_when_not_injected(parser, monkeypatch):
 
 
 def test_recompute_refusal_is_ours_only(parser):
-    """Megatron-Core's own manager (--paging-implementation mcore) keeps its behaviour."""
-    args = parser.parse_args(BASE + ["--paging-implementation", "mcore",
-                                     "--recompute-granularity", "selective",
+    """Megatron-Core's own manager keeps its behaviour."""
+    args = parser.parse_args(BASE + ["--recompute-granularity", "selective",
                                      "--recompute-modules", "moe"])
-    flags.paging_config(args, environ={}, cuda_available=False, te_available=False)
+    flags.paging_config(args, environ={}, cuda_available=False, te_available=False,
+                        mcore_manager=True)
 
 
-def test_max_inflight_stashes_flag(parser):
-    config = flags.paging_config(parser.parse_args(BASE), environ={}, cuda_available=False)
-    assert config.stash_in_flight == 1  # the default bounds the host's lead to one layer
-    args = parser.parse_args(BASE + ["--paging-max-inflight-stashes", "0"])
-    assert flags.paging_config(args, environ={}, cuda_available=False).stash_in_flight == 0
-    for argv, words in ((["--paging-max-inflight-stashes", "3"],
-                         "only apply with --moe-paged-stash"),
-                        (BASE + ["--paging-implementation", "mcore",
-                                 "--paging-max-inflight-stashes", "3"],
-                         "have no effect with --paging-implementation mcore")):
-        with pytest.raises(ValueError, match=words):
-            flags.validate_paging_args(parser.parse_args(argv), environ={}, cuda_available=False)
-
-
-def test_prefetch_point_flag(parser):
-    config = flags.paging_config(parser.parse_args(BASE), environ={}, cuda_available=False)
-    assert config.prefetch_point == "experts"
-    args = parser.parse_args(BASE + ["--paging-prefetch-point", "dispatcher"])
-    assert flags.paging_config(args, environ={}, cuda_available=False).prefetch_point == (
-        "dispatcher"
-    )
-    alltoall = ["--moe-paged-stash", "--moe-expert-rank-capacity-factor", "1.25",
-                "--moe-token-dispatcher-type", "alltoall"]
-    for argv, words in (
-        (alltoall + ["--paging-prefetch-point", "dispatcher"],
-         "--paging-prefetch-point dispatcher needs --moe-token-dispatcher-type flex "
-         "--moe-flex-dispatcher-backend static (got 'alltoall' / "),
-        (["--paging-prefetch-point", "dispatcher"], "only apply with --moe-paged-stash"),
-        (BASE + ["--paging-implementation", "mcore", "--paging-prefetch-point", "dispatcher"],
-         "--paging-prefetch-point have no effect with --paging-implementation mcore"),
-    ):
-        with pytest.raises(ValueError) as error:
-            flags.validate_paging_args(parser.parse_args(argv), environ={}, cuda_available=False)
-        assert words in str(error.value) and "\n" not in str(error.value)
-    with pytest.raises(SystemExit):  # not a choice: argparse names the flag
-        parser.parse_args(BASE + ["--paging-prefetch-point", "router"])
-
-
-def test_stash_point_flag(parser):
-    config = flags.paging_config(parser.parse_args(BASE), environ={}, cuda_available=False)
-    assert config.stash_point == "commit"
-    args = parser.parse_args(BASE + ["--paging-stash-point", "next-layer"])
-    assert flags.paging_config(args, environ={}, cuda_available=False).stash_point == "next-layer"
-    for argv, words in (
-        (["--paging-stash-point", "next-layer"], "only apply with --moe-paged-stash"),
-        (BASE + ["--paging-implementation", "mcore", "--paging-stash-point", "next-layer"],
-         "--paging-stash-point have no effect with --paging-implementation mcore"),
-    ):
-        with pytest.raises(ValueError) as error:
-            flags.validate_paging_args(parser.parse_args(argv), environ={}, cuda_available=False)
-        assert words in str(error.value) and "\n" not in str(error.value)
-
-
-def test_every_flag_of_ours_is_documented():
-    """docs/mcore.md's flag table and the README's list every flag we add."""
+def test_every_flag_is_documented():
+    """docs/mcore.md's flag table lists every flag we add."""
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
-    docs = (root / "docs" / "mcore.md").read_text()
-    readme = (root / "README.md").read_text()
-    for dest in flags.OUR_FLAGS:
-        flag = "`--" + dest.replace("_", "-")
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "mcore.md").read_text()
+    for f in dataclasses.fields(PagingArgs):
+        flag = "`" + flags.flag_name(f.name)
         assert f"| {flag}" in docs, f"{flag} missing from docs/mcore.md's flag table"
-        assert flag in readme, f"{flag} missing from README.md"

@@ -303,34 +303,11 @@ def _config(parser, argv):
 
 
 def test_paged_offload_alone_builds_a_config_with_its_flags(parser):
-    config = _config(parser, BASE + OFFLOAD + ["--paging-offload-host-factor", "2",
-                                                "--paging-offload-max-ctas", "16"])
+    config = _config(parser, BASE + OFFLOAD + ["--paging-offload-host-factor", "2"])
     assert config.offload_host_factor == 2.0
-    assert (config.offload_d2h_max_ctas, config.offload_h2d_max_ctas) == (16, 16)  # both
-    config = _config(parser, BASE + OFFLOAD + ["--paging-offload-max-ctas", "2", "12"])
-    assert (config.offload_d2h_max_ctas, config.offload_h2d_max_ctas) == (2, 12)
-    config = _config(parser, BASE + OFFLOAD)
     assert (config.offload_d2h_max_ctas, config.offload_h2d_max_ctas) == (4, 8)  # defaults
-    assert config.offload_dma_prefix == 0.0
-    config = _config(parser, BASE + OFFLOAD + ["--paging-offload-dma-prefix", "0.9"])
-    assert config.offload_dma_prefix == 0.9
     args = parser.parse_args(BASE + OFFLOAD)
     assert flags.install_options(args, config)["offload_backend"] == "paged"
-
-
-def test_dma_prefix_with_one_hardware_queue_warns_in_one_line(parser, caplog):
-    argv = BASE + OFFLOAD + ["--paging-offload-dma-prefix", "1"]
-    with caplog.at_level("WARNING"):
-        flags.paging_config(parser.parse_args(argv), environ={"CUDA_DEVICE_MAX_CONNECTIONS": "8"},
-                            cuda_available=False)
-        assert not caplog.records
-        config = flags.paging_config(parser.parse_args(argv),
-                                     environ={"CUDA_DEVICE_MAX_CONNECTIONS": "1"},
-                                     cuda_available=False)
-    assert config.offload_dma_prefix == 1.0  # correct, only slow: warned, not refused
-    (record,) = caplog.records
-    message = record.getMessage()
-    assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in message and "\n" not in message
 
 
 @pytest.mark.parametrize(("extra", "in_flight"), [([], 2), (["3"], 3), (["0"], 0)])
@@ -345,8 +322,8 @@ def test_megatron_in_flight_cap_sets_ours_under_graphs(parser, extra, in_flight)
     ("argv", "message"),
     [
         (BASE + ["--paging-offload-backend", "paged"], "needs --fine-grained-activation"),
-        (BASE + ["--paging-offload-host-factor", "2"], "only apply with --paging-offload-backend"),
-        (BASE + OFFLOAD + ["--paging-implementation", "mcore"], "--paging-implementation mcore"),
+        (BASE + ["--paging-offload-host-factor", "2"],
+         "only applies with --paging-offload-backend"),
         (BASE + OFFLOAD[:2] + ["fused_group_mlp"] + OFFLOAD[3:], "fused_group_mlp"),
         (BASE + OFFLOAD + ["--cuda-graph-impl", "local"], "--cuda-graph-impl local"),
         (BASE + OFFLOAD + ["--delay-offload-until-cuda-graph"], "--delay-offload-until"),
@@ -358,15 +335,6 @@ def test_megatron_in_flight_cap_sets_ours_under_graphs(parser, extra, in_flight)
          "--fine-grained-offloading-max-inflight-offloads must be a non-negative integer"),
         (BASE + OFFLOAD + ["--paging-offload-host-factor", "0.5"],
          "--paging-offload-host-factor must be >= 1"),
-        (BASE + OFFLOAD + ["--paging-offload-max-ctas", "0"], "--paging-offload-max-ctas"),
-        (BASE + OFFLOAD + ["--paging-offload-max-ctas", "8", "0"],
-         "--paging-offload-max-ctas must be a positive integer"),
-        (BASE + OFFLOAD + ["--paging-offload-max-ctas", "4", "8", "16"],
-         "--paging-offload-max-ctas takes one value (both directions) or two (D2H H2D), got 3"),
-        (BASE + ["--paging-offload-max-ctas", "4", "16"], "only apply with --paging-offload"),
-        (BASE + ["--paging-offload-dma-prefix", "1"], "only apply with --paging-offload"),
-        (BASE + OFFLOAD + ["--paging-offload-dma-prefix", "1.5"],
-         "--paging-offload-dma-prefix must be in [0, 1], got 1.5"),
         (BASE[2:] + OFFLOAD[:2] + ["moe_act"] + OFFLOAD[3:],
          "needs --moe-expert-rank-capacity-factor"),
         (BASE + OFFLOAD[:2] + ["expert_fc1", "moe_act"] + OFFLOAD[3:]

@@ -21,10 +21,11 @@ import torch.multiprocessing as mp
 from cases import OPTIMIZERS
 
 from megatron_paging.calibration import Calibrator
-from megatron_paging.config import ConfigError, PagingConfig, overflow_policy_choices
+from megatron_paging.config import OVERFLOW_POLICIES, ConfigError, PagingConfig
 from megatron_paging.kernels import reload, stash
 from megatron_paging.optimizer_skip import step_unless
 from megatron_paging.overflow import (
+    GROWTH_FACTOR,
     OVER_BUDGET_ADVICE,
     OVERFLOW_ADVICE,
     POLICIES,
@@ -299,21 +300,18 @@ class Control:
 
 
 def test_policy_objects_from_names_and_configs():
-    assert set(POLICIES) == {"rerun", "skip", "grow"} == set(overflow_policy_choices())
+    assert set(POLICIES) == {"rerun", "skip", "grow"} == set(OVERFLOW_POLICIES)
     assert [POLICIES[n].reads_before_optimizer for n in ("rerun", "skip", "grow")] == [
         True, False, False
     ]
     assert type(make_policy("rerun")) is RerunPolicy and type(make_policy("skip")) is SkipPolicy
-    grow = make_policy(PagingConfig(overflow_policy="grow", growth_factor=3.0))
-    assert isinstance(grow, GrowPolicy) and grow.growth_factor == 3.0
-    assert make_policy("grow").growth_factor == 1.5
+    grow = make_policy(PagingConfig(overflow_policy="grow"))
+    assert isinstance(grow, GrowPolicy) and grow.growth_factor == GROWTH_FACTOR == 1.5
     policy = SkipPolicy()
     assert OverflowMonitor(policy).policy is policy
     assert isinstance(OverflowMonitor(PagingConfig(overflow_policy="grow")).policy, GrowPolicy)
     with pytest.raises(ConfigError, match="overflow_policy"):
         OverflowMonitor("retry")
-    with pytest.raises(ConfigError, match="growth_factor"):
-        make_policy(PagingConfig(overflow_policy="grow", growth_factor=1.0))
     with pytest.raises(ValueError, match="factor"):
         PagePools(4).grown(0.5)
 
@@ -324,14 +322,14 @@ def test_policy_objects_from_names_and_configs():
         ("rerun", StepFlags(overflow_ranks=1), "rerun", ["rerun_unpaged"]),
         ("rerun", StepFlags(over_budget_ranks=2), "rerun", ["rerun_unpaged"]),
         ("skip", StepFlags(overflow_ranks=1, host_spill_ranks=1), "skip", []),
-        ("grow", StepFlags(overflow_ranks=2), "grow", [("grow_pools", 2.5)]),
+        ("grow", StepFlags(overflow_ranks=2), "grow", [("grow_pools", GROWTH_FACTOR)]),
         ("grow", StepFlags(over_budget_ranks=1), "skip", []),  # larger pools would not help
         ("grow", StepFlags(host_spill_ranks=1), "ok", []),  # a spill is slow, not wrong
         ("skip", StepFlags(), "ok", []),
     ],
 )
 def test_policies_act_through_the_step_control(policy, flags, action, calls):
-    monitor = OverflowMonitor(PagingConfig(overflow_policy=policy, growth_factor=2.5))
+    monitor = OverflowMonitor(PagingConfig(overflow_policy=policy))
     control = Control()
     assert monitor.decide(flags, control) == action
     assert control.calls == calls
@@ -367,8 +365,11 @@ class CountingPolicy(OverflowPolicy):
         return f"counted {flags.overflow_ranks}"
 
 
-def test_a_new_policy_is_one_class_in_the_registry(monkeypatch):
+def test_a_new_policy_is_one_class_in_the_registry_and_one_name_in_the_config(monkeypatch):
+    from megatron_paging import config
+
     monkeypatch.setitem(POLICIES, "count", CountingPolicy)
+    monkeypatch.setattr(config, "OVERFLOW_POLICIES", (*OVERFLOW_POLICIES, "count"))
     monitor = OverflowMonitor(PagingConfig(overflow_policy="count"))
     assert isinstance(monitor.policy, CountingPolicy)
     assert monitor.decide(StepFlags(overflow_ranks=4), Control()) == "counted 4"

@@ -83,7 +83,7 @@ def test_step_residency_is_refused_under_capture_before_anything_changes():
     with pytest.raises(CaptureError, match="pool_residency='step'") as error:
         engine.begin_step()
     backend.end_capture()
-    assert "\n" not in str(error.value) and "--paging-pool-residency persistent" in str(error.value)
+    assert "\n" not in str(error.value) and "--cuda-graph-impl full_iteration" in str(error.value)
     assert not engine.step_open and engine.steps == steps
     assert not engine.pools.device_tiers_resident  # nothing was allocated inside the capture
     assert backend.violations == []

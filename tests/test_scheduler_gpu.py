@@ -84,15 +84,14 @@ def schedule(name: str):
     return schedules.interleaved_one_f_one_b(2, 2, 0, 4, combined_1f1b=True), 2
 
 
-@pytest.mark.parametrize("stash_point", ["commit", "next-layer"])
 @pytest.mark.parametrize("kernel_backend", kernel_backends())
 @pytest.mark.parametrize("name", ["dualpipev", "interleaved"])
-def test_gpu_parity_with_control(name, kernel_backend, stash_point):
+def test_gpu_parity_with_control(name, kernel_backend):
     ops, num_chunks = schedule(name)
     control_chunks = cuda_chunks(num_chunks)
     run_schedule(control_chunks, ops, PagingContext(None), (TOKENS, HIDDEN), seed=1, device="cuda")
     pools = make_pools(TOKENS * LAYERS * num_chunks * 6 * 2)
-    context = paged_context(pools, kernel_backend=kernel_backend, stash_point=stash_point)
+    context = paged_context(pools, kernel_backend=kernel_backend)
     paged_chunks = cuda_chunks(num_chunks)
     left = run_schedule(paged_chunks, ops, context, (TOKENS, HIDDEN), seed=1, device="cuda")
     torch.cuda.synchronize()
@@ -271,16 +270,14 @@ def test_gpu_host_lead_is_bounded_by_max_inflight_stashes():
         del results, handles
 
 
-@pytest.mark.parametrize("stash_point", ["commit", "next-layer"])
-def test_gpu_paged_step_never_synchronizes_the_host(stash_point):
+def test_gpu_paged_step_never_synchronizes_the_host():
     """A whole paged pipeline step (CUDA kernels, overlap, prefetch, the default bound on
-    layers' stash sources in flight; a stash at the commit or at the next layer's opening)
-    runs without a host sync."""
+    layers' stash sources in flight) runs without a host sync."""
     needs_cuda_kernels()
     ops, num_chunks = schedule("interleaved")
     chunks = cuda_chunks(num_chunks)
     pools = make_pools(TOKENS * LAYERS * num_chunks * 6 * 2)
-    context = paged_context(pools, kernel_backend="cuda", stash_point=stash_point)
+    context = paged_context(pools, kernel_backend="cuda")
     inputs = {}
     for op in ops:
         for salt in (1, 2):

@@ -16,7 +16,7 @@ import pytest
 import torch
 from op_counter import OpCounter
 
-from megatron_paging import kernels
+from megatron_paging import config, kernels
 from megatron_paging.config import PagingConfig
 from megatron_paging.engine import PagingEngine
 from megatron_paging.kernels import KernelBackend, cuda_ops
@@ -69,6 +69,7 @@ def noop_kernels(monkeypatch):
         calls.append("reload" if reload else "stash")
 
     monkeypatch.setitem(kernels.REGISTRY, "noop", KernelBackend("noop", copy, ("cpu",)))
+    monkeypatch.setattr(config, "KERNEL_BACKENDS", (*config.KERNEL_BACKENDS, "noop"))
     return calls
 
 
@@ -82,6 +83,7 @@ def stub_kernels(monkeypatch):
         check_args(tensor, record, pool, "reload destination" if reload else "stash source")
 
     monkeypatch.setitem(kernels.REGISTRY, "stub", KernelBackend("stub", copy, ("cpu",)))
+    monkeypatch.setattr(config, "KERNEL_BACKENDS", (*config.KERNEL_BACKENDS, "stub"))
     return calls
 
 

@@ -35,8 +35,7 @@ from pathlib import Path
 import torch
 
 from megatron_paging import kernels
-from megatron_paging.config import ConfigError, PagingConfig, kernel_backend_choices
-from megatron_paging.config import overflow_policy_choices as policy_choices
+from megatron_paging.config import KERNEL_BACKENDS, OVERFLOW_POLICIES, ConfigError, PagingConfig
 from megatron_paging.demo.model import TinyMoEConfig, synthetic_batches
 from megatron_paging.demo.pipeline import StageChunk, make_step_inputs, stage_indices
 from megatron_paging.demo.training import ControlRun, DemoResult, Layout, PagedRun
@@ -109,14 +108,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="device-tier rows = factor x the calibrated peak live rows in flight")
     add("--host-pool-factor", type=_float_above(0.0, strict=False), default=0.0,
         help="pinned-host-tier rows, same unit (0 = no host tier)")
-    add("--overflow-policy", choices=policy_choices(), default="rerun",
+    add("--overflow-policy", choices=OVERFLOW_POLICIES, default="rerun",
         help="rerun: redo an overflowing step unpaged (parity holds); skip: drop its optimizer "
-             "step on device; grow: skip, then enlarge the device tier by --growth-factor")
-    add("--growth-factor", type=_float_above(1.0, strict=True), default=1.5,
-        help="device-tier multiplier of --overflow-policy grow")
+             "step on device; grow: skip, then enlarge the device tier")
     add("--plot", default=DEFAULT_PLOT,
         help="PNG of bytes held for backward over time ('.png' is added to a name without one)")
-    add("--kernel-backend", choices=kernel_backend_choices(), default="auto")
+    add("--kernel-backend", choices=KERNEL_BACKENDS, default="auto",
+        help="the copy kernels (auto: CUDA kernels on a GPU, the pure-torch reference on CPU)")
 
 
 def _resolve_device(requested: str | None) -> torch.device:
@@ -140,7 +138,6 @@ FLAG_OF_FIELD = {
     "host_factor": "--host-pool-factor",
     "kernel_backend": "--kernel-backend",
     "overflow_policy": "--overflow-policy",
-    "growth_factor": "--growth-factor",
 }
 
 
@@ -153,10 +150,9 @@ def paging_config(args: argparse.Namespace, backend: str) -> PagingConfig:
             host_factor=args.host_pool_factor,
             kernel_backend=backend,
             overflow_policy=args.overflow_policy,
-            growth_factor=args.growth_factor,
         )
     except ConfigError as error:
-        raise error.renamed(FLAG_OF_FIELD) from None
+        raise ConfigError(FLAG_OF_FIELD.get(error.field, error.field), error.problem) from None
 
 
 def plot_path(requested: str) -> Path:

@@ -102,33 +102,11 @@ class MCorePagingAPI:
         self._group: _Group | None = None
         self.iteration = 0
         self.offload = None  # the paged offloading backend's manager, when install() made one
-        self._unmarked_warned = False  # prefetch_point="dispatcher" without a dispatcher mark
 
     # -- experts.py ------------------------------------------------------------------------
     def paged_stash_group_start(self, tensor):
         """Mark the start of a layer group (identity: nothing to wait for). Its backward, once
         the group's backward is done, prefetches the groups below (the slot-end rule)."""
-        slot = self._slot()
-        if (self.engine.config.prefetch_point == "dispatcher" and not self._unmarked_warned
-                and self.context.pages_forward and torch.is_grad_enabled()
-                and tensor.requires_grad and not self.context.marks_slot_end(*slot)):
-            # Only our static dispatcher marks its input: said once, not silently ignored.
-            self._unmarked_warned = True
-            logger.warning(
-                "megatron-paging: prefetch_point='dispatcher' but layer %s's dispatcher did not "
-                "mark its input (not the static flex backend?): its experts' input ends the "
-                "layer's backward instead", slot[1],
-            )
-        return self.context.slot_end_marker(tensor, *slot)
-
-    # -- our static dispatcher (mcore/dispatcher.py; not a Megatron-Core hook) ---------------
-    def paged_stash_dispatch_start(self, tensor):
-        """The static dispatcher's input. With ``prefetch_point="dispatcher"`` it is the layer
-        group's first marked input, so the group's backward ends (and the groups below are
-        prefetched) after the dispatcher's backward, beside the attention's backward, instead of
-        after the experts'; otherwise identity."""
-        if self.engine.config.prefetch_point != "dispatcher":
-            return tensor
         return self.context.slot_end_marker(tensor, *self._slot())
 
     def _slot(self) -> tuple[int, int, int]:

@@ -38,12 +38,6 @@ from megatron.core.transformer.moe.token_dispatcher import (
 STATIC_BACKEND = "static"
 
 
-def layer_input_marker(hidden_states: torch.Tensor) -> torch.Tensor:
-    """The dispatcher's input as the paged layer sees it: identity here; ``install()`` rebinds
-    this name to ``MCorePagingAPI.paged_stash_dispatch_start`` (``--paging-prefetch-point``)."""
-    return hidden_states
-
-
 class _IndexedSum(torch.autograd.Function):
     """``out[o] = sum_k x[fwd_index[o, k]] where fwd_valid[o, k]``; backward is the same with
     ``bwd_index`` / ``bwd_valid`` (the inverse map). Sums over k > 1 accumulate in fp32."""
@@ -244,8 +238,6 @@ class StaticCapacityManager(_DispatchManager):
 
     # -- dispatch / combine -----------------------------------------------------------------
     def dispatch(self, hidden_states, async_finish=True, allocate_on_comm_stream=True):
-        if getattr(self.config, "moe_paged_stash", False):
-            hidden_states = layer_input_marker(hidden_states)
         send = _IndexedSum.apply(
             hidden_states, self._send_token, self._send_valid, self._token_row, self._token_valid
         )
@@ -310,5 +302,5 @@ class PagingFlexTokenDispatcher(MoEFlexTokenDispatcher):
 
 
 __all__ = [
-    "PagingFlexTokenDispatcher", "STATIC_BACKEND", "StaticCapacityManager", "layer_input_marker"
+    "PagingFlexTokenDispatcher", "STATIC_BACKEND", "StaticCapacityManager"
 ]

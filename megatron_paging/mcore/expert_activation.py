@@ -4,8 +4,7 @@
 on unless ``--no-bias-swiglu-fusion``) runs :mod:`megatron_paging.kernels.weighted_swiglu`,
 one kernel per direction in fp32 math with nothing kept but inputs and outputs.
 :class:`TorchActivation` (``--no-bias-swiglu-fusion``) is Megatron-Core's unfused expression —
-any ``activation_func``, gated or not, with its clamp and linear offset — whose fp32
-temporaries can be made one row piece at a time (``piece_rows``, the fc1 recompute only).
+any ``activation_func``, gated or not, with its clamp and linear offset.
 
 Both give ``forward(fc1, probs) -> inter`` and ``backward(fc1, probs, dinter, own_fc1) ->
 (inter, dfc1, dprobs)``: backward recomputes the activation from ``fc1`` and hands back
@@ -22,21 +21,11 @@ import torch.nn.functional as F
 from megatron_paging.kernels import weighted_swiglu
 
 
-def _pieces(rows: int, piece_rows: int):
-    """Row ranges (``piece_rows`` 0: one range). In pieces, the expression's fp32 temporaries
-    (the prob-weighted product and its gradient are fp32) and autograd intermediates exist for
-    one piece at a time; elementwise ops and the per-row prob-gradient sum give the same bits
-    on a piece."""
-    step = piece_rows or rows or 1
-    return [(start, min(start + step, rows)) for start in range(0, rows, step)]
-
-
 class TorchActivation:
-    """Megatron-Core's unfused weighted activation, whole or in row pieces."""
+    """Megatron-Core's unfused weighted activation."""
 
-    def __init__(self, config, piece_rows: int = 0):
+    def __init__(self, config):
         self.config = config
-        self.piece_rows = piece_rows
 
     def expression(self, fc1, probs):
         config = self.config
@@ -51,44 +40,17 @@ class TorchActivation:
         return (act * probs.unsqueeze(-1)).to(act.dtype)
 
     def forward(self, fc1, probs):
-        """The expression piece by piece into one buffer (no autograd); one piece: no copy."""
-        pieces = _pieces(fc1.shape[0], self.piece_rows)
         with torch.no_grad():
-            if len(pieces) <= 1:  # whole (or an empty buffer)
-                return self.expression(fc1, probs)
-            out = None
-            for start, end in pieces:
-                piece = self.expression(fc1[start:end], probs[start:end])
-                if out is None:
-                    out = piece.new_empty((fc1.shape[0], *piece.shape[1:]))
-                out[start:end] = piece
-        return out
+            return self.expression(fc1, probs)
 
     def backward(self, fc1, probs, dinter, own_fc1: bool = False):
-        """Piece by piece, each piece's autograd graph freed before the next one is built. One
-        piece returns autograd's own tensors (no copies)."""
+        """``(inter, dfc1, dprobs)`` by autograd over the expression (new tensors)."""
         del own_fc1  # autograd makes new tensors anyway
-        pieces = _pieces(fc1.shape[0], self.piece_rows)
-        if len(pieces) <= 1:
-            with torch.enable_grad():
-                fc1_, probs_ = fc1.detach().requires_grad_(), probs.detach().requires_grad_()
-                inter = self.expression(fc1_, probs_)
-            dfc1, dprobs = torch.autograd.grad(inter, (fc1_, probs_), dinter)
-            return inter.detach(), dfc1.contiguous(), dprobs
-        inter = dfc1 = dprobs = None
-        for start, end in pieces:
-            with torch.enable_grad():
-                fc1_ = fc1[start:end].detach().requires_grad_()
-                probs_ = probs[start:end].detach().requires_grad_()
-                piece = self.expression(fc1_, probs_)
-            dfc1_, dprobs_ = torch.autograd.grad(piece, (fc1_, probs_), dinter[start:end])
-            if inter is None:
-                inter = piece.new_empty((fc1.shape[0], *piece.shape[1:]))
-                dfc1, dprobs = torch.empty_like(fc1), torch.empty_like(probs)
-            inter[start:end] = piece.detach()
-            dfc1[start:end] = dfc1_
-            dprobs[start:end] = dprobs_
-        return inter, dfc1, dprobs
+        with torch.enable_grad():
+            fc1_, probs_ = fc1.detach().requires_grad_(), probs.detach().requires_grad_()
+            inter = self.expression(fc1_, probs_)
+        dfc1, dprobs = torch.autograd.grad(inter, (fc1_, probs_), dinter)
+        return inter.detach(), dfc1.contiguous(), dprobs
 
 
 class FusedSwiglu:
@@ -106,10 +68,10 @@ class FusedSwiglu:
             inter_over_dinter=dinter.is_contiguous())
 
 
-def expert_activation(config, piece_rows: int = 0):
+def expert_activation(config):
     """The activation ``config`` asks for; raises one line for what the fused kernel lacks."""
     if not getattr(config, "bias_activation_fusion", False):
-        return TorchActivation(config, piece_rows)
+        return TorchActivation(config)
     if not (config.gated_linear_unit and config.activation_func is F.silu):
         raise ValueError(
             "PagedGroupedMLP fuses only SwiGLU (gated silu) under bias_activation_fusion; for "
@@ -121,12 +83,6 @@ def expert_activation(config, piece_rows: int = 0):
                 f"the fused weighted SwiGLU has no {name} ({getattr(config, name)!r}); pass "
                 "--no-bias-swiglu-fusion for the unfused expression"
             )
-    if piece_rows:
-        raise ValueError(
-            "recompute_piece_rows pieces the unfused activation's fp32 temporaries, which the "
-            "fused SwiGLU does not make: pass --no-bias-swiglu-fusion with "
-            "--paging-recompute-expert-fc1-piece-rows, or drop the piece rows"
-        )
     return FusedSwiglu()
 
 

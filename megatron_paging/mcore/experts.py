@@ -202,9 +202,8 @@ class PagedGroupedMLP(MegatronModule):
 
     Builder signature of Megatron-Core's experts (``ExpertsBuilder``):
     ``PagedGroupedMLP(num_local_experts, config, pg_collection=..., name=...)``; extra keywords
-    ``gemm_backend`` ('auto', 'grouped', 'loop'), ``recompute_fc1`` (save only ``x`` and
-    recompute fc1 in backward: :class:`_ExpertsRecomputeFc1`) and ``recompute_piece_rows``
-    (its activation in pieces of that many rows; 0: whole).
+    ``gemm_backend`` ('auto', 'grouped', 'loop') and ``recompute_fc1`` (save only ``x`` and
+    recompute fc1 in backward: :class:`_ExpertsRecomputeFc1`).
     """
 
     def __init__(
@@ -215,7 +214,6 @@ class PagedGroupedMLP(MegatronModule):
         name=None,
         gemm_backend: str = "auto",
         recompute_fc1: bool = False,
-        recompute_piece_rows: int = 0,
     ):
         super().__init__(config=config)
         if gemm_backend not in GEMM_BACKENDS:
@@ -246,17 +244,8 @@ class PagedGroupedMLP(MegatronModule):
                 "recompute_fc1=True keeps no fc1 for the moe_act offload group to offload; drop "
                 "moe_act from offload_modules (expert_fc1 offloads the saved input)"
             )
-        piece_rows_ok = isinstance(recompute_piece_rows, int) and not isinstance(
-            recompute_piece_rows, bool
-        )
-        if not piece_rows_ok or recompute_piece_rows < 0:
-            raise ValueError(
-                f"recompute_piece_rows must be a non-negative integer, got {recompute_piece_rows!r}"
-            )
-        if recompute_piece_rows and not recompute_fc1:
-            raise ValueError("recompute_piece_rows applies only with recompute_fc1=True")
         self.recompute_fc1 = bool(recompute_fc1)
-        self.activation = expert_activation(config, recompute_piece_rows)
+        self.activation = expert_activation(config)
         ffn = config.moe_ffn_hidden_size
         fc1_out = 2 * ffn if config.gated_linear_unit else ffn
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()

@@ -6,11 +6,8 @@ from __future__ import annotations
 
 import math
 
-from megatron_paging.mcore.dispatcher import STATIC_BACKEND
-from megatron_paging.mcore.offload import EXPERT_MODULES
+from megatron_paging.mcore.offload import DENSE_MODULES, EXPERT_MODULES
 
-CORE_ATTENTION_DEFAULT = "sdpa"
-SDPA_BACKEND_DEFAULT = "auto"
 # Megatron's CUDA-graph modes that cannot capture paging (full_iteration can).
 UNSUPPORTED_GRAPH_IMPLS = ("local", "transformer_engine")
 # Selective-recompute modules that Megatron-Core 0.19.2 wraps in
@@ -22,31 +19,10 @@ UNSUPPORTED_GRAPH_IMPLS = ("local", "transformer_engine")
 TE_RECOMPUTE_MODULES = ("layernorm", "moe_act", "gdn_norm_out")
 
 
-def pool_residency(args) -> str:
-    """``auto``: free the pages between eager steps; keep them when a graph captures the step."""
-    residency = getattr(args, "paging_pool_residency", "auto")
-    graphed = getattr(args, "cuda_graph_impl", "none") == "full_iteration"
-    if residency == "step" and graphed:
-        raise ValueError(
-            "--paging-pool-residency step cannot be combined with --cuda-graph-impl "
-            "full_iteration (the captured graph holds the pages' addresses); use persistent "
-            "or auto"
-        )
-    if residency == "auto":
-        return "persistent" if graphed else "step"
-    return residency
-
-
-def check_core_attention(args) -> None:
-    core = getattr(args, "paging_core_attention", CORE_ATTENTION_DEFAULT)
-    sdpa = getattr(args, "paging_sdpa_backend", SDPA_BACKEND_DEFAULT)
-    if core != "sdpa" and sdpa != SDPA_BACKEND_DEFAULT:
-        raise ValueError(f"--paging-sdpa-backend {sdpa} needs --paging-core-attention sdpa")
-    if core == "sdpa" and sdpa == "cudnn" and getattr(args, "deterministic_mode", False):
-        raise ValueError(
-            "--paging-sdpa-backend cudnn is not deterministic (PyTorch excludes cuDNN attention "
-            "under --deterministic-mode); use auto or flash"
-        )
+def pool_residency(graphed: bool) -> str:
+    """Free the pages between eager steps (the optimizer step gets their memory); keep them when
+    a full-iteration CUDA graph captures the step (the graph holds their addresses)."""
+    return "persistent" if graphed else "step"
 
 
 def check_recompute_modules(args, te_available: bool) -> None:
@@ -64,8 +40,9 @@ def check_recompute_modules(args, te_available: bool) -> None:
         )
 
 
-def check_megatron_combinations(args) -> None:
-    """Megatron features that cannot run with paging, refused by name."""
+def check_megatron_combinations(args, refuse_recompute: bool = True) -> None:
+    """Megatron features that cannot run with paging, refused by name (``refuse_recompute``:
+    a recompute of every MoE layer, which leaves our engine nothing to page)."""
     rank_factor = getattr(args, "moe_expert_rank_capacity_factor", None)
     if rank_factor is None:
         raise ValueError(
@@ -82,9 +59,7 @@ def check_megatron_combinations(args) -> None:
     # A recompute whose forward covers every MoE layer saves no expert activation to page
     # (the recomputed forward runs inside the backward, where paging stays off). Partial
     # recompute (--recompute-method block) pages the layers it does not recompute.
-    granularity = getattr(args, "recompute_granularity", None)
-    if getattr(args, "paging_implementation", "ours") == "mcore":
-        granularity = None  # Megatron-Core's own manager: its behaviour, not ours to refuse
+    granularity = getattr(args, "recompute_granularity", None) if refuse_recompute else None
     if granularity == "selective" and "moe" in (getattr(args, "recompute_modules", None) or []):
         raise ValueError(
             "--moe-paged-stash with --recompute-granularity selective --recompute-modules moe "
@@ -105,41 +80,10 @@ def check_megatron_combinations(args) -> None:
         )
 
 
-def check_prefetch_point(args) -> None:
-    """``--paging-prefetch-point dispatcher`` marks the input of our static dispatcher: any
-    other dispatcher would never report the layer's backward end there."""
-    if getattr(args, "paging_prefetch_point", "experts") != "dispatcher":
-        return
-    dispatcher = getattr(args, "moe_token_dispatcher_type", None)
-    backend = getattr(args, "moe_flex_dispatcher_backend", None)
-    if dispatcher != "flex" or backend != STATIC_BACKEND:
-        raise ValueError(
-            "--paging-prefetch-point dispatcher needs --moe-token-dispatcher-type flex "
-            f"--moe-flex-dispatcher-backend {STATIC_BACKEND} (got {dispatcher!r} / {backend!r})"
-        )
-
-
 def check_recompute_expert_fc1(args) -> None:
-    """``--paging-recompute-expert-fc1``: the experts then save no fc1 for ``moe_act``; its
-    piece size needs it and is a non-negative row count."""
-    pieces = getattr(args, "paging_recompute_expert_fc1_piece_rows", 0)
-    if pieces is not None and pieces < 0:
-        raise ValueError(
-            f"--paging-recompute-expert-fc1-piece-rows must be >= 0 (0: whole), got {pieces}"
-        )
+    """``--paging-recompute-expert-fc1``: the experts then save no fc1 for ``moe_act``."""
     if not getattr(args, "paging_recompute_expert_fc1", False):
-        if pieces:
-            raise ValueError(
-                "--paging-recompute-expert-fc1-piece-rows only applies with "
-                "--paging-recompute-expert-fc1"
-            )
         return
-    if pieces and getattr(args, "swiglu", False) and getattr(args, "bias_swiglu_fusion", False):
-        raise ValueError(
-            "--paging-recompute-expert-fc1-piece-rows pieces the unfused activation's fp32 "
-            "temporaries, which the fused SwiGLU (Megatron's default bias_swiglu_fusion) "
-            "does not make: add --no-bias-swiglu-fusion or drop the piece rows"
-        )
     modules = getattr(args, "offload_modules", None) or []
     if getattr(args, "fine_grained_activation_offloading", False) and "moe_act" in modules:
         raise ValueError(
@@ -156,11 +100,6 @@ def check_offload(args) -> None:
             "--paging-offload-backend paged needs --fine-grained-activation-offloading "
             "--offload-modules ..."
         )
-    if getattr(args, "paging_implementation", "ours") == "mcore":
-        raise ValueError(
-            "--paging-offload-backend paged runs on megatron-paging's runtime; it cannot be "
-            "combined with --paging-implementation mcore"
-        )
     modules = set(getattr(args, "offload_modules", None) or [])
     experts = sorted(modules & set(EXPERT_MODULES))
     if experts and getattr(args, "moe_expert_rank_capacity_factor", None) is None:
@@ -170,11 +109,6 @@ def check_offload(args) -> None:
             f"--offload-modules {' '.join(experts)} with --paging-offload-backend paged needs "
             "--moe-expert-rank-capacity-factor (static expert capacity; its step runner checks "
             "the host tier's overflow flag)"
-        )
-    if "fused_group_mlp" in modules:
-        raise ValueError(
-            "--offload-modules fused_group_mlp needs Transformer Engine's op fuser; with "
-            "--paging-offload-backend paged offload expert_fc1 and moe_act instead"
         )
     graph_impl = getattr(args, "cuda_graph_impl", "none")
     if graph_impl in UNSUPPORTED_GRAPH_IMPLS:
@@ -198,15 +132,53 @@ def check_offload(args) -> None:
         )
 
 
+def check_offload_modules(args, te_available: bool) -> None:
+    """``--offload-modules`` against what the chosen backend can offload, one line each, before
+    Megatron-Core's assertions in ``TransformerConfig`` would end the run in a traceback."""
+    if not getattr(args, "fine_grained_activation_offloading", False):
+        return
+    paged = getattr(args, "paging_offload_backend", "mcore") == "paged"
+    allowed = (*DENSE_MODULES, *EXPERT_MODULES)
+    if not paged:
+        allowed = (*allowed, "fused_group_mlp")  # with Transformer Engine's op fuser
+    modules = list(getattr(args, "offload_modules", None) or [])
+    if not modules:
+        raise ValueError(
+            "--fine-grained-activation-offloading needs --offload-modules (one or more of "
+            f"{', '.join(allowed)})"
+        )
+    unknown = [m for m in modules if m not in allowed]
+    if unknown:
+        backend = "paged" if paged else "mcore"
+        raise ValueError(
+            f"--offload-modules {' '.join(unknown)}: not offloadable with "
+            f"--paging-offload-backend {backend}; choose from {', '.join(allowed)}"
+        )
+    experts = [m for m in modules if m in (*EXPERT_MODULES, "fused_group_mlp")]
+    if experts and not paged and getattr(args, "moe_paged_stash", False):
+        raise ValueError(
+            f"--offload-modules {' '.join(experts)} with --moe-paged-stash needs "
+            "--paging-offload-backend paged (Megatron-Core's offloading cannot move what the "
+            "paged stash holds)"
+        )
+    if "fused_group_mlp" in modules and not te_available:
+        raise ValueError(
+            "--offload-modules fused_group_mlp needs Transformer Engine's op fuser (not "
+            "installed); offload expert_fc1 and moe_act instead"
+        )
+    if "attn_proj" in modules and "core_attn" not in modules:
+        raise ValueError(
+            "--offload-modules attn_proj needs core_attn too (attn_proj's input is core_attn's "
+            "output, which core_attn's backward reads)"
+        )
+
+
 __all__ = [
-    "CORE_ATTENTION_DEFAULT",
-    "SDPA_BACKEND_DEFAULT",
     "TE_RECOMPUTE_MODULES",
     "UNSUPPORTED_GRAPH_IMPLS",
-    "check_core_attention",
     "check_megatron_combinations",
     "check_offload",
-    "check_prefetch_point",
+    "check_offload_modules",
     "check_recompute_expert_fc1",
     "check_recompute_modules",
     "pool_residency",

@@ -24,9 +24,8 @@ the importers. :meth:`PagingInstaller.install` therefore
    everywhere to the paged offloading backend (:mod:`.offload`) over the same API, and applies
    the offloading lifts of :mod:`.offload_shims`; with ``"mcore"``, only the lifts Megatron-Core's
    own offloading needs without Transformer Engine;
-6. with ``ddp_on_training_stream`` (the default): rebinds Megatron's
-   ``wrap_model_chunks_with_ddp`` so DDP's gradient accumulators are made on the training
-   stream instead of Megatron's side stream (:mod:`.ddp_stream` says why);
+6. rebinds Megatron's ``wrap_model_chunks_with_ddp`` so DDP's gradient accumulators are made on
+   the training stream instead of Megatron's side stream (:mod:`.ddp_stream` says why);
 7. logs one line saying what it replaced.
 
 :meth:`PagingInstaller.uninstall` puts every original object back (identity restored).
@@ -44,10 +43,9 @@ import logging
 import sys
 from dataclasses import dataclass
 
-from megatron_paging.config import PagingConfig
+from megatron_paging.config import OFFLOAD_BACKENDS, PagingConfig
 from megatron_paging.env import check_megatron_core_version
 from megatron_paging.mcore import ddp_stream, offload_shims
-from megatron_paging.mcore import dispatcher as static_dispatcher
 from megatron_paging.mcore.api import MCorePagingAPI
 from megatron_paging.mcore.dispatcher import STATIC_BACKEND, PagingFlexTokenDispatcher
 from megatron_paging.mcore.flags import allow_static_backend
@@ -62,7 +60,6 @@ CONFIG_MODULE = "megatron.core.transformer.transformer_config"
 SCHEDULES_MODULE = "megatron.core.pipeline_parallel.schedules"
 OFFLOAD_MODULE = "megatron.core.pipeline_parallel.fine_grained_activation_offload"
 OFFLOAD_INTERFACE = "FineGrainedActivationOffloadingInterface"
-OFFLOAD_BACKENDS = ("mcore", "paged")
 KNOWN_IMPORTERS = (
     PAGED_STASH_MODULE,
     OFFLOAD_MODULE,
@@ -192,7 +189,6 @@ class PagingInstaller:
         self.rebindings: list[Rebinding] = []
         self.replaced = False  # whether the paged-stash API itself is ours
         self.offload_backend: str | None = None
-        self.ddp_on_training_stream = False
 
     @property
     def installed(self) -> bool:
@@ -204,7 +200,6 @@ class PagingInstaller:
         api: MCorePagingAPI | None = None,
         replace_paged_stash: bool = True,
         offload_backend: str | None = None,
-        ddp_on_training_stream: bool = True,
     ) -> MCorePagingAPI:
         """Rebind Megatron-Core's paged-stash hook points to ``api`` (default: one made for
         ``config``, itself defaulting to ``PagingConfig.from_env()``).
@@ -212,9 +207,6 @@ class PagingInstaller:
         ``offload_backend``: None (offloading untouched), ``"paged"`` (Megatron-Core's
         fine-grained activation offloading through our runtime; needs
         ``replace_paged_stash``) or ``"mcore"`` (Megatron-Core's own, made to run without TE).
-
-        ``ddp_on_training_stream``: make DDP's gradient accumulators on the training stream
-        (:mod:`.ddp_stream`); False keeps Megatron's side stream.
 
         ``replace_paged_stash=False`` installs only the ``static`` dispatch backend and its config
         shim and leaves Megatron-Core's own paged-stash manager, kernels and runner in place (the
@@ -247,9 +239,7 @@ class PagingInstaller:
             same_api = api is None or api is self.api
             same_config = config is None or config == self.api.engine.config
             same_offload = offload_backend == self.offload_backend
-            same_ddp = ddp_on_training_stream == self.ddp_on_training_stream
-            if (same_api and replace_paged_stash == self.replaced and same_config and same_offload
-                    and same_ddp):
+            if same_api and replace_paged_stash == self.replaced and same_config and same_offload:
                 return self.api
             if not same_config:
                 logger.info(
@@ -287,9 +277,6 @@ class PagingInstaller:
         self.replaced = replace_paged_stash
         self.offload_backend = offload_backend
 
-        if replace_paged_stash:
-            self._rebind(static_dispatcher, "layer_input_marker", api.paged_stash_dispatch_start)
-
         # The dispatcher is constructed in one place only: MoELayer.__init__.
         moe_layer = sys.modules[MOE_LAYER_MODULE]
         self._rebind(moe_layer, "MoEFlexTokenDispatcher", PagingFlexTokenDispatcher)
@@ -316,11 +303,9 @@ class PagingInstaller:
         )
         if offload_backend is not None:
             self._install_offload_lifts(offload_backend, config_cls)
-        if ddp_on_training_stream:
-            training = importlib.import_module(ddp_stream.TRAINING_MODULE)
-            wrap = getattr(training, ddp_stream.WRAP_NAME)
-            self._rebind(training, ddp_stream.WRAP_NAME, ddp_stream.on_training_stream(wrap))
-        self.ddp_on_training_stream = ddp_on_training_stream
+        training = importlib.import_module(ddp_stream.TRAINING_MODULE)
+        wrap = getattr(training, ddp_stream.WRAP_NAME)
+        self._rebind(training, ddp_stream.WRAP_NAME, ddp_stream.on_training_stream(wrap))
         self.api = api
 
         where: dict[str, list[str]] = {}
@@ -346,7 +331,6 @@ class PagingInstaller:
         self.api = None
         self.replaced = False
         self.offload_backend = None
-        self.ddp_on_training_stream = False
 
     def _install_offload_lifts(self, offload_backend: str, config_cls) -> None:
         """The lifts of :mod:`.offload_shims` the chosen offloading backend needs."""
@@ -397,12 +381,9 @@ def install(
     api: MCorePagingAPI | None = None,
     replace_paged_stash: bool = True,
     offload_backend: str | None = None,
-    ddp_on_training_stream: bool = True,
 ) -> MCorePagingAPI:
     """Install megatron-paging into Megatron-Core (see :meth:`PagingInstaller.install`)."""
-    return INSTALLER.install(
-        config, api, replace_paged_stash, offload_backend, ddp_on_training_stream
-    )
+    return INSTALLER.install(config, api, replace_paged_stash, offload_backend)
 
 
 def uninstall() -> None:

@@ -26,7 +26,6 @@ def paged_moe_mlp_builder(
     num_experts: int,
     gemm_backend: str = "auto",
     recompute_fc1: bool = False,
-    recompute_piece_rows: int = 0,
     **local_kwargs,
 ):
     """The ``mlp`` builder of an MoE layer: Megatron's local MoE with paged grouped experts."""
@@ -34,12 +33,7 @@ def paged_moe_mlp_builder(
         raise ValueError(f"num_experts must be a positive integer, got {num_experts!r}")
     local = get_gpt_layer_local_submodules(num_experts=num_experts, **local_kwargs)
     moe_builder = local.mlp  # partial(MoELayer, submodules=MoESubmodules(...))
-    experts = partial(
-        PagedGroupedMLP,
-        gemm_backend=gemm_backend,
-        recompute_fc1=recompute_fc1,
-        recompute_piece_rows=recompute_piece_rows,
-    )
+    experts = partial(PagedGroupedMLP, gemm_backend=gemm_backend, recompute_fc1=recompute_fc1)
     moe_submodules = dataclasses.replace(moe_builder.keywords["submodules"], experts=experts)
     return partial(moe_builder.func, submodules=moe_submodules)
 
@@ -68,7 +62,6 @@ def get_gpt_moe_paged_layer_spec(
     core_attention: str = "sdpa",
     sdpa_backend: str = "auto",
     recompute_expert_fc1: bool = False,
-    recompute_expert_fc1_piece_rows: int = 0,
 ) -> ModuleSpec:
     """A transformer-layer spec for GPT-MoE: local (TE-free) modules + paged grouped experts.
 
@@ -81,18 +74,10 @@ def get_gpt_moe_paged_layer_spec(
         sdpa_backend: SDPAttention's pinned SDPA backend (``SDPA_BACKENDS``; ``auto``).
         recompute_expert_fc1: experts save only their input and recompute fc1 in backward
             (``--paging-recompute-expert-fc1``).
-        recompute_expert_fc1_piece_rows: the recompute's activation in pieces of this many rows
-            (``--paging-recompute-expert-fc1-piece-rows``; 0: whole).
     """
     local_kwargs = dict(normalization=normalization, qk_layernorm=qk_layernorm)
     submodules = get_gpt_layer_local_submodules(num_experts=num_experts, **local_kwargs)
-    mlp = paged_moe_mlp_builder(
-        num_experts,
-        gemm_backend,
-        recompute_expert_fc1,
-        recompute_expert_fc1_piece_rows,
-        **local_kwargs,
-    )
+    mlp = paged_moe_mlp_builder(num_experts, gemm_backend, recompute_expert_fc1, **local_kwargs)
     attention = with_core_attention(submodules.self_attention, core_attention, sdpa_backend)
     submodules = dataclasses.replace(submodules, self_attention=attention, mlp=mlp)
     return ModuleSpec(module=TransformerLayer, submodules=submodules)

@@ -1,6 +1,6 @@
 """Where a profiled step's device time goes: the kernel timeline of one torch.profiler run.
 
-The example's ``MEGATRON_PAGING_PROFILE_JSON`` writes :func:`timeline_record` of its profiled
+The example's ``MEGATRON_PAGING_BENCH_PROFILE_JSON`` writes :func:`timeline_record` of its profiled
 iteration; ``python -m megatron_paging.tools.kernel_timeline A.json [B.json]`` prints
 :func:`summarize` of each file and, for two files, the kernels whose device time differs most
 (the question a "paged step is N ms slower" result leaves open: paging kernels that were not

@@ -4,7 +4,7 @@
 stack; :func:`peak_breakdown` replays one such trace (``torch.cuda.memory._snapshot()``'s
 ``device_traces``), finds the moment the allocated bytes peak and groups the blocks alive then by
 the first stack frame outside PyTorch (the model or paging code that asked for the memory).
-The example's ``MEGATRON_PAGING_MEMORY_ITER`` uses it to explain a step's peak.
+The example's ``MEGATRON_PAGING_BENCH_MEMORY_ITER`` uses it to explain a step's peak.
 
 By default bytes count from ``alloc`` until ``free_requested``, as the allocator's
 ``allocated_bytes`` statistic (``max_memory_allocated``) counts them: it drops a block when the
