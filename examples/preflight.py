@@ -87,6 +87,32 @@ def parse_args():
     return megatron_parse_args(extra_args_provider=add_paging_args)
 
 
+# Megatron flags that shape a model this example's provider does not build (it builds the local
+# decoder block with megatron-paging's experts and attention, nothing else): refused by name
+# rather than silently ignored.
+IGNORED_MODEL_FLAGS = {
+    "mtp_num_layers": "multi-token-prediction layers",
+    "spec": "a custom layer spec",
+    "heterogeneous_layers_config_path": "heterogeneous layers",
+    "experimental_attention_variant": "experimental attention variants",
+    "use_kitchen": "Kitchen modules",
+}
+
+
+def check_model_flags(args) -> None:
+    """Refuse layout flags the example's model provider would ignore."""
+    for dest, what in IGNORED_MODEL_FLAGS.items():
+        value = getattr(args, dest, None)
+        if value:
+            flag = "--" + dest.replace("_", "-")
+            raise ValueError(f"{flag}: this example builds no {what}; drop the flag")
+    if getattr(args, "transformer_impl", "local") != "local":
+        raise ValueError(
+            f"--transformer-impl {args.transformer_impl}: this example builds the local "
+            "(Transformer-Engine-free) spec; pass --transformer-impl local"
+        )
+
+
 def check(args=None, environ=None):
     """``(args, PagingConfig, BenchControls)`` of this run; exit 2 with one line if refused."""
     import torch
@@ -106,6 +132,12 @@ def check(args=None, environ=None):
             )
         if args.num_experts is None:
             raise ValueError("--num-experts: this example trains an MoE model; pass it")
+        check_model_flags(args)
+        if args.fake_process_group and "WORLD_SIZE" not in environ:
+            raise ValueError(
+                "--fake-process-group emulates one rank of a larger job: set WORLD_SIZE (and "
+                "RANK) to the layout's (docs/scale.md)"
+            )
         local = int(environ.get("LOCAL_WORLD_SIZE") or environ.get("NPROC") or 1)
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if gpus == 0:

@@ -44,9 +44,10 @@ from step_probe import PROBE, observe_training_steps
 from megatron_paging.mcore import install
 from megatron_paging.mcore.flags import add_paging_args, install_options
 from megatron_paging.mcore.offload_shims import offload_args_lift
-from megatron_paging.mcore.specs import get_gpt_moe_paged_layer_spec
+from megatron_paging.mcore.specs import get_gpt_moe_paged_block_spec
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+RECORD_LOAD_ENV = "MEGATRON_PAGING_BENCH_RECORD_LOAD"
 
 
 def model_provider(
@@ -55,10 +56,10 @@ def model_provider(
     """GPT-MoE on the local spec with paged grouped experts."""
     args = get_args()
     config = core_transformer_config_from_args(args)
-    spec = get_gpt_moe_paged_layer_spec(
-        args.num_experts,
+    spec = get_gpt_moe_paged_block_spec(
+        config,
         normalization=args.normalization,
-        qk_layernorm=args.qk_layernorm,
+        vp_stage=vp_stage,
         recompute_expert_fc1=args.paging_recompute_expert_fc1,
     )
     return GPTModel(
@@ -73,6 +74,7 @@ def model_provider(
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,
         rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
         pg_collection=pg_collection,
         vp_stage=vp_stage,
     )
@@ -155,16 +157,20 @@ def use_prebuilt_dataset_helpers() -> None:
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    _, config, controls = check()  # every paging flag and MEGATRON_PAGING_MAX_CTAS, once
+    raw, config, controls = check()  # every paging flag and MEGATRON_PAGING_MAX_CTAS, once
     if controls.memory_fraction is not None:
         torch.cuda.set_per_process_memory_fraction(controls.memory_fraction)
     train_valid_test_datasets_provider.is_distributed = True
+    # Before Megatron validates the arguments (the fake group's lift) and before any model or
+    # config is built (the hook points are imported by name).
+    options = install_options(raw, config, mcore_manager=controls.mcore_manager)
+    api = install(**options)
     with offload_args_lift():  # Megatron's TE-only offloading assertion, where it does not apply
         args = parse_and_validate_args(
             extra_args_provider=add_paging_args, args_defaults={"tokenizer_type": "NullTokenizer"}
         )
-    # Before any model or config is built: the hook points are imported by name.
-    api = install(**install_options(args, config, mcore_manager=controls.mcore_manager))
+    PROBE.peers = options.get("peers")
+    recorder = start_recording(args)
     observe_training_steps(PROBE)
     use_prebuilt_dataset_helpers()
     cfg = pretrain_cfg_container_from_args(args)
@@ -177,6 +183,26 @@ def main() -> None:
         model_provider=model_provider,
     )
     report_memory(api, "mcore" if controls.mcore_manager else "ours")
+    if recorder is not None:
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+        recorder.write(args.moe_router_topk, get_num_microbatches())
+        print(f"paging-example: peer-load trace written to {recorder.path}", flush=True)
+
+
+def start_recording(args):
+    """``MEGATRON_PAGING_BENCH_RECORD_LOAD=<path>``: record the real router's routes as a
+    peer-load trace (tools/peer_load.py: sequence p of each microbatch plays EP peer p)."""
+    path = os.environ.get(RECORD_LOAD_ENV)
+    if not path:
+        return None
+    from megatron_paging.mcore.dispatcher import StaticCapacityManager
+    from megatron_paging.tools.peer_load import TraceRecorder
+
+    recorder = TraceRecorder(path, peers=args.micro_batch_size,
+                             source=f"examples/pretrain_gpt_moe_paged.py, seed {args.seed}")
+    StaticCapacityManager.load_recorder = recorder
+    return recorder
 
 
 def _state_mib(model, optimizer) -> dict[str, float]:

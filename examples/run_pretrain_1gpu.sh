@@ -57,5 +57,10 @@ fi
 # A GPU, the paging flags and the benchmark controls, checked before torchrun starts anything:
 # a refusal is one "error:" line (the last one printed) and exit status 2.
 NPROC=$NPROC "$PYTHON" examples/preflight.py "${ARGS[@]}" || exit $?
+case " ${ARGS[*]} " in
+  *" --fake-process-group "*)
+    # One emulated rank of a WORLD_SIZE-rank job, in this one process (docs/scale.md).
+    LOCAL_RANK=0 exec "$PYTHON" examples/pretrain_gpt_moe_paged.py "${ARGS[@]}" ;;
+esac
 exec "$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC" \
   examples/pretrain_gpt_moe_paged.py "${ARGS[@]}"

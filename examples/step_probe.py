@@ -8,6 +8,7 @@ the ``megatron_paging`` runtime); chosen by environment variables read once at i
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -67,6 +68,8 @@ class StepProbe:
         self.count_iterations = count_iterations
         self.counter = None  # torch.profiler of a kernel-count iteration
         self.runner = None  # the step runner train() built (its overflow counters are reported)
+        self.peers = None  # EmulatedPeers under --fake-process-group (their counts are reported)
+        self.grad_checksums: dict[int, float] = {}
         self.model = self.optimizer = None  # what the runner trains (its memory is reported)
         self.recording = False
         self.memory_base_mib = 0.0  # allocated when the recorded iteration began
@@ -120,13 +123,27 @@ class StepProbe:
         if self.recording:  # where activations peak; the step's peak may be the optimizer's
             self._print_memory_peak("memory-fb", stop=False)
         loss_log = os.environ.get(LOSS_LOG_ENV)
-        if not loss_log or not losses_reduced:
+        emulated = self.peers is not None
+        if not (loss_log or emulated):
             return
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        # Host reads after the step: verification runs and emulated ranks only.
+        losses = [report["lm loss"].tolist()[0] for report in losses_reduced or []]
+        checksum = grad_checksum(self.model)
+        self.grad_checksums[self.iteration] = checksum
+        if emulated and not all(math.isfinite(v) for v in (*losses, checksum)):
+            # Megatron turns its NaN check off under a fake process group: this is that check.
+            raise SystemExit(
+                f"error: iteration {self.iteration}: non-finite loss or gradient on the "
+                "emulated rank (--fake-process-group)"
+            )
+        if not loss_log:
+            return
+        rank = int(os.environ.get("RANK", "0"))
         with open(f"{loss_log}.rank{rank}", "a") as f:
-            for report in losses_reduced:  # host reads after the step: verification runs only
+            for report in losses_reduced or []:
                 loss, num_tokens = report["lm loss"].tolist()
                 f.write(f"{float(loss).hex()} {int(num_tokens)}\n")
+            f.write(f"grad {checksum.hex()}\n")
 
     def close_step(self) -> None:
         if self.iteration is None:
@@ -214,6 +231,19 @@ class StepProbe:
         source = self.fb_peaks if forward_backward else self.step_peaks
         peaks = [p for i, p in source.items() if i >= first_iteration]
         return max(peaks) if peaks else 0.0
+
+
+def grad_checksum(model) -> float:
+    """The sum of every gradient element in float64, in parameter order: equal gradients give
+    equal bits, so paged and unpaged runs compare bitwise on stages without a loss too."""
+    sums = [
+        grad.double().sum()
+        for chunk in model or []
+        for p in chunk.parameters()
+        for grad in (getattr(p, "main_grad", None),)
+        if isinstance(grad, torch.Tensor)
+    ]
+    return float(torch.stack(sums).sum()) if sums else 0.0
 
 
 def alloc_retries() -> int:

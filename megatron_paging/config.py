@@ -124,6 +124,14 @@ class PagingArgs:
     """Pinned host memory for offloaded live rows, as a multiple (>= 1) of the peak the
     calibration step measured (routing changes live counts from step to step)."""
 
+    paging_emulated_load: str = dataclasses.field(
+        default="lognormal:0.3", metadata={"argparse_meta": {"metavar": "SPEC"}}
+    )
+    """With --fake-process-group (one rank of a larger job on one GPU, docs/scale.md): what the
+    emulated expert-parallel peers send this rank. lognormal:SKEW draws each expert's popularity
+    as exp(SKEW x N(0, 1)) per layer and microbatch (0: uniform routing); a path to a .json
+    trace replays recorded counts."""
+
 
 @dataclass(frozen=True)
 class PagingConfig:

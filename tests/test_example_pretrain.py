@@ -83,11 +83,25 @@ def _train(
             break
     assert result.returncode == 0, log[-4000:]
     # Every rank that computes a loss (the last pipeline stage; every rank with EP) logs it:
-    # one line per microbatch of the step's final result (a rerun replaces its attempt).
-    losses = []
+    # one line per microbatch of the step's final result (a rerun replaces its attempt), and
+    # every rank one line per step with its gradients' float64 sum ("grad <hex>").
+    losses = Losses()
     for rank_file in sorted(tmp_path.glob(f"{loss_log.name}.rank*")):
-        losses += rank_file.read_text().split()[::2]
+        for line in rank_file.read_text().splitlines():
+            first, second = line.split()
+            if first == "grad":
+                losses.grads.append(second)
+            else:
+                losses.append(first)
     return losses, log
+
+
+class Losses(list):
+    """Every microbatch loss (hex), with every step's gradient checksum in ``grads``."""
+
+    def __init__(self):
+        super().__init__()
+        self.grads: list[str] = []
 
 
 def _report(log: str) -> dict[str, str]:
@@ -115,7 +129,7 @@ def test_example_trains_paged_bitwise_equal_to_unpaged(tmp_path):
     assert _report(log)["paging_mode"] == "paged"  # calibrated, then paged through pools
     assert len(unpaged) == 3 * MICROBATCHES
     assert all(float.fromhex(v) == float.fromhex(v) for v in unpaged)  # no NaN
-    assert paged == unpaged
+    assert paged == unpaged and paged.grads == unpaged.grads and len(paged.grads) == 3
     # Holding the last layer before each backward: same losses, a pool a layer smaller.
     held, held_log = _train(tmp_path / "hold", paged=True, extra=("--paging-hold-last-slot",))
     assert held == unpaged and _report(held_log)["paging_mode"] == "paged"
@@ -139,7 +153,7 @@ def test_example_two_gpus_paged_bitwise_equal_to_unpaged(tmp_path, extra):
     unpaged, _ = _train(tmp_path, paged=False, nproc=2, extra=extra)
     paged, log = _train(tmp_path, paged=True, nproc=2, extra=extra)
     assert _report(log)["paging_mode"] == "paged"
-    assert unpaged and paged == unpaged
+    assert unpaged and paged == unpaged and paged.grads == unpaged.grads
 
 
 # -- full-iteration CUDA graphs (docs/mcore.md, "CUDA graphs") ----------------------------------

@@ -177,6 +177,20 @@ OFFLOAD = ["--fine-grained-activation-offloading", "--paging-offload-backend", "
                     "--fine-grained-offloading-max-inflight-offloads", "3"], {},
          "--fine-grained-offloading-max-inflight-offloads applies to --paging-offload-backend "
          "paged only with --cuda-graph-impl full_iteration"),
+        (["--fake-process-group", "--num-experts", "8", "--moe-token-dispatcher-type",
+          "alltoall"], {},
+         "--fake-process-group needs --moe-token-dispatcher-type flex "
+         "--moe-flex-dispatcher-backend static"),
+        (BASE + ["--num-experts", "8", "--fake-process-group", "--cuda-graph-impl",
+                 "full_iteration"], {},
+         "--cuda-graph-impl full_iteration cannot be combined with --fake-process-group"),
+        (BASE + ["--num-experts", "8", "--fake-process-group", "--delay-wgrad-compute"], {},
+         "--delay-wgrad-compute needs Transformer Engine"),
+        (BASE + ["--num-experts", "8", "--fake-process-group", "--paging-emulated-load",
+                 "zipf:1"], {},
+         "--paging-emulated-load 'zipf:1': expected lognormal:<skew> or a path to a .json"),
+        (BASE + ["--paging-emulated-load", "lognormal:1"], {},
+         "--paging-emulated-load only applies with --fake-process-group"),
         (["--paging-recompute-expert-fc1"] + OFFLOAD[:1] + ["--offload-modules", "moe_act"], {},
          "--offload-modules moe_act offloads the experts' fc1, which "
          "--paging-recompute-expert-fc1 does not keep"),
@@ -238,6 +252,19 @@ def test_offload_options_reach_install(parser):
     assert flags.install_options(args)["offload_backend"] == "paged"
     mcore = _validate(parser, OFFLOAD[:1] + ["--offload-modules", "core_attn"])
     assert flags.install_options(mcore)["offload_backend"] == "mcore"
+
+
+def test_fake_process_group_gets_emulated_peers(parser):
+    from megatron_paging.mcore.peers import EmulatedPeers
+
+    argv = BASE + ["--num-experts", "8", "--fake-process-group", "--seed", "7",
+                   "--paging-emulated-load", "lognormal:0.5"]
+    args = _validate(parser, argv)
+    peers = flags.install_options(args)["peers"]
+    assert isinstance(peers, EmulatedPeers) and peers.load.skew == 0.5 and peers.seed == 7
+    unpaged = _validate(parser, [a for a in argv if a != "--moe-paged-stash"])
+    assert isinstance(flags.install_options(unpaged)["peers"], EmulatedPeers)
+    assert "peers" not in flags.install_options(_validate(parser, BASE))
 
 
 def test_recompute_expert_fc1_needs_no_paging(parser):

@@ -92,16 +92,20 @@ def validate_sdpa_backend(name: str) -> str:
 
 
 def select_sdpa_backend(
-    name: str, device_type: str, dtype: torch.dtype, deterministic: bool
+    name: str, device_type: str, dtype: torch.dtype, deterministic: bool,
+    same_head_dim: bool = True,
 ) -> SDPBackend:
-    """The one SDPA backend to pin for tensors of ``device_type``/``dtype`` (see module doc)."""
+    """The one SDPA backend to pin for tensors of ``device_type``/``dtype`` (see module doc).
+    ``same_head_dim=False`` (multi-latent attention: value heads narrower than query/key heads)
+    rules flash out: it needs one head size for all three."""
     validate_sdpa_backend(name)
     on_cuda = device_type == "cuda"
     if name == "auto":
         if not on_cuda:
             return SDPBackend.MATH
         low_precision = dtype in (torch.float16, torch.bfloat16)
-        return SDPBackend.FLASH_ATTENTION if low_precision else SDPBackend.EFFICIENT_ATTENTION
+        flash = low_precision and same_head_dim
+        return SDPBackend.FLASH_ATTENTION if flash else SDPBackend.EFFICIENT_ATTENTION
     if name in ("efficient", "cudnn") and not on_cuda:
         raise ValueError(f"sdpa_backend={name!r} needs CUDA tensors, got {device_type} tensors")
     if name == "cudnn" and deterministic:
@@ -165,6 +169,8 @@ class SDPAttention(MegatronModule):
         cp_comm_type: str | None = None,
         pg_collection: ProcessGroupCollection | None = None,
         sdpa_backend: str = "auto",
+        k_channels: int | None = None,
+        v_channels: int | None = None,
     ):
         super().__init__(config=config)
         self.sdpa_backend = validate_sdpa_backend(sdpa_backend)
@@ -178,7 +184,8 @@ class SDPAttention(MegatronModule):
         self.pg_collection = pg_collection
         self.tp_group = pg_collection.tp
         # DotProductAttention's effective scale: layer scaling divides and re-multiplies it.
-        head_dim = config.kv_channels
+        # (multi-latent attention passes its query/key and value head sizes, and its scale)
+        head_dim = config.kv_channels if k_channels is None else k_channels
         self.softmax_scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if not 0.0 <= dropout < 1.0:
@@ -224,7 +231,8 @@ class SDPAttention(MegatronModule):
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         is_causal = self._is_causal(mask_type, attention_mask, sq, key.size(0))
         backend = select_sdpa_backend(
-            self.sdpa_backend, query.device.type, query.dtype, deterministic
+            self.sdpa_backend, query.device.type, query.dtype, deterministic,
+            same_head_dim=value.size(-1) == query.size(-1),
         )
         grouped = key.size(2) != heads
         native_gqa = backend in _NATIVE_GQA

@@ -15,7 +15,9 @@ plain PyTorch, without HybridEP, NCCL-EP or Transformer Engine:
 
 EP = 1 permutes locally. EP > 1 sends a fixed-size block of ``ceil(budget / ep)`` rows to every
 rank with one ``all_to_all_single`` (plus one for the per-expert counts), then regroups the
-received blocks by local expert on the device.
+received blocks by local expert on the device. Under Megatron's ``--fake-process-group`` those
+exchanges are no-ops and :class:`~megatron_paging.mcore.peers.EmulatedPeers` (set as
+``StaticCapacityManager.peers`` by ``install()``) writes what the other ranks would have sent.
 
 Every data movement is a gather (:class:`_IndexedSum`) whose backward is the inverse gather, so
 forward and backward are deterministic (no atomics) and rows past the live prefix are never
@@ -24,7 +26,9 @@ read: their content (for example a reloaded page's untouched tail) cannot leak i
 
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -92,21 +96,54 @@ class _RouteProbs(torch.autograd.Function):
         return grad_probs, None, None, None, None, None
 
 
+@dataclass(frozen=True)
+class _Emulation:
+    """Where emulated peers write one exchange's output (see :mod:`.peers`)."""
+
+    peers: object
+    key: object
+    direction: str
+    rank: int
+    ep: int
+
+    def fill(self, out: torch.Tensor, inp: torch.Tensor, backward: bool) -> None:
+        self.peers.fill_rows(self.key, self.direction, backward, out, inp, self.rank, self.ep)
+
+
 class _FixedAllToAll(torch.autograd.Function):
     """``all_to_all_single`` of equal blocks; its backward is the reverse exchange."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, emulation):
+        ctx.group, ctx.emulation = group, emulation
+        x = x.contiguous()
         out = torch.empty_like(x)
-        dist.all_to_all_single(out, x.contiguous(), group=group)
+        dist.all_to_all_single(out, x, group=group)
+        if emulation is not None:
+            emulation.fill(out, x, backward=False)
         return out
 
     @staticmethod
     def backward(ctx, grad):
+        grad = grad.contiguous()
         out = torch.empty_like(grad)
-        dist.all_to_all_single(out, grad.contiguous(), group=ctx.group)
-        return out, None
+        dist.all_to_all_single(out, grad, group=ctx.group)
+        if ctx.emulation is not None:
+            ctx.emulation.fill(out, grad, backward=True)
+        return out, None, None
+
+
+@torch.compiler.disable
+def _exchange_counts(manager: StaticCapacityManager, send_counts: torch.Tensor,
+                     num_tokens: int) -> torch.Tensor:
+    """The per-(rank, local expert) counts exchange (outside torch.compile: emulated peers run
+    host code here)."""
+    recv = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv, send_counts.contiguous(), group=manager.group)
+    if manager.peers is not None:
+        manager.exchange_key = manager.peers.exchange_counts(manager, recv, send_counts,
+                                                             num_tokens)
+    return recv
 
 
 def _slot_positions(mask: torch.Tensor, capacity: int):
@@ -120,12 +157,20 @@ def _slot_positions(mask: torch.Tensor, capacity: int):
 class StaticCapacityManager(_DispatchManager):
     """``_HybridEPManager``'s contract in plain PyTorch (see the module docstring)."""
 
+    # Emulated EP peers (``--fake-process-group``): set by install(), None in a real job.
+    peers = None
+    # A real router's routes as a peer-load trace (examples/; None unless recording).
+    load_recorder = None
+
     def __init__(self, group, num_local_experts: int, num_experts: int, config):
         self.group = group
         self.num_local_experts = num_local_experts
         self.num_experts = num_experts
         self.config = config
         self.world_size = group.size() if group is not None else 1
+        self.rank = dist.get_rank(group) if group is not None and self.world_size > 1 else 0
+        self.layer_number = 0  # set by MoELayer.set_layer_number (install())
+        self.exchange_key = None
         if num_experts != num_local_experts * self.world_size:
             raise ValueError(
                 f"static dispatch: num_experts={num_experts} is not num_local_experts="
@@ -202,10 +247,11 @@ class StaticCapacityManager(_DispatchManager):
 
         # Receiver side: counts per (source rank, local expert) and the regrouping maps.
         if ep > 1:
-            recv_counts = torch.empty_like(send_counts)
-            dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=self.group)
+            recv_counts = _exchange_counts(self, send_counts, num_tokens)
         else:
             recv_counts = send_counts
+            if self.load_recorder is not None:
+                _record(self, routing_map)
         self._build_regroup(recv_counts, block)
 
     def _build_regroup(self, recv_counts: torch.Tensor, block: int):
@@ -250,8 +296,8 @@ class StaticCapacityManager(_DispatchManager):
             self._top_expert,
         ).reshape(-1, 1)
         if self.world_size > 1:
-            send = _FixedAllToAll.apply(send, self.group)
-            probs = _FixedAllToAll.apply(probs, self.group)
+            send = _FixedAllToAll.apply(send, self.group, self._emulation("dispatch"))
+            probs = _FixedAllToAll.apply(probs, self.group, self._emulation("probs"))
         out = _IndexedSum.apply(
             send, self._out_row, self._out_valid, self._recv_row, self._recv_valid
         )
@@ -267,10 +313,15 @@ class StaticCapacityManager(_DispatchManager):
             hidden_states, self._recv_row, self._recv_valid, self._out_row, self._out_valid
         )
         if self.world_size > 1:
-            blocks = _FixedAllToAll.apply(blocks, self.group)
+            blocks = _FixedAllToAll.apply(blocks, self.group, self._emulation("combine"))
         return _IndexedSum.apply(
             blocks, self._token_row, self._token_valid, self._send_token, self._send_valid
         )
+
+    def _emulation(self, direction: str) -> _Emulation | None:
+        if self.peers is None:
+            return None
+        return _Emulation(self.peers, self.exchange_key, direction, self.rank, self.world_size)
 
     def get_permuted_hidden_states_by_experts(self, hidden_states):
         return hidden_states, self.dispatched_probs
@@ -280,6 +331,28 @@ class StaticCapacityManager(_DispatchManager):
 
     def get_number_of_tokens_per_expert(self) -> torch.Tensor:
         return self.tokens_per_expert
+
+
+@torch.compiler.disable
+def _record(manager: StaticCapacityManager, routing_map: torch.Tensor) -> None:
+    """One training forward's routes into the trace recorder (not a recompute's repeat)."""
+    if torch.is_grad_enabled() and getattr(torch._C, "_current_graph_task_id", lambda: -1)() < 0:
+        manager.load_recorder.record(manager.layer_number, routing_map.reshape(
+            routing_map.shape[0], -1))
+
+
+def numbering_dispatcher(set_layer_number):
+    """``MoELayer.set_layer_number`` that also tells a static dispatcher its layer's global
+    number (what emulated peers and load traces key on)."""
+
+    @functools.wraps(set_layer_number)
+    def wrapped(self, layer_number):
+        set_layer_number(self, layer_number)
+        manager = getattr(self.token_dispatcher, "_comm_manager", None)
+        if isinstance(manager, StaticCapacityManager):
+            manager.layer_number = int(layer_number)
+
+    return wrapped
 
 
 class PagingFlexTokenDispatcher(MoEFlexTokenDispatcher):
@@ -302,5 +375,5 @@ class PagingFlexTokenDispatcher(MoEFlexTokenDispatcher):
 
 
 __all__ = [
-    "PagingFlexTokenDispatcher", "STATIC_BACKEND", "StaticCapacityManager"
+    "PagingFlexTokenDispatcher", "STATIC_BACKEND", "StaticCapacityManager", "numbering_dispatcher"
 ]

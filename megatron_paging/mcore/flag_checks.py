@@ -173,9 +173,41 @@ def check_offload_modules(args, te_available: bool) -> None:
         )
 
 
+def check_fake_process_group(args) -> None:
+    """``--fake-process-group``: one rank of a larger job, its peers emulated at the static
+    dispatcher's exchanges and the pipeline receives (docs/scale.md); what else would read
+    collectives the fake group leaves unwritten is refused."""
+    from megatron_paging.tools.peer_load import parse_load
+
+    dispatcher = getattr(args, "moe_token_dispatcher_type", None)
+    backend = getattr(args, "moe_flex_dispatcher_backend", None)
+    if getattr(args, "num_experts", None) and (dispatcher != "flex" or backend != "static"):
+        raise ValueError(
+            "--fake-process-group needs --moe-token-dispatcher-type flex "
+            "--moe-flex-dispatcher-backend static: megatron-paging emulates the EP exchange of "
+            f"that backend only (got {dispatcher} / {backend}); other dispatchers size their "
+            "buffers from counts a fake group leaves unwritten"
+        )
+    if getattr(args, "cuda_graph_impl", "none") != "none":
+        raise ValueError(
+            f"--cuda-graph-impl {args.cuda_graph_impl} cannot be combined with "
+            "--fake-process-group (the emulated peers run host code at every exchange)"
+        )
+    if getattr(args, "delay_wgrad_compute", False):
+        raise ValueError(
+            "--delay-wgrad-compute needs Transformer Engine's grouped GEMM in Megatron-Core "
+            "0.19.2; the TE-free experts compute weight gradients in the backward"
+        )
+    try:
+        parse_load(getattr(args, "paging_emulated_load", "lognormal:0.3"))
+    except ValueError as error:
+        raise ValueError(f"--paging-emulated-load {error}") from None
+
+
 __all__ = [
     "TE_RECOMPUTE_MODULES",
     "UNSUPPORTED_GRAPH_IMPLS",
+    "check_fake_process_group",
     "check_megatron_combinations",
     "check_offload",
     "check_offload_modules",

@@ -29,6 +29,7 @@ from megatron_paging.config import (
 )
 from megatron_paging.mcore.dispatcher import STATIC_BACKEND
 from megatron_paging.mcore.flag_checks import (
+    check_fake_process_group,
     check_megatron_combinations,
     check_offload,
     check_offload_modules,
@@ -62,7 +63,7 @@ MCORE_FLAG_OF_FIELD = {
 }
 PAGING_ARGS = {f.name: f for f in dataclasses.fields(PagingArgs)}
 # Flags that also act without paging (they build the unpaged control's model too).
-WITHOUT_PAGING = ("paging_recompute_expert_fc1", "paging_offload_backend")
+WITHOUT_PAGING = ("paging_recompute_expert_fc1", "paging_offload_backend", "paging_emulated_load")
 OFFLOAD_ONLY = ("paging_offload_host_factor",)
 
 
@@ -71,7 +72,7 @@ def flag_name(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
 
-def _flag_of_field(field: str) -> str:
+def flag_of_field(field: str) -> str:
     """The flag (or variable) behind a PagingConfig field, for error messages."""
     if "paging_" + field in PAGING_ARGS:
         return flag_name("paging_" + field)
@@ -110,11 +111,20 @@ def mend_help(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def add_paging_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Megatron ``extra_args_provider``: add megatron-paging's flags; returns the parser."""
+def add_paging_group(parser: argparse.ArgumentParser, include=None):
+    """The :class:`PagingArgs` flags (those of the fields in ``include``, default all) as one
+    argument group, through Megatron's ``ArgumentGroupFactory``; returns the group."""
     from megatron.training.argument_utils import ArgumentGroupFactory
 
-    group = ArgumentGroupFactory(PagingArgs).build_group(parser, title="megatron-paging")
+    exclude = None if include is None else [name for name in PAGING_ARGS if name not in include]
+    return ArgumentGroupFactory(PagingArgs, exclude=exclude).build_group(
+        parser, title="megatron-paging"
+    )
+
+
+def add_paging_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron ``extra_args_provider``: add megatron-paging's flags; returns the parser."""
+    group = add_paging_group(parser)
     for flag, kwargs in MCORE_FLAGS.items():
         if _option(parser, flag) is None:
             group.add_argument(flag, **kwargs)
@@ -175,6 +185,10 @@ def paging_config(
             "--paging-offload-backend paged runs on megatron-paging's runtime, not on "
             "Megatron-Core's own paged-stash manager"
         )
+    if getattr(args, "fake_process_group", False):
+        check_fake_process_group(args)
+    elif "paging_emulated_load" in changed:
+        raise ValueError("--paging-emulated-load only applies with --fake-process-group")
     check_offload_modules(args, te_available)
     if offload:
         check_offload(args)
@@ -209,7 +223,7 @@ def paging_config(
     except ConfigError as error:
         if error.field == MAX_CTAS_ENV:
             raise
-        raise ConfigError(_flag_of_field(error.field), error.problem) from None
+        raise ConfigError(flag_of_field(error.field), error.problem) from None
 
 
 def install_options(args, config: PagingConfig | None = None, mcore_manager: bool = False) -> dict:
@@ -218,6 +232,13 @@ def install_options(args, config: PagingConfig | None = None, mcore_manager: boo
     options = {}
     if getattr(args, "fine_grained_activation_offloading", False):
         options["offload_backend"] = paging_args(args).paging_offload_backend
+    if getattr(args, "fake_process_group", False):
+        from megatron_paging.mcore.peers import EmulatedPeers  # a diagnostic: imported here only
+        from megatron_paging.tools.peer_load import parse_load
+
+        seed = getattr(args, "seed", 0)
+        options["peers"] = EmulatedPeers(
+            parse_load(paging_args(args).paging_emulated_load, seed), seed)
     if mcore_manager:
         return dict(replace_paged_stash=False, **options)
     return dict(replace_paged_stash=True, config=config or paging_config(args), **options)
@@ -227,8 +248,10 @@ __all__ = [
     "MCORE_FLAGS",
     "PAGING_ARGS",
     "add_paging_args",
+    "add_paging_group",
     "allow_static_backend",
     "flag_name",
+    "flag_of_field",
     "install_options",
     "mend_help",
     "paging_args",

@@ -47,7 +47,11 @@ from megatron_paging.config import OFFLOAD_BACKENDS, PagingConfig
 from megatron_paging.env import check_megatron_core_version
 from megatron_paging.mcore import ddp_stream, offload_shims
 from megatron_paging.mcore.api import MCorePagingAPI
-from megatron_paging.mcore.dispatcher import STATIC_BACKEND, PagingFlexTokenDispatcher
+from megatron_paging.mcore.dispatcher import (
+    STATIC_BACKEND,
+    PagingFlexTokenDispatcher,
+    numbering_dispatcher,
+)
 from megatron_paging.mcore.flags import allow_static_backend
 from megatron_paging.mcore.offload import PagedOffloadManager, make_interface
 
@@ -80,20 +84,25 @@ FORWARD_BACKWARD_GETTER = "get_forward_backward_func"
 
 
 class FinishingForwardBackward:
-    """A ``forward_backward_func`` that ends every call with the API's ``paged_stash_finish``.
+    """A ``forward_backward_func`` that ends every call with the API's ``paged_stash_finish``
+    (and, with emulated peers, begins it with their ``begin_step``).
 
     Inside a full-iteration CUDA-graph capture that end is captured too: it joins the paging
     stream back into the capture stream, which the capture requires. Attributes of the wrapped
     function stay reachable (``__getattr__``).
     """
 
-    def __init__(self, forward_backward_func, api: MCorePagingAPI):
+    def __init__(self, forward_backward_func, api: MCorePagingAPI | None, peers=None):
         self.forward_backward_func = forward_backward_func
         self.api = api
+        self.peers = peers
 
     def __call__(self, *args, **kwargs):
+        if self.peers is not None:
+            self.peers.begin_step()
         result = self.forward_backward_func(*args, **kwargs)
-        self.api.paged_stash_finish()
+        if self.api is not None:
+            self.api.paged_stash_finish()
         return result
 
     def __getattr__(self, name):
@@ -102,10 +111,10 @@ class FinishingForwardBackward:
         return getattr(self.forward_backward_func, name)
 
 
-def _finishing_getter(get_forward_backward_func, api: MCorePagingAPI):
+def _finishing_getter(get_forward_backward_func, api: MCorePagingAPI | None, peers=None):
     @functools.wraps(get_forward_backward_func)
     def getter(*args, **kwargs):
-        return FinishingForwardBackward(get_forward_backward_func(*args, **kwargs), api)
+        return FinishingForwardBackward(get_forward_backward_func(*args, **kwargs), api, peers)
 
     getter.megatron_paging_finishing = True
     return getter
@@ -189,6 +198,7 @@ class PagingInstaller:
         self.rebindings: list[Rebinding] = []
         self.replaced = False  # whether the paged-stash API itself is ours
         self.offload_backend: str | None = None
+        self.peers = None
 
     @property
     def installed(self) -> bool:
@@ -200,6 +210,7 @@ class PagingInstaller:
         api: MCorePagingAPI | None = None,
         replace_paged_stash: bool = True,
         offload_backend: str | None = None,
+        peers=None,
     ) -> MCorePagingAPI:
         """Rebind Megatron-Core's paged-stash hook points to ``api`` (default: one made for
         ``config``, itself defaulting to ``PagingConfig.from_env()``).
@@ -207,6 +218,9 @@ class PagingInstaller:
         ``offload_backend``: None (offloading untouched), ``"paged"`` (Megatron-Core's
         fine-grained activation offloading through our runtime; needs
         ``replace_paged_stash``) or ``"mcore"`` (Megatron-Core's own, made to run without TE).
+
+        ``peers``: :class:`~megatron_paging.mcore.peers.EmulatedPeers` of a rank emulated under
+        ``--fake-process-group`` (:func:`megatron_paging.mcore.peers.wiring`), or None.
 
         ``replace_paged_stash=False`` installs only the ``static`` dispatch backend and its config
         shim and leaves Megatron-Core's own paged-stash manager, kernels and runner in place (the
@@ -239,7 +253,8 @@ class PagingInstaller:
             same_api = api is None or api is self.api
             same_config = config is None or config == self.api.engine.config
             same_offload = offload_backend == self.offload_backend
-            if same_api and replace_paged_stash == self.replaced and same_config and same_offload:
+            same = same_api and same_config and same_offload and peers is self.peers
+            if same and replace_paged_stash == self.replaced:
                 return self.api
             if not same_config:
                 logger.info(
@@ -264,9 +279,13 @@ class PagingInstaller:
         }
         # A Megatron-Core patched by patches/ already ends every forward-backward itself.
         patched = hasattr(paged_stash, "paged_stash_finishing")
-        if replace_paged_stash and not patched:
+        finishing = replace_paged_stash and not patched
+        if finishing or peers is not None:
             getter = getattr(sys.modules[SCHEDULES_MODULE], FORWARD_BACKWARD_GETTER)
-            replacements[id(getter)] = (FORWARD_BACKWARD_GETTER, _finishing_getter(getter, api))
+            replacements[id(getter)] = (
+                FORWARD_BACKWARD_GETTER,
+                _finishing_getter(getter, api if finishing else None, peers),
+            )
             originals[id(getter)] = getter
         if offload_backend == "paged":
             interface = getattr(sys.modules[OFFLOAD_MODULE], OFFLOAD_INTERFACE)
@@ -277,9 +296,18 @@ class PagingInstaller:
         self.replaced = replace_paged_stash
         self.offload_backend = offload_backend
 
-        # The dispatcher is constructed in one place only: MoELayer.__init__.
+        # The dispatcher is constructed in one place only: MoELayer.__init__; it learns its
+        # layer's global number when the transformer layer sets the MoE layer's.
         moe_layer = sys.modules[MOE_LAYER_MODULE]
         self._rebind(moe_layer, "MoEFlexTokenDispatcher", PagingFlexTokenDispatcher)
+        self._rebind(moe_layer.MoELayer, "set_layer_number",
+                     numbering_dispatcher(moe_layer.MoELayer.set_layer_number))
+        if peers is not None:  # a diagnostic: imported only when a run emulates peers
+            from megatron_paging.mcore.peers import wiring
+
+            for owner, attr, replacement in wiring(peers):
+                self._rebind(owner, attr, replacement)
+        self.peers = peers
 
         # Megatron's training loop re-parses the command line without our extra_args_provider
         # (in-process restart, fault tolerance): its own parser must accept `static` too.
@@ -331,6 +359,7 @@ class PagingInstaller:
         self.api = None
         self.replaced = False
         self.offload_backend = None
+        self.peers = None
 
     def _install_offload_lifts(self, offload_backend: str, config_cls) -> None:
         """The lifts of :mod:`.offload_shims` the chosen offloading backend needs."""
@@ -381,9 +410,10 @@ def install(
     api: MCorePagingAPI | None = None,
     replace_paged_stash: bool = True,
     offload_backend: str | None = None,
+    peers=None,
 ) -> MCorePagingAPI:
     """Install megatron-paging into Megatron-Core (see :meth:`PagingInstaller.install`)."""
-    return INSTALLER.install(config, api, replace_paged_stash, offload_backend)
+    return INSTALLER.install(config, api, replace_paged_stash, offload_backend, peers)
 
 
 def uninstall() -> None:

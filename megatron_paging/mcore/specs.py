@@ -1,6 +1,12 @@
 """Layer-spec helpers: a GPT-MoE built from Megatron-Core's local (TE-free) spec whose experts
 are :class:`~megatron_paging.mcore.experts.PagedGroupedMLP`.
 
+:func:`get_gpt_moe_paged_block_spec` is the whole decoder of a layout as Megatron-Core's own
+``get_gpt_decoder_block_spec`` builds it (``--moe-layer-freq`` dense/MoE pattern,
+``--multi-latent-attention``, shared experts, ``--qk-layernorm``, this pipeline stage's layers),
+with those experts and that attention in every layer; :func:`get_gpt_moe_paged_layer_spec` is
+one MoE layer of it.
+
 The experts change, and by default the core attention:
 :class:`~megatron_paging.mcore.attention.SDPAttention` (fused SDPA, no ``[b, heads, s, s]``
 activations, as TE's fused attention) instead of Megatron's unfused ``DotProductAttention``
@@ -14,7 +20,10 @@ from __future__ import annotations
 import dataclasses
 from functools import partial
 
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
+    get_gpt_layer_local_submodules,
+)
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
@@ -32,10 +41,7 @@ def paged_moe_mlp_builder(
     if not isinstance(num_experts, int) or num_experts <= 0:
         raise ValueError(f"num_experts must be a positive integer, got {num_experts!r}")
     local = get_gpt_layer_local_submodules(num_experts=num_experts, **local_kwargs)
-    moe_builder = local.mlp  # partial(MoELayer, submodules=MoESubmodules(...))
-    experts = partial(PagedGroupedMLP, gemm_backend=gemm_backend, recompute_fc1=recompute_fc1)
-    moe_submodules = dataclasses.replace(moe_builder.keywords["submodules"], experts=experts)
-    return partial(moe_builder.func, submodules=moe_submodules)
+    return with_paged_experts(local.mlp, recompute_fc1, gemm_backend)
 
 
 def with_core_attention(
@@ -83,4 +89,39 @@ def get_gpt_moe_paged_layer_spec(
     return ModuleSpec(module=TransformerLayer, submodules=submodules)
 
 
-__all__ = ["get_gpt_moe_paged_layer_spec", "paged_moe_mlp_builder", "with_core_attention"]
+def with_paged_experts(mlp, recompute_fc1: bool = False, gemm_backend: str = "auto"):
+    """An MoE layer's ``mlp`` builder (``partial(MoELayer, submodules=...)``) with
+    :class:`PagedGroupedMLP` experts; a dense MLP's is returned as it is."""
+    submodules = getattr(mlp, "keywords", {}).get("submodules")
+    if submodules is None or not hasattr(submodules, "experts"):
+        return mlp
+    experts = partial(PagedGroupedMLP, gemm_backend=gemm_backend, recompute_fc1=recompute_fc1)
+    return partial(mlp.func, submodules=dataclasses.replace(submodules, experts=experts))
+
+
+def get_gpt_moe_paged_block_spec(
+    config,
+    normalization: str | None = None,
+    vp_stage: int | None = None,
+    pp_rank: int | None = None,
+    recompute_expert_fc1: bool = False,
+):
+    """This pipeline stage's decoder (Megatron-Core's local block spec for ``config``) with
+    PagedGroupedMLP experts and SDPAttention in every layer."""
+    block = get_gpt_decoder_block_spec(
+        config, use_transformer_engine=False, normalization=normalization, vp_stage=vp_stage,
+        pp_rank=pp_rank,
+    )
+    layers = []
+    for layer in block.layer_specs:
+        submodules = dataclasses.replace(
+            layer.submodules,
+            self_attention=with_core_attention(layer.submodules.self_attention),
+            mlp=with_paged_experts(layer.submodules.mlp, recompute_expert_fc1),
+        )
+        layers.append(dataclasses.replace(layer, submodules=submodules))
+    return dataclasses.replace(block, layer_specs=layers)
+
+
+__all__ = ["get_gpt_moe_paged_block_spec", "get_gpt_moe_paged_layer_spec",
+           "paged_moe_mlp_builder", "with_core_attention", "with_paged_experts"]
