@@ -283,9 +283,20 @@ def report_memory(api, implementation: str) -> None:
         + f"paging_mode={mode} paged_steps={steps} graph_replays={replays} "
         f"graphs_dropped={dropped} "
         f"overflow_actions={','.join(f'{k}:{v}' for k, v in sorted(actions.items())) or '-'}"
-        + "".join(f" {k}={v:.1f}" for k, v in offload.items()),
+        + "".join(f" {k}={v:.1f}" for k, v in offload.items())
+        + _peers_report(),
         flush=True,
     )
+
+
+def _peers_report() -> str:
+    """What the emulated peers sent (``--fake-process-group``), or that there were none."""
+    peers = PROBE.peers
+    if peers is None:
+        return " peers=none"
+    stats = peers.stats
+    return (f" peers=emulated:{peers.load.name()} peer_rows={stats.received_rows} "
+            f"peer_dropped_rows={stats.dropped_rows} peer_exchanges={stats.exchanges}")
 
 
 def _offload_report(api, implementation: str) -> dict[str, float]:

@@ -1,0 +1,192 @@
+"""Scale benchmark: one rank of a frontier MoE job on one GPU, paged against its alternatives.
+
+Each arm is one run of the Megatron example (``examples/run_pretrain_1gpu.sh``) under Megatron's
+``--fake-process-group`` with EMULATED EP and PP peers (docs/scale.md): this rank's compute,
+memory, paging, scheduler and optimizer are real; what other ranks send it is made up. Step
+times are therefore "compute only (collectives emulated)". Per arm it records the whole-step and
+forward-backward peaks (``torch.cuda.max_memory_allocated``, iterations 3+), parameters /
+gradients / optimizer state, the page pools, the emulated peers' rows, the median iteration
+time, and the losses and gradient checksums (paged against unpaged: bitwise).
+
+    python benchmarks/bench_scale.py --layouts deepseek_v3 --time-budget 540
+
+Resumable: arms already in the output file are skipped (``--out``), so a layout can span several
+calls; progress is printed per arm. Layouts and arms: benchmarks/scale_layouts.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, header, print_table  # noqa: E402
+from scale_layouts import ARMS, CAPACITY_FACTORS, LAYOUTS  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+REPORT = re.compile(r"paging-example rank \d+: (.*)")
+ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?elapsed time per iteration \(ms\): ([\d.]+)")
+STEP_MEMORY = re.compile(r"step-memory iteration=(\d+) peak_allocated_mib=([\d.]+)")
+OOM = re.compile(r"CUDA out of memory|OutOfMemoryError")
+TRAIN_ITERS = 5  # step 1 calibrates, 2 allocates lazily; 3-5 are the steady state
+
+
+def run_arm(layout, rank: int, arm: str, capacity_factor: float, tmp: Path, timeout: float
+            ) -> dict:
+    """One run of the example; the parsed report (or why it did not finish)."""
+    flags, env = ARMS[arm]
+    log_path = tmp / f"{layout.name}_{rank}_{arm}_{capacity_factor:g}"
+    for stale in tmp.glob(f"{log_path.name}.rank*"):
+        stale.unlink()
+    argv = [*layout.flags(rank), "--moe-expert-rank-capacity-factor", str(capacity_factor),
+            "--train-iters", str(TRAIN_ITERS), *flags]
+    run_env = {**os.environ, **layout.env(rank), **env, "PAGED": "0",
+               "MEGATRON_PAGING_BENCH_LOSS_LOG": str(log_path), "PYTHON": sys.executable}
+    started = time.perf_counter()
+    try:
+        result = subprocess.run(["bash", str(ROOT / "examples" / "run_pretrain_1gpu.sh"), *argv],
+                                cwd=ROOT, env=run_env, capture_output=True, text=True,
+                                timeout=timeout)
+        log, returncode = result.stdout + result.stderr, result.returncode
+    except subprocess.TimeoutExpired as expired:
+        log, returncode = (expired.stdout or b"").decode() + (expired.stderr or b"").decode(), -1
+    record = {"layout": layout.name, "rank": rank, "stage": layout.stage(rank), "arm": arm,
+              "capacity_factor": capacity_factor, "flags": argv, "env": env,
+              "wall_s": round(time.perf_counter() - started, 1), "returncode": returncode}
+    if returncode != 0:
+        record["status"] = "out of memory" if OOM.search(log) else "failed"
+        record["log_tail"] = log[-3000:]
+        return record
+    reports = REPORT.findall(log)
+    fields = dict(kv.split("=", 1) for kv in reports[-1].split()) if reports else {}
+    times = {int(i): float(ms) for i, ms in ITERATION.findall(log)}
+    steady = [ms for i, ms in times.items() if i >= 3]
+    losses, grads = [], []
+    for rank_file in sorted(tmp.glob(f"{log_path.name}.rank*")):
+        for line in rank_file.read_text().splitlines():
+            first, second = line.split()
+            (grads if first == "grad" else losses).append(second if first == "grad" else first)
+    record.update(
+        status="ok",
+        report=fields,
+        iteration_ms=times,
+        median_steady_iteration_ms=statistics.median(steady) if steady else None,
+        step_peaks_mib={int(i): float(p) for i, p in STEP_MEMORY.findall(log)},
+        losses=losses,
+        grad_checksums=grads,
+    )
+    return record
+
+
+def key(record: dict) -> tuple:
+    return record["layout"], record["rank"], record["arm"], record["capacity_factor"]
+
+
+def plan_runs(layouts, arms, factors, all_ranks: bool):
+    """(layout, rank, arm, capacity factor) in round-robin order: at each capacity factor the
+    arms alternate, so paged and unpaged run back to back in one call."""
+    for name in layouts:
+        layout = LAYOUTS[name]
+        for factor in factors:
+            for arm in CAPACITY_FACTORS[factor]:
+                if arm not in arms:
+                    continue
+                both = all_ranks or (arm in ("unpaged", "paged") and factor == 2.0)
+                for rank in layout.ranks if both else layout.ranks[:1]:
+                    yield layout, rank, arm, factor
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    """Per layout, rank and capacity factor: each arm against unpaged (peaks, step ratio,
+    parity)."""
+    rows = []
+    base = {(r["layout"], r["rank"], r["capacity_factor"]): r for r in records
+            if r["arm"] == "unpaged" and r["status"] == "ok"}
+    for r in records:
+        row = {k: r[k] for k in ("layout", "rank", "stage", "arm", "capacity_factor", "status")}
+        if r["status"] == "ok":
+            rep = r["report"]
+            row.update(
+                peak_mib=float(rep.get("steady_peak_allocated_mib", "nan")),
+                fb_peak_mib=float(rep.get("steady_fb_peak_allocated_mib", "nan")),
+                pool_cuda_mib=float(rep.get("pool_cuda_mib", 0)),
+                iteration_ms=r["median_steady_iteration_ms"],
+            )
+            control = base.get((r["layout"], r["rank"], r["capacity_factor"]))
+            if control is not None and r is not control:
+                row["peak_vs_unpaged"] = row["peak_mib"] / float(
+                    control["report"]["steady_peak_allocated_mib"])
+                if r["median_steady_iteration_ms"] and control["median_steady_iteration_ms"]:
+                    row["step_vs_unpaged"] = (r["median_steady_iteration_ms"]
+                                              / control["median_steady_iteration_ms"])
+                row["bitwise"] = (r["losses"] == control["losses"]
+                                  and r["grad_checksums"] == control["grad_checksums"])
+        rows.append(row)
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layouts", nargs="+", choices=tuple(LAYOUTS), default=list(LAYOUTS),
+                        help="which layouts to run")
+    parser.add_argument("--arms", nargs="+", choices=tuple(ARMS), default=list(ARMS),
+                        help="which arms to run (capacity factor 1.5 and 3: unpaged, paged)")
+    parser.add_argument("--capacity-factors", nargs="+", type=float, default=[2.0, 1.5, 3.0],
+                        choices=tuple(CAPACITY_FACTORS), help="--moe-expert-rank-capacity-factor "
+                        "values to run")
+    parser.add_argument("--all-ranks", action="store_true",
+                        help="every arm on both emulated ranks (default: the second rank only "
+                        "for unpaged and paged at capacity factor 2)")
+    parser.add_argument("--time-budget", type=float, default=540.0,
+                        help="seconds; arms that would start after it are left for a later call")
+    parser.add_argument("--arm-timeout", type=float, default=300.0,
+                        help="seconds one arm may run before it counts as failed")
+    parser.add_argument("--out", type=Path, default=RESULTS / "scale_h200.json",
+                        help="result file; arms already in it are not run again")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    result = json.loads(args.out.read_text()) if args.out.exists() else {
+        **header("scale"), "peers": "emulated (--fake-process-group)", "runs": []}
+    done = {key(r) for r in result["runs"] if r["status"] in ("ok", "out of memory")}
+    result["runs"] = [r for r in result["runs"] if key(r) in done]
+    tmp = Path(os.environ.get("TMPDIR", "/tmp")) / "bench_scale"
+    tmp.mkdir(parents=True, exist_ok=True)
+    todo = [run for run in plan_runs(args.layouts, args.arms, args.capacity_factors,
+                                      args.all_ranks)
+            if (run[0].name, run[1], run[2], run[3]) not in done]
+    for index, (layout, rank, arm, factor) in enumerate(todo, 1):
+        elapsed = time.perf_counter() - started
+        if elapsed > args.time_budget:
+            print(f"time budget spent: {len(todo) - index + 1} arm(s) left for a later call",
+                  flush=True)
+            break
+        print(f"[{index}/{len(todo)}] {layout.name} rank {rank} (stage {layout.stage(rank)}) "
+              f"{arm} cf {factor:g} ({elapsed:.0f} s)", flush=True)
+        record = run_arm(layout, rank, arm, factor, tmp, args.arm_timeout)
+        print(f"    {record['status']} in {record['wall_s']} s", flush=True)
+        result["runs"].append(record)
+        result["summary"] = summarize(result["runs"])
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({**result, **header("scale")}, indent=1) + "\n")
+    rows = result.get("summary", [])
+    print_table(
+        ["layout", "rank", "arm", "cf", "status", "peak MiB", "fb MiB", "x unpaged", "step x",
+         "bitwise"],
+        [[r["layout"], r["rank"], r["arm"], r["capacity_factor"], r["status"],
+          r.get("peak_mib", "-"), r.get("fb_peak_mib", "-"), r.get("peak_vs_unpaged", "-"),
+          r.get("step_vs_unpaged", "-"), r.get("bitwise", "-")] for r in rows],
+        floats=".3g",
+    )
+    print("step times are compute only (collectives emulated)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

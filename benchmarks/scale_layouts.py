@@ -1,0 +1,109 @@
+"""Two frontier MoE layouts as Megatron flags, for one emulated rank each (bench_scale.py, the
+planner's validation). Architectures from the models' published configs (../LAYOUTS in the
+docs: docs/scale.md); parallel layouts from published Megatron recipes, with what differs said.
+
+* ``deepseek_v3``: DeepSeek-V3 (arXiv 2412.19437): 61 layers (3 dense, 58 MoE), MLA, 256 routed
+  experts top-8 + 1 shared, expert ffn 2048, vocab 129280. Training layout of the report: PP 16,
+  EP 64, no TP, 2,048 GPUs (DP 128); the 61 layers over 32 virtual stages as Megatron-LM's
+  DeepSeek-V3 layout string ``Et|(tt|)*30mL`` without its multi-token-prediction layer ``m``
+  (left out: the example builds none). Router: Megatron's ``aux_loss`` (the report's
+  auxiliary-loss-free bias and sequence-wise loss are not modelled; routing is emulated anyway).
+* ``qwen3_235b``: Qwen3-235B-A22B: 94 MoE layers, GQA 64/4 heads, 128 experts top-8, expert ffn
+  1536, qk-layernorm, vocab 151936. Layout of Megatron-Bridge's H100 BF16 Qwen3-235B-A22B
+  pretraining preset (256 GPUs, PP 8, VP 4, EP 32, GBS 2048) with TP 1 instead of 2 (tensor-
+  parallel collectives are not emulated); 94 layers plus embedding and loss over 32 virtual
+  stages as ``Ett|(ttt|)*30ttL``.
+
+Each run uses sequence 4096, micro-batch 1 and enough microbatches per step that the schedule
+reaches its steady state (the microbatches in flight at the peak do not depend on more).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+COMMON = (
+    "--seq-length 4096 --max-position-embeddings 4096 --micro-batch-size 1 "
+    "--transformer-impl local --normalization RMSNorm --swiglu --disable-bias-linear "
+    "--position-embedding-type rope --untie-embeddings-and-output-weights "
+    "--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend static "
+    "--moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-4 --moe-router-dtype fp32 "
+    "--use-distributed-optimizer --bf16 --fake-process-group"
+).split()
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    model: tuple[str, ...]
+    parallel: tuple[str, ...]
+    world_size: int
+    pp: int
+    microbatches: int  # per step
+    dp: int
+    ranks: tuple[int, ...]  # the emulated ranks: the largest memory first, then another stage
+    source: str
+
+    def flags(self, rank: int) -> list[str]:
+        del rank  # every rank runs the same flags; RANK picks the stage
+        gbs = self.microbatches * self.dp
+        return [*COMMON, *self.model, *self.parallel, "--global-batch-size", str(gbs)]
+
+    def env(self, rank: int) -> dict[str, str]:
+        return {"WORLD_SIZE": str(self.world_size), "RANK": str(rank)}
+
+    def stage(self, rank: int) -> int:
+        return rank // (self.world_size // self.pp)
+
+
+DEEPSEEK_V3 = Layout(
+    name="deepseek_v3",
+    model=tuple((
+        "--num-layers 61 --hidden-size 7168 --ffn-hidden-size 18432 --num-attention-heads 128 "
+        "--multi-latent-attention --q-lora-rank 1536 --kv-lora-rank 512 --qk-head-dim 128 "
+        "--qk-pos-emb-head-dim 64 --v-head-dim 128 --kv-channels 128 "
+        "--num-experts 256 --moe-router-topk 8 --moe-ffn-hidden-size 2048 "
+        "--moe-shared-expert-intermediate-size 2048 --moe-router-score-function sigmoid "
+        "--moe-router-num-groups 8 --moe-router-group-topk 4 --vocab-size 129280"
+    ).split()) + ("--moe-layer-freq", "([0]*3+[1]*58)"),
+    parallel=("--pipeline-model-parallel-size", "16", "--expert-model-parallel-size", "64",
+              "--pipeline-model-parallel-layout", "Et|(tt|)*30L"),
+    world_size=2048, pp=16, microbatches=32, dp=128,
+    # stage 2 holds four MoE layers and the second-most microbatches in flight; stage 15 the loss
+    ranks=(2 * 128, 15 * 128),
+    source="DeepSeek-V3 technical report (arXiv 2412.19437): PP 16, EP 64, 2048 GPUs; "
+           "Megatron-LM's layout string without MTP",
+)
+
+QWEN3_235B = Layout(
+    name="qwen3_235b",
+    model=tuple((
+        "--num-layers 94 --hidden-size 4096 --ffn-hidden-size 12288 --num-attention-heads 64 "
+        "--group-query-attention --num-query-groups 4 --kv-channels 128 --qk-layernorm "
+        "--num-experts 128 --moe-router-topk 8 --moe-ffn-hidden-size 1536 "
+        "--moe-router-score-function softmax --vocab-size 151936 --rotary-base 1000000"
+    ).split()),
+    parallel=("--pipeline-model-parallel-size", "8", "--expert-model-parallel-size", "32",
+              "--pipeline-model-parallel-layout", "Ett|(ttt|)*30ttL"),
+    world_size=256, pp=8, microbatches=16, dp=32,
+    ranks=(0, 7 * 32),  # stage 0: embedding and the most microbatches in flight; stage 7: loss
+    source="Megatron-Bridge QWEN3_235B_A22B_PRETRAIN_CONFIG_H100_BF16 (256 GPUs, TP 2, PP 8, "
+           "VP 4, EP 32) with TP 1",
+)
+
+LAYOUTS = {layout.name: layout for layout in (DEEPSEEK_V3, QWEN3_235B)}
+
+# Arms: name -> (extra flags, extra env). Capacity factor 2 runs all; 1.5 and 3 the first two.
+ARMS = {
+    "unpaged": ((), {}),
+    "paged": (("--moe-paged-stash",), {}),
+    "mcore_manager": (("--moe-paged-stash",), {"MEGATRON_PAGING_BENCH_IMPLEMENTATION": "mcore"}),
+    "recompute": (("--recompute-granularity", "selective", "--recompute-modules", "moe"), {}),
+    "mcore_offload": (("--fine-grained-activation-offloading", "--offload-modules", "expert_fc1",
+                       "moe_act", "--paging-offload-backend", "mcore"), {}),
+    "paged_offload": (("--moe-paged-stash", "--fine-grained-activation-offloading",
+                       "--offload-modules", "expert_fc1", "moe_act",
+                       "--paging-offload-backend", "paged"), {}),
+    "paged_recompute_fc1": (("--moe-paged-stash", "--paging-recompute-expert-fc1"), {}),
+}
+CAPACITY_FACTORS = {2.0: tuple(ARMS), 1.5: ("unpaged", "paged"), 3.0: ("unpaged", "paged")}

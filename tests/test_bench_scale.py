@@ -1,0 +1,95 @@
+"""bench_scale.py on the CPU: which runs it plans (round robin, resumable), how it reads the
+example's output, and its summary against the unpaged arm (no GPU: the example is faked)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import bench_scale  # noqa: E402
+from scale_layouts import LAYOUTS  # noqa: E402
+
+ITER = " [2026-12-04] iteration {}/ 5 | consumed samples: 1 | elapsed time per iteration (ms): {} |"
+LOG = "\n".join([
+    ITER.format(3, 2100.5),
+    "paging-example step-memory iteration=3 peak_allocated_mib=51234.5 host_fb_ms=1.0",
+    ITER.format(4, 2080.0),
+    ITER.format(5, 2090.0),
+    "paging-example rank 0: peak_allocated_mib=52000.0 steady_peak_allocated_mib=51234.5 "
+    "steady_fb_peak_allocated_mib=50000.0 pool_cuda_mib=9000.0 peers=emulated:lognormal:0.3",
+])
+
+
+def test_runs_alternate_arms_and_only_unpaged_and_paged_visit_the_second_rank():
+    runs = [(layout.name, rank, arm, cf) for layout, rank, arm, cf in
+            bench_scale.plan_runs(["qwen3_235b"], list(bench_scale.ARMS), [2.0, 1.5], False)]
+    first, second = LAYOUTS["qwen3_235b"].ranks
+    assert runs[:3] == [("qwen3_235b", first, "unpaged", 2.0),
+                        ("qwen3_235b", second, "unpaged", 2.0),
+                        ("qwen3_235b", first, "paged", 2.0)]
+    assert {arm for _, rank, arm, _ in runs if rank == second} == {"unpaged", "paged"}
+    assert [arm for _, _, arm, cf in runs if cf == 1.5] == ["unpaged", "paged"]
+
+
+def test_an_arm_is_read_from_the_examples_output(tmp_path, monkeypatch):
+    layout = LAYOUTS["deepseek_v3"]
+
+    def fake_run(cmd, **kwargs):
+        log_path = Path(kwargs["env"]["MEGATRON_PAGING_BENCH_LOSS_LOG"])
+        Path(f"{log_path}.rank256").write_text("0x1.0p+0 4096\ngrad 0x1.8p-3\n")
+        assert kwargs["env"]["WORLD_SIZE"] == "2048" and kwargs["env"]["RANK"] == "256"
+        assert "--fake-process-group" in cmd and "--moe-paged-stash" in cmd
+        return subprocess.CompletedProcess(cmd, 0, LOG, "")
+
+    monkeypatch.setattr(bench_scale.subprocess, "run", fake_run)
+    record = bench_scale.run_arm(layout, 256, "paged", 2.0, tmp_path, timeout=10)
+    assert record["status"] == "ok" and record["stage"] == 2
+    assert record["median_steady_iteration_ms"] == 2090.0
+    assert record["losses"] == ["0x1.0p+0"] and record["grad_checksums"] == ["0x1.8p-3"]
+    assert record["report"]["steady_peak_allocated_mib"] == "51234.5"
+    assert record["step_peaks_mib"] == {3: 51234.5}
+
+
+def test_out_of_memory_is_recorded_not_raised(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench_scale.subprocess, "run", lambda cmd, **kw: (
+        subprocess.CompletedProcess(cmd, 1, "", "torch.OutOfMemoryError: CUDA out of memory")))
+    record = bench_scale.run_arm(LAYOUTS["qwen3_235b"], 0, "unpaged", 2.0, tmp_path, 10)
+    assert record["status"] == "out of memory" and "log_tail" in record
+
+
+def test_summary_compares_each_arm_with_unpaged():
+    def rec(arm, peak, ms, losses):
+        return {"layout": "l", "rank": 0, "stage": 0, "arm": arm, "capacity_factor": 2.0,
+                "status": "ok", "median_steady_iteration_ms": ms, "losses": losses,
+                "grad_checksums": ["g"],
+                "report": {"steady_peak_allocated_mib": str(peak),
+                           "steady_fb_peak_allocated_mib": str(peak - 1)}}
+
+    rows = bench_scale.summarize([rec("unpaged", 100.0, 10.0, ["a"]),
+                                  rec("paged", 60.0, 10.2, ["a"]),
+                                  rec("recompute", 50.0, 13.0, ["b"])])
+    paged, recompute = rows[1], rows[2]
+    assert paged["peak_vs_unpaged"] == pytest.approx(0.6)
+    assert paged["step_vs_unpaged"] == pytest.approx(1.02) and paged["bitwise"] is True
+    assert recompute["bitwise"] is False
+
+
+def test_every_layout_flag_is_a_megatron_flag():
+    pytest.importorskip("megatron.training")
+    import argparse
+
+    from megatron.training.arguments import add_megatron_arguments
+
+    from megatron_paging.mcore.flags import add_paging_args
+
+    parser = add_paging_args(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
+    for layout in LAYOUTS.values():
+        for arm_flags, _ in bench_scale.ARMS.values():
+            args = parser.parse_args([*layout.flags(0), *arm_flags])
+            assert args.fake_process_group and args.use_distributed_optimizer
+        assert json.dumps(layout.env(layout.ranks[0]))

@@ -1,0 +1,75 @@
+"""GPU: one rank of a larger job under Megatron's ``--fake-process-group`` (emulated EP and PP
+peers, docs/scale.md): Megatron-Core's pipeline schedules run for real on the emulated rank, and
+paged and unpaged runs give bitwise equal losses (on the stage with the loss) and gradient
+checksums (on every stage); two runs with one seed are identical, peaks included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_example_pretrain import _report, _train
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+# 16 ranks: PP 2 x EP 8 (DP 8); 16 experts, 2 per rank; 4 microbatches per step.
+LAYOUT = (
+    "--expert-model-parallel-size", "8", "--pipeline-model-parallel-size", "2",
+    "--num-experts", "16", "--num-layers", "4", "--global-batch-size", "32",
+    "--use-distributed-optimizer", "--fake-process-group", "--train-iters", "4",
+)  # fmt: skip
+WORLD = {"WORLD_SIZE": "16"}
+STAGE_0, STAGE_1 = {**WORLD, "RANK": "0"}, {**WORLD, "RANK": "8"}
+INTERLEAVED = ("--num-virtual-stages-per-pipeline-rank", "2")
+# DeepSeek-V3's shape of layer, small: MLA, two dense layers first, a shared expert, qk norms
+MLA = (
+    "--multi-latent-attention", "--q-lora-rank", "64", "--kv-lora-rank", "32",
+    "--qk-head-dim", "64", "--qk-pos-emb-head-dim", "32", "--v-head-dim", "64",
+    "--kv-channels", "64", "--qk-layernorm", "--moe-layer-freq", "([0]*2+[1]*2)",
+    "--moe-shared-expert-intermediate-size", "256",
+)  # fmt: skip
+
+
+def _pair(tmp_path, env, extra=()):
+    unpaged, log_u = _train(tmp_path / "u", paged=False, extra=(*LAYOUT, *extra), env_extra=env)
+    paged, log_p = _train(tmp_path / "p", paged=True, extra=(*LAYOUT, *extra), env_extra=env)
+    for log in (log_u, log_p):
+        assert "emulated" in _report(log)["peers"]
+    assert _report(log_p)["paging_mode"] == "paged"
+    return unpaged, paged, log_p
+
+
+def test_emulated_first_stage_1f1b_pages_bitwise(tmp_path):
+    """Stage 0 of a 1F1B pipeline (no loss there): gradient checksums bitwise."""
+    unpaged, paged, log = _pair(tmp_path, STAGE_0)
+    assert not unpaged and not paged  # no loss on the first stage
+    assert len(paged.grads) == 4 and paged.grads == unpaged.grads
+    report = _report(log)
+    assert int(report["peer_rows"]) > 0 and float(report["pool_cuda_mib"]) > 0
+
+
+def test_emulated_last_stage_interleaved_mla_pages_bitwise_and_repeats(tmp_path):
+    """The loss stage of an interleaved schedule, MLA layers, a dense/MoE pattern: losses and
+    gradients bitwise; a second paged run with the same seed repeats every loss, gradient and
+    per-iteration peak."""
+    unpaged, paged, log = _pair(tmp_path, STAGE_1, (*INTERLEAVED, *MLA))
+    assert len(paged) == 4 * 4 and paged == unpaged and paged.grads == unpaged.grads
+    again, log_again = _train(tmp_path / "again", paged=True,
+                              extra=(*LAYOUT, *INTERLEAVED, *MLA), env_extra=STAGE_1)
+    assert again == paged and again.grads == paged.grads
+    peaks = [line for line in log.splitlines() if "step-memory" in line]
+    peaks_again = [line for line in log_again.splitlines() if "step-memory" in line]
+    strip = [" ".join(p for p in line.split() if not p.startswith("host_")) for line in peaks]
+    strip_again = [" ".join(p for p in line.split() if not p.startswith("host_"))
+                   for line in peaks_again]
+    assert strip and strip == strip_again
+
+
+def test_emulated_combined_1f1b_pages_bitwise(tmp_path):
+    """Megatron-Core's combined 1F1B (EP all-to-all overlapped with compute) on the emulated
+    rank: the paging scheduler's multiplexed forward/backward sources under Megatron."""
+    extra = (*INTERLEAVED, "--overlap-moe-expert-parallel-comm")
+    unpaged, paged, _ = _pair(tmp_path, STAGE_1, extra)
+    assert paged == unpaged and paged.grads == unpaged.grads
