@@ -1,45 +1,39 @@
 """The memory-speed frontier of the Megatron example on one GPU: unpaged vs paged vs Megatron-Core's
-own manager vs recomputing the MoE layer vs paged + selective recompute of core attention vs
-fine-grained offloading, at two model sizes, plus a fixed-memory-budget search.
+own manager vs recomputing the MoE layer vs recomputing the experts' fc1 vs fine-grained
+offloading, per model size, plus a fixed-memory-budget search.
 
 Every arm is one run of ``examples/run_pretrain_1gpu.sh`` (Megatron's ``pretrain()`` on the
-GPT-MoE of ``examples/pretrain_gpt_moe_paged.py``: local TE-free spec, fused SDPA attention,
-``PagedGroupedMLP`` experts, static flex dispatcher, mock data) with the size's and the arm's flags
-appended: same seeds, same static capacity (``--moe-expert-rank-capacity-factor``),
-``--deterministic-mode``. Per arm it reports the median step time after warm-up (iterations 1-3
-dropped) with its spread, the steady peak allocated memory of the whole step (steps >= 3, optimizer
-step included: what runs out of memory) and of the forward-backward, the activation memory
-(forward-backward peak - parameters - gradients - optimizer state, all printed by the example;
-the step peak can be the optimizer's transient instead), the bytes of live expert rows
-(computed from the flags, :func:`expert_bytes`), and bitwise parity of every microbatch loss
-against the unpaged control (required for the exact arms; reported for the others). Under a
-memory cap (``MEGATRON_PAGING_MEMORY_FRACTION``) it searches the longest sequence each budget arm
-trains and its tokens per second there.
+GPT-MoE of ``examples/pretrain_gpt_moe_paged.py``, mock data) with the size's and the arm's flags
+appended (and the arm's benchmark controls in its environment): same seeds, same static capacity
+(``--moe-expert-rank-capacity-factor``), ``--deterministic-mode``. Per arm it reports the median
+step time after warm-up (iterations 1-3 dropped) with its spread, the steady peak allocated memory
+of the whole step and of the forward-backward, the activation memory (forward-backward peak -
+parameters - gradients - optimizer state, all printed by the example), the live expert bytes
+(computed from the flags) and bitwise parity of every microbatch loss against the unpaged control.
+Under a memory cap (``MEGATRON_PAGING_BENCH_MEMORY_FRACTION``) it searches the longest sequence
+each budget arm trains and its tokens per second there (``--budget yes|only``).
 
-One device call (at most 10 minutes) cannot hold the whole frontier, so the benchmark is
-resumable: every finished run is appended to ``--out`` at once, ``--resume FILE`` carries the runs
-of an earlier call over and skips them, ``--sizes`` / ``--arms`` / ``--only`` / ``--budget`` select,
-and ``--time-budget-s`` stops cleanly before a run that the runs so far say cannot finish::
+Every finished run is appended to ``--out`` at once; ``--resume FILE`` carries the runs of an
+earlier call over and skips them, and ``--time-budget-s`` stops cleanly before a run that the runs
+so far say cannot finish::
 
-    python benchmarks/bench_frontier.py --out $OUT/frontier.json --time-budget-s 480 \
-        [--resume benchmarks/results/frontier_h200.json] [--only expert_heavy:paged,...]
+    python benchmarks/bench_frontier.py --out out/frontier.json --time-budget-s 480 \\
+        [--resume out/frontier.json] [--only moe_compute:paged,...] [--env NAME=VALUE]
     python benchmarks/bench_frontier.py --dry-run            # the plan and every argv, no GPU
     python benchmarks/bench_frontier.py --resume F --out F --report-only   # re-render table/PNG
 
 Writes JSON (GPU, date, commit per run and per call, every flag of every run) and a PNG beside it
-(step time against fb-based activation memory, one point per arm per size; the budget search),
-and prints a table and the targets (PASS / MISS / NOT RUN) last. See docs/benchmarks.md.
+(step time against activation memory, one point per arm and size), and prints a table and the
+targets (PASS / MISS / NOT RUN / NOT COMPARABLE) last. See docs/benchmarks.md.
 
-This file keeps the command line; the pieces live in ``benchmarks/frontier/``: ``arms`` (arms,
-sizes, flags, memory arithmetic), ``logs`` (log parsing, run records, summary), ``targets``,
-``budget`` (the fixed-budget search), ``plan`` (tasks, resume, time budget, the runner) and
-``report`` (JSON, table, PNG).
+The pieces live in ``benchmarks/frontier/``: ``arms`` (arms, sizes, flags, memory arithmetic),
+``task`` (one run), ``logs`` (log parsing, run records, summary), ``targets``, ``budget`` (the
+fixed-budget search), ``plan`` (task selection, resume, time budget, the runner), ``report``.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import signal
 import sys
@@ -50,7 +44,9 @@ from common import default_out, header, write
 from frontier import arms as arm_table  # .SCRIPT read at call time: a test points it at a fake
 from frontier.arms import (
     ARMS,
+    BENCH_ENV_PREFIX,
     BUDGET_ITERS,
+    DEFAULT_ARMS,
     DEFAULT_BUDGET_ARMS,
     DEFAULT_SIZES,
     FRONTIER_ITERS,
@@ -58,13 +54,11 @@ from frontier.arms import (
     ROOT,
     SIZES,
     WARMUP_ITERS,
-    offload_available,
     script_argv,
 )
-from frontier.budget import BudgetOptions, budget_outcome, budget_records, run_budget
+from frontier.budget import ALLOC_ENV, BudgetOptions, budget_outcome, budget_records, run_budget
 from frontier.plan import (
     Runner,
-    Task,
     estimate_run_s,
     fits,
     frontier_tasks,
@@ -73,6 +67,7 @@ from frontier.plan import (
     remaining,
 )
 from frontier.report import _fmt, build_result, plot, save, table
+from frontier.task import Task
 
 
 def _csv(value: str | None, choices, what: str) -> list[str]:
@@ -83,45 +78,62 @@ def _csv(value: str | None, choices, what: str) -> list[str]:
     return items
 
 
-def parse_env(pairs: list[str], resumed: bool) -> dict[str, str]:
+def call_env(run: dict) -> dict[str, str]:
+    """What ``--env`` set for a recorded run: its environment without ``PAGED``, the benchmark
+    controls and the budget search's allocator setting."""
+    return {k: v for k, v in (run.get("env") or {}).items()
+            if k != "PAGED" and not k.startswith(BENCH_ENV_PREFIX) and k != ALLOC_ENV}
+
+
+def parse_env(pairs: list[str], resumed: dict | None = None) -> dict[str, str]:
     """``--env NAME=VALUE`` options as a dict; one-line errors for a malformed pair, and for a
-    resumed file (its records were measured under another environment, same keys)."""
+    resumed file whose runs ran under another ``--env`` (they go to a file of their own)."""
     env = {}
     for pair in pairs:
         name, sep, value = pair.partition("=")
         if not sep or not name or not name.replace("_", "").isalnum():
             raise SystemExit(f"error: --env {pair!r}: expected NAME=VALUE")
         env[name] = value
-    if env and resumed:
-        raise SystemExit("error: --env with --resume: runs under another environment go to "
-                         "their own file (drop --resume)")
+    for key, run in (resumed or {}).items():
+        if call_env(run) != env:
+            raise SystemExit(f"error: --env: the resumed file's {key} ran under "
+                             f"{call_env(run) or 'no --env'}; runs under another environment "
+                             "go to their own file")
     return env
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None,
-                        help="JSON path (PNG and, by default, logs beside it)")
+                        help="JSON path (PNG and, by default, logs beside it; default: "
+                        "benchmarks/results/frontier_<gpu>.json)")
     parser.add_argument("--resume", nargs="?", const="", default=None, metavar="FILE",
                         help="carry over the runs of FILE (default: --out) and skip them")
     parser.add_argument("--sizes", default=",".join(DEFAULT_SIZES),
-                        help=f"comma list of {sorted(SIZES)}")
-    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {list(ARMS)}")
-    parser.add_argument("--only", default=None, help="size:arm,... (instead of sizes x arms)")
-    parser.add_argument("--budget", choices=("yes", "no", "only"), default="yes",
+                        help=f"comma list of model sizes, from {sorted(SIZES)}")
+    parser.add_argument("--arms", default=",".join(DEFAULT_ARMS),
+                        help=f"comma list of arms, from {list(ARMS)}")
+    parser.add_argument("--only", default=None, metavar="SIZE:ARM,...",
+                        help="exactly these runs, in this order (instead of sizes x arms)")
+    parser.add_argument("--budget", choices=("yes", "no", "only"), default="no",
                         help="the fixed-budget search after the frontier runs, not, or only it")
-    parser.add_argument("--budget-size", default="expert_heavy", choices=sorted(SIZES))
-    parser.add_argument("--budget-arms", default=",".join(DEFAULT_BUDGET_ARMS))
+    parser.add_argument("--budget-size", default="expert_heavy", choices=sorted(SIZES),
+                        help="model size of the budget search")
+    parser.add_argument("--budget-arms", default=",".join(DEFAULT_BUDGET_ARMS),
+                        help="comma list of arms the budget search runs")
     parser.add_argument("--budget-gib", type=float, default=36.0,
-                        help="memory cap in GiB (MEGATRON_PAGING_MEMORY_FRACTION = cap / total)")
-    parser.add_argument("--budget-iters", type=int, default=BUDGET_ITERS)
+                        help="memory cap in GiB (MEGATRON_PAGING_BENCH_MEMORY_FRACTION = cap / "
+                        "device memory)")
+    parser.add_argument("--budget-iters", type=int, default=BUDGET_ITERS,
+                        help=f"iterations per budget candidate (the first {WARMUP_ITERS} untimed)")
     parser.add_argument("--budget-max-runs", type=int, default=BudgetOptions.max_runs,
                         help="candidates per arm")
     parser.add_argument("--budget-resolution", type=int, default=BudgetOptions.resolution,
                         help="stop bisecting when fit and failure are this many tokens apart")
     parser.add_argument("--budget-unit", type=int, default=BudgetOptions.unit,
-                        help="lengths are multiples")
-    parser.add_argument("--budget-max-seq", type=int, default=BudgetOptions.max_seq)
+                        help="candidate lengths are multiples of this many tokens")
+    parser.add_argument("--budget-max-seq", type=int, default=BudgetOptions.max_seq,
+                        help="longest sequence length the search tries")
     parser.add_argument("--budget-alloc-conf", default=BudgetOptions.alloc_conf,
                         help="PYTORCH_CUDA_ALLOC_CONF of every budget candidate ('' for the "
                         "allocator's default: the cap then measures its fragmentation too)")
@@ -129,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"iterations per frontier run (the first {WARMUP_ITERS} untimed)")
     parser.add_argument("--time-budget-s", type=float, default=None,
                         help="stop before a run that cannot finish within this many seconds")
-    parser.add_argument("--run-timeout-s", type=float, default=420.0)
+    parser.add_argument("--run-timeout-s", type=float, default=420.0,
+                        help="longest one run may take before it is stopped (status timeout)")
     parser.add_argument("--log-dir", type=Path, default=None,
                         help="run logs (default: --out's folder when given, else out/)")
     parser.add_argument("--rerun", default=None, metavar="SIZE:ARM,...",
@@ -139,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="run again what the resumed file has as failed (not OOM candidates)")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="set NAME=VALUE for every run (recorded in each run's env), e.g. "
-                             "CUDA_DEVICE_MAX_CONNECTIONS=8; a file of its own (not --resume)")
+                             "CUDA_DEVICE_MAX_CONNECTIONS=32; --resume needs the same --env")
     parser.add_argument("--dry-run", action="store_true", help="print the plan, run nothing")
     parser.add_argument("--report-only", action="store_true",
                         help="no runs: rebuild summary, targets, table and PNG from --resume")
@@ -163,7 +176,6 @@ def main(argv: list[str] | None = None) -> int:
     opts = None if args.budget == "no" else BudgetOptions(
         args.budget_size, budget_arms, args.budget_gib, args.budget_iters, args.budget_max_runs,
         args.budget_resolution, args.budget_unit, args.budget_max_seq, args.budget_alloc_conf)
-    offload = offload_available()
     current = header("frontier")
     current["argv"] = sys.argv[1:] if argv is None else argv
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
@@ -173,15 +185,12 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"error: --rerun: {', '.join(missing)} not among the arms this call "
                          "runs (--only / --sizes / --arms)")
     rerun = frozenset(f"{s}:{a}" for s, a in rerun_pairs)
-    tasks, skipped = frontier_tasks(sizes, arms, only, runs, args.iters, offload,
-                                    args.retry_failed, rerun)
-    run_env = parse_env(args.env, resumed=args.resume is not None)
-    tasks = [dataclasses.replace(t, env={**t.env, **run_env}) for t in tasks]
+    run_env = parse_env(args.env, None if args.report_only else runs)
+    tasks = frontier_tasks(sizes, arms, only, runs, args.iters, args.retry_failed, rerun,
+                           run_env)
     if args.budget == "only":
         tasks = []
-    for key, reason in skipped.items():
-        print(f"frontier: skip {key}: {reason}", flush=True)
-    # Logs beside an explicit --out ($OUT on the device: gpu_check archives *.log there), else in
+    # Logs beside an explicit --out (gpu_check.sh archives $OUT/*.log), else in
     # the ignored out/ folder rather than benchmarks/results/.
     log_dir = args.log_dir or (out.parent if args.out else ROOT / "out")
     total_mib = _total_mib() if opts and not args.report_only and not args.dry_run else None
@@ -189,9 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         for i, task in enumerate(tasks, 1):
             argv_ = script_argv(list(task.extra), task.paged)  # the script accepts the flags
-            print(f"frontier: plan [{i}/{len(tasks)}] {task.key}: PAGED={int(task.paged)} bash "
-                  f"{_rel(arm_table.SCRIPT)} {' '.join(task.extra)} ({len(argv_)} arguments)",
-                  flush=True)
+            env = "".join(f"{k}={v} " for k, v in task.env.items())
+            print(f"frontier: plan [{i}/{len(tasks)}] {task.key}: {env}PAGED={int(task.paged)} "
+                  f"bash {_rel(arm_table.SCRIPT)} {' '.join(task.extra)} ({len(argv_)} "
+                  "arguments)", flush=True)
         if opts:
             print(f"frontier: plan budget {opts.size} under {opts.cap_gib:g} GiB for "
                   f"{', '.join(opts.arms)}: up to {opts.max_runs} runs each", flush=True)
@@ -210,11 +220,11 @@ def main(argv: list[str] | None = None) -> int:
 
     def result() -> dict:
         b = outcomes()
-        return build_result(current, settings, runs, calls, skipped, offload, b, opts,
+        return build_result(current, settings, runs, calls, b, opts,
                             remaining(all_tasks, runs, b, opts))
 
     # What is left is measured against the whole selection, not only this call's runs.
-    all_tasks = frontier_tasks(sizes, arms, only, {}, args.iters, offload)[0]
+    all_tasks = frontier_tasks(sizes, arms, only, {}, args.iters)
     runner = None if args.report_only else Runner(log_dir, args.run_timeout_s, {
         "gpu": current["gpu"], "commit": current["commit"]})
 
@@ -260,9 +270,10 @@ def main(argv: list[str] | None = None) -> int:
                 break
         else:
             if opts is not None:
-                run_budget(opts, runs, total_mib, execute, args.retry_failed)
+                run_budget(opts, runs, total_mib, execute, args.retry_failed,
+                           call_env=run_env)
     b = outcomes()
-    final = build_result(current, settings, runs, calls, skipped, offload, b, opts,
+    final = build_result(current, settings, runs, calls, b, opts,
                          remaining(all_tasks, runs, b, opts))
     try:
         write(final, out, plot(final))

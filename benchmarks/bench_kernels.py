@@ -29,9 +29,6 @@ from megatron_paging.record import PageRecord
 
 PAGE_SIZE = 64
 PATHS = ("tile", "bulk", "cuda")  # "cuda": the dispatch rule's choice
-BULK_VARIANTS = ("bulk-16k", "bulk-8k")  # the bulk pipeline's other configurations (default)
-# Every variant the wrapper knows (--variants picks; docs/kernels.md "Tuning attempts").
-ALL_BULK_VARIANTS = tuple(p for p in cuda_ops.PATHS if p.startswith("bulk-"))
 
 
 @dataclass(frozen=True)
@@ -88,16 +85,10 @@ class Case:
         self.pool.flags.reset()
 
     def stash(self, path="cuda", max_ctas=DEFAULT_MAX_CTAS):
-        if path in ALL_BULK_VARIANTS:
-            cuda_ops.copy(False, self.src, self.record, self.pool, max_ctas, path)
-        else:
-            kernels.stash(self.src, self.record, self.pool, backend=path, max_ctas=max_ctas)
+        kernels.stash(self.src, self.record, self.pool, backend=path, max_ctas=max_ctas)
 
     def reload(self, path="cuda", max_ctas=DEFAULT_MAX_CTAS):
-        if path in ALL_BULK_VARIANTS:
-            cuda_ops.copy(True, self.dst, self.record, self.pool, max_ctas, path)
-        else:
-            kernels.reload(self.dst, self.record, self.pool, backend=path, max_ctas=max_ctas)
+        kernels.reload(self.dst, self.record, self.pool, backend=path, max_ctas=max_ctas)
 
     def reset_and_stash(self, path="cuda", max_ctas=DEFAULT_MAX_CTAS):
         self.reset()
@@ -112,8 +103,9 @@ class Case:
         torch.cuda.synchronize()
         if not torch.equal(self.dst[:n].view(torch.uint8), self.src[:n].view(torch.uint8)):
             raise RuntimeError(f"{self.regime.name} ({path}): reload did not restore the rows")
-        if self.pool.flags.read()["overflow"]:
-            raise RuntimeError(f"{self.regime.name} ({path}): the pool overflowed")
+        flags = self.pool.flags.read()
+        if flags["overflow"] or flags["invalid_live"]:
+            raise RuntimeError(f"{self.regime.name} ({path}): the pool reported {flags}")
 
     # Megatron-Core, driven as PagedTensor.offload_to_stash / reload_from_stash drive it.
     def mcore_reset(self):
@@ -156,10 +148,9 @@ def target_met(regime: Regime, ours: float, copy: float) -> tuple[str, bool]:
     return f">= {share:.0%} of copy_", ours >= share * copy
 
 
-def bench_regime(regime: Regime, timer: CudaTimer, mcore, bulk: bool,
-                 variants: tuple[str, ...] = BULK_VARIANTS) -> dict:
+def bench_regime(regime: Regime, timer: CudaTimer, mcore, bulk: bool) -> dict:
     case = Case(regime, mcore)
-    paths = [p for p in (*PATHS, *variants) if bulk or not p.startswith("bulk")]
+    paths = [p for p in PATHS if bulk or p != "bulk"]
     ms = {}
     for path in paths:
         case.verify(path)
@@ -193,7 +184,7 @@ def bench_regime(regime: Regime, timer: CudaTimer, mcore, bulk: bool,
 
 
 def bench_max_ctas(timer: CudaTimer, sweep: list[int], bulk: bool,
-                   variants: tuple[str, ...] = BULK_VARIANTS, gemm: bool = True) -> list[dict]:
+                   gemm: bool = True) -> list[dict]:
     """GB/s vs max_ctas per path, and a bf16 8192^3 GEMM's time with paging on another stream."""
     case = Case(REGIMES[0], None)
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
@@ -201,7 +192,7 @@ def bench_max_ctas(timer: CudaTimer, sweep: list[int], bulk: bool,
     gemm_alone = timer(lambda: a @ b) if gemm else None
     paging_stream = torch.cuda.Stream()
     rows = []
-    for path in [p for p in ("tile", "bulk", *variants) if bulk or p == "tile"]:
+    for path in [p for p in ("tile", "bulk") if bulk or p == "tile"]:
         for max_ctas in sweep:
             stash_ms = timer(lambda m=max_ctas, p=path: case.stash(p, m), case.reset)
             reload_ms = timer(lambda m=max_ctas, p=path: case.reload(p, m),
@@ -233,14 +224,14 @@ def bench_max_ctas(timer: CudaTimer, sweep: list[int], bulk: bool,
 
 
 def few_sm_target(sweep: list[dict]) -> dict:
-    """>= 3.0 TB/s stash and reload (bf16 h7168) with at most 32 CTAs, best path."""
+    """>= 3.0 TB/s stash and reload (bf16 h7168) with at most 32 CTAs: the best path, and the
+    bulk path on its own (the one the dispatch rule picks for such records)."""
     few = [s for s in sweep if s["max_ctas"] <= 32]
     best = max(few, key=lambda s: min(s["stash_gbps"], s["reload_gbps"]), default=None)
     if best is None:
         return {"target": ">= 3000 GB/s with <= 32 CTAs", "met": False, "best": None}
     keys = ("path", "max_ctas", "stash_gbps", "reload_gbps")
     ok = best["stash_gbps"] >= 3000 and best["reload_gbps"] >= 3000
-    # The default path on its own: a variant meeting the target is not what users run.
     default = max((s for s in few if s["path"] == "bulk"),
                   key=lambda s: min(s["stash_gbps"], s["reload_gbps"]), default=None)
     return {"target": ">= 3000 GB/s with <= 32 CTAs", "met": ok,
@@ -250,10 +241,8 @@ def few_sm_target(sweep: list[dict]) -> dict:
             "default_path": {k: default[k] for k in keys} if default else None}
 
 
-def print_table(rows: list[dict], sweep: list[dict],
-                variants: tuple[str, ...] = BULK_VARIANTS) -> None:
+def print_table(rows: list[dict], sweep: list[dict]) -> None:
     cols = ("tile_stash", "tile_reload", "bulk_stash", "bulk_reload",
-            *(f"{v}_{op}" for v in variants for op in ("stash", "reload")),
             "cuda_stash", "cuda_reload", "mcore_stash", "mcore_reload",
             "copy_stash_direction", "copy_reload_direction")
     print(f"{'regime':<30} " + " ".join(f"{c.replace('_direction', ''):>12}" for c in cols)
@@ -296,10 +285,7 @@ def plot(rows: list[dict], sweep: list[dict], png: Path) -> None:
     bars.set_ylabel("GB/s (read + written), log scale")
     bars.set_title(f"paging kernels on {torch.cuda.get_device_name()}", fontsize=9)
     bars.legend(fontsize=7)
-    curve_paths = ("tile", "bulk", *ALL_BULK_VARIANTS)
-    markers = "os^v<>dpPXh*"  # cycled: the variant list grows with the experiments
-    for i, path in enumerate(curve_paths):
-        style = f"{markers[i % len(markers)]}-"
+    for path, style in (("tile", "o-"), ("bulk", "s-")):
         points = [s for s in sweep if s["path"] == path]
         if points:
             curve.plot([s["max_ctas"] for s in points], [s["stash_gbps"] for s in points], style,
@@ -330,18 +316,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="JSON path (PNG beside it)")
     parser.add_argument("--reps", type=int, default=30, help="timed calls per figure")
     parser.add_argument("--max-ctas", default="8,16,32,64,132,264,2048", help="the sweep")
-    parser.add_argument("--variants", default=",".join(BULK_VARIANTS),
-                        help=f"bulk variants beside the default, of {ALL_BULK_VARIANTS} "
-                        "('' for none)")
     parser.add_argument("--regimes", default=None,
                         help="indices of the regimes to run (default: all), e.g. 0,1,2")
     parser.add_argument("--no-gemm", action="store_true",
                         help="skip the concurrent-GEMM interference figures of the sweep")
     args = parser.parse_args(argv)
-    variants = tuple(v for v in args.variants.split(",") if v)
-    bad = [v for v in variants if v not in ALL_BULK_VARIANTS]
-    if bad:
-        parser.error(f"--variants: unknown {bad}; choose from {ALL_BULK_VARIANTS}")
     try:
         regimes = (REGIMES if args.regimes is None
                    else [REGIMES[int(i)] for i in args.regimes.split(",")])
@@ -357,12 +336,12 @@ def main(argv: list[str] | None = None) -> int:
     timer = CudaTimer(args.reps)
     rows = []
     for regime in regimes:
-        rows.append(bench_regime(regime, timer, mcore, bulk, variants))
+        rows.append(bench_regime(regime, timer, mcore, bulk))
         torch.cuda.empty_cache()  # the regime's buffers are gone with its Case
         print(f"measured {regime.name}", flush=True)
-    sweep = bench_max_ctas(timer, [int(v) for v in args.max_ctas.split(",")], bulk, variants,
+    sweep = bench_max_ctas(timer, [int(v) for v in args.max_ctas.split(",")], bulk,
                            gemm=not args.no_gemm)
-    print_table(rows, sweep, variants)
+    print_table(rows, sweep)
     result = header(
         "kernels",
         triton=triton.__version__,
@@ -373,7 +352,6 @@ def main(argv: list[str] | None = None) -> int:
         bulk_supported=bulk,
         method="median of per-call CUDA events, L2 flushed before each call, "
         f"{args.reps} calls; GB/s = (bytes read + bytes written) / time",
-        variants=list(variants),
         regimes=rows,
         max_ctas_sweep=sweep,
         few_sm_target=few_sm_target(sweep),

@@ -3,18 +3,18 @@ megatron-paging, alone and beside a GEMM.
 
 * whole tensors (the dense modules): one DMA ``copy_`` into / out of a pinned arena range — the
   path :mod:`megatron_paging.offload` uses;
-* live rows (the experts): the page-tile kernels into / out of a host-only pool's pinned tier,
-  GB/s against ``max_ctas`` (``--paging-offload-max-ctas``);
-* live rows with the copy engine's prefix (``--paging-offload-dma-prefix``): the runtime's own
-  split (``Transfers._copy_prefixed``), the first rows by one DMA copy into the prefix arena and
-  the live rows past them by the kernels at the default grids — the whole live count as the
-  prefix (what one expert-parallel rank gets: every step routes the same rows) and half of it;
-* beside a bf16 8192^3 GEMM on the compute stream, D2H and H2D: the GEMM's slowdown and the
-  transfer's rate when the copy engine moves the bytes vs when the SM kernel does (which mover
-  for dense tensors while GEMMs run, and which grid per direction for live rows).
+* live rows (the experts) by the page-tile kernels into / out of a host-only pool's pinned tier,
+  GB/s against the kernels' grid (``--ctas``; the runtime uses 4 CTAs for D2H and 8 for H2D);
+* live rows with the copy engine's prefix (what the runtime does when
+  ``CUDA_DEVICE_MAX_CONNECTIONS`` > 1): the first rows by one DMA copy into a prefix arena, the
+  live rows past them by the kernels — with every live row in the prefix (one expert-parallel
+  rank: every step routes the same rows) and with half of them;
+* beside a bf16 8192^3 GEMM loop on the compute stream, D2H and H2D: the GEMM's slowdown and
+  the transfer's rate when the copy engine moves the bytes vs when the SM kernel does.
 
 GB/s count the bytes that cross PCIe once (D2H or H2D), the unit ``copy_`` is measured in.
-Every arm is checked byte for byte before it is timed. Writes a table, JSON (``--out``) and a PNG.
+Every arm is checked byte for byte before it is timed. Prints a table and the targets (>= 95%
+of pinned ``copy_``), writes JSON (``--out``) and a PNG beside it.
 Run: ``python benchmarks/bench_offload.py``.
 """
 
@@ -25,7 +25,7 @@ import statistics
 from pathlib import Path
 
 import torch
-from common import CudaTimer, default_out, figure, gbps, header, write
+from common import CudaTimer, default_out, figure, gbps, header, print_table, write
 
 from megatron_paging import kernels
 from megatron_paging.config import PagingConfig
@@ -229,8 +229,8 @@ def bench_beside_gemm(t: Transfers, timer: CudaTimer, grids: list[int]) -> dict:
     alone = timer(gemm)
     side = torch.cuda.Stream()
     arms = {}
-    # Both directions: the reload grid is chosen apart from the offload grid
-    # (--paging-offload-max-ctas D2H H2D), so each needs its own GEMM interference.
+    # Both directions: the runtime's reload grid differs from its offload grid (PagingConfig's
+    # offload_d2h_max_ctas / offload_h2d_max_ctas), so each needs its own GEMM interference.
     for direction, dense, rows, reset in (("d2h", t.dense_out, t.rows_out, t.reset),
                                           ("h2d", t.dense_in, t.rows_in, t.reset_and_rows_out)):
         g, m = _beside_gemm(dense, lambda: None, gemm, side)
@@ -273,8 +273,12 @@ def plot(result):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--ctas", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 132, 2048])
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON path, PNG beside it (default: "
+                        "benchmarks/results/offload_<gpu>.json)")
+    parser.add_argument("--ctas", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 132, 2048],
+                        help="grids of the live-row kernels measured alone (must include the "
+                        "runtime's 4 and 8)")
     parser.add_argument("--gemm-ctas", type=int, nargs="+", default=[2, 4, 8, 16, 132],
                         help="grids of the SM kernel beside the GEMM, both directions")
     args = parser.parse_args(argv)
@@ -322,9 +326,8 @@ def main(argv=None) -> int:
     print(f"pinned copy_: D2H {alone['copy_d2h_gbps']:.1f} GB/s, H2D {alone['copy_h2d_gbps']:.1f}")
     print(f"whole (arena DMA): D2H {alone['whole_d2h_gbps']:.1f}, "
           f"H2D {alone['whole_h2d_gbps']:.1f}")
-    print(f"{'max_ctas':>8} {'rows D2H':>9} {'rows H2D':>9}")
-    for r in alone["rows"]:
-        print(f"{r['max_ctas']:>8} {r['d2h_gbps']:>9.1f} {r['h2d_gbps']:>9.1f}")
+    print_table(["max_ctas", "rows D2H GB/s", "rows H2D GB/s"],
+                [[r["max_ctas"], r["d2h_gbps"], r["h2d_gbps"]] for r in alone["rows"]])
     for r in result["prefix"]:
         print(f"prefix {r['prefix_rows']:>5} of {LIVE} live rows: D2H {r['d2h_gbps']:.1f}, "
               f"H2D {r['h2d_gbps']:.1f} GB/s")

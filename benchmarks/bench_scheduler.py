@@ -4,36 +4,30 @@ vs paged without overlap.
 One pipeline rank's schedule (Megatron-Core interleaved 1F1B) runs in one process on one GPU,
 through the runtime every driver uses (:class:`~megatron_paging.engine.PagingEngine` +
 :class:`~megatron_paging.paging.PagingContext`). All arms use the same capacity, weights and
-inputs; the paged arms must reproduce the unpaged gradients bitwise.
+inputs; the paged arms must reproduce the unpaged gradients bit for bit.
 
-    python benchmarks/bench_scheduler.py [--out benchmarks/results/scheduler_<gpu>.json]
+    python benchmarks/bench_scheduler.py [--out out/scheduler.json] [--arms paged paged_hold]
 
-Writes JSON (GPU name, date, git commit, settings, per-arm step times with their spread and
-peak memory, paging overhead in percent) and a PNG next to it. Per arm it also reports the
-host's issue time of a step (``host_ms``: close to the step time means host-bound) and, from
-one profiled step, the GPU-busy time (union of all kernel intervals), the idle gaps by cause
-(kernel_timeline.idle_gaps: a late host launch or an op queued behind a dependency) and the
-paging kernels' own time, and (``cost_split``) how much of a paged arm's extra busy time is
-copies nothing hid and how much is compute slowed beside them. The default layer sizes make the
-step GPU-bound so that the arms compare paging cost. ``paged_ctas_<n>`` arms bound the paging
-kernels' grid (``--paging-ctas``); ``paged_unbounded_lead`` keeps any number of layers' stash
-sources allocated while their copies run (``stash_in_flight=0``), ``paged_lead_2`` two (the
-default: 1);
-``paged_hold`` stashes a layer only when the next one commits (``hold_last_slot``), so the last
-layer before each backward is never copied; ``paged_stash_next_layer`` stashes it when the next
-layer opens instead (``stash_point="next-layer"``: the copy beside that layer's GEMMs).
+Arms: ``paged`` (the paging stream beside the compute), ``paged_ctas_<n>`` (the copy kernels'
+grid bounded to n CTAs, ``--paging-ctas``), ``paged_no_overlap`` (stash and reload on the compute
+stream) and ``paged_hold`` (the last layer before each backward is never copied). They run
+interleaved in ``--rounds`` rounds (rotated order), so that machine drift or an arm's position
+shows as a round-to-round difference; ``overhead_percent_vs_unpaged_same_round`` compares each
+arm with the control of its own round.
 
-The arms share one set of weights and run interleaved in ``--rounds`` rounds (rotated order), so
-a slow machine phase or an arm's position shows as a round-to-round difference, and
-``overhead_percent_vs_unpaged_same_round`` compares each arm with the control of its own round.
-Each step also records the Python garbage collector's time (``gc_ms``). Until `2114b73` the arms
-ran one after the other and each kept its gradients for the bitwise check on the GPU, so every
-arm's peak held the gradients of all arms before it (0.59 GiB each at the default sizes).
+Writes JSON (GPU name, date, commit, settings, per arm the step time with its spread, the peak
+memory, the host's issue time ``host_ms`` (close to the step time: host-bound) and the Python GC
+time per step) and a PNG beside it, and prints a table. From one profiled step per arm it adds
+the GPU-busy time, the paging kernels' own time, the idle gaps by cause (a late host launch or an
+op queued behind a dependency) and ``cost_split_vs_unpaged_ms``: a paged arm's extra busy time
+as copies nothing hid plus compute slowed beside them. The default layer sizes make the step
+GPU-bound so that the arms compare paging cost.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 import warnings
@@ -42,7 +36,7 @@ from pathlib import Path
 import torch
 from common import GcTime, default_out, figure, gpu_busy, header, host_profile, spread, write
 
-from megatron_paging.config import PagingConfig
+from megatron_paging.config import KERNEL_BACKENDS, PagingConfig
 from megatron_paging.engine import PagingEngine
 from megatron_paging.paging import PagingContext
 from megatron_paging.pool import PagePools
@@ -50,6 +44,7 @@ from megatron_paging.streams import CudaStreamBackend
 from megatron_paging.tools.pipeline_sim import parameter_grads, run_schedule, synthetic_chunks
 
 PAGE_SIZE = 64
+KERNEL_BACKEND_ENV = "MEGATRON_PAGING_BENCH_KERNEL_BACKEND"  # default of --kernel-backend
 
 
 def schedule(pp: int, vpp: int, microbatches: int):
@@ -92,20 +87,26 @@ def cost_split(arm: dict, control: dict) -> dict | None:
             "step_minus_control": arm["step_ms_median"] - control["step_ms_median"]}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--ffn", type=int, default=8192)
-    parser.add_argument("--segments", type=int, default=8)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--pp", type=int, default=2)
-    parser.add_argument("--vpp", type=int, default=2)
-    parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--kernel-backend", default="cuda",
-                        help="paging kernels of the paged arms (cuda: bulk or tile per record)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON path, PNG beside it (default: "
+                        "benchmarks/results/scheduler_<gpu>.json)")
+    parser.add_argument("--tokens", type=int, default=8192,
+                        help="capacity rows per expert buffer and microbatch")
+    parser.add_argument("--hidden", type=int, default=2048, help="hidden size")
+    parser.add_argument("--ffn", type=int, default=8192, help="expert FFN size")
+    parser.add_argument("--segments", type=int, default=8,
+                        help="live-row segments per buffer (experts)")
+    parser.add_argument("--layers", type=int, default=4, help="layers per model chunk")
+    parser.add_argument("--pp", type=int, default=2, help="pipeline stages of the schedule")
+    parser.add_argument("--vpp", type=int, default=2, help="model chunks per stage")
+    parser.add_argument("--microbatches", type=int, default=8, help="microbatches per step")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per arm and round")
+    parser.add_argument("--kernel-backend", choices=KERNEL_BACKENDS,
+                        default=os.environ.get(KERNEL_BACKEND_ENV, "cuda"),
+                        help=f"paging kernels of the paged arms (default: ${KERNEL_BACKEND_ENV}, "
+                        "else cuda: the bulk or tile path per record)")
     parser.add_argument("--paging-ctas", type=int, nargs="*", default=[8, 16, 32, 64],
                         help="extra paged arms with the paging kernels' grid bounded to n CTAs")
     parser.add_argument("--rounds", type=int, default=3,
@@ -114,7 +115,7 @@ def main() -> None:
     parser.add_argument("--arms", nargs="*", default=None,
                         help="only these arms (and unpaged, the control)")
     parser.add_argument("--no-profile", action="store_true", help="skip the GPU-busy profile")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_scheduler needs a CUDA device")
 
@@ -153,14 +154,8 @@ def main() -> None:
     for ctas in args.paging_ctas:
         arms[f"paged_ctas_{ctas}"] = paged(max_ctas=ctas)
     arms["paged_no_overlap"] = paged(overlap=False)
-    # No bound on the layers' stash sources in flight (--paging-max-inflight-stashes 0, the
-    # behaviour before the bound): what the default bound costs or saves, in the same run.
-    arms["paged_unbounded_lead"] = paged(stash_in_flight=0)
-    arms["paged_lead_2"] = paged(stash_in_flight=2)  # one more queued layer of slack
     # The newest slot waits for the next commit: no copy at the forward/backward turn.
     arms["paged_hold"] = paged(hold_last_slot=True)
-    # A layer's stash issued when the next layer opens (beside its GEMMs), the newest one held.
-    arms["paged_stash_next_layer"] = paged(stash_point="next-layer")
     if args.arms:
         unknown = sorted(set(args.arms) - set(arms))
         if unknown:
@@ -296,7 +291,8 @@ def main() -> None:
         fig = figure(7, 3.8)
         ax = fig.add_subplot()
         names = list(results)
-        colors = ["grey"] + ["C0"] * (len(names) - 2) + ["C3"]
+        colors = ["grey" if n == "unpaged" else "C3" if n == "paged_no_overlap" else "C0"
+                  for n in names]
         ax.bar(names, [results[n]["step_ms_median"] for n in names], color=colors)
         if all("gpu_busy_ms" in results[n] for n in names):
             ax.scatter(names, [results[n]["gpu_busy_ms"] for n in names], color="k", marker="_",

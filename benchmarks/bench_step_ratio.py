@@ -1,17 +1,16 @@
 """Step-time ratios of frontier arms against the unpaged control, run round-robin in one call.
 
-The 1% step-time targets sit below the noise of one frontier call: the machine's step time drifts
-between device calls and within one (``moe_compute``'s unpaged run: 1927.7, 1959.6 and 2015.0 ms
-in three calls at one commit; the same-call ``paged`` / unpaged ratio 1.031 in one, 1.007 in the
-next). Here each *round* runs the control and every arm once (one example run each, exactly the
-frontier's flags), rounds alternate their order (control first, then control last, ...) so that
-no arm always runs right after start-up, and every arm's ratio is taken against the control of
-its own round. Over the rounds the ratios' median and range say what one call can: ``PASS`` when
-every round is at or below ``--limit``, ``MISS`` when every round is above, ``UNRESOLVED``
-otherwise.
+A GPU's step time drifts between calls and within one by more than the 1% step-time targets, so
+one frontier call (each arm once, in a fixed order) cannot resolve them. Here each *round* runs
+the control and every arm once (one example run each, exactly the frontier's flags and benchmark
+controls), rounds alternate their order (control first, then control last, ...) so that no arm
+always runs right after start-up, and every arm's ratio is taken against the control of its own
+round. Over the rounds: ``PASS`` when every round is at or below ``--limit``, ``MISS`` when every
+round is above, ``UNRESOLVED`` otherwise.
 
-    python benchmarks/bench_step_ratio.py --size moe_compute --arms paged --rounds 3 \\
-        --env CUDA_DEVICE_MAX_CONNECTIONS=32 --time-budget-s 540 --out $OUT/step_ratio.json
+    python benchmarks/bench_step_ratio.py --size moe_compute --arms paged,mcore_manager \\
+        --rounds 2 --env CUDA_DEVICE_MAX_CONNECTIONS=32 --time-budget-s 540 \\
+        --out out/step_ratio.json
 
 Writes JSON (GPU, date, commit; every run's frontier record; per arm the per-round ratios, their
 median, range and verdict, and bitwise parity of every microbatch loss against the round's
@@ -29,17 +28,10 @@ from pathlib import Path
 
 from bench_frontier import parse_env
 from common import default_out, header, write
-from frontier.arms import (
-    ARMS,
-    CONTROL,
-    FRONTIER_ITERS,
-    SIZES,
-    frontier_extra,
-    offload_available,
-    skip_reason,
-)
+from frontier.arms import ARMS, CONTROL, FRONTIER_ITERS, SIZES, WARMUP_ITERS
 from frontier.logs import parity
-from frontier.plan import Runner, Task, estimate_run_s, fits
+from frontier.plan import Runner, estimate_run_s, fits
+from frontier.task import arm_task
 
 VERDICTS = ("PASS", "MISS", "UNRESOLVED")
 
@@ -97,19 +89,25 @@ def table(result: dict) -> list[str]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", default="moe_compute", choices=sorted(SIZES))
+    parser.add_argument("--size", default="moe_compute", choices=sorted(SIZES),
+                        help="model size of every run (a frontier size)")
     parser.add_argument("--arms", default="paged",
                         help="comma list of frontier arms compared with the control")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds of one run per arm and one of the control")
     parser.add_argument("--iters", type=int, default=FRONTIER_ITERS,
-                        help="iterations per run (the first 3 untimed)")
+                        help=f"iterations per run (the first {WARMUP_ITERS} untimed)")
     parser.add_argument("--limit", type=float, default=1.01,
                         help="the ratio each round is held against")
-    parser.add_argument("--time-budget-s", type=float, default=None)
-    parser.add_argument("--run-timeout-s", type=float, default=900.0)
+    parser.add_argument("--time-budget-s", type=float, default=None,
+                        help="stop before a run that cannot finish within this many seconds")
+    parser.add_argument("--run-timeout-s", type=float, default=900.0,
+                        help="longest one run may take before it is stopped")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="set NAME=VALUE for every run, e.g. CUDA_DEVICE_MAX_CONNECTIONS=32")
-    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON path, run logs beside it (default: "
+                        "benchmarks/results/step_ratio_<gpu>.json)")
     args = parser.parse_args(argv)
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     unknown = [a for a in arms if a not in ARMS]
@@ -117,22 +115,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--arms: {unknown or args.arms!r} not frontier arms ({sorted(ARMS)})")
     if CONTROL in arms:
         parser.error(f"--arms: {CONTROL} is the control every round runs anyway")
-    offload = offload_available()
-    for arm in arms:
-        reason = skip_reason(ARMS[arm], offload)
-        if reason:
-            parser.error(f"--arms: {arm} cannot run here: {reason}")
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
-    if args.iters <= 3:
-        parser.error(f"--iters must be > 3 (the first 3 are untimed), got {args.iters}")
+    if args.iters <= WARMUP_ITERS:
+        parser.error(f"--iters must be > {WARMUP_ITERS} (the first {WARMUP_ITERS} are untimed), "
+                     f"got {args.iters}")
     args.arm_list = arms
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    env = parse_env(args.env, resumed=False)
+    env = parse_env(args.env)
     out = args.out or default_out("step_ratio")
     current = header("step_ratio")
     runner = Runner(out.parent, args.run_timeout_s, {"gpu": current["gpu"],
@@ -155,8 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         this = {"order": round_order(args.arm_list, index), "runs": {}, "complete": False}
         rounds.append(this)
         for arm in this["order"]:
-            task = Task("arm", args.size, arm, tuple(frontier_extra(args.size, arm, args.iters)),
-                        args.iters, env=dict(env))
+            task = arm_task(args.size, arm, args.iters, env)
             estimate = estimate_run_s(history, args.size, arm, args.iters)
             now = time.monotonic()
             if not fits(now, deadline, estimate):

@@ -10,7 +10,8 @@ from ``fc1``, its gradients, and ``inter`` for fc2's weight gradient):
   temporaries; the fused kernel's is zero by construction, measured all the same).
 
 Both arms are checked against each other (within the roundings of the unfused expression)
-before they are timed. Run: ``python benchmarks/bench_weighted_swiglu.py``.
+before they are timed. Prints a table, writes JSON (``--out``) and a PNG beside it.
+Run: ``python benchmarks/bench_weighted_swiglu.py``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
-from common import CudaTimer, default_out, figure, gbps, header, write
+from common import CudaTimer, default_out, figure, gbps, header, print_table, write
 
 from megatron_paging.kernels import weighted_swiglu
 from megatron_paging.mcore.expert_activation import TorchActivation
@@ -105,24 +106,21 @@ def plot(results):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=str, default=None)
-    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--out", type=str, default=None,
+                        help="JSON path, PNG beside it (default: "
+                        "benchmarks/results/weighted_swiglu_<gpu>.json)")
+    parser.add_argument("--reps", type=int, default=20, help="timed calls per arm and direction")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_weighted_swiglu needs a CUDA GPU")
     timer = CudaTimer(reps=args.reps)
-    results = []
-    print(f"{'shape':>14} {'arm':>8} {'fwd ms':>8} {'GB/s':>6} {'bwd ms':>8} {'GB/s':>6} "
-          f"{'fwd tmp MiB':>11} {'bwd tmp MiB':>11}")
-    for rows, cols in SHAPES:
-        r = measure(rows, cols, timer)
-        results.append(r)
-        for arm in ARMS:
-            a = r[arm]
-            print(f"{rows:>8}x{cols:<5} {arm:>8} {a['forward_ms']:8.3f} {a['forward_gbps']:6.0f} "
-                  f"{a['backward_ms']:8.3f} {a['backward_gbps']:6.0f} "
-                  f"{a['forward_transient_mib']:11.1f} {a['backward_transient_mib']:11.1f}",
-                  flush=True)
+    results = [measure(rows, cols, timer) for rows, cols in SHAPES]
+    print_table(["shape", "arm", "fwd ms", "fwd GB/s", "bwd ms", "bwd GB/s", "fwd tmp MiB",
+                 "bwd tmp MiB"],
+                [[f"{r['rows']}x{r['cols']}", arm, f"{r[arm]['forward_ms']:.3f}",
+                  f"{r[arm]['forward_gbps']:.0f}", f"{r[arm]['backward_ms']:.3f}",
+                  f"{r[arm]['backward_gbps']:.0f}", r[arm]["forward_transient_mib"],
+                  r[arm]["backward_transient_mib"]] for r in results for arm in ARMS])
     result = header("weighted_swiglu", reps=args.reps, results=results)
     out = args.out or default_out("weighted_swiglu")
     write(result, Path(out), plot(results))

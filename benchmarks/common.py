@@ -1,7 +1,9 @@
-"""What every benchmark shares: CUDA-event timing, the result header, JSON + PNG output.
+"""What every benchmark shares: CUDA-event timing, spreads, the result header, a printed table,
+JSON + PNG output.
 
-Every result file carries the GPU name, the date and the commit it measured (``GIT_COMMIT``
-where ``.git`` does not travel), so a number quoted anywhere can be traced to its run.
+Every result file starts with :func:`header`: the benchmark, the GPU name, the UTC date, the
+commit (``$GIT_COMMIT``, else ``git rev-parse HEAD``) and the torch version, so a number quoted
+anywhere can be traced to its run.
 """
 
 from __future__ import annotations
@@ -97,17 +99,13 @@ def write(result: dict, out: Path, plot: Callable[[object], None] | None = None)
     print("wrote " + " and ".join(written), flush=True)
 
 
-def add_provenance_args(parser) -> None:
-    """For reports of runs made on another machine (no GPU here): where and when they ran."""
-    for flag in ("--gpu", "--commit", "--date"):
-        parser.add_argument(flag, required=True)
-    parser.add_argument("--command", default="", help="the device command that made the files")
-    parser.add_argument("--note", default="")
-
-
-def provenance(args, benchmark: str) -> dict:
-    return {"benchmark": benchmark, "gpu": args.gpu, "date": args.date, "commit": args.commit,
-            "command": args.command, "note": args.note}
+def print_table(headers: list[str], rows: list[list[object]], floats: str = ".1f") -> None:
+    """``rows`` under ``headers``, columns right-aligned; floats formatted with ``floats``."""
+    cells = [[format(c, floats) if isinstance(c, float) else str(c) for c in row] for row in rows]
+    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
+    print("  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True)), flush=True)
+    for row in cells:
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)), flush=True)
 
 
 def figure(width: float = 9, height: float = 4.5):
@@ -189,4 +187,4 @@ def host_profile(step: Callable[[], object], top: int = 25) -> list[str]:
 
 
 __all__ = ["CudaTimer", "GcTime", "RESULTS", "default_out", "figure", "gbps", "gpu_busy", "header",
-           "host_profile", "spread", "write"]
+           "host_profile", "print_table", "spread", "write"]

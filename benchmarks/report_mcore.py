@@ -1,11 +1,13 @@
-"""Turn a Megatron example run (scripts/mcore_gpu_run.sh's mcore_run.json) into the committed
-result: issue targets evaluated from the measured numbers, the peak-memory breakdown from the
-mode logs (when the run set MEGATRON_PAGING_MEMORY_ITER), and a PNG.
+"""Turn a Megatron example run (scripts/mcore_gpu_run.sh's mcore_run.json) into a result file:
+the targets evaluated from the measured numbers, the device time of the profiled iteration (when
+the run set MEGATRON_PAGING_BENCH_PROFILE_ITER), the peak-memory breakdown from the mode logs
+(when it set MEGATRON_PAGING_BENCH_MEMORY_ITER), and a PNG.
 
-    python benchmarks/report_mcore.py OUT_DIR --json benchmarks/results/mcore_h200.json \
-        --png benchmarks/results/mcore_h200.png
+    python benchmarks/report_mcore.py OUT_DIR --json OUT_DIR/mcore_report.json \\
+        --png OUT_DIR/mcore_report.png
 
-OUT_DIR holds mcore_run.json and mcore_<mode>.log as the GPU check wrote them.
+OUT_DIR holds mcore_run.json and mcore_<mode>.log as scripts/mcore_gpu_run.sh wrote them (it
+runs this script itself when its modes include unpaged and paged).
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from megatron_paging.tools.kernel_timeline import load, summarize
 
 MODEL = (
     "examples/run_pretrain_1gpu.sh: GPT-MoE 8 layers, hidden 1024, 16 experts top-2, seq 2048, "
-    "micro-batch 1, global batch 8 (8 microbatches), bf16, local spec with SDPAttention "
-    "(--paging-core-attention sdpa, flash pinned), static flex dispatcher, capacity factor 1.5, "
+    "micro-batch 1, global batch 8 (8 microbatches), bf16, local spec with fused SDPA core "
+    "attention, static flex dispatcher, capacity factor 1.5, "
     "--deterministic-mode, --no-check-for-nan-in-loss-and-grad, PP=1 EP=1, 'rerun' policy; "
     "graphed_* modes add --cuda-graph-impl full_iteration (3 eager warm-up steps)"
 )
@@ -37,7 +39,7 @@ def memory_breakdown(log: Path, top: int = 8) -> list[str]:
 
 
 def profiled_iteration(run_dir: Path, mode: str) -> dict | None:
-    """Device time of the profiled iteration (MEGATRON_PAGING_PROFILE_JSON's timeline), which
+    """Device time of the profiled iteration (MEGATRON_PAGING_BENCH_PROFILE_JSON's timeline), which
     compares host-bound eager arms where their wall clocks cannot."""
     for name in (f"mcore_{mode}_timeline.json.rank0", f"mcore_{mode}_timeline.json.gz"):
         path = run_dir / name
@@ -55,12 +57,14 @@ def profiled_iteration(run_dir: Path, mode: str) -> dict | None:
     return None
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("run_dir", type=Path)
-    parser.add_argument("--json", type=Path, required=True)
-    parser.add_argument("--png", type=Path)
-    args = parser.parse_args()
+    parser.add_argument("run_dir", type=Path,
+                        help="folder with mcore_run.json and the mode logs "
+                        "(mcore_gpu_run.sh's OUT)")
+    parser.add_argument("--json", type=Path, required=True, help="where the report JSON goes")
+    parser.add_argument("--png", type=Path, help="where the report PNG goes (none without)")
+    args = parser.parse_args(argv)
     run = json.loads((args.run_dir / "mcore_run.json").read_text())
     summary = run["summary"]
     ms = {m: float(s["median_step_ms"]) for m, s in summary.items()}
@@ -91,8 +95,8 @@ def main() -> None:
         "gpu": run["gpu"],
         "date": run["date"],
         "commit": run["commit"],
-        "command": "GIT_COMMIT=<commit> STEPS=<n> MODES='<modes>' bash scripts/mcore_gpu_run.sh "
-        "<out>; python benchmarks/report_mcore.py <out> --json ... --png ...",
+        "command": "STEPS=<n> MODES='<modes>' bash scripts/gpu_check.sh build mcore "
+        "(scripts/mcore_gpu_run.sh, then benchmarks/report_mcore.py)",
         "model": MODEL,
         "steps": run["steps"],
         "summary": summary,
@@ -129,9 +133,8 @@ def main() -> None:
         "caveat": f"One run of {run['steps']} steps per mode. Medians over steady steps: from "
         "step 3 on (eager), after the eager warm-up steps and the capture step (graphed), never "
         "a profiled or traced iteration or the one after it; step_ms_p25_p75 is their spread. "
-        "Eager modes are host-bound (the GPU is busy for a fifth of the step or less) and the "
-        "same unpaged configuration has measured 767-1151 ms across calls, so eager wall-clock "
-        "differences of ten percent are noise: compare their device_busy_ms "
+        "Eager modes of this small model are host-bound and their wall clock drifts between "
+        "processes by more than paging costs: compare their device_busy_ms "
         "(profiled_iteration) instead; graphed modes replay the whole step and are GPU-bound.",
         "profiled_iteration": profiles,
         "peak_breakdown": {

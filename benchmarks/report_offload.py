@@ -1,10 +1,9 @@
 """Turn offloading runs of the Megatron example (scripts/mcore_gpu_run.sh's mcore_run.json with
-``offload_*`` modes) and ``bench_offload.py``'s transfer JSON into the committed result: per arm
-step time with its spread, forward-backward peak, host bytes, bitwise parity; ours against
-Megatron-Core's offloading on the same module set *within one run*; the issue's targets; a PNG.
+``offload_*`` modes) into a result file: per arm the step time with its spread, the
+forward-backward peak, host bytes and bitwise parity; ours against Megatron-Core's offloading on
+the same module set *within one run*, with the targets. Prints a table.
 
-    python benchmarks/report_offload.py RUN_DIR [RUN_DIR ...] --transfers offload.json \
-        --json benchmarks/results/mcore_offload_h200.json --png ...
+    python benchmarks/report_offload.py RUN_DIR [RUN_DIR ...] --json out/mcore_offload.json
 
 Each RUN_DIR holds one mcore_run.json. Arms are compared only with arms of the same run.
 """
@@ -123,54 +122,24 @@ def compare(run: dict) -> list[dict]:
     return rows
 
 
-def plot(runs: list[tuple[str, dict]], png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(len(runs), 2, figsize=(12, 3.6 * len(runs)), squeeze=False)
-    for (label, run), (ax1, ax2) in zip(runs, axes, strict=True):
-        modes = list(run["summary"])
-        stats = {m: arm_stats(run, m) for m in modes}
-        ok = [m for m in modes if stats[m]["median_step_ms"] is not None]
-        colors = ["grey" if m.endswith("unpaged") else "tab:orange" if "_mcore_" in m
-                  else "tab:blue" for m in ok]
-        med = [stats[m]["median_step_ms"] for m in ok]
-        err = [[med[i] - (stats[m]["p25_step_ms"] or med[i]) for i, m in enumerate(ok)],
-               [(stats[m]["p75_step_ms"] or med[i]) - med[i] for i, m in enumerate(ok)]]
-        names = [m.replace("offload_", "") for m in ok]
-        ax1.bar(names, med, yerr=err, color=colors, capsize=3)
-        ax1.set_ylabel("step ms (median, IQR)")
-        ax1.tick_params(axis="x", labelsize=7, rotation=20)
-        ax1.set_title(f"{label}: step time", fontsize=9)
-        peaks = [stats[m]["fb_peak_mib"] or 0 for m in ok]
-        ax2.bar(names, peaks, color=colors)
-        ax2.set_ylim(min(peaks) * 0.97, max(peaks) * 1.01)
-        ax2.set_ylabel("forward-backward peak MiB")
-        ax2.tick_params(axis="x", labelsize=7, rotation=20)
-        ax2.set_title(f"{label}: peak allocated (steps 3+)", fontsize=9)
-    fig.suptitle("fine-grained activation offloading: megatron-paging (blue) vs Megatron-Core "
-                 "(orange)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("run_dirs", type=Path, nargs="+")
-    parser.add_argument("--transfers", type=Path, help="bench_offload.py's JSON")
+    parser.add_argument("run_dirs", type=Path, nargs="+",
+                        help="folders each holding one mcore_run.json (mcore_gpu_run.sh's OUT)")
     parser.add_argument("--extra", default="", help="the EXTRA flags the runs used (recorded)")
-    parser.add_argument("--json", type=Path, required=True)
-    parser.add_argument("--png", type=Path)
+    parser.add_argument("--json", type=Path, required=True, help="where the result JSON goes")
     args = parser.parse_args(argv)
     runs = [(d.name, json.loads((d / "mcore_run.json").read_text())) for d in args.run_dirs]
     result = {
         "benchmark": "mcore_offload_1gpu",
-        "command": "GIT_COMMIT=<commit> STEPS=<n> EXTRA='<extra>' MODES='unpaged offload_...' "
+        # where and when the runs measured (each run keeps its own too)
+        "gpu": ", ".join(sorted({run["gpu"] for _, run in runs})),
+        "date": max(run["date"] for _, run in runs),
+        "commit": ", ".join(dict.fromkeys(run["commit"] for _, run in runs)),
+        "command": "STEPS=<n> EXTRA='<extra>' MODES='unpaged offload_...' "
         "bash scripts/gpu_check.sh build mcore; python benchmarks/report_offload.py <out> ...",
         "model": "examples/run_pretrain_1gpu.sh (8 layers, hidden 1024, 16 experts top-2, seq "
-        "2048, bf16, local spec + SDPAttention, static dispatcher, capacity factor 1.5, "
+        "2048, bf16, local spec + fused SDPA attention, static dispatcher, capacity factor 1.5, "
         f"--deterministic-mode) {args.extra}".strip(),
         "runs": [],
     }
@@ -181,11 +150,6 @@ def main(argv=None) -> int:
             "arms": {m: arm_stats(run, m) for m in run["summary"]},
             "ours_vs_mcore": compare(run),
         })
-    if args.transfers:
-        transfers = json.loads(args.transfers.read_text())
-        result["transfers"] = {
-            k: transfers[k] for k in ("gpu", "date", "commit", "alone", "beside_gemm", "targets")
-        }
     args.json.write_text(json.dumps(result, indent=1) + "\n")
     for entry in result["runs"]:
         print(f"{entry['label']} ({entry['commit']}, {entry['steps']} steps)")
@@ -198,9 +162,7 @@ def main(argv=None) -> int:
             print(f"  {row['module_set']}: ours/mcore step {row['step_ratio_ours_over_mcore']:.3f}"
                   f" (within spread: {row['step_ratio_within_spread']}), fb peak "
                   f"{row['fb_peak_delta_mib']:+.1f} MiB, targets {row['targets']}")
-    if args.png:
-        plot(runs, args.png)
-        print(f"wrote {args.json} and {args.png}")
+    print(f"wrote {args.json}")
     return 0
 
 

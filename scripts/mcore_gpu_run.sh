@@ -5,26 +5,26 @@
 #   unpaged          - no paging (control)
 #   paged            - --moe-paged-stash through megatron-paging
 #   mcore            - --moe-paged-stash through Megatron-Core 0.19.2's own manager + Triton
+#                      kernels (MEGATRON_PAGING_BENCH_IMPLEMENTATION=mcore)
 #   graphed_unpaged  - unpaged under --cuda-graph-impl full_iteration
 #   graphed_paged    - paged under --cuda-graph-impl full_iteration
-#   offload_<backend>_<set>[_stash]
+#   offload_<backend>_<set>[_stash][_graphed][_inflightN]
 #                    - --fine-grained-activation-offloading --paging-offload-backend <backend>
 #                      (mcore | paged) of the module set (experts: expert_fc1 moe_act; dense:
 #                      attn_norm qkv_linear core_attn attn_proj mlp_norm; both), with
-#                      --moe-paged-stash when the name has _stash, full-iteration CUDA graphs
-#                      when it has _graphed (e.g. offload_paged_dense_stash_graphed); a
-#                      graphed mode gets --fine-grained-offloading-max-inflight-offloads 2,
-#                      or N from an _inflightN token (offload_mcore_dense_graphed_inflight0)
+#                      --moe-paged-stash for _stash, full-iteration CUDA graphs for _graphed
+#                      (with --fine-grained-offloading-max-inflight-offloads N, default 2)
 # then print per-step losses / grad norms, bitwise parity of every microbatch loss against the
 # control (graphed modes also against graphed_unpaged when it ran), peak memory and step time,
-# and write $OUT/mcore_run.json.
+# write $OUT/mcore_run.json and, when the modes include unpaged and paged,
+# benchmarks/report_mcore.py's $OUT/mcore_report.json + .png.
 #
 # Usage: bash scripts/mcore_gpu_run.sh [OUT] ; env: STEPS (20), MODES ("unpaged paged mcore"),
 #        DETERMINISTIC (1: --deterministic-mode, needed for bitwise parity), EXTRA (more flags),
-#        MEGATRON_PAGING_PROFILE_ITER (profile that iteration in every mode: top kernels and
-#        host ops land in the mode's log, its kernel timeline in mcore_<mode>_timeline.json.rank0,
-#        read by python -m megatron_paging.tools.kernel_timeline; the example's StepProbe also
-#        logs per-step peaks).
+#        MEGATRON_PAGING_BENCH_PROFILE_ITER (profile that iteration in every mode: top kernels
+#        and host ops in the mode's log, its kernel timeline in mcore_<mode>_timeline.json.rank0,
+#        read by python -m megatron_paging.tools.kernel_timeline),
+#        MEGATRON_PAGING_BENCH_MEMORY_ITER (what is alive at that iteration's memory peak).
 set -u
 OUT=${1:-${OUT:-$PWD/out}}
 mkdir -p "$OUT"
@@ -40,10 +40,11 @@ status=0
 for mode in $MODES; do
   log="$OUT/mcore_$mode.log"
   rm -f "$OUT/mcore_${mode}_loss".rank*
+  implementation=ours  # MEGATRON_PAGING_BENCH_IMPLEMENTATION of the run
   case $mode in
     unpaged) paged=0; impl=() ;;
     paged) paged=1; impl=() ;;
-    mcore) paged=1; impl=(--paging-implementation mcore) ;;
+    mcore) paged=1; impl=(); implementation=mcore ;;
     graphed_unpaged) paged=0; impl=(--cuda-graph-impl full_iteration) ;;
     graphed_paged) paged=1; impl=(--cuda-graph-impl full_iteration) ;;
     offload_*)
@@ -70,8 +71,9 @@ for mode in $MODES; do
   echo "=== mcore run: $mode ($STEPS steps) -> $log"
   t0=$SECONDS
   # shellcheck disable=SC2086
-  MEGATRON_PAGING_LOSS_LOG="$OUT/mcore_${mode}_loss" PAGED=$paged PYTHON=$PYTHON \
-    MEGATRON_PAGING_PROFILE_JSON=${MEGATRON_PAGING_PROFILE_ITER:+$OUT/mcore_${mode}_timeline.json} \
+  MEGATRON_PAGING_BENCH_LOSS_LOG="$OUT/mcore_${mode}_loss" PAGED=$paged PYTHON=$PYTHON \
+    MEGATRON_PAGING_BENCH_IMPLEMENTATION=$implementation \
+    MEGATRON_PAGING_BENCH_PROFILE_JSON=${MEGATRON_PAGING_BENCH_PROFILE_ITER:+$OUT/mcore_${mode}_timeline.json} \
     bash examples/run_pretrain_1gpu.sh --train-iters "$STEPS" --no-check-for-nan-in-loss-and-grad \
     "${det[@]}" "${impl[@]}" \
     ${EXTRA:-} >"$log" 2>&1
@@ -94,7 +96,8 @@ GNORM = re.compile(r"grad norm: ([-+.\dEe]+|nan|inf)")
 MEM = re.compile(r"paging-example rank 0: (.*)")
 WARMUP = re.compile(r"cuda_graph_warmup_steps \.+ (\d+)")
 # Iterations a diagnostic slows (the profiled or traced one, and the next, which prints it).
-PERTURBED = {i + d for env in ("MEGATRON_PAGING_PROFILE_ITER", "MEGATRON_PAGING_MEMORY_ITER")
+PERTURBED = {i + d for env in ("MEGATRON_PAGING_BENCH_PROFILE_ITER",
+                               "MEGATRON_PAGING_BENCH_MEMORY_ITER")
              for i in (int(v) for v in os.environ.get(env, "").split(",") if v.strip())
              for d in (0, 1)}
 
@@ -172,7 +175,7 @@ json.dump(dict(gpu=gpu, date=time.strftime("%Y-%m-%d %H:%M:%S"), commit=commit, 
                summary=summary, runs=runs), open(out / "mcore_run.json", "w"), indent=1)
 print(f"wrote {out / 'mcore_run.json'}")
 EOF
-# Targets, peak breakdown and a PNG, in the form benchmarks/results/mcore_h200.json takes.
+# Targets, device time, peak breakdown and a PNG (benchmarks/report_mcore.py).
 case " $MODES " in
   *" unpaged "*" paged "* | *" paged "*" unpaged "*)
     "$PYTHON" benchmarks/report_mcore.py "$OUT" --json "$OUT/mcore_report.json" \

@@ -10,19 +10,18 @@ import frontier_bench  # noqa: F401 (a plain import, so sorted first: puts bench
 import pytest
 from frontier.arms import (
     ARMS,
+    DEFAULT_ARMS,
+    IMPLEMENTATION_ENV,
     PAGED_FAMILY,
     RECOMPUTE_INFORMATIONAL,
-    REMOVED_ARMS,
     SIZES,
     budget_extra,
     estimate_memory,
     expert_bytes,
     frontier_extra,
     model_config,
-    offload_available,
     resolve_flags,
     script_argv,
-    skip_reason,
 )
 from frontier.logs import (
     call_of_runs,
@@ -36,12 +35,9 @@ from frontier.logs import (
     steady_step_ms,
     summarize,
 )
-from frontier.plan import (
-    frontier_tasks,
-    load_runs,
-)
+from frontier.plan import frontier_tasks, load_runs
 from frontier.report import table as report_table
-from frontier.targets import budget_target, evaluate_targets
+from frontier.targets import evaluate_targets
 
 MIB = 2**20
 
@@ -57,24 +53,21 @@ def _cfg(**over):
 
 def test_arm_table_and_flags():
     assert [a for a, arm in ARMS.items() if arm.exact] == [
-        "paged", "paged_hold", "paged_prefetch_dispatcher", "paged_stash_next_layer",
-        "paged_persistent",
-        "paged_unbounded_lead", "mcore_manager",
-        "mcore_offload", "paged_offload", "paged_offload_dma", "paged_stash_plus_offload",
-        "unpaged_recompute_fc1", "paged_recompute_fc1", "paged_recompute_fc1_hold",
-        "paged_recompute_fc1_tight", "paged_recompute_fc1_spill",
-        "paged_offload_dma_recompute_fc1"]
-    assert ARMS["paged_unbounded_lead"].flags == ("--paging-max-inflight-stashes", "0")
-    assert {a for a, arm in ARMS.items() if arm.needs_offload} == {
-        "mcore_offload", "paged_offload", "paged_offload_dma", "paged_stash_plus_offload",
-        "paged_offload_dma_recompute_fc1"}
+        "paged", "paged_hold", "mcore_manager", "mcore_offload", "paged_offload",
+        "paged_stash_plus_offload", "unpaged_recompute_fc1", "paged_recompute_fc1",
+        "paged_recompute_fc1_hold", "paged_recompute_fc1_tight", "paged_recompute_fc1_spill",
+        "paged_offload_recompute_fc1"]
     assert not ARMS["unpaged"].paged and not ARMS["recompute_moe"].paged
     assert ARMS["paged_recompute_core_attn"].paged
-    assert ARMS["paged_prefetch_dispatcher"].flags == ("--paging-prefetch-point", "dispatcher")
-    assert PAGED_FAMILY == ("paged", "paged_hold", "paged_prefetch_dispatcher",
-                            "paged_stash_next_layer", "paged_recompute_core_attn",
-                            "paged_recompute_fc1", "paged_recompute_fc1_hold",
-                            "paged_recompute_fc1_tight", "paged_recompute_fc1_pieces")
+    assert set(DEFAULT_ARMS) <= set(ARMS) and DEFAULT_ARMS[0] == "unpaged"
+    # Benchmark controls are environment variables, never flags of the library.
+    assert ARMS["mcore_manager"].env == {IMPLEMENTATION_ENV: "mcore"}
+    assert ARMS["mcore_manager"].flags == ()
+    assert {a for a, arm in ARMS.items() if arm.env} == {"mcore_manager"}
+    assert not any(flag.startswith("--paging-") and flag not in (
+        "--paging-hold-last-slot", "--paging-recompute-expert-fc1", "--paging-offload-backend")
+        for arm in ARMS.values() for flag in arm.flags)
+    assert set(PAGED_FAMILY) <= set(ARMS) and set(RECOMPUTE_INFORMATIONAL) <= set(ARMS)
     # the pool arms' factors win over the script's 1.10 (argparse: the last value)
     tight = resolve_flags(script_argv(frontier_extra("moe_compute", "paged_recompute_fc1_tight"),
                                       paged=True))
@@ -86,15 +79,9 @@ def test_arm_table_and_flags():
     assert spill["--moe-paged-stash-buffer-size-factor-cpu"] == ["0.3"]
     assert "paged_recompute_fc1_spill" in RECOMPUTE_INFORMATIONAL
     assert "paged_recompute_fc1_spill" not in PAGED_FAMILY
-    pieces = resolve_flags(frontier_extra("moe_compute", "paged_recompute_fc1_pieces"))
-    assert pieces["--paging-recompute-expert-fc1-piece-rows"] == ["49152"]
-    # pieces serve the unfused activation only (the example fuses it, Megatron's default)
-    assert "--no-bias-swiglu-fusion" in pieces and not ARMS["paged_recompute_fc1_pieces"].exact
     assert ARMS["unpaged_unfused"].flags == ("--no-bias-swiglu-fusion",)
     assert ARMS["paged_hold"].paged and ARMS["paged_hold"].exact
-    # layernorm recompute needs TE in Megatron-Core 0.19.2: the arm is gone, and says why.
-    assert "paged_recompute_attn_norm" not in ARMS
-    assert "CheckpointWithoutOutput" in REMOVED_ARMS["paged_recompute_attn_norm"]
+    # layernorm recompute needs TE in Megatron-Core 0.19.2: no arm asks for it.
     assert not any("layernorm" in arm.flags for arm in ARMS.values())
     extra = frontier_extra("expert_heavy", "recompute_moe", iters=7)
     assert extra[-3:] == ["--deterministic-mode", "--train-iters", "7"]
@@ -113,7 +100,7 @@ def test_script_argv_is_what_the_example_gets():
     assert cfg["moe_ffn_hidden_size"] == 2048 and cfg["capacity_factor"] == 1.5
     assert cfg["paged"] and cfg["swiglu"] and cfg["dtype_bytes"] == 2
     assert cfg["microbatches"] == 8
-    assert resolve_flags(paged)["--paging-implementation"] == ["mcore"]
+    assert "--paging-implementation" not in resolve_flags(paged)  # an env var now
     unpaged = model_config(script_argv(frontier_extra("small", "unpaged"), paged=False))
     assert not unpaged["paged"] and unpaged["seq_length"] == 2048
     recompute = script_argv(frontier_extra("small", "paged_recompute_core_attn"), paged=True)
@@ -121,22 +108,14 @@ def test_script_argv_is_what_the_example_gets():
     assert resolve_flags(recompute)["--recompute-granularity"] == ["selective"]
 
 
-def test_offload_arms_wait_for_the_flag(tmp_path):
-    without, with_flag = tmp_path / "a.py", tmp_path / "b.py"
-    without.write_text('"--paging-core-attention"\n')
-    with_flag.write_text('group.add_argument("--paging-offload-backend")\n')
-    assert not offload_available(without) and offload_available(with_flag)
-    assert not offload_available(tmp_path / "missing.py")
-    assert "--paging-offload-backend" in skip_reason(ARMS["paged_offload"], False)
-    assert skip_reason(ARMS["paged_offload"], True) is None
-    assert skip_reason(ARMS["paged"], False) is None
-    tasks, skipped = frontier_tasks(["small"], list(ARMS), None, {}, 12, offload=False)
-    assert set(skipped) == {"small:mcore_offload", "small:paged_offload",
-                            "small:paged_offload_dma", "small:paged_stash_plus_offload",
-                            "small:paged_offload_dma_recompute_fc1"}
-    assert len(tasks) == 17
-    tasks, skipped = frontier_tasks(["small"], list(ARMS), None, {}, 12, offload=True)
-    assert not skipped and len(tasks) == 22
+def test_tasks_carry_the_arms_controls_and_the_calls_env():
+    tasks = frontier_tasks(["small"], list(ARMS), None, {}, 12,
+                           env={"CUDA_DEVICE_MAX_CONNECTIONS": "32"})
+    assert len(tasks) == len(ARMS) and tasks[0].key == "small:unpaged"
+    by_arm = {t.arm: t for t in tasks}
+    assert by_arm["mcore_manager"].env == {IMPLEMENTATION_ENV: "mcore",
+                                           "CUDA_DEVICE_MAX_CONNECTIONS": "32"}
+    assert by_arm["paged"].env == {"CUDA_DEVICE_MAX_CONNECTIONS": "32"}
 
 
 # ----------------------------------------------------------------------------- arithmetic
@@ -272,7 +251,7 @@ def test_targets_pass_and_miss_from_numbers():
         "paged_recompute_core_attn": _row(1080.0, 2100.0),
         "paged_offload": _row(1000.0, 2000.0, parity=eq),
     }
-    t = evaluate_targets({"expert_heavy": rows})["expert_heavy"]
+    t = evaluate_targets({"moe_compute": rows})["moe_compute"]
     rec = t["paged_1.2x_faster_than_recompute_moe_at_le_its_activation"]
     assert rec["per_arm"]["paged"]["met"] is False  # faster, but more activation memory
     assert rec["per_arm"]["paged"]["activation_le_recompute"] is False
@@ -284,27 +263,27 @@ def test_targets_pass_and_miss_from_numbers():
     assert off["speedup_vs_recompute_moe"] == pytest.approx(1.3) and off["met"] is True
     assert off["activation_mib"] == 2000.0 and off["recompute_activation_mib"] == 2200.0
     assert "not the strict target" in rec["informational_note"]
-    lines = report_table({"gpu": None, "commit": "x", "summary": {"expert_heavy": rows},
-                          "budget": {"outcomes": {}}, "skipped": {}, "remaining": [],
-                          "targets": {"expert_heavy": t}})
+    lines = report_table({"gpu": None, "commit": "x", "summary": {"moe_compute": rows},
+                          "budget": {"outcomes": {}}, "remaining": [],
+                          "targets": {"moe_compute": t}})
     info = [line for line in lines if "informational, not the strict target" in line]
     assert len(info) == 1 and "[paged_offload: 1.30x, act 2000 vs 2200 MiB: meets]" in info[0]
     verdict = [line for line in lines if "paged_1.2x_faster" in line]
-    assert len(verdict) == 1 and verdict[0].startswith("  expert_heavy: paged_1.2x")
+    assert len(verdict) == 1 and verdict[0].startswith("  moe_compute: paged_1.2x")
     assert ": PASS [paged: " in verdict[0] and "MiB: misses]" in verdict[0]
     assert "[paged_recompute_core_attn: 1.20x, act 2100 vs 2200 MiB: meets]" in verdict[0]
-    assert any(line.startswith("expert_heavy       paged_recompute_core_attn ") for line in lines)
+    assert any(line.startswith("moe_compute        paged_recompute_core_attn ") for line in lines)
     assert not any("* = from the step peak" in line for line in lines)
     rows["recompute_moe"]["activation_source"] = "steady_peak_allocated_mib"  # an older record
-    lines = report_table({"gpu": None, "commit": "x", "summary": {"expert_heavy": rows},
-                          "budget": {"outcomes": {}}, "skipped": {}, "remaining": [],
-                          "targets": {"expert_heavy": t}})
-    assert any(line.startswith("expert_heavy       recompute_moe ") and "2200.0*" in line
+    lines = report_table({"gpu": None, "commit": "x", "summary": {"moe_compute": rows},
+                          "budget": {"outcomes": {}}, "remaining": [],
+                          "targets": {"moe_compute": t}})
+    assert any(line.startswith("moe_compute        recompute_moe ") and "2200.0*" in line
                for line in lines)
     assert any("* = from the step peak" in line for line in lines)
     del rows["recompute_moe"]["activation_source"]
     rows_off = {k: v for k, v in rows.items() if k != "paged_recompute_core_attn"}
-    rec_off = evaluate_targets({"expert_heavy": rows_off})["expert_heavy"][
+    rec_off = evaluate_targets({"moe_compute": rows_off})["moe_compute"][
         "paged_1.2x_faster_than_recompute_moe_at_le_its_activation"]
     assert rec_off["status"] == "MISS" and rec_off["informational_per_arm"]["paged_offload"][
         "met"]  # a passing informational arm does not pass the target
@@ -334,12 +313,12 @@ def test_targets_pass_and_miss_from_numbers():
 
 
 def test_step_ratios_across_device_calls_are_no_verdict():
-    """The machine's step time drifts between device calls (5e0b255: the same unpaged run
-    1959.6 and 2015.0 ms): a resumed file's arms from two calls give no PASS or MISS."""
+    """A GPU's step time drifts between calls by more than paging costs: a resumed file's arms
+    from two calls give no PASS or MISS."""
     rows = {
         "unpaged": _row(2015.0, 4000.0, call=1),
         "paged": _row(2023.2, 3500.0, call=0),  # 1.004x "unpaged" of another call
-        "paged_prefetch_dispatcher": _row(2078.1, 3500.0, call=1),
+        "paged_hold": _row(2078.1, 3500.0, call=1),
         "recompute_moe": _row(2600.0, 3600.0, call=1),
     }
     t = evaluate_targets({"moe_compute": rows})["moe_compute"]
@@ -347,12 +326,12 @@ def test_step_ratios_across_device_calls_are_no_verdict():
     assert step["status"] == "NOT COMPARABLE" and step["met"] is None
     assert step["ratio"] == pytest.approx(2023.2 / 2015.0)
     assert "different device calls (0, 1)" in step["reason"]
-    same = step["same_model_per_arm"]["paged_prefetch_dispatcher"]  # one call: a verdict
+    same = step["same_model_per_arm"]["paged_hold"]  # one call: a verdict
     assert same["status"] == "MISS" and same["ratio"] == pytest.approx(2078.1 / 2015.0)
     rec = t["paged_1.2x_faster_than_recompute_moe_at_le_its_activation"]["per_arm"]
-    assert set(rec) == {"paged_prefetch_dispatcher"}  # paged ran in the other call
+    assert set(rec) == {"paged_hold"}  # paged ran in the other call
     lines = report_table({"gpu": None, "commit": "x", "summary": {"moe_compute": rows},
-                          "budget": {"outcomes": {}}, "skipped": {}, "remaining": [],
+                          "budget": {"outcomes": {}}, "remaining": [],
                           "targets": {"moe_compute": t}})
     assert any(line.startswith("  moe_compute: paged_step_le_1.01x_unpaged: NOT COMPARABLE "
                                "(ratio 1.004: paged and unpaged ran in different device calls")
@@ -389,7 +368,7 @@ def test_same_model_step_ratios_sit_beside_the_strict_verdict():
     assert same["paged_recompute_fc1"]["status"] == "MISS"  # 1.0196x
     assert same["paged_hold"]["unpaged_arm"] == "unpaged" and same["paged_hold"]["met"] is False
     lines = report_table({"gpu": None, "commit": "x", "summary": {"moe_compute": rows},
-                          "budget": {"outcomes": {}}, "skipped": {}, "remaining": [],
+                          "budget": {"outcomes": {}}, "remaining": [],
                           "targets": {"moe_compute": evaluate_targets(
                               {"moe_compute": rows})["moe_compute"]}})
     assert any(line.startswith("  moe_compute: paged_step_le_1.01x_unpaged: MISS")
@@ -420,7 +399,7 @@ def test_same_model_step_ratios_sit_beside_the_strict_verdict():
 
 
 def test_step_peak_target_is_informational():
-    # The H200's expert_heavy numbers: the pool lives through the optimizer step's peak.
+    # A persistent pool lives through the optimizer step, whose transient sets the step peak.
     rows = {"unpaged": _row(1031.3, 4066.9, steady_peak_allocated_mib=35579.2,
                             steady_fb_peak_allocated_mib=33420.7),
             "paged": _row(1222.2, 3795.2, steady_peak_allocated_mib=36987.4,
@@ -441,9 +420,6 @@ def test_resumed_file_gets_the_current_split_and_keeps_removed_arms_out(tmp_path
     runs = {
         "expert_heavy:unpaged": {"kind": "arm", "size": "expert_heavy", "arm": "unpaged",
                                  "status": "ok", "memory": mem, "activation_mib": 6225.4},
-        "expert_heavy:paged_recompute_attn_norm": {
-            "kind": "arm", "size": "expert_heavy", "arm": "paged_recompute_attn_norm",
-            "status": "error", "memory": {}},
         "expert_heavy:gone": {"kind": "arm", "size": "expert_heavy", "arm": "gone",
                               "status": "ok", "memory": {}, "activation_mib": 1.0},
     }
@@ -456,22 +432,5 @@ def test_resumed_file_gets_the_current_split_and_keeps_removed_arms_out(tmp_path
     assert "activation_mib" not in loaded["expert_heavy:gone"]  # nothing measured: no split
     assert set(summarize(loaded)["expert_heavy"]) == {"unpaged"}
     removed = removed_runs(loaded)
-    assert removed["expert_heavy:paged_recompute_attn_norm"]["reason"].startswith("replaced by")
     assert removed["expert_heavy:gone"]["reason"] == "not an arm of this tree"
     assert refresh_memory_split({}) == {}
-
-
-def test_budget_target():
-    u = {"max_seq": 12288, "time_per_token_us": 10.0, "concluded": True}
-    p = {"max_seq": 14336, "time_per_token_us": 10.05, "concluded": True}
-    t = budget_target({"unpaged": u, "paged": p})
-    assert t["status"] == "PASS" and t["longer"] and t["concluded"]
-    assert budget_target({"unpaged": u, "paged": {**p, "max_seq": 12288}})["status"] == "MISS"
-    slow = budget_target({"unpaged": u, "paged": {**p, "time_per_token_us": 10.2}})
-    assert slow["status"] == "MISS"
-    assert budget_target({"unpaged": u})["status"] == "NOT RUN"
-
-
-# ----------------------------------------------------------------------------- budget search
-
-

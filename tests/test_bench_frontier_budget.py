@@ -7,6 +7,8 @@ from __future__ import annotations
 import frontier_bench  # noqa: F401 (a plain import, so sorted first: puts benchmarks/ on sys.path)
 import pytest
 from frontier.arms import (
+    IMPLEMENTATION_ENV,
+    MEMORY_FRACTION_ENV,
     budget_extra,
     frontier_extra,
 )
@@ -24,7 +26,6 @@ from frontier.budget import (
 from frontier.plan import (
     DEFAULT_RUN_S,
     ESTIMATE_MARGIN,
-    Task,
     estimate_run_s,
     fits,
     frontier_tasks,
@@ -32,10 +33,9 @@ from frontier.plan import (
     remaining,
 )
 from frontier.targets import budget_target
+from frontier.task import Task
 
 MIB = 2**20
-
-
 
 
 def _search(limit, start, ratio, resolution=1024, unit=512, max_runs=8, max_seq=65536):
@@ -83,7 +83,7 @@ def test_predicted_start():
 
 def _budget_record(opts, arm, seq, status, search, step=1000.0):
     task = Task("budget", opts.size, arm, tuple(budget_extra(opts.size, arm, seq)),
-                opts.iters, seq, budget_env(opts, 0.25), search, opts.cap_gib)
+                opts.iters, seq, budget_env(opts, arm, 0.25), search, opts.cap_gib)
     return {"key": task.key, "kind": "budget", "size": opts.size, "arm": arm, "seq": seq,
             "env": {"PAGED": "1", **task.env},
             "train_iters": opts.iters, "status": status, "cap_gib": opts.cap_gib,
@@ -103,13 +103,13 @@ def test_budget_driver_resumes_and_stops_on_errors():
         ok = task.seq <= limits[task.arm]
         runs[task.key] = _budget_record(opts, task.arm, task.seq, "ok" if ok else "oom",
                                         task.search)
-        assert task.env["MEGATRON_PAGING_MEMORY_FRACTION"] == f"{opts.cap_gib * 1024 / 143771:.6f}"
+        assert task.env[MEMORY_FRACTION_ENV] == f"{opts.cap_gib * 1024 / 143771:.6f}"
         # The cap measures activation memory, not the caching allocator's fragmentation.
         assert task.env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
         assert task.key.endswith(":expandable_segments:True")
         return runs[task.key] if len(calls) < 3 else None  # the time budget ends call 1
 
-    assert run_budget(opts, runs, 143771.0, execute, base_seq=4096, offload=False) is False
+    assert run_budget(opts, runs, 143771.0, execute, base_seq=4096) is False
     assert len(runs) == 3
     first = dict(runs)
     calls.clear()
@@ -123,12 +123,16 @@ def test_budget_driver_resumes_and_stops_on_errors():
                                         task.search)
         return runs[task.key]
 
-    assert run_budget(opts, runs, 143771.0, execute2, base_seq=4096, offload=False)
+    assert run_budget(opts, runs, 143771.0, execute2, base_seq=4096)
     out = {arm: budget_outcome(budget_records(runs, opts, arm), opts) for arm in opts.arms}
     # Candidates run under another allocator configuration are not this search's.
     plain = BudgetOptions(arms=opts.arms, max_runs=6, alloc_conf="")
     assert budget_records(runs, plain, "unpaged") == []
-    assert "PYTORCH_CUDA_ALLOC_CONF" not in budget_env(plain, 0.25)
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in budget_env(plain, "unpaged", 0.25)
+    # An arm's benchmark controls reach its candidates too.
+    assert budget_env(plain, "mcore_manager", 0.25)[IMPLEMENTATION_ENV] == "mcore"
+    queues = {"CUDA_DEVICE_MAX_CONNECTIONS": "32"}  # the call's --env reaches them as well
+    assert budget_env(plain, "paged", 0.25, queues)["CUDA_DEVICE_MAX_CONNECTIONS"] == "32"
     assert out["unpaged"]["concluded"] and out["paged"]["concluded"]
     assert out["unpaged"]["max_seq"] <= 9000 < out["unpaged"]["first_failure_above"]
     assert out["paged"]["max_seq"] > out["unpaged"]["max_seq"]
@@ -150,12 +154,11 @@ def test_budget_driver_resumes_and_stops_on_errors():
         return runs2[task.key]
 
     one = BudgetOptions(arms=("unpaged",), max_runs=1)
-    assert run_budget(one, runs2, 143771.0, execute3, retry_failed=True, base_seq=4096,
-                      offload=False)
+    assert run_budget(one, runs2, 143771.0, execute3, retry_failed=True, base_seq=4096)
     assert seen == [4096] and runs2[err["key"]]["status"] == "ok"
     # An execute that records nothing cannot loop the search forever.
     assert run_budget(BudgetOptions(arms=("paged",)), {}, 143771.0, lambda t, label: {},
-                      base_seq=4096, offload=False) is False
+                      base_seq=4096) is False
 
 
 def test_budget_probe_times_each_arm_at_the_controls_longest_length():
@@ -182,7 +185,7 @@ def test_budget_probe_times_each_arm_at_the_controls_longest_length():
                                         task.search, step=step_ms(task.arm, task.seq))
         return runs[task.key]
 
-    assert run_budget(opts, runs, 143771.0, execute, base_seq=4096, offload=False)
+    assert run_budget(opts, runs, 143771.0, execute, base_seq=4096)
     out = {arm: budget_outcome(budget_records(runs, opts, arm), opts) for arm in opts.arms}
     control_max = out["unpaged"]["max_seq"]
     assert control_max == 7168  # 4096, 8192 OOM, 6144, 7168 (4 runs)
@@ -213,18 +216,18 @@ def test_selection_resume_and_retry():
                               "status": "error"},
             "small:recompute_moe": {"extra": ["--train-iters", "3"], "status": "ok"}}
     arms = ["unpaged", "paged", "recompute_moe"]
-    keys = [t.key for t in frontier_tasks(["small"], arms, None, runs, 12, False)[0]]
+    keys = [t.key for t in frontier_tasks(["small"], arms, None, runs, 12)]
     assert keys == ["small:recompute_moe"]  # other flags: runs again; failed: kept
-    keys = [t.key for t in frontier_tasks(["small"], arms, None, runs, 12, False, True)[0]]
+    keys = [t.key for t in frontier_tasks(["small"], arms, None, runs, 12, True)]
     assert keys == ["small:unpaged", "small:recompute_moe"]  # control first
     only = parse_only("small:recompute_moe,expert_heavy:unpaged")
-    keys = [t.key for t in frontier_tasks([], [], only, {}, 12, False)[0]]
+    keys = [t.key for t in frontier_tasks([], [], only, {}, 12)]
     assert keys == ["small:recompute_moe", "expert_heavy:unpaged"]
     with pytest.raises(ValueError, match="size:arm"):
         parse_only("small-paged")
     with pytest.raises(ValueError, match="size:arm"):
         parse_only("tiny:paged")
-    tasks = frontier_tasks(["small"], arms, None, {}, 12, False)[0]
+    tasks = frontier_tasks(["small"], arms, None, {}, 12)
     left = remaining(tasks, runs, {}, None)
     assert left[0].startswith("small:unpaged (error") and "small:recompute_moe" in left
     assert "small:paged" not in left
@@ -251,5 +254,12 @@ def test_time_budget_estimate():
     assert fits(100.0, 300.0, 200.0) and not fits(100.0, 300.0, 200.1)
 
 
-# ----------------------------------------------------------------------------- the driver
-
+def test_budget_target():
+    u = {"max_seq": 12288, "time_per_token_us": 10.0, "concluded": True}
+    p = {"max_seq": 14336, "time_per_token_us": 10.05, "concluded": True}
+    t = budget_target({"unpaged": u, "paged": p})
+    assert t["status"] == "PASS" and t["longer"] and t["concluded"]
+    assert budget_target({"unpaged": u, "paged": {**p, "max_seq": 12288}})["status"] == "MISS"
+    slow = budget_target({"unpaged": u, "paged": {**p, "time_per_token_us": 10.2}})
+    assert slow["status"] == "MISS"
+    assert budget_target({"unpaged": u})["status"] == "NOT RUN"

@@ -8,23 +8,9 @@ import json
 
 import frontier_bench  # noqa: F401 (a plain import, so sorted first: puts benchmarks/ on sys.path)
 import pytest
-from frontier.arms import (
-    ARMS,
-    SIZES,
-    frontier_extra,
-    offload_available,
-    script_argv,
-    skip_reason,
-)
-from frontier.logs import (
-    summarize,
-)
+from frontier.arms import ARMS, IMPLEMENTATION_ENV, SIZES, frontier_extra, script_argv
+from frontier.logs import summarize
 from frontier_bench import bf, install_fake_example
-
-MIB = 2**20
-
-
-
 
 FAKE = r'''
 import os, sys
@@ -42,7 +28,7 @@ for tok in argv:
 seq, iters = int(flags["--seq-length"][0]), int(flags["--train-iters"][0])
 mods = flags.get("--recompute-modules", [])
 paged = "--moe-paged-stash" in flags
-mcore = flags.get("--paging-implementation") == ["mcore"]
+mcore = os.environ.get("MEGATRON_PAGING_BENCH_IMPLEMENTATION") == "mcore"
 act = 3000.0 - (200 if paged else 0) - (1500 if "moe" in mods else 0) - (
     300 if "core_attn" in mods else 0)
 act *= seq / 2048
@@ -53,7 +39,7 @@ fb = 8000.0 + act
 # the activations are small, as on the H200 (frontier_h200.json).
 pool = 250.0 if paged else 0.0
 steady = max(fb, 8000.0 + 2000.0 + pool)
-fraction = os.environ.get("MEGATRON_PAGING_MEMORY_FRACTION")
+fraction = os.environ.get("MEGATRON_PAGING_BENCH_MEMORY_FRACTION")
 for i in range(1, iters + 1):
     print(f" [t] iteration {i:8d}/{iters:8d} | elapsed time per iteration (ms): "
           f"{ms * (3 if i <= 3 else 1):.1f} | lm loss: 1.0E+01 | grad norm: 3.{i} |", flush=True)
@@ -61,7 +47,7 @@ for i in range(1, iters + 1):
         print("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
         sys.exit(1)
 loss = 10.0 + (1e-6 if mods else 0.0)
-with open(os.environ["MEGATRON_PAGING_LOSS_LOG"] + ".rank0", "w") as f:
+with open(os.environ["MEGATRON_PAGING_BENCH_LOSS_LOG"] + ".rank0", "w") as f:
     for i in range(iters * 8):
         f.write(f"{(loss + i / 64).hex()} 2048\n")
 print(f"paging-example rank 0: peak_allocated_mib={steady:.1f} "
@@ -142,7 +128,7 @@ def test_driver_end_to_end_resume_and_time_budget(fake_example, capsys):
     assert "budget" in data["targets"]
     budget_runs = [r for r in data["runs"].values() if r["kind"] == "budget"]
     assert any(r["status"] == "oom" for r in budget_runs)
-    assert all(r["env"]["MEGATRON_PAGING_MEMORY_FRACTION"] for r in budget_runs)
+    assert all(r["env"]["MEGATRON_PAGING_BENCH_MEMORY_FRACTION"] for r in budget_runs)
     assert "targets:" in printed and "left to run" not in printed.split("targets:")[0]
     # Report only: nothing runs, the table comes back from the file. The file may hold a removed
     # arm's run and splits written under the old definition (step peak - state).
@@ -172,9 +158,9 @@ def test_driver_end_to_end_resume_and_time_budget(fake_example, capsys):
 # ----------------------------------------------------------------------------- Megatron's parser
 
 
-def test_every_runnable_arm_parses_with_megatron_and_our_flags():
+def test_every_arm_parses_with_megatron_and_our_flags():
     """Megatron's own argparse plus ours accepts every arm's full argument list, and our start-up
-    validation accepts every paged combination."""
+    validation accepts every combination (with the arm's benchmark controls)."""
     pytest.importorskip("megatron.training")
     import argparse
 
@@ -184,20 +170,18 @@ def test_every_runnable_arm_parses_with_megatron_and_our_flags():
 
     parser = flags.add_paging_args(add_megatron_arguments(argparse.ArgumentParser(
         allow_abbrev=False)))
-    offload = offload_available()
     for size in SIZES:
         for name, arm in ARMS.items():
-            if skip_reason(arm, offload):
-                continue
             argv = script_argv(frontier_extra(size, name), arm.paged)
             args = parser.parse_args(argv)
-            flags.paging_config(args, environ={}, cuda_available=False, te_available=False)
+            flags.paging_config(args, environ={}, cuda_available=False, te_available=False,
+                                mcore_manager=arm.env.get(IMPLEMENTATION_ENV) == "mcore")
             assert args.deterministic_mode and args.moe_paged_stash == arm.paged, (size, name)
-    # The removed arm's flags are refused at start-up without TE, not in the first forward.
-    removed = script_argv([*SIZES["expert_heavy"].flags, "--recompute-granularity", "selective",
+    # layernorm recompute is refused at start-up without TE, not in the first forward.
+    refused = script_argv([*SIZES["expert_heavy"].flags, "--recompute-granularity", "selective",
                            "--recompute-modules", "core_attn", "layernorm"], True)
     with pytest.raises(ValueError, match="--recompute-modules layernorm needs Transformer Eng"):
-        flags.paging_config(parser.parse_args(removed), environ={}, cuda_available=False,
+        flags.paging_config(parser.parse_args(refused), environ={}, cuda_available=False,
                             te_available=False)
 
 
@@ -230,19 +214,30 @@ def test_rerun_runs_a_done_arm_again_and_refuses_what_the_call_does_not_run(fake
         bf.main([*common, "--only", "tiny:paged"])
 
 
-def test_env_option_reaches_every_run_and_its_record(fake_example):
+def test_env_option_reaches_every_run_and_its_record(fake_example, monkeypatch):
     out = fake_example / "res" / "frontier_conn8.json"
-    common = ["--out", str(out), "--sizes", "small", "--arms", "unpaged,paged", "--iters", "5",
-              "--budget", "no"]
+    common = ["--out", str(out), "--sizes", "small", "--arms", "unpaged,paged,mcore_manager",
+              "--iters", "5", "--budget", "no"]
+    # A control in the caller's environment reaches no run: each arm sets its own.
+    monkeypatch.setenv(IMPLEMENTATION_ENV, "mcore")
     assert bf.main([*common, "--env", "CUDA_DEVICE_MAX_CONNECTIONS=8"]) == 0
     data = json.loads(out.read_text())
-    for key in ("small:unpaged", "small:paged"):
+    for key in ("small:unpaged", "small:paged", "small:mcore_manager"):
         run = data["runs"][key]
         assert run["env"]["CUDA_DEVICE_MAX_CONNECTIONS"] == "8"
         log = (out.parent / f"{run['log']}.log").read_text().splitlines()[0]
-        assert log.startswith("# CUDA_DEVICE_MAX_CONNECTIONS=8 ")
+        assert log.startswith("# ") and "CUDA_DEVICE_MAX_CONNECTIONS=8 " in log
+    assert data["runs"]["small:mcore_manager"]["env"][IMPLEMENTATION_ENV] == "mcore"
+    assert IMPLEMENTATION_ENV not in data["runs"]["small:paged"]["env"]
+    steps = {arm: row["step_ms"] for arm, row in data["summary"]["small"].items()}
+    assert steps == {"unpaged": 1000.0, "paged": 1005.0, "mcore_manager": 1200.0}
+    # Resuming needs the environment the file's runs ran under (here: nothing left to run);
+    # re-rendering the report runs nothing, so it needs none.
+    assert bf.main([*common, "--env", "CUDA_DEVICE_MAX_CONNECTIONS=8", "--resume"]) == 0
+    assert bf.main([*common, "--resume", "--report-only"]) == 0
     for bad, words in ((["--env", "CUDA_DEVICE_MAX_CONNECTIONS"], "expected NAME=VALUE"),
                        (["--env", "=8"], "expected NAME=VALUE"),
-                       (["--env", "A=1", "--resume"], "--env with --resume")):
+                       (["--env", "A=1", "--resume"], "ran under .*CUDA_DEVICE_MAX_CONNECTIONS"),
+                       (["--resume"], "ran under")):
         with pytest.raises(SystemExit, match=words):
             bf.main([*common, *bad])

@@ -1,11 +1,14 @@
-"""The kernel benchmark's target reading (CPU): the few-SM target names the default path apart
-from the best variant, so that a variant meeting it is not read as the default meeting it."""
+"""The kernel benchmark's target reading (CPU): the few-SM target names the bulk path (the one
+the dispatch rule picks for such records) apart from the best path, so that another path meeting
+it is not read as the bulk path meeting it; and its plot."""
 
 from __future__ import annotations
 
 import importlib.util
 import sys
 from pathlib import Path
+
+import pytest
 
 BENCH_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -27,12 +30,12 @@ def _row(path, ctas, stash, reload):
     return {"path": path, "max_ctas": ctas, "stash_gbps": stash, "reload_gbps": reload}
 
 
-def test_few_sm_target_met_by_a_variant_only():
-    sweep = [_row("bulk", 32, 3061.0, 2974.0), _row("bulk-stride", 32, 3056.0, 3045.0),
-             _row("bulk", 64, 3874.0, 3883.0), _row("tile", 32, 805.0, 806.0)]
+def test_few_sm_target_met_by_another_path_only():
+    sweep = [_row("bulk", 32, 3061.0, 2974.0), _row("tile", 32, 3056.0, 3045.0),
+             _row("bulk", 64, 3874.0, 3883.0), _row("tile", 16, 805.0, 806.0)]
     out = bench_kernels.few_sm_target(sweep)
     assert out["met"] is True
-    assert out["best"]["path"] == "bulk-stride"
+    assert out["best"]["path"] == "tile"
     assert out["met_by_default_path"] is False  # 2974 < 3000 on reload
     assert out["default_path"]["max_ctas"] == 32  # the 64-CTA row is not a few-SM row
 
@@ -50,13 +53,20 @@ def test_few_sm_target_without_few_sm_rows():
 
 
 def test_plot_draws_a_curve_for_every_path(tmp_path, monkeypatch):
-    """The sweep plot has a line style for each of the (growing) list of bulk variants: the
-    H200 run at 79a3c2f lost its PNG when the variants outnumbered the markers."""
+    """The PNG is written for a sweep over both paths (a plot error would lose the run's PNG)."""
     monkeypatch.setattr(bench_kernels.torch.cuda, "get_device_name", lambda *a: "test GPU")
-    paths = ("tile", "bulk", *bench_kernels.ALL_BULK_VARIANTS)
+    paths = ("tile", "bulk")
     sweep = [_row(p, c, 1000.0 + i, 900.0 + i) for i, p in enumerate(paths) for c in (32, 64)]
     gbps = {"tile_stash": 3691.0, "copy_stash_direction": 4208.0}
     rows = [{"regime": "bf16 h7168", "gbps": gbps}]
     png = tmp_path / "kernels.png"
     bench_kernels.plot(rows, sweep, png)
     assert png.stat().st_size > 0
+
+
+def test_only_the_two_paths_and_the_rule_are_measured(capsys):
+    assert bench_kernels.PATHS == ("tile", "bulk", "cuda")
+    with pytest.raises(SystemExit) as excinfo:
+        bench_kernels.main(["--variants", "bulk-16k"])
+    assert excinfo.value.code == 2
+    assert "unrecognized arguments: --variants" in capsys.readouterr().err

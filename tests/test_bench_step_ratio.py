@@ -1,6 +1,7 @@
 """CPU: benchmarks/bench_step_ratio.py against a fake example whose step time drifts from run to
-run (as the H200's does between and within device calls): the round-robin order, the per-round
-ratios that cancel the drift, the verdicts, parity, the time budget and the argument errors."""
+run (as a GPU's does between and within calls): the round-robin order, the per-round ratios that
+cancel the drift, the verdicts, parity, the arms' benchmark controls, the time budget and the
+argument errors."""
 
 from __future__ import annotations
 
@@ -26,14 +27,14 @@ n = int(counter.read_text()) if counter.exists() else 0
 counter.write_text(str(n + 1))
 argv = sys.argv[1:]
 iters = int(argv[argv.index("--train-iters") + 1])
-mcore = "mcore" in argv
+mcore = os.environ.get("MEGATRON_PAGING_BENCH_IMPLEMENTATION") == "mcore"
 paged = os.environ["PAGED"] == "1"
 ms = 1000.0 * (1.03 ** n) * (1.05 if mcore else 1.005 if paged else 1.0)
 for i in range(1, iters + 1):
     print(f" [t] iteration {i:8d}/{iters:8d} | elapsed time per iteration (ms): "
           f"{ms * (3 if i <= 3 else 1):.1f} | lm loss: 1.0E+01 | grad norm: 3.0 |", flush=True)
 loss = 10.0 + (1e-6 if mcore else 0.0)
-with open(os.environ["MEGATRON_PAGING_LOSS_LOG"] + ".rank0", "w") as f:
+with open(os.environ["MEGATRON_PAGING_BENCH_LOSS_LOG"] + ".rank0", "w") as f:
     for i in range(iters * 8):
         f.write(f"{(loss + i / 64).hex()} 2048\n")
 print("paging-example rank 0: peak_allocated_mib=9000.0 steady_peak_allocated_mib=9000.0 "
@@ -71,6 +72,8 @@ def test_rounds_cancel_the_drift_that_one_pass_would_report(fake_example, capsys
     assert manager["bitwise_equal_every_round"] is False
     runs = data["rounds"][0]["runs"]
     assert runs["paged"]["env"]["CUDA_DEVICE_MAX_CONNECTIONS"] == "32"
+    assert runs["mcore_manager"]["env"]["MEGATRON_PAGING_BENCH_IMPLEMENTATION"] == "mcore"
+    assert "MEGATRON_PAGING_BENCH_IMPLEMENTATION" not in runs["paged"]["env"]
     assert "--moe-paged-stash" in runs["paged"]["argv"]
     printed = capsys.readouterr().out
     assert "step_ratio: round 1 arm=unpaged status=ok" in printed and "[6/6]" in printed

@@ -1,5 +1,5 @@
-"""The frontier's arms and model sizes, the flags each run appends to the example script, and
-the memory arithmetic computed from a run's flags (live expert bytes, sizing estimate)."""
+"""The frontier's arms and model sizes, the flags and environment each run adds to the example
+script, and the memory arithmetic computed from a run's flags (live expert bytes, sizing)."""
 
 from __future__ import annotations
 
@@ -7,19 +7,23 @@ import math
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "run_pretrain_1gpu.sh"
-# The offloading arms need this flag in the example's parser (megatron_paging/mcore/flags.py has it
-# since the offloading backend landed; the check stays for trees that predate it).
-FLAGS_SOURCE = ROOT / "megatron_paging" / "mcore" / "flags.py"
-OFFLOAD_FLAG = "--paging-offload-backend"
+OFFLOAD = ("--fine-grained-activation-offloading", "--offload-modules")
+OFFLOAD_BACKEND = "--paging-offload-backend"
 RECOMPUTE_FC1 = "--paging-recompute-expert-fc1"
 CUDA_FACTOR = "--moe-paged-stash-buffer-size-factor-cuda"  # Megatron-Core's pool flags
 CPU_FACTOR = "--moe-paged-stash-buffer-size-factor-cpu"
 UNFUSED = "--no-bias-swiglu-fusion"  # the example fuses the experts' weighted SwiGLU
+# Benchmark controls: environment variables only examples/ and benchmarks/ read. Every variable
+# with this prefix is dropped from the environment a run inherits: an arm sets its own.
+BENCH_ENV_PREFIX = "MEGATRON_PAGING_BENCH_"
+IMPLEMENTATION_ENV = BENCH_ENV_PREFIX + "IMPLEMENTATION"  # mcore: Megatron-Core's own manager
+LOSS_LOG_ENV = BENCH_ENV_PREFIX + "LOSS_LOG"  # every microbatch loss, exactly (float.hex)
+MEMORY_FRACTION_ENV = BENCH_ENV_PREFIX + "MEMORY_FRACTION"  # the budget search's memory cap
 MIB = 2**20
 WARMUP_ITERS = 3  # dropped: 1 calibrates, 2 sizes the pools and Adam's state, 3 settles
 FRONTIER_ITERS = 12  # -> 9 timed iterations per arm
@@ -34,7 +38,7 @@ class Arm:
     flags: tuple[str, ...]
     exact: bool  # must reproduce the unpaged control bit for bit
     description: str
-    needs_offload: bool = False  # waits for --paging-offload-backend in the example's parser
+    env: dict = field(default_factory=dict)  # benchmark controls of the run
 
 
 ARMS: dict[str, Arm] = {
@@ -42,58 +46,35 @@ ARMS: dict[str, Arm] = {
     for a in (
         Arm("unpaged", False, (), False, "control: no paging, same static capacity"),
         Arm("unpaged_unfused", False, (UNFUSED,), False,
-            "the control with Megatron-Core's unfused activation expression (every arm before "
-            "the fused weighted SwiGLU, Megatron's default bias_swiglu_fusion)"),
+            "the control with Megatron-Core's unfused activation expression instead of the "
+            "fused weighted SwiGLU (Megatron's default bias_swiglu_fusion)"),
         Arm("paged", True, (), True, "--moe-paged-stash through megatron-paging"),
         Arm("paged_hold", True, ("--paging-hold-last-slot",), True,
-            "paged; a layer is stashed when the next commits, so the last layer before each "
-            "backward is never copied and the pool is a layer smaller"),
-        Arm("paged_prefetch_dispatcher", True, ("--paging-prefetch-point", "dispatcher"), True,
-            "paged; a layer's backward ends (and the layer below is reloaded) after the static "
-            "dispatcher's backward instead of the experts', so the reloads run beside the "
-            "attention's backward rather than the dispatcher's memory-bound gathers"),
-        Arm("paged_stash_next_layer", True, ("--paging-stash-point", "next-layer"), True,
-            "paged; a layer's stash is issued when the next layer's experts begin (beside their "
-            "GEMMs, not beside the combine's gathers), the newest layer held as with "
-            "--paging-hold-last-slot"),
-        Arm("paged_persistent", True, ("--paging-pool-residency", "persistent"), True,
-            "paged; the pool's pages kept across steps (the residency full-iteration graphs "
-            "use) instead of returned after each eager step: at a memory cap, whether taking "
-            "them again every step is what makes the allocator retry"),
-        Arm("paged_unbounded_lead", True, ("--paging-max-inflight-stashes", "0"), True,
-            "paged; no bound on the layers whose stash inputs are allocated at once (the "
-            "behaviour before --paging-max-inflight-stashes): when the GPU lags, every layer "
-            "committed ahead of its copy keeps its capacity-sized inputs beside the pool"),
-        Arm("mcore_manager", True, ("--paging-implementation", "mcore"), True,
-            "--moe-paged-stash through Megatron-Core 0.19.2's own manager and Triton kernels"),
+            "paged; the last layer before each backward is never copied and the pool is a "
+            "layer smaller"),
+        Arm("mcore_manager", True, (), True,
+            "--moe-paged-stash through Megatron-Core 0.19.2's own manager and Triton kernels",
+            {IMPLEMENTATION_ENV: "mcore"}),
         Arm("recompute_moe", False,
             ("--recompute-granularity", "selective", "--recompute-modules", "moe"), False,
             "unpaged; recompute the whole MoE layer in backward"),
         # core_attn only: layernorm recompute goes through CheckpointWithoutOutput, which needs
-        # TE in Megatron-Core 0.19.2 (REMOVED_ARMS; megatron_paging/mcore/flags.py refuses it).
+        # TE in Megatron-Core 0.19.2 (the example refuses it without TE).
         Arm("paged_recompute_core_attn", True,
             ("--recompute-granularity", "selective", "--recompute-modules", "core_attn"), False,
             "paged + selective recompute of core attention"),
-        # Offloading (docs/offload.md): bitwise equal to the control for both backends (measured
-        # on the H200, benchmarks/results/mcore_offload_h200.json).
+        # Fine-grained activation offloading of the expert modules. Ours moves live rows, by the
+        # copy engine when CUDA_DEVICE_MAX_CONNECTIONS > 1 (--env), else by SM kernels.
         Arm("mcore_offload", False,
-            ("--fine-grained-activation-offloading", "--offload-modules", "expert_fc1",
-             "moe_act", OFFLOAD_FLAG, "mcore"), True,
-            "Megatron-Core's fine-grained offloading of the expert modules (unpaged; its TE "
-            "cpu_offload switch faked, TE being absent)", True),
+            (*OFFLOAD, "expert_fc1", "moe_act", OFFLOAD_BACKEND, "mcore"), True,
+            "Megatron-Core's fine-grained offloading of the expert modules (unpaged)"),
         Arm("paged_offload", False,
-            ("--fine-grained-activation-offloading", "--offload-modules", "expert_fc1",
-             "moe_act", OFFLOAD_FLAG, "paged"), True,
-            "our paged offloading backend for the expert modules (live rows only)", True),
-        Arm("paged_offload_dma", False,
-            ("--fine-grained-activation-offloading", "--offload-modules", "expert_fc1",
-             "moe_act", OFFLOAD_FLAG, "paged", "--paging-offload-dma-prefix", "1"), True,
-            "paged_offload with the copy engine moving each buffer's first rows (the "
-            "calibrated smallest live count), the kernels only the rest", True),
+            (*OFFLOAD, "expert_fc1", "moe_act", OFFLOAD_BACKEND, "paged"), True,
+            "our offloading backend for the expert modules (live rows only)"),
         Arm("paged_stash_plus_offload", True,
-            ("--fine-grained-activation-offloading", "--offload-modules", "attn_norm",
-             "qkv_linear", "core_attn", "attn_proj", "mlp_norm", OFFLOAD_FLAG, "paged"), True,
-            "experts paged on the device, dense modules offloaded through our backend", True),
+            (*OFFLOAD, "attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm",
+             OFFLOAD_BACKEND, "paged"), True,
+            "experts paged on the device, dense modules offloaded through our backend"),
         # The experts save only x and recompute fc1 in backward (--paging-recompute-expert-fc1):
         # what paging or offloading moves per layer shrinks from hidden + fc1 columns to hidden.
         Arm("unpaged_recompute_fc1", False, (RECOMPUTE_FC1,), True,
@@ -101,8 +82,7 @@ ARMS: dict[str, Arm] = {
         Arm("paged_recompute_fc1", True, (RECOMPUTE_FC1,), True,
             "paged; the experts save x only (one pool) and recompute fc1 in backward"),
         Arm("paged_recompute_fc1_hold", True, (RECOMPUTE_FC1, "--paging-hold-last-slot"), True,
-            "paged_recompute_fc1 with the last layer before each backward kept, never copied: "
-            "the pool of x's rows one layer smaller (not yet run)"),
+            "paged_recompute_fc1 with the last layer before each backward never copied"),
         Arm("paged_recompute_fc1_tight", True,
             (RECOMPUTE_FC1, "--paging-hold-last-slot", CUDA_FACTOR, "1.0"), True,
             "paged_recompute_fc1_hold with the device tier at the calibrated peak, no headroom "
@@ -112,46 +92,29 @@ ARMS: dict[str, Arm] = {
             True,
             "paged_recompute_fc1_hold with a device tier of 5 of the 7 paged layers' rows and a "
             "pinned-host tier for the rest (the layers stashed last spill)"),
-        Arm("paged_recompute_fc1_pieces", True,
-            (RECOMPUTE_FC1, RECOMPUTE_FC1 + "-piece-rows", "49152", UNFUSED), False,
-            "paged_recompute_fc1 with Megatron's unfused activation in pieces of 49152 rows "
-            "(moe_compute: two pieces; pieces shrink the unfused expression's fp32 "
-            "temporaries, which the fused SwiGLU does not make; 16384 rows ran at a4348fe)"),
-        Arm("paged_offload_dma_recompute_fc1", False,
-            ("--fine-grained-activation-offloading", "--offload-modules", "expert_fc1",
-             OFFLOAD_FLAG, "paged", "--paging-offload-dma-prefix", "1", RECOMPUTE_FC1), True,
-            "paged_offload_dma of expert_fc1 alone: the experts save x only and recompute fc1",
-            True),
+        Arm("paged_offload_recompute_fc1", False,
+            (*OFFLOAD, "expert_fc1", OFFLOAD_BACKEND, "paged", RECOMPUTE_FC1), True,
+            "our offloading of expert_fc1 alone: the experts save x only and recompute fc1"),
     )
 }  # fmt: skip
 # The control every other arm is compared with, and the arms that page (recompute target).
 CONTROL = "unpaged"
-PAGED_FAMILY = ("paged", "paged_hold", "paged_prefetch_dispatcher", "paged_stash_next_layer",
-                "paged_recompute_core_attn", "paged_recompute_fc1", "paged_recompute_fc1_hold",
-                "paged_recompute_fc1_tight", "paged_recompute_fc1_pieces")
+PAGED_FAMILY = ("paged", "paged_hold", "paged_recompute_core_attn", "paged_recompute_fc1",
+                "paged_recompute_fc1_hold", "paged_recompute_fc1_tight")
 # Shown beside the recompute target, not part of its verdict: the offload arms (and the spill
-# arm, for two of its layers) page live expert rows to the pinned host tier rather than keeping
+# arm, for two of its layers) move live expert rows to the pinned host tier rather than keeping
 # them on the device, a different trade; the unpaged fc1 recompute pages nothing (it shows what
 # the fc1 recompute alone buys).
-RECOMPUTE_INFORMATIONAL = ("paged_offload", "paged_offload_dma", "paged_offload_dma_recompute_fc1",
+RECOMPUTE_INFORMATIONAL = ("paged_offload", "paged_offload_recompute_fc1",
                            "paged_recompute_fc1_spill", "unpaged_recompute_fc1")
 # The unpaged arm that runs the same model as each paged arm other than ``paged`` (whose is the
 # control, in the verdicts themselves): paging's own cost is read against it, beside them.
 SAME_MODEL_UNPAGED = {
     "paged_hold": CONTROL,
-    "paged_prefetch_dispatcher": CONTROL,
-    "paged_stash_next_layer": CONTROL,
     "paged_recompute_fc1": "unpaged_recompute_fc1",
     "paged_recompute_fc1_hold": "unpaged_recompute_fc1",
     "paged_recompute_fc1_tight": "unpaged_recompute_fc1",
     "paged_recompute_fc1_spill": "unpaged_recompute_fc1",
-}
-# Arms a resumed file may still hold: listed by the report, never summarized or run.
-REMOVED_ARMS = {
-    "paged_recompute_attn_norm": (
-        "replaced by paged_recompute_core_attn: --recompute-modules layernorm crashed without "
-        "Transformer Engine (Megatron-Core 0.19.2's CheckpointWithoutOutput calls TE's "
-        "FP8GlobalStateManager even without fp8)"),
 }
 
 
@@ -169,7 +132,7 @@ class Size:
 #   32000): per layer 4h^2 = 4.2M attention + 16 x (1024 x 2048 + 1024 x 1024) = 50.3M experts;
 #   x 8 + 2 x 32.8M embeddings = ~0.50B parameters -> ~8.0 GB of state. Expert activations per
 #   layer: top-2 of 2048 tokens = 4096 live rows, 6144 capacity rows x (1024 + 2 x 1024) bf16 =
-#   37.7 MB. Unfused attention peaked at 12.4 GiB (mcore_h200.json); SDPA needs less.
+#   37.7 MB.
 # expert_heavy (32 experts top-4, moe-ffn 2048, seq 4096): experts 32 x (1024 x 4096 + 2048 x
 #   1024) = 201M per layer -> ~1.71B parameters -> ~27 GB of state. Expert activations per
 #   layer: 16384 live rows, 24576 capacity rows x (1024 + 2 x 2048) bf16 = 252 MB, 2.0 GB over 8
@@ -180,11 +143,11 @@ class Size:
 #   1 s per step at the small size), so 12 iterations take well under a minute after start-up.
 # expert_heavy_cap2 (not run by default): expert_heavy with capacity factor 2.0, the headroom a
 #   static capacity needs for EP imbalance; there paging's saving is 1 - 1.1/2 of the expert
-#   activations instead of 1 - 1.1/1.5 (see docs/benchmarks.md).
-# moe_compute (not run by default: --only moe_compute:<arm>): where recomputing the MoE layer
-#   costs more than the 1.2x the recompute target needs. On expert_heavy and small recompute
-#   costs only ~1.17x unpaged (frontier_h200.json): the step is host-bound (~0.7 of ~1.1 s is
-#   device work), so even a free stash could not be 1.2x faster than recompute. Here: 32 experts
+#   activations instead of 1 - 1.1/1.5.
+# moe_compute (the default size): where recomputing the MoE layer costs more than the 1.2x the
+#   recompute target needs. On expert_heavy and small the eager step is host-bound and
+#   recomputing the MoE layer costs less than 1.2x unpaged, so even a free stash could not be
+#   1.2x faster than recompute there. Here: 32 experts
 #   top-8, moe-ffn 3072, seq 8192: experts 32 x (1024 x 6144 + 3072 x 1024) = 302M per layer ->
 #   ~2.5B parameters -> ~40 GB of state; 65536 tokens per step x ~4.8 GFLOP/token (6 x 670M
 #   active parameters + causal attention at 8192) = ~315 TFLOP, ~1 s of GPU time at 300 TFLOP/s,
@@ -210,25 +173,12 @@ SIZES: dict[str, Size] = {
              "MoE compute dominates the step: 32 experts top-8, moe-ffn 3072, seq 8192"),
     )
 }  # fmt: skip
-DEFAULT_SIZES = ("expert_heavy", "small")
+DEFAULT_SIZES = ("moe_compute",)  # the unpaged run reserves ~64 GiB: an 80 GB GPU
+# What a call runs without --arms: the control, paging, its alternatives, the tightest fc1 arm.
+DEFAULT_ARMS = ("unpaged", "paged", "mcore_manager", "recompute_moe", "unpaged_recompute_fc1",
+                "paged_recompute_fc1_tight", "mcore_offload", "paged_offload_recompute_fc1")
+TARGET_SIZE = "moe_compute"  # where the recompute target is required
 DEFAULT_BUDGET_ARMS = ("unpaged", "paged", "recompute_moe")
-
-
-def offload_available(source: Path = FLAGS_SOURCE) -> bool:
-    """Whether the example's parser has the offloading backend's flag (grep of its source)."""
-    try:
-        return OFFLOAD_FLAG in source.read_text()
-    except OSError:
-        return False
-
-
-def skip_reason(arm: Arm, offload: bool) -> str | None:
-    if arm.needs_offload and not offload:
-        return (
-            f"the example's parser has no {OFFLOAD_FLAG} "
-            f"({FLAGS_SOURCE.relative_to(ROOT)}); the offloading backend lands separately"
-        )
-    return None
 
 
 def frontier_extra(size: str, arm: str, iters: int = FRONTIER_ITERS) -> list[str]:

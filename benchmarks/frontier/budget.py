@@ -1,5 +1,5 @@
 """The fixed-memory-budget search: the longest sequence each budget arm trains under a cap
-(``MEGATRON_PAGING_MEMORY_FRACTION``), its candidates, its start and its outcome."""
+(``MEGATRON_PAGING_BENCH_MEMORY_FRACTION``), its candidates, its start and its outcome."""
 
 from __future__ import annotations
 
@@ -11,23 +11,21 @@ from .arms import (
     BUDGET_ITERS,
     CONTROL,
     DEFAULT_BUDGET_ARMS,
+    MEMORY_FRACTION_ENV,
     SIZES,
     budget_extra,
     model_config,
-    offload_available,
     script_argv,
-    skip_reason,
 )
-from .plan import Task
+from .task import Task
 
-# Budget prediction: the allocator's headroom under the cap. 0.9 started the 2026-12-01 search
-# ~1.7k tokens below where the arms' forward-backward peaks reach the cap; with expandable
-# segments little is lost to fragmentation.
+# Budget prediction: the share of the cap the allocator leaves usable (with expandable segments
+# little is lost to fragmentation).
 RESERVE_FRACTION = 0.97
 ALLOC_ENV = "PYTORCH_CUDA_ALLOC_CONF"
-# Without it the cap measured the caching allocator's fragmentation, not activation memory: at
-# 36 GiB every arm failed in the optimizer step with 1.2-1.9 GiB reserved but unallocated
-# (2026-12-01, ca915e0, docs/benchmarks.md). Megatron users commonly run with it.
+# Without it the cap measures the caching allocator's fragmentation (blocks reserved but not
+# allocated in the optimizer step) rather than activation memory. Megatron users commonly run
+# with it.
 DEFAULT_ALLOC_CONF = "expandable_segments:True"
 
 
@@ -105,8 +103,11 @@ def budget_records(runs: dict, opts: BudgetOptions, arm: str) -> list[dict]:
             and r.get("env", {}).get(ALLOC_ENV, "") == opts.alloc_conf]
 
 
-def budget_env(opts: BudgetOptions, fraction: float) -> dict:
-    env = {"MEGATRON_PAGING_MEMORY_FRACTION": f"{fraction:.6f}"}
+def budget_env(opts: BudgetOptions, arm: str, fraction: float,
+               call_env: dict | None = None) -> dict:
+    """The arm's benchmark controls, the call's ``--env``, the cap, and the allocator setting of
+    every candidate."""
+    env = {**ARMS[arm].env, **(call_env or {}), MEMORY_FRACTION_ENV: f"{fraction:.6f}"}
     if opts.alloc_conf:
         env[ALLOC_ENV] = opts.alloc_conf
     return env
@@ -143,7 +144,7 @@ def budget_outcome(records: list[dict], opts: BudgetOptions) -> dict:
 
 
 def next_budget_task(opts: BudgetOptions, runs: dict, arm: str, fraction: float,
-                     base_seq: int) -> Task | None:
+                     base_seq: int, call_env: dict | None = None) -> Task | None:
     """The arm's next budget candidate as a task, or None when its search is over (concluded,
     or stopped by a candidate that failed other than by running out of memory)."""
     records = budget_records(runs, opts, arm)
@@ -157,10 +158,11 @@ def next_budget_task(opts: BudgetOptions, runs: dict, arm: str, fraction: float,
     if seq is None:
         return None
     return Task("budget", opts.size, arm, tuple(budget_extra(opts.size, arm, seq, opts.iters)),
-                opts.iters, seq, budget_env(opts, fraction), search, opts.cap_gib)
+                opts.iters, seq, budget_env(opts, arm, fraction, call_env), search, opts.cap_gib)
 
 
-def probe_task(opts: BudgetOptions, runs: dict, arm: str, fraction: float) -> Task | None:
+def probe_task(opts: BudgetOptions, runs: dict, arm: str, fraction: float,
+               call_env: dict | None = None) -> Task | None:
     """One more candidate for an arm whose search is over: the control's longest length, so
     that both are timed per token at one sequence (at its own longest length an arm runs at
     the cap, where the allocator's retries can set the step time). None when the control's
@@ -175,12 +177,13 @@ def probe_task(opts: BudgetOptions, runs: dict, arm: str, fraction: float) -> Ta
     if any(r["seq"] == seq for r in records):
         return None
     return Task("budget", opts.size, arm, tuple(budget_extra(opts.size, arm, seq, opts.iters)),
-                opts.iters, seq, budget_env(opts, fraction), records[0]["search"], opts.cap_gib)
+                opts.iters, seq, budget_env(opts, arm, fraction, call_env), records[0]["search"],
+                opts.cap_gib)
 
 
 def run_budget(opts: BudgetOptions, runs: dict, total_mib: float, execute,
                retry_failed: bool = False, base_seq: int | None = None,
-               offload: bool | None = None) -> bool:
+               call_env: dict | None = None) -> bool:
     """The fixed-budget search, arm after arm, each candidate one ``execute(task, label)`` under
     the cap (``execute`` records it in ``runs`` and returns None to stop: the time budget).
     With ``retry_failed`` the candidates that errored earlier (not an OOM) are dropped first, so
@@ -191,17 +194,13 @@ def run_budget(opts: BudgetOptions, runs: dict, total_mib: float, execute,
                          f"{total_mib / 1024:.1f} GiB")
     if base_seq is None:
         base_seq = model_config(script_argv(list(SIZES[opts.size].flags), False))["seq_length"]
-    offload = offload_available() if offload is None else offload
     if retry_failed:
         for key in [k for k, r in runs.items()
                     if r["kind"] == "budget" and r["status"] not in ("ok", "oom")]:
             del runs[key]
     for arm in opts.arms:
-        reason = skip_reason(ARMS[arm], offload)
-        if reason:
-            print(f"frontier: skip budget {arm}: {reason}", flush=True)
-            continue
-        while (task := next_budget_task(opts, runs, arm, fraction, base_seq)) is not None:
+        while (task := next_budget_task(opts, runs, arm, fraction, base_seq,
+                                        call_env)) is not None:
             count = len(budget_records(runs, opts, arm))
             if execute(task, f"[budget {arm} run {count + 1}/{opts.max_runs}]") is None:
                 return False
@@ -211,7 +210,7 @@ def run_budget(opts: BudgetOptions, runs: dict, total_mib: float, execute,
                 return False
         if any(r["status"] not in ("ok", "oom") for r in budget_records(runs, opts, arm)):
             continue  # the search stopped at an error: no comparison to make
-        if (task := probe_task(opts, runs, arm, fraction)) is not None:
+        if (task := probe_task(opts, runs, arm, fraction, call_env)) is not None:
             if execute(task, f"[budget {arm} at {CONTROL}'s longest, {task.seq}]") is None:
                 return False
     return True

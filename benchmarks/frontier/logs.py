@@ -1,5 +1,5 @@
-"""One run's log as the JSON keeps it: the regexes of scripts/mcore_gpu_run.sh, the example's
-final report, the outcome of a run, its record, loss parity, and the per-size summary."""
+"""One run's log as the JSON keeps it: Megatron's iteration lines, the example's final report,
+the outcome of a run, its record, loss parity, and the per-size summary."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING
 
 from common import spread
 
-from .arms import ARMS, CONTROL, REMOVED_ARMS, WARMUP_ITERS, expert_bytes, model_config
+from .arms import ARMS, CONTROL, WARMUP_ITERS, expert_bytes, model_config
 
 if TYPE_CHECKING:
-    from .plan import Task
+    from .task import Task
 
 ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+)")
 LOSS = re.compile(r"lm loss: ([-+.\dEe]+)")
@@ -156,9 +156,10 @@ def parity(losses: list[str], control: list[str]) -> dict | None:
 
 
 def removed_runs(runs: dict) -> dict:
-    """{key: what it was} of the frontier runs whose arm is no longer in ``ARMS``."""
+    """{key: what it was} of the frontier runs whose arm is no longer in ``ARMS`` (a file
+    written by another tree): listed by the report, never summarized or run."""
     return {key: {"arm": rec["arm"], "size": rec.get("size"), "status": rec.get("status"),
-                  "reason": REMOVED_ARMS.get(rec["arm"], "not an arm of this tree")}
+                  "reason": "not an arm of this tree"}
             for key, rec in runs.items() if rec.get("kind") == "arm" and rec["arm"] not in ARMS}
 
 

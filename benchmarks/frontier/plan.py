@@ -9,59 +9,19 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import arms as arm_table  # .SCRIPT read per run: a test points it at a fake
-from .arms import ARMS, CONTROL, ROOT, SIZES, frontier_extra, script_argv, skip_reason
+from .arms import ARMS, BENCH_ENV_PREFIX, CONTROL, LOSS_LOG_ENV, ROOT, SIZES, script_argv
 from .logs import make_record, read_losses, refresh_memory_split
+from .task import Task, arm_task
 
 if TYPE_CHECKING:
     from .budget import BudgetOptions
 
 DEFAULT_RUN_S = 150.0  # estimate for a run when nothing has run yet (start-up ~40-60 s + steps)
 ESTIMATE_MARGIN = 1.15
-# Diagnostics of the example that would distort timing or memory; never inherited by an arm.
-DIAGNOSTIC_ENVS = (
-    "MEGATRON_PAGING_PROFILE_ITER",
-    "MEGATRON_PAGING_MEMORY_ITER",
-    "MEGATRON_PAGING_KERNEL_COUNT_ITERS",
-    "MEGATRON_PAGING_MEMORY_FRACTION",
-)
-
-
-@dataclass
-class Task:
-    kind: str  # "arm" (frontier) or "budget"
-    size: str
-    arm: str
-    extra: tuple[str, ...]
-    iters: int
-    seq: int | None = None
-    env: dict = field(default_factory=dict)
-    search: dict | None = None
-    cap_gib: float | None = None
-
-    @property
-    def paged(self) -> bool:
-        return ARMS[self.arm].paged
-
-    @property
-    def key(self) -> str:
-        if self.kind == "arm":
-            return f"{self.size}:{self.arm}"
-        alloc = self.env.get("PYTORCH_CUDA_ALLOC_CONF")
-        return (f"budget:{self.size}:{self.arm}:{self.seq}:{self.cap_gib:g}GiB"
-                + (f":{alloc}" if alloc else ""))
-
-    @property
-    def log_name(self) -> str:
-        if self.kind == "arm":
-            return f"frontier_{self.size}_{self.arm}"
-        alloc = "_expandable" if "expandable_segments:True" in self.env.get(
-            "PYTORCH_CUDA_ALLOC_CONF", "") else ""
-        return f"frontier_budget_{self.size}_{self.arm}_s{self.seq}{alloc}"
 
 
 def parse_only(only: str | None, flag: str = "--only") -> list[tuple[str, str]] | None:
@@ -86,24 +46,21 @@ def is_done(record: dict | None, task: Task, retry_failed: bool) -> bool:
 
 
 def frontier_tasks(sizes: list[str], arms: list[str], only: list[tuple[str, str]] | None,
-                   runs: dict, iters: int, offload: bool, retry_failed: bool = False,
-                   rerun: frozenset = frozenset()):
-    """(tasks still to run, {key: skip reason}); the control first in every size. A key in
-    ``rerun`` (``size:arm``) runs again although the file has it (a runtime change to measure);
-    its new record replaces the old one."""
+                   runs: dict, iters: int, retry_failed: bool = False,
+                   rerun: frozenset = frozenset(), env: dict | None = None) -> list[Task]:
+    """The tasks still to run, the control first in every size (``env``: the call's ``--env``).
+    A key in ``rerun`` (``size:arm``) runs again although the file has it (a runtime change to
+    measure); its new record replaces the old one."""
     pairs = only if only is not None else [(s, a) for s in sizes for a in arms]
-    tasks, skipped = [], {}
+    tasks = []
     for size, arm in pairs:
-        task = Task("arm", size, arm, tuple(frontier_extra(size, arm, iters)), iters)
-        reason = skip_reason(ARMS[arm], offload)
-        if reason:
-            skipped[task.key] = reason
-        elif task.key in rerun or not is_done(runs.get(task.key), task, retry_failed):
+        task = arm_task(size, arm, iters, env)
+        if task.key in rerun or not is_done(runs.get(task.key), task, retry_failed):
             tasks.append(task)
     order = list(ARMS)
     tasks.sort(key=lambda t: (pairs.index((t.size, t.arm)) if only else
                               (sizes.index(t.size), order.index(t.arm))))
-    return tasks, skipped
+    return tasks
 
 
 def estimate_run_s(history: list[dict], size: str, arm: str, iters: int, seq: int | None = None,
@@ -196,9 +153,11 @@ class Runner:
         loss_log = self.log_dir / f"{task.log_name}_loss"
         for stale in self.log_dir.glob(f"{loss_log.name}.rank*"):
             stale.unlink()
-        env = {k: v for k, v in os.environ.items() if k not in DIAGNOSTIC_ENVS}
+        # No benchmark control or diagnostic of the caller's environment reaches a run (a
+        # profiled or capped run would distort timing or memory): each task sets its own.
+        env = {k: v for k, v in os.environ.items() if not k.startswith(BENCH_ENV_PREFIX)}
         env.update({"PAGED": "1" if task.paged else "0", "NPROC": "1", "PYTHON": sys.executable,
-                    "MEGATRON_PAGING_LOSS_LOG": str(loss_log), "NCCL_NVLS_ENABLE": "0",
+                    LOSS_LOG_ENV: str(loss_log), "NCCL_NVLS_ENABLE": "0",
                     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", **task.env})
         limit = min(self.run_timeout_s, timeout_s)
         t0 = time.monotonic()

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from common import figure
 
-from .arms import ARMS, COMMON_FLAGS, SIZES, WARMUP_ITERS, expert_bytes, model_config, skip_reason
+from .arms import ARMS, COMMON_FLAGS, SIZES, WARMUP_ITERS, expert_bytes, model_config
 from .logs import FB_PEAK, STEP_PEAK, removed_runs, summarize
 from .plan import provenance
 from .targets import _ok, _status, evaluate_targets
@@ -23,22 +23,18 @@ if TYPE_CHECKING:
 # One colour per arm, by name (a new arm keeps the others' colours in old plots' order).
 ARM_COLORS = {
     "unpaged": "grey", "paged": "tab:blue", "paged_hold": "tab:olive",
-    "paged_prefetch_dispatcher": "deepskyblue", "paged_stash_next_layer": "royalblue",
     "mcore_manager": "tab:orange", "recompute_moe": "tab:red",
     "paged_recompute_core_attn": "tab:cyan", "mcore_offload": "tab:brown",
-    "paged_offload": "tab:purple", "paged_offload_dma": "indigo",
-    "paged_stash_plus_offload": "tab:green",
-    "paged_unbounded_lead": "tab:pink", "unpaged_recompute_fc1": "dimgrey",
-    "paged_recompute_fc1": "navy", "paged_recompute_fc1_pieces": "steelblue",
-    "paged_offload_dma_recompute_fc1": "darkviolet", "paged_recompute_fc1_hold": "teal",
+    "paged_offload": "tab:purple", "paged_stash_plus_offload": "tab:green",
+    "unpaged_recompute_fc1": "dimgrey", "paged_recompute_fc1": "navy",
+    "paged_offload_recompute_fc1": "darkviolet", "paged_recompute_fc1_hold": "teal",
     "paged_recompute_fc1_tight": "darkgreen", "paged_recompute_fc1_spill": "goldenrod",
     "unpaged_unfused": "silver",
 }
 
 
-def build_result(current: dict, settings: dict, runs: dict, calls: list, skipped: dict,
-                 offload: bool, budget: dict | None, opts: BudgetOptions | None,
-                 left: list) -> dict:
+def build_result(current: dict, settings: dict, runs: dict, calls: list,
+                 budget: dict | None, opts: BudgetOptions | None, left: list) -> dict:
     summary = summarize(runs, calls)
     sizes = {}
     for name, size in SIZES.items():
@@ -50,9 +46,8 @@ def build_result(current: dict, settings: dict, runs: dict, calls: list, skipped
             entry["expert_bytes"] = expert_bytes(entry["config"])
         sizes[name] = entry
     arms = {
-        name: {"flags": list(a.flags), "paged": a.paged, "exact": a.exact,
-               "description": a.description, "needs_offload": a.needs_offload,
-               "skip_reason": skip_reason(a, offload)}
+        name: {"flags": list(a.flags), "env": dict(a.env), "paged": a.paged, "exact": a.exact,
+               "description": a.description}
         for name, a in ARMS.items()
     }
     result = {
@@ -72,7 +67,6 @@ def build_result(current: dict, settings: dict, runs: dict, calls: list, skipped
             "microbatch loss (float.hex) equal to the unpaged run of the same size"),
         "sizes": sizes,
         "arms": arms,
-        "skipped": skipped,
         "removed_arms": removed_runs(runs),
         "summary": summary,
         "budget": {"options": asdict(opts) if opts else None, "outcomes": budget or {}},
@@ -130,8 +124,8 @@ def table(result: dict) -> list[str]:
         opts = result["budget"]["options"]
         alloc = opts.get("alloc_conf") or "the allocator's default"
         lines.append(f"budget: {opts['size']} under {opts['cap_gib']:g} GiB "
-                     f"(MEGATRON_PAGING_MEMORY_FRACTION), {opts['iters']} iterations per run, "
-                     f"PYTORCH_CUDA_ALLOC_CONF {alloc}")
+                     f"(MEGATRON_PAGING_BENCH_MEMORY_FRACTION), {opts['iters']} iterations per "
+                     f"run, PYTORCH_CUDA_ALLOC_CONF {alloc}")
         for arm, o in outcomes.items():
             lines.append(
                 f"  {arm:<26} max seq {_fmt(o['max_seq'], 'd'):>6}  tokens/s "
@@ -195,8 +189,6 @@ def table(result: dict) -> list[str]:
                              f"{_vs_recompute(a, v)}: {_status(v['met'])}")
     for key, r in result.get("removed_arms", {}).items():
         lines.append(f"removed arm, not reported: {key} ({r['status']}): {r['reason']}")
-    if result["skipped"]:
-        lines.append("skipped: " + "; ".join(f"{k}: {v}" for k, v in result["skipped"].items()))
     if result["remaining"]:
         lines.append("left to run: " + ", ".join(result["remaining"]))
     return lines

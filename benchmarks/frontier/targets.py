@@ -3,7 +3,14 @@ search's outcomes."""
 
 from __future__ import annotations
 
-from .arms import ARMS, CONTROL, PAGED_FAMILY, RECOMPUTE_INFORMATIONAL, SAME_MODEL_UNPAGED
+from .arms import (
+    ARMS,
+    CONTROL,
+    PAGED_FAMILY,
+    RECOMPUTE_INFORMATIONAL,
+    SAME_MODEL_UNPAGED,
+    TARGET_SIZE,
+)
 
 
 def _ok(row: dict | None) -> bool:
@@ -32,8 +39,7 @@ def ratio_target(rows: dict, num: str, den: str, limit: float) -> dict:
     ratio = a["step_ms"] / b["step_ms"]
     calls = (a.get("call"), b.get("call"))
     if _other_calls(a, b):
-        # The machine's step time drifts between device calls by more than paging costs
-        # (moe_compute's unpaged: 1959.6 and 2015.0 ms in two calls at 5e0b255): no verdict.
+        # A GPU's step time can drift between calls by more than paging costs: no verdict.
         return {"ratio": ratio, "limit": limit, "met": None, "status": "NOT COMPARABLE",
                 "reason": f"{num} and {den} ran in different device calls {calls}: compare "
                           "arms of one call (--rerun both)"}
@@ -95,7 +101,7 @@ def step_peak_target(rows: dict) -> dict:
 
 
 def evaluate_targets(summary: dict, budget: dict | None = None,
-                     target_size: str = "expert_heavy") -> dict:
+                     target_size: str = TARGET_SIZE) -> dict:
     """The issue's targets from the measured numbers, per size (``target_size`` is where the
     recompute target is required) and for the budget search. Activation memory is the
     forward-backward peak minus the state (logs.memory_split)."""
