@@ -5,6 +5,14 @@ VENV := .venv
 PY := $(VENV)/bin/python
 # Re-install when the package metadata changes (not on every run).
 STAMP := $(VENV)/.installed-$(shell cat setup.py megatron_paging/version.py | cksum | cut -d' ' -f1)
+# `make test`: ruff, then the CPU suite (GPU/multigpu/build tests skip without their hardware).
+# PYTEST_WORKERS=N (or auto) spreads it over N pytest-xdist processes, each test file whole on one
+# worker (tests/conftest.py says why). The default is one process: on the shared 2-core machine
+# `-n 2` measured slower than no xdist (the other users keep the cores busy, and every worker
+# imports torch + megatron and collects all tests again); use it on an idle or larger machine.
+# pyproject.toml's -rfE lists failures and errors only, so the run ends on pytest's count line.
+PYTEST_WORKERS ?= 0
+XDIST_ARGS = $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile)
 PYTEST_ARGS ?=
 
 .PHONY: venv demo test lint build-ext gpu-check clean
@@ -27,7 +35,7 @@ demo: venv
 
 test: venv
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST_ARGS) $(PYTEST_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check .

@@ -26,7 +26,7 @@ setup(
         "ninja",
     ],
     extras_require={
-        "test": ["pytest", "hypothesis", "ruff"],
+        "test": ["pytest", "pytest-xdist", "hypothesis", "ruff"],
         # Optional accelerators: detected at run time, never required.
         "te": ["transformer-engine"],
         "apex": ["apex"],

@@ -1,18 +1,50 @@
-"""The ``megatron-paging`` command: ``demo``, ``info``, ``bench``."""
+"""The ``megatron-paging`` command: one subcommand per entry of :data:`COMMANDS`.
+
+Each entry names the subcommand, its one-line help, its plain-text description and a
+``configure(parser)`` that adds the subcommand's arguments and returns the function that runs it
+(``func(args) -> exit code``). A new subcommand is one more ``configure`` function and one more
+entry; the help text shown by ``--help`` is plain text (no RST markup).
+"""
 
 from __future__ import annotations
 
 import argparse
 import runpy
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-BENCHMARKS = {
-    "kernels": "bench_kernels.py",
-    "host-cost": "bench_host_cost.py",
-    "scheduler": "bench_scheduler.py",
-    "frontier": "bench_frontier.py",
-}
+from megatron_paging.version import __version__
+
+DESCRIPTION = (
+    "Paged MoE activation stashing for Megatron-Core: page-tile CUDA kernels and a FIFO "
+    "paging-stream scheduler."
+)
+EPILOG = "Run 'megatron-paging COMMAND --help' for the options of a command."
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    help: str  # one line, in the top-level command list
+    description: str  # plain text, at the top of 'megatron-paging NAME --help'
+    configure: Callable[[argparse.ArgumentParser], Handler]
+
+
+# --- demo ------------------------------------------------------------------------------------
+
+
+def _configure_demo(parser: argparse.ArgumentParser) -> Handler:
+    from megatron_paging.demo import cli as demo_cli
+
+    demo_cli.add_arguments(parser)  # sets its own description and formatter
+    return demo_cli.run
+
+
+# --- info ------------------------------------------------------------------------------------
 
 
 def _cmd_info(_args: argparse.Namespace) -> int:
@@ -25,10 +57,28 @@ def _cmd_info(_args: argparse.Namespace) -> int:
     return 0
 
 
+def _configure_info(_parser: argparse.ArgumentParser) -> Handler:
+    return _cmd_info
+
+
+# --- bench -----------------------------------------------------------------------------------
+
+
+BENCHMARKS_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def benchmarks() -> dict[str, Path]:
+    """The source checkout's ``benchmarks/bench_*.py`` by name (``bench_host_cost.py``:
+    ``host-cost``); empty where megatron-paging is installed without its source tree."""
+    scripts = sorted(BENCHMARKS_DIR.glob("bench_*.py"))
+    return {script.stem.removeprefix("bench_").replace("_", "-"): script for script in scripts}
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / BENCHMARKS[args.which]
-    if not script.exists():
-        print(f"error: {script} not found; run benchmarks from a source checkout", file=sys.stderr)
+    script = benchmarks().get(args.which)
+    if script is None:
+        print(f"error: no benchmark {args.which!r} in {BENCHMARKS_DIR}; run benchmarks from a "
+              "source checkout", file=sys.stderr)
         return 2
     sys.argv = [str(script), *args.rest]
     sys.path.insert(0, str(script.parent))  # the benchmarks' shared helper (common.py)
@@ -36,21 +86,62 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from megatron_paging.demo import cli as demo_cli
-
-    parser = argparse.ArgumentParser(prog="megatron-paging", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="train a tiny MoE model unpaged and paged; check parity")
-    demo_cli.add_arguments(demo)
-    demo.set_defaults(func=demo_cli.run)
-    sub.add_parser("info", help="versions, CUDA, optional extras, extension cache").set_defaults(
-        func=_cmd_info
+def _configure_bench(parser: argparse.ArgumentParser) -> Handler:
+    found = benchmarks()
+    listed = ", ".join(f"{name} ({script.name})" for name, script in found.items())
+    parser.add_argument(
+        "which",
+        choices=list(found) or None,  # none found: any name, refused by _cmd_bench
+        metavar="BENCHMARK",
+        help=f"the benchmark to run: {listed}" if found
+        else f"the benchmark to run (none found in {BENCHMARKS_DIR})",
     )
-    bench = sub.add_parser("bench", help="run a benchmark script from benchmarks/")
-    bench.add_argument("which", choices=sorted(BENCHMARKS))
-    bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the script")
-    bench.set_defaults(func=_cmd_bench)
+    parser.add_argument(
+        "rest",
+        nargs=argparse.REMAINDER,
+        metavar="ARGS",
+        help="arguments passed on to the benchmark script unchanged "
+        "(e.g. 'megatron-paging bench kernels --help' shows the script's own options)",
+    )
+    return _cmd_bench
+
+
+COMMANDS: tuple[Command, ...] = (
+    Command(
+        "demo",
+        "train a tiny MoE model unpaged and paged; check parity",
+        "",  # megatron_paging.demo.cli sets it
+        _configure_demo,
+    ),
+    Command(
+        "info",
+        "versions, CUDA, optional extras, extension cache",
+        "Print the versions of megatron-paging, Python, torch, megatron-core and Triton, whether "
+        "CUDA is available, whether Transformer Engine and apex import, the CUDA extension's "
+        "cache folder and MEGATRON_PAGING_MAX_CTAS.",
+        _configure_info,
+    ),
+    Command(
+        "bench",
+        "run a benchmark script from benchmarks/ (source checkout only)",
+        "Run one of the benchmark scripts (bench_*.py) of the source checkout's benchmarks/ "
+        "folder, with the remaining arguments passed on to it.",
+        _configure_bench,
+    ),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megatron-paging", description=DESCRIPTION,
+                                     epilog=EPILOG)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
+                        help="print the version of megatron-paging and exit")
+    sub = parser.add_subparsers(dest="command", required=True, title="commands",
+                                metavar="COMMAND", help="one of:")
+    for command in COMMANDS:
+        sub_parser = sub.add_parser(command.name, help=command.help,
+                                    description=command.description or None)
+        sub_parser.set_defaults(func=command.configure(sub_parser))
     return parser
 
 

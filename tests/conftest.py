@@ -8,12 +8,12 @@ Hypothesis profiles (choose with ``HYPOTHESIS_PROFILE``; default ``ci``):
 * ``explore`` — random seeds, for hunting new failures locally; replay a failure with the
   ``@reproduce_failure`` blob it prints.
 
-``PYTEST_SHARD=i/n`` keeps the i-th (0-based) of n shards of the collected tests, so n pytest
-processes can share one GPU in one device call (``scripts/gpu_check.sh``'s ``PYTEST_SHARDS``).
-Tests are dealt in collection order to the shard with the least estimated time so far; the
-example's torchrun tests (40-135 s each on the H200, the rest well under 10 s) count as
-:data:`SLOW_TEST_SECONDS`, so they spread evenly instead of piling into one shard (at
-``ca915e0`` one shard of four held four of them, 313 s, and the call's limit cut another).
+Parallel runs use pytest-xdist (``make test PYTEST_WORKERS=2`` runs ``-n 2 --dist loadfile``).
+Keep whole files on one worker: ``test_kernels_reference.py``'s ``test_example_budget`` counts
+the examples that its file's ``@given`` tests ran in the same process (split over workers, it
+skips), and the ``tests/test_mcore_*.py`` files start their gloo group once per module. Each
+worker gets its share of the CPUs as torch intra-op threads (1 with 2 workers on 2 cores): more
+threads than cores only contend.
 """
 
 from __future__ import annotations
@@ -42,44 +42,14 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-def _shard() -> tuple[int, int] | None:
-    spec = os.environ.get("PYTEST_SHARD", "")
-    if not spec:
-        return None
-    try:
-        index, count = (int(part) for part in spec.split("/"))
-    except ValueError:
-        index, count = -1, 0
-    if not 0 <= index < count:
-        raise pytest.UsageError(f"PYTEST_SHARD={spec!r}: expected i/n with 0 <= i < n")
-    return index, count
+def _share_cpus_between_xdist_workers() -> None:
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers > 1:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        torch.set_num_threads(max(1, (cpus or 1) // workers))
 
 
-SLOW_TEST_FILES = ("test_example_pretrain.py",)
-SLOW_TEST_SECONDS = 60.0
-
-
-def _estimated_seconds(item) -> float:
-    path = str(getattr(item, "nodeid", item)).split("::", 1)[0]
-    return SLOW_TEST_SECONDS if path.endswith(SLOW_TEST_FILES) else 1.0
-
-
-def pytest_collection_modifyitems(config, items):
-    shard = _shard()
-    if shard is None:
-        return
-    index, count = shard
-    # Same items, same order in every process, so every shard computes the same deal.
-    loads = [0.0] * count
-    owner = []
-    for item in items:
-        target = min(range(count), key=lambda s: loads[s])
-        loads[target] += _estimated_seconds(item)
-        owner.append(target)
-    kept = [item for item, s in zip(items, owner, strict=True) if s == index]
-    dropped = [item for item, s in zip(items, owner, strict=True) if s != index]
-    config.hook.pytest_deselected(items=dropped)
-    items[:] = kept
+_share_cpus_between_xdist_workers()
 
 
 @pytest.fixture
