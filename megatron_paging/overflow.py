@@ -1,6 +1,9 @@
 """Deferred overflow handling: one flag reduction per step, one host read, a policy object.
 
-Where this sits in a training step (never inside a CUDA-graph-captured region)::
+Drivers (the demo, the Megatron runner) reach it through
+:class:`megatron_paging.step_runner.StepRunner`, which also owns the optimizer's device skip and
+the rerun's checks. Where this sits in a training step (never inside a CUDA-graph-captured
+region)::
 
     forward-backward (may be graph-captured; stashes set sticky flags on device)
     OverflowMonitor.reduce()   pack local flags, ONE all_reduce, no host read

@@ -4,8 +4,9 @@ An op list (from Megatron-Core's own schedule generators through
 :mod:`megatron_paging.mcore.schedules`, or PyTorch's DualPipeV) says in which order a rank runs
 the forward (``F``), backward (``B``) and deferred weight-gradient (``W``) of each (chunk,
 microbatch). :func:`drive_ops` executes such a list over per-layer step generators, interleaving
-an overlapped F/B pair layer by layer as combined 1F1B and DualPipeV do. The demo and the
-simulator (:mod:`megatron_paging.tools.pipeline_sim`) both drive their layers with it.
+an overlapped F/B pair layer by layer as combined 1F1B and DualPipeV do; the pipeline simulator
+(:mod:`megatron_paging.tools.pipeline_sim`, which the demo runs through) drives its layers with
+it.
 """
 
 from __future__ import annotations

@@ -342,20 +342,6 @@ def test_demo_with_a_bad_value_exits_2_with_one_line(tmp_path):
     assert "TinyMoE demo" not in result.stdout  # stopped before the run began
 
 
-def test_demo_without_megatron_core_still_gives_the_one_line_error(tmp_path):
-    """As on a machine without megatron-core (the GPU machine): the bad value is reported
-    first, before the demo imports Megatron-Core's schedule generators."""
-    code = "\n".join([
-        "import sys",
-        "sys.modules['megatron'] = None  # import megatron -> ModuleNotFoundError",
-        "from megatron_paging.cli import main",
-        f"raise SystemExit(main(['demo', '--plot', {str(tmp_path / 'p.png')!r}]))",
-    ])
-    result = _run("0", "-c", code, cwd=tmp_path)
-    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
-    assert result.stderr.count("\n") == 1 and MAX_CTAS_ENV in result.stderr
-
-
 def test_demo_in_process_with_a_bad_value(monkeypatch, capsys, tmp_path):
     monkeypatch.setenv(MAX_CTAS_ENV, "lots")
     assert cli_main(["demo", "--schedule", "none", "--plot", str(tmp_path / "p.png")]) == 2

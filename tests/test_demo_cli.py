@@ -3,56 +3,78 @@ calibration, the overflow policies, the verdict, the output contract and the fla
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import math
 import os
 import sys
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 from megatron_paging import kernels, optimizer_skip
 from megatron_paging.cli import build_parser
+from megatron_paging.config import PagingArgs
 from megatron_paging.demo import cli as demo_cli
 from megatron_paging.demo import training
-from megatron_paging.demo.pipeline import stage_indices
-from megatron_paging.demo.training import StepOutcome, compare
+from megatron_paging.demo.layout import stage_indices
+from megatron_paging.demo.training import StepOutcome
+from megatron_paging.demo.verdict import compare
 from megatron_paging.kernels import KernelBackend
+from megatron_paging.mcore import flags
 from megatron_paging.overflow import GROWTH_FACTOR
 
+CUDA_FACTOR = "--moe-paged-stash-buffer-size-factor-cuda"
+CPU_FACTOR = "--moe-paged-stash-buffer-size-factor-cpu"
+POLICY = "--paging-overflow-policy"
 SMALL = [
     "--device", "cpu", "--steps", "3", "--layers", "1", "--hidden", "32", "--experts", "4",
-    "--seq", "32", "--batch", "2", "--page-size", "8", "--microbatches", "4",
+    "--seq", "32", "--batch", "2", "--moe-paged-stash-page-size", "8", "--microbatches", "4",
 ]
+PNG = b"\x89PNG\r\n\x1a\n"
 
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
-def demo_args(tmp_path, *extra):
-    return build_parser().parse_args(["demo", *SMALL, "--plot", str(tmp_path / "p.png"), *extra])
+def demo_args(tmp_path, *extra, base=SMALL):
+    return build_parser().parse_args(["demo", *base, "--plot", str(tmp_path / "p.png"), *extra])
 
 
-def run_cli(tmp_path, capsys, *extra) -> tuple[int, str]:
-    args = demo_args(tmp_path, *extra)
+@dataclass
+class CliRun:
+    code: int
+    out: str
+    result: demo_cli.DemoResult | None  # what run_demo returned (None: it never ran)
+
+    @property
+    def last(self) -> str:
+        return self.out.splitlines()[-1]
+
+
+def run_cli(tmp_path, capsys, monkeypatch, *extra, base=SMALL) -> CliRun:
+    """The demo command as a user runs it, with the result it printed kept for the checks."""
+    results = []
+    real_run_demo = demo_cli.run_demo
+
+    def run_demo(args, on_step=None):
+        results.append(real_run_demo(args, on_step))
+        return results[-1]
+
+    monkeypatch.setattr(demo_cli, "run_demo", run_demo)
+    args = demo_args(tmp_path, *extra, base=base)
     code = args.func(args)
-    return code, capsys.readouterr().out
+    return CliRun(code, capsys.readouterr().out, results[-1] if results else None)
 
 
-def table_rows(stdout: str) -> list[dict[str, str]]:
-    lines = stdout.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.split("|")[0].strip() == "step")
-    header = [cell.strip() for cell in lines[start].split("|")]
-    rows = []
-    for line in lines[start + 2 :]:
-        if "|" not in line:
-            break
-        rows.append(dict(zip(header, (cell.strip() for cell in line.split("|")), strict=True)))
-    return rows
+def actions(result) -> list[str]:
+    return [step.action for step in result.paged.steps]
 
 
-def kib(cell: str) -> float:
-    assert cell.endswith(" KiB"), cell
-    return float(cell[:-4])
+def assert_same_grads(control: StepOutcome, paged: StepOutcome) -> None:
+    assert control.grads.keys() == paged.grads.keys()
+    assert all(torch.equal(control.grads[k], paged.grads[k]) for k in control.grads)
 
 
 # -- every schedule: bitwise parity ------------------------------------------------------------
@@ -69,26 +91,33 @@ SCHEDULE_CASES = [
 
 @pytest.mark.parametrize(("extra", "stages", "num_stages"), SCHEDULE_CASES,
                          ids=[" ".join(case[0]) for case in SCHEDULE_CASES])
-def test_schedule_bitwise_parity_plot_and_memory(tmp_path, capsys, extra, stages, num_stages):
-    code, out = run_cli(tmp_path, capsys, *extra)
-    assert code == 0, out
-    assert out.splitlines()[-1] == "parity: bitwise"
-    shown = ", ".join(map(str, stages))
-    assert f"holds stage(s) {shown} of {num_stages};" in out
-    order = next(line for line in out.splitlines() if line.startswith("order: ")).split()[1:]
-    assert sum(op.startswith("F") for op in order) == 4 * len(stages)  # every chunk x microbatch
-    png = tmp_path / "p.png"
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    rows = table_rows(out)
-    assert [r["action"] for r in rows] == ["calibrate", "ok", "ok"]
+def test_schedule_bitwise_parity_plot_and_memory(
+    tmp_path, capsys, monkeypatch, extra, stages, num_stages
+):
+    run = run_cli(tmp_path, capsys, monkeypatch, *extra)
+    assert run.code == 0, run.out
+    assert run.last == "parity: bitwise"
+    layout, result = run.result.layout, run.result
+    assert (layout.stages, layout.num_stages) == (stages, num_stages)
+    assert sum(op.kind == "F" for op in layout.ops) == 4 * len(stages)  # chunks x microbatches
+    assert (tmp_path / "p.png").read_bytes()[:8] == PNG
+    assert actions(result) == ["calibrate", "ok", "ok"]
     has_loss = num_stages - 1 in stages
-    for row in rows:
-        assert row["overflow"] == "no" and row["host spills"] == "0"
-        assert row["loss control"] == row["loss paged"]
-        assert (row["loss paged"] != "-") == has_loss
-        assert row["grad norm control"] == row["grad norm paged"]
-        assert kib(row["peak held paged"]) < kib(row["peak held control"])
-    assert all(int(r["pages used (peak)"]) > 0 for r in rows[1:])
+    for c, p in zip(result.control.steps, result.paged.steps, strict=True):
+        assert not p.overflow and p.host_spills == 0
+        assert (p.loss is not None) == has_loss
+        assert has_loss == (c.loss is not None) and (not has_loss or torch.equal(c.loss, p.loss))
+        assert_same_grads(c, p)
+        assert p.peak_bytes < c.peak_bytes
+    assert all(p.peak_pages > 0 for p in result.paged.steps[1:])
+
+
+@pytest.mark.parametrize("extra", [["--paging-hold-last-slot"], ["--paging-prefetch-distance",
+                                                                  "0"]])
+def test_scheduler_flags_keep_bitwise_parity(tmp_path, extra):
+    result = demo_cli.run_demo(demo_args(tmp_path, "--schedule", "dualpipev", *extra))
+    assert result.verdict().line == "parity: bitwise"
+    assert actions(result) == ["calibrate", "ok", "ok"]
 
 
 def test_stage_indices():
@@ -136,20 +165,20 @@ def test_corrupted_reload_is_reported_as_mismatch(tmp_path, capsys, monkeypatch)
         dst.view(-1).view(torch.uint8)[offset] ^= 0x40
 
     wrap_reference_kernel(monkeypatch, flip_one_byte)
-    code, out = run_cli(tmp_path, capsys, "--steps", "2")
-    assert code == 1
-    last = out.splitlines()[-1]
-    assert last.startswith("parity: MISMATCH step 2: ") and "gradient(s) differ" in last
+    run = run_cli(tmp_path, capsys, monkeypatch, "--steps", "2")
+    assert run.code == 1 and run.last.startswith("parity: MISMATCH")
+    (c1, c2), (p1, p2) = run.result.control.steps, run.result.paged.steps
+    assert compare(1, c1, p1) == []  # calibration reloads nothing
+    assert any(not torch.equal(c2.grads[k], p2.grads[k]) for k in c2.grads)
 
 
 # -- calibration, host tier and the overflow policies ------------------------------------------
 
 
 def test_calibrated_pools_follow_the_pool_factors(tmp_path):
-    small = demo_cli.run_demo(demo_args(tmp_path, "--steps", "1", "--pool-factor", "0.5"))
-    big = demo_cli.run_demo(
-        demo_args(tmp_path, "--steps", "1", "--pool-factor", "1.0", "--host-pool-factor", "0.5")
-    )
+    small = demo_cli.run_demo(demo_args(tmp_path, "--steps", "1", CUDA_FACTOR, "0.5"))
+    big = demo_cli.run_demo(demo_args(tmp_path, "--steps", "1", CUDA_FACTOR, "1.0", CPU_FACTOR,
+                                      "0.5"))
     small_pools, big_pools = small.paged.calibrated_pools, big.paged.calibrated_pools
     assert [p.row_bytes for p in small_pools] == [p.row_bytes for p in big_pools] == [128, 256]
     for s, b in zip(small_pools, big_pools, strict=True):
@@ -159,39 +188,34 @@ def test_calibrated_pools_follow_the_pool_factors(tmp_path):
         assert b.num_cuda_pages // 2 - 1 <= b.num_host_pages <= b.num_cuda_pages // 2 + 1
 
 
-def test_host_tier_absorbs_what_the_device_tier_cannot(tmp_path, capsys):
-    code, out = run_cli(tmp_path, capsys, "--pool-factor", "0.3", "--host-pool-factor", "1.0")
-    assert code == 0 and out.splitlines()[-1] == "parity: bitwise"
-    rows = table_rows(out)
-    assert all(r["overflow"] == "no" for r in rows)
-    assert all(int(r["host spills"]) > 0 for r in rows[1:])
+def test_host_tier_absorbs_what_the_device_tier_cannot(tmp_path, capsys, monkeypatch):
+    run = run_cli(tmp_path, capsys, monkeypatch, CUDA_FACTOR, "0.3", CPU_FACTOR, "1.0")
+    assert run.code == 0 and run.last == "parity: bitwise"
+    steps = run.result.paged.steps
+    assert not any(step.overflow for step in steps)
+    assert all(step.host_spills > 0 for step in steps[1:])
 
 
-def test_rerun_policy_keeps_parity_through_overflow(tmp_path, capsys):
-    code, out = run_cli(tmp_path, capsys, "--pool-factor", "0.3")
-    assert code == 0, out
-    assert out.splitlines()[-1] == "parity: bitwise"
-    rows = table_rows(out)
-    assert [r["action"] for r in rows] == ["calibrate", "rerun", "rerun"]
-    assert [r["overflow"] for r in rows] == ["no", "yes", "yes"]
-    assert all(r["grad norm paged"] == r["grad norm control"] for r in rows)
+def test_rerun_policy_keeps_parity_through_overflow(tmp_path, capsys, monkeypatch):
+    run = run_cli(tmp_path, capsys, monkeypatch, CUDA_FACTOR, "0.3")
+    assert run.code == 0, run.out
+    assert run.last == "parity: bitwise"
+    assert actions(run.result) == ["calibrate", "rerun", "rerun"]
+    assert [step.overflow for step in run.result.paged.steps] == [False, True, True]
+    assert run.result.paged.monitor.rerun_steps == 2
 
 
-def test_skip_policy_leaves_parameters_unchanged(tmp_path, capsys):
-    skip = ("--pool-factor", "0.3", "--overflow-policy", "skip")
-    code, out = run_cli(tmp_path, capsys, *skip)
-    assert code == 0, out
-    last = out.splitlines()[-1]
-    assert last.startswith("parity: n/a (policy skip skipped 2 step(s); steps before step 2")
-    rows = table_rows(out)
-    assert [r["action"] for r in rows] == ["calibrate", "skipped", "skipped"]
-    assert [r["grad norm paged"] for r in rows[1:]] == ["discarded"] * 2
+def test_skip_policy_leaves_parameters_unchanged(tmp_path, capsys, monkeypatch):
+    run = run_cli(tmp_path, capsys, monkeypatch, CUDA_FACTOR, "0.3", POLICY, "skip")
+    assert run.code == 0, run.out
+    assert run.last.startswith("parity: n/a (policy skip skipped 2 step(s);")
+    skipped = run.result
+    assert actions(skipped) == ["calibrate", "skipped", "skipped"]
+    assert skipped.paged.monitor.skipped_steps == 2
 
     # Independently of the demo's own check: after two skipped steps the parameters are the
     # ones the (calibration) step 1 produced, which the control produced too.
-    skipped = demo_cli.run_demo(demo_args(tmp_path, *skip))
     one_step = demo_cli.run_demo(demo_args(tmp_path, "--steps", "1"))
-    assert skipped.paged.monitor.skipped_steps == 2
     after_one = one_step.control.parameters
     assert skipped.paged.parameters.keys() == after_one.keys()
     for name, value in after_one.items():
@@ -206,22 +230,18 @@ def test_skip_that_updates_parameters_is_reported(tmp_path, capsys, monkeypatch)
         return False
 
     monkeypatch.setattr(optimizer_skip, "step_unless", step_anyway)
-    code, out = run_cli(tmp_path, capsys, "--pool-factor", "0.3", "--overflow-policy", "skip")
-    assert code == 1
-    assert "the skipped step changed parameters or state" in out.splitlines()[-1]
+    run = run_cli(tmp_path, capsys, monkeypatch, CUDA_FACTOR, "0.3", POLICY, "skip")
+    assert run.code == 1 and run.last.startswith("parity: MISMATCH")
+    assert [step.state_unchanged for step in run.result.paged.steps] == [None, False, False]
 
 
-def test_grow_policy_next_step_does_not_overflow(tmp_path, capsys):
-    code, out = run_cli(tmp_path, capsys, "--pool-factor", "0.7", "--overflow-policy", "grow")
-    assert code == 0, out
-    assert out.splitlines()[-1].startswith("parity: n/a (policy grow skipped 1 step(s);")
-    rows = table_rows(out)
-    assert [r["action"] for r in rows] == ["calibrate", "grown", "ok"]
-    assert [r["overflow"] for r in rows] == ["no", "yes", "no"]
-    assert "pools (after grow): " in out
-
-    result = demo_cli.run_demo(demo_args(tmp_path, "--pool-factor", "0.7", "--overflow-policy",
-                                         "grow"))
+def test_grow_policy_next_step_does_not_overflow(tmp_path, capsys, monkeypatch):
+    run = run_cli(tmp_path, capsys, monkeypatch, CUDA_FACTOR, "0.7", POLICY, "grow")
+    assert run.code == 0, run.out
+    assert run.last.startswith("parity: n/a (policy grow skipped 1 step(s);")
+    result = run.result
+    assert actions(result) == ["calibrate", "grown", "ok"]
+    assert [step.overflow for step in result.paged.steps] == [False, True, False]
     for before, after in zip(result.paged.calibrated_pools, result.paged.pools, strict=True):
         assert after.num_cuda_pages == math.ceil(before.num_cuda_pages * GROWTH_FACTOR)
     assert result.paged.steps[2].pages_left == 0
@@ -230,14 +250,41 @@ def test_grow_policy_next_step_does_not_overflow(tmp_path, capsys):
 # -- flags ------------------------------------------------------------------------------------
 
 
+def demo_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megatron-paging demo")
+    demo_cli.add_arguments(parser)
+    return parser
+
+
+def test_paging_flags_are_the_megatron_flags():
+    """One field, one flag: the demo's paging options are Megatron's launch-line flags, built
+    from the same dataclass (only the pool defaults differ: a tiny model)."""
+    demo = demo_parser()
+    megatron = flags.add_paging_args(argparse.ArgumentParser())
+    shown = [f"--{name.replace('_', '-')}" for name in demo_cli.PAGING_FIELDS]
+    for flag in [*shown, *demo_cli.POOL_FLAGS]:
+        ours, theirs = demo._option_string_actions[flag], megatron._option_string_actions[flag]
+        assert (ours.dest, ours.type, ours.choices, ours.help) == (
+            theirs.dest, theirs.type, theirs.choices, theirs.help)
+    assert set(demo_cli.PAGING_FIELDS) <= {f.name for f in dataclasses.fields(PagingArgs)}
+    assert demo.get_default("moe_paged_stash_page_size") == 16
+
+
+def test_help_is_plain_text_and_every_option_has_help():
+    demo = demo_parser()
+    text = demo.format_help()
+    assert "``" not in text and ":mod:" not in text and ":class:" not in text
+    assert all(action.help for action in demo._actions)
+
+
 @pytest.mark.parametrize(
     ("argv", "flag"),
     [
         (["--steps", "0"], "--steps"),
-        (["--pool-factor", "0"], "--pool-factor"),
-        (["--host-pool-factor", "-1"], "--host-pool-factor"),
+        (["--moe-paged-stash-page-size", "x"], "--moe-paged-stash-page-size"),
+        ([CUDA_FACTOR, "big"], CUDA_FACTOR),
         (["--kernel-backend", "triton"], "--kernel-backend"),
-        (["--overflow-policy", "drop"], "--overflow-policy"),
+        ([POLICY, "drop"], POLICY),
         (["--schedule", "gpipe"], "--schedule"),
         (["--rank", "-1"], "--rank"),
     ],
@@ -261,6 +308,10 @@ def test_bad_flags_name_the_flag(argv, flag, capsys):
         (["--schedule", "none", "--pp", "2"], "--pp"),
         (["--topk", "5"], "--topk"),
         (["--kernel-backend", "cuda"], "--kernel-backend"),
+        (["--moe-paged-stash-page-size", "0"], "--moe-paged-stash-page-size"),
+        ([CUDA_FACTOR, "0"], CUDA_FACTOR),
+        ([CPU_FACTOR, "nan"], CPU_FACTOR),
+        (["--paging-prefetch-distance", "-1"], "--paging-prefetch-distance"),
     ],
 )
 def test_bad_combinations_give_one_line_errors(tmp_path, capsys, extra, flag):
@@ -287,12 +338,12 @@ def outcome(grad=1.0, sent=1.0):
                        sent_grads={(0, 1): torch.tensor([sent])}, peak_bytes=0)
 
 
-def test_compare_reports_sent_input_gradients():
+def test_compare_reports_parameter_and_sent_input_gradients_apart():
     assert compare(1, outcome(), outcome()) == []
-    assert compare(1, outcome(), outcome(grad=3.0)) == ["step 1: 1 gradient(s) differ (w)"]
-    assert compare(2, outcome(), outcome(sent=3.0)) == [
-        "step 2: 1 sent input gradient(s) differ ((0, 1))"
-    ]
+    wrong_grad, wrong_sent = compare(1, outcome(), outcome(grad=3.0)), compare(2, outcome(),
+                                                                              outcome(sent=3.0))
+    assert len(wrong_grad) == len(wrong_sent) == 1 and wrong_grad != wrong_sent
+    assert "(0, 1)" in wrong_sent[0] and "(0, 1)" not in wrong_grad[0]
 
 
 def test_a_wrong_gradient_sent_upstream_is_a_mismatch(tmp_path, capsys, monkeypatch):
@@ -300,21 +351,23 @@ def test_a_wrong_gradient_sent_upstream_is_a_mismatch(tmp_path, capsys, monkeypa
     previous stage differs (as a wrong reload of a first layer's input would make it)."""
     real_run_step = training.run_step
 
-    def run_step(chunks, ops, context, *args, **kwargs):
-        run = real_run_step(chunks, ops, context, *args, **kwargs)
+    def run_step(chunks, ops, context, ends, **kwargs):
+        left = real_run_step(chunks, ops, context, ends, **kwargs)
         if context.engine is not None and context.engine.steps == 2:  # the paged run, step 2
-            key = min(run.sent_grads)
-            run.sent_grads[key] = run.sent_grads[key] * 2
-        return run
+            key = min(ends.sent_grads)
+            ends.sent_grads[key] = ends.sent_grads[key] * 2
+        return left
 
     monkeypatch.setattr(training, "run_step", run_step)
-    code, out = run_cli(tmp_path, capsys, "--steps", "2")
-    rows = table_rows(out)
-    assert all(r["loss control"] == r["loss paged"] for r in rows)
-    assert all(r["grad norm control"] == r["grad norm paged"] for r in rows)
-    assert code == 1
-    last = out.splitlines()[-1]
-    assert last == "parity: MISMATCH step 2: 1 sent input gradient(s) differ ((0, 0))"
+    run = run_cli(tmp_path, capsys, monkeypatch, "--steps", "2")
+    assert run.code == 1 and run.last.startswith("parity: MISMATCH")
+    for c, p in zip(run.result.control.steps, run.result.paged.steps, strict=True):
+        assert torch.equal(c.loss, p.loss)
+        assert_same_grads(c, p)
+    c, p = run.result.control.steps[1], run.result.paged.steps[1]
+    assert [k for k in c.sent_grads if not torch.equal(c.sent_grads[k], p.sent_grads[k])] == [
+        min(c.sent_grads)
+    ]
 
 
 # -- output as the run goes, and --plot ---------------------------------------------------------
@@ -362,8 +415,8 @@ def test_each_row_is_printed_and_flushed_as_its_step_finishes(tmp_path, monkeypa
         assert flushes, f"step {step}'s row was not flushed before the next step"
     assert all(text.split("|")[0].strip() != "step" for kind, text in events[: steps[0]]
                if kind == "write")  # the header comes with step 1's row, after calibration
-    plot_line = next(i for i, (k, t) in enumerate(events) if k == "write" and t.startswith("plot"))
-    assert plot_line > row_of(3)
+    verdict = next(i for i, (k, t) in enumerate(events) if k == "write" and t.startswith("parity:"))
+    assert verdict > row_of(3)
 
 
 def deny_writes_to(monkeypatch, denied):
@@ -399,12 +452,14 @@ def test_plot_is_checked_before_anything_runs(tmp_path, capsys, monkeypatch, pro
     assert not plot.exists()
 
 
-def test_a_plot_name_without_suffix_gets_png_and_the_printed_path_is_the_file(tmp_path, capsys):
-    code, out = run_cli(tmp_path, capsys, "--steps", "1", "--plot", str(tmp_path / "memory"))
-    assert code == 0, out
-    printed = next(line for line in out.splitlines() if line.startswith("plot: "))[6:]
-    assert printed == str((tmp_path / "memory.png").resolve())
-    assert open(printed, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+def test_a_plot_name_without_suffix_gets_png_and_the_printed_path_is_the_file(
+    tmp_path, capsys, monkeypatch
+):
+    run = run_cli(tmp_path, capsys, monkeypatch, "--steps", "1", "--plot", str(tmp_path / "memory"))
+    assert run.code == 0, run.out
+    written = (tmp_path / "memory.png").resolve()
+    assert str(written) in run.out
+    assert written.read_bytes()[:8] == PNG
     assert not (tmp_path / "memory").exists()
 
 
@@ -415,16 +470,13 @@ def test_a_plot_name_without_suffix_gets_png_and_the_printed_path_is_the_file(tm
     [
         ([], "parity: bitwise"),
         (["--schedule", "dualpipev"], "parity: bitwise"),
-        (["--pool-factor", "0.3"], "parity: bitwise"),
-        (["--pool-factor", "0.3", "--overflow-policy", "skip"], "parity: n/a (policy skip"),
-        (["--pool-factor", "0.7", "--overflow-policy", "grow"], "parity: n/a (policy grow"),
+        ([CUDA_FACTOR, "0.3"], "parity: bitwise"),
+        ([CUDA_FACTOR, "0.3", POLICY, "skip"], "parity: n/a (policy skip"),
+        ([CUDA_FACTOR, "0.7", POLICY, "grow"], "parity: n/a (policy grow"),
     ],
 )
-def test_cuda_demo(tmp_path, capsys, extra, last):
-    args = build_parser().parse_args(
-        ["demo", "--device", "cuda", "--steps", "3", "--plot", str(tmp_path / "p.png"), *extra]
-    )
-    assert args.func(args) == 0
-    out = capsys.readouterr().out
-    assert "kernel backend: cuda" in out
-    assert out.splitlines()[-1].startswith(last)
+def test_cuda_demo(tmp_path, capsys, monkeypatch, extra, last):
+    run = run_cli(tmp_path, capsys, monkeypatch, "--steps", "3", *extra, base=["--device", "cuda"])
+    assert run.code == 0, run.out
+    assert run.result.backend == "cuda"
+    assert run.last.startswith(last)

@@ -251,7 +251,7 @@ def test_skip_policy_drops_the_step_on_device_and_counts_it_later(optimizer):
     run.train_step(1)
     assert_equal_states(run.state(), before)  # optimizer.step() was a device no-op
     assert run.runner.skipped_steps == 0  # not read yet: deferred
-    assert sum(ds.host_reads for ds in run.runner.device_skips) == 1  # only the first step's
+    assert sum(ds.host_reads for ds in run.runner.steps.device_skips) == 1  # only the first step's
     run.runner.finish()
     assert run.runner.skipped_steps == 1 and run.calls == [True, True]
 
@@ -342,14 +342,14 @@ def test_evaluation_is_not_a_training_step(policy):
     control.train_step(0)
     run.train_step(0)
     run.runner.finish()
-    skip, steps = run.runner.skip, run.runner.monitor.steps
+    skip, steps = run.runner.steps.skip, run.runner.monitor.steps
     grads = run.chunk.weight.grad.clone()
     calls = len(run.calls)
 
     # The static budget dropped tokens: the eval reruns unbudgeted and reports good losses.
     assert evaluate(run, 1, over_budget_step=1) == evaluate(control, 1)
     assert run.calls[calls:] == [True, False] and run.config.moe_paged_stash
-    assert run.runner.skip is skip and run.runner.monitor.steps == steps
+    assert run.runner.steps.skip is skip and run.runner.monitor.steps == steps
     assert run.runner.monitor.rerun_steps == 0 and run.runner.skipped_steps == 0
     assert run.runner.eval_reruns == 1
     assert torch.equal(run.chunk.weight.grad, grads)  # an eval rerun keeps the step's grads

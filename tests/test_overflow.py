@@ -42,6 +42,7 @@ from megatron_paging.overflow import (
 )
 from megatron_paging.pool import PagePools, PagingFlags
 from megatron_paging.record import PageRecord
+from megatron_paging.step_runner import StepRunner
 
 HIDDEN, OUT, CAPACITY, PAGE = 8, 3, 24, 4
 ROW_BYTES = HIDDEN * 4
@@ -101,54 +102,54 @@ def forward_backward(weight, batch, pools=None, parker=None):
 
 
 class Trainer:
-    """The driver a runner implements, and the policy's StepControl: paged step, one reduce;
-    a policy that reads before the optimizer decides then (and may rerun unpaged), the others
-    skip on device and decide after the step (deferred)."""
+    """A driver over the toy step, through the runtime's StepRunner: paged step, one reduce; a
+    policy that reads before the optimizer decides then (and may rerun unpaged), the others
+    skip on the device and decide after the step (deferred)."""
 
     def __init__(self, optimizer_name, policy, pools):
         torch.manual_seed(0)
         self.weight = torch.nn.Parameter(torch.randn(HIDDEN, OUT) * 0.3)
         self.optimizer = OPTIMIZERS[optimizer_name]([self.weight])
-        self.monitor = OverflowMonitor(policy)
+        self.steps = StepRunner(policy, grow=self.grow_pools, optimizers=[self.optimizer])
+        self.monitor = self.steps.monitor
         self.pools = pools
         self.decisions, self.flags, self.calls = [], [], []
         self.rings_full_before_reset = []
         self.batch = None
 
-    # -- StepControl
-    def rerun_unpaged(self):
+    def rerun_unpaged(self, flags):
         self.calls.append("rerun_unpaged")
         self.optimizer.zero_grad()
         forward_backward(self.weight, self.batch)
+        return self.steps.reduce(None)
 
     def grow_pools(self, factor):
         self.calls.append(("grow_pools", factor))
         self.pools = self.pools.grown(factor)
 
+    def host_reads(self) -> int:
+        return sum(skip.host_reads for skip in self.steps.device_skips)
+
     def step(self, batch):
+        """One step; returns whether the optimizer step read a flag on the host."""
         self.batch = batch
         if self.pools is not None:
             self.pools.reset()
         self.optimizer.zero_grad()
         forward_backward(self.weight, batch, self.pools)
-        pools = self.pools
-        reduced = self.monitor.reduce(pools.flags if pools is not None else None)
-        synced = False
-        if self.monitor.policy.reads_before_optimizer:
-            flags = self.monitor.read(reduced)
-            decision = self.monitor.decide(flags, self)  # may replace the gradients
-            self.optimizer.step()
-        else:
-            synced = step_unless(self.optimizer, skip_flag(reduced))
-            flags = self.monitor.read(reduced)  # deferred, after the step
-            decision = self.monitor.decide(flags, self)
-        self.decisions.append(decision)
-        self.flags.append(flags)
+        pools, reads = self.pools, self.host_reads()
+        reduced = self.steps.reduce(pools.flags if pools is not None else None)
+        decision = self.steps.after_forward_backward(reduced, self.rerun_unpaged)
+        self.optimizer.step()  # through the device skip under 'skip' and 'grow'
+        synced = self.host_reads() > reads
+        decision = decision or self.steps.settle()  # deferred, after the step
+        self.decisions.append(decision.action)
+        self.flags.append(decision.flags)
         if pools is not None:
             self.rings_full_before_reset.append(
                 all(p.free_pages() == (p.num_cuda_pages, p.num_host_pages) for p in pools)
             )
-        if self.pools is not None and flags.discard:
+        if self.pools is not None and decision.flags.discard:
             self.pools.reset()  # pages stashed before the overflow never came back
             assert all(p.free_pages() == (p.num_cuda_pages, p.num_host_pages) for p in self.pools)
         return synced
@@ -374,6 +375,89 @@ def test_a_new_policy_is_one_class_in_the_registry_and_one_name_in_the_config(mo
     assert isinstance(monitor.policy, CountingPolicy)
     assert monitor.decide(StepFlags(overflow_ranks=4), Control()) == "counted 4"
     assert monitor.actions["counted 4"] == 1
+
+
+# ------------------------------------------------------------------------- the StepRunner
+
+
+def overflowed() -> PagingFlags:
+    flags = PagingFlags()
+    flags.overflow.fill_(1)
+    return flags
+
+
+def no_rerun(flags):
+    raise AssertionError("no rerun expected")
+
+
+def test_step_runner_wraps_the_optimizer_only_for_policies_that_skip_on_device():
+    weight = torch.nn.Parameter(torch.ones(2))
+    rerun_opt, skip_opt = torch.optim.SGD([weight], lr=0.1), torch.optim.SGD([weight], lr=0.1)
+    own_step = rerun_opt.step
+    assert StepRunner("rerun", grow=None, optimizers=[rerun_opt]).device_skips == []
+    assert rerun_opt.step == own_step  # 'rerun' repairs the step before the optimizer sees it
+    runner = StepRunner("skip", grow=None, optimizers=[skip_opt])
+    assert [skip.optimizer for skip in runner.device_skips] == [skip_opt]
+
+
+def test_step_runner_defers_the_read_and_skips_on_device():
+    weight = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    runner = StepRunner("skip", grow=None, optimizers=[optimizer])
+    weight.grad = torch.ones(2)
+    assert runner.after_forward_backward(runner.reduce(overflowed()), no_rerun) is None
+    assert runner.monitor.steps == 0  # nothing read yet
+    optimizer.step()
+    assert torch.equal(weight, torch.ones(2))  # dropped on the device
+    decision = runner.settle()
+    assert decision.action == "skip" and decision.flags.overflow_ranks == 1
+    assert runner.settle() is None and runner.skipped_steps == 1
+    assert runner.after_forward_backward(runner.reduce(PagingFlags()), no_rerun) is None
+    optimizer.step()
+    assert not torch.equal(weight, torch.ones(2))
+    assert runner.settle().action == "ok"
+
+
+def test_step_runner_rerun_replaces_the_skip_flag_and_must_come_back_clean():
+    runner = StepRunner("rerun", grow=None)
+    seen = []
+
+    def clean_rerun(flags):
+        seen.append(flags)
+        return runner.reduce(PagingFlags())
+
+    decision = runner.after_forward_backward(runner.reduce(overflowed()), clean_rerun)
+    assert decision.action == "rerun" and seen == [decision.flags]
+    assert not bool(runner.skip)  # the optimizer follows the rerun's flags
+    with pytest.raises(RuntimeError, match="rerun without paging still raised"):
+        runner.after_forward_backward(runner.reduce(overflowed()),
+                                      lambda flags: runner.reduce(overflowed()))
+    skip = runner.skip
+    runner.rerun(clean_rerun, StepFlags(over_budget_ranks=1), training=False)
+    assert runner.skip is skip  # an evaluation's rerun leaves the training step's flag
+
+
+class LateRerunPolicy(OverflowPolicy):
+    name = "late"
+    reads_before_optimizer = False
+
+    def on_discard(self, flags, step):
+        step.rerun_unpaged()
+        return "rerun"
+
+
+def test_a_policy_that_reads_after_the_optimizer_cannot_rerun():
+    runner = StepRunner(LateRerunPolicy(), grow=None)
+    runner.after_forward_backward(runner.reduce(overflowed()), no_rerun)
+    with pytest.raises(RuntimeError, match="too late to rerun"):
+        runner.settle()
+
+
+def test_step_runner_grows_through_the_driver():
+    grown = []
+    runner = StepRunner("grow", grow=grown.append)
+    runner.after_forward_backward(runner.reduce(overflowed()), no_rerun)
+    assert runner.settle().action == "grow" and grown == [GROWTH_FACTOR]
 
 
 def _two_rank_worker(rank, init_file, results):

@@ -1,13 +1,15 @@
 """The end-to-end demo: one pipeline rank of TinyMoE, unpaged control vs paged, bitwise parity.
 
-* :mod:`.model` — TinyMoE, a sync-free MoE with static expert capacity buffers.
-* :mod:`.pipeline` — TinyMoE split into pipeline stage chunks, run through a ``PagingContext``
-  along a real schedule order.
-* :mod:`.training` — the control and paged training loops (calibration, overflow policies).
+* :mod:`.model` — TinyMoE, a sync-free MoE with static expert capacity buffers, and its
+  pipeline stage chunks.
+* :mod:`.layout` — the rank's op order (real schedule generators) and stages.
+* :mod:`.training` — the control and paged runs, through the pipeline simulator
+  (:mod:`megatron_paging.tools.pipeline_sim`) and the step runner
+  (:mod:`megatron_paging.step_runner`); :mod:`.accounting` counts the bytes they hold.
+* :mod:`.verdict`, :mod:`.report` — the parity line, the table and the plot.
 * :mod:`.cli` — ``megatron-paging demo``.
 """
 
-from megatron_paging.demo.model import TinyMoE, TinyMoEConfig
-from megatron_paging.demo.pipeline import StageChunk, run_step
+from megatron_paging.demo.model import StageChunk, TinyMoE, TinyMoEConfig
 
-__all__ = ["StageChunk", "TinyMoE", "TinyMoEConfig", "run_step"]
+__all__ = ["StageChunk", "TinyMoE", "TinyMoEConfig"]

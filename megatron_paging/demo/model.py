@@ -311,6 +311,28 @@ def init_parameters(module: nn.Module, seed: int) -> None:
         param.copy_(values.to(param.dtype))
 
 
+class StageChunk(nn.Module):
+    """``cfg.layers`` TinyMoE layers of one pipeline stage, with the embedding on the first
+    stage (``num_stages`` stages) and the final norm, LM head and loss on the last.
+
+    Weights are seeded by ``seed`` and the stage index only, so every run builds the same stage.
+    """
+
+    def __init__(self, cfg: TinyMoEConfig, stage: int, num_stages: int, seed: int = 0):
+        super().__init__()
+        self.cfg = cfg
+        self.stage, self.first, self.last = stage, stage == 0, stage == num_stages - 1
+        self.embed = nn.Embedding(cfg.vocab, cfg.hidden) if self.first else None
+        self.layers = nn.ModuleList(TinyMoELayer(cfg) for _ in range(cfg.layers))
+        self.norm = nn.RMSNorm(cfg.hidden) if self.last else None
+        self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False) if self.last else None
+        init_parameters(self, seed * 1000 + stage)
+
+    def loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
 class TinyMoE(nn.Module):
     """Embedding, ``layers`` x [mixer, MoE], final norm, LM head; ``forward`` returns the CE loss.
 

@@ -1,18 +1,16 @@
-"""The demo's two training runs, step by step, and its verdict.
+"""The demo's two training runs, one step at a time (the CLI prints each step's row as it
+finishes).
 
 * :class:`ControlRun` — the unpaged control: ``PagingContext(None)`` every step.
-* :class:`PagedRun` — the runtime every driver uses: a :class:`~megatron_paging.engine.PagingEngine`
-  (step 1 calibrates, later steps page through pools sized ``--pool-factor`` /
-  ``--host-pool-factor`` x the calibrated peak) under one
-  :class:`~megatron_paging.paging.PagingContext`. Overflow handling is the config's policy object
-  (:mod:`megatron_paging.overflow`), with this run as its step control: the flags are reduced
-  once after forward-backward; a policy that reads before the optimizer (``rerun``) does so and
-  may redo the step unpaged; the others (``skip``, ``grow``) give the reduced flag to the
-  optimizer (the update is dropped on device, no host read) and read the flags after the step.
+* :class:`PagedRun` — the runtime every driver uses: a
+  :class:`~megatron_paging.engine.PagingEngine` (step 1 calibrates; later steps page through
+  pools sized by the buffer-size factors x the calibrated peak) under one
+  :class:`~megatron_paging.paging.PagingContext`, and a
+  :class:`~megatron_paging.step_runner.StepRunner` for overflowing steps, as in the Megatron
+  runner.
 
-Both runs advance one step at a time, so the CLI prints each step's row as it finishes.
-Byte accounting (the table and the plot) reads pool counters on the host after every layer
-forward and backward; it is demo instrumentation, not part of paging.
+Both run the rank's stage chunks through the pipeline simulator
+(:func:`megatron_paging.tools.pipeline_sim.run_step`) between the same :class:`StageEnds`.
 """
 
 from __future__ import annotations
@@ -23,36 +21,91 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_paging.config import PagingConfig
-from megatron_paging.demo.pipeline import (
+from megatron_paging.demo.accounting import (
+    Held,
     MarkLedger,
     SpillCountingBackend,
-    StageChunk,
-    StepInputs,
-    StepRun,
-    run_step,
+    pool_usage,
+    unpaged_held,
 )
+from megatron_paging.demo.model import StageChunk
 from megatron_paging.engine import PagingEngine
-from megatron_paging.optimizer_skip import DeviceSkip
-from megatron_paging.overflow import OverflowMonitor, make_policy, skip_flag
+from megatron_paging.overflow import OverflowMonitor, StepFlags
 from megatron_paging.paging import PagingContext
 from megatron_paging.pool import PagePools
 from megatron_paging.schedule import Op
+from megatron_paging.step_runner import StepRunner
 from megatron_paging.streams import CpuStreamBackend, CudaStreamBackend
+from megatron_paging.tools.pipeline_sim import Key, LayerEvent, SyntheticNeighbours, run_step
 
 LEARNING_RATE = 1e-2
+# How the table names the policy's actions.
 ACTIONS = {"ok": "ok", "rerun": "rerun", "skip": "skipped", "grow": "grown"}
 
 
 @dataclass(frozen=True)
-class Layout:
-    schedule: str
-    pp: int
-    vpp: int | None
-    rank: int
-    microbatches: int
-    ops: list[Op]
-    stages: list[int]  # global stage of each chunk
-    num_stages: int
+class StepData:
+    """One step's microbatches, (tokens, targets) on the CPU, and the seed of what the
+    synthetic neighbour stages send during it."""
+
+    batches: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    seed: int
+
+
+class StageEnds:
+    """The pipeline around the rank during one step (the simulator's ``Neighbours``).
+
+    The first stage embeds its microbatch's tokens; the last one ends in the cross-entropy
+    loss, scaled by ``1 / microbatches`` as Megatron-Core does. Activations and gradients from
+    other stages are the simulator's seeded synthetic ones, gradients scaled to about a
+    cross-entropy gradient per token. Keeps the losses and the input gradients sent upstream.
+    """
+
+    def __init__(self, chunks: Sequence[StageChunk], data: StepData, device: torch.device):
+        self.chunks = chunks
+        self.tokens = [tokens.to(device) for tokens, _ in data.batches]
+        self.targets = [targets.to(device) for _, targets in data.batches]
+        self.loss_scale = 1.0 / len(data.batches)
+        batch, seq = data.batches[0][0].shape
+        self.synthetic = SyntheticNeighbours(
+            (batch, seq, chunks[0].cfg.hidden), data.seed, device,
+            next(chunks[0].parameters()).dtype, grad_scale=self.loss_scale / (batch * seq),
+        )
+        self.losses: list[torch.Tensor] = []
+        self.sent_grads: dict[Key, torch.Tensor] = {}
+
+    def forward_input(self, chunk: int, microbatch: int) -> torch.Tensor:
+        stage = self.chunks[chunk]
+        if stage.first:
+            return stage.embed(self.tokens[microbatch])
+        return self.synthetic.forward_input(chunk, microbatch)
+
+    def loss(self, chunk: int, microbatch: int, output: torch.Tensor) -> torch.Tensor | None:
+        stage = self.chunks[chunk]
+        if not stage.last:
+            return None
+        loss = stage.loss(output, self.targets[microbatch]) * self.loss_scale
+        self.losses.append(loss.detach())
+        return loss
+
+    def output_grad(self, chunk: int, microbatch: int) -> torch.Tensor:
+        return self.synthetic.output_grad(chunk, microbatch)
+
+    def send_grad(self, chunk: int, microbatch: int, grad: torch.Tensor) -> None:
+        self.sent_grads[(chunk, microbatch)] = grad
+
+    @property
+    def loss_sum(self) -> torch.Tensor | None:
+        """The step's loss: the scaled microbatch losses summed; None without a last stage."""
+        return torch.stack(self.losses).sum() if self.losses else None
+
+
+@dataclass
+class ForwardBackward:
+    """One forward-backward of the rank."""
+
+    ends: StageEnds
+    peak: Held  # the most held for backward at once
 
 
 @dataclass
@@ -60,7 +113,7 @@ class StepOutcome:
     action: str  # control: "-"; paged: calibrate / ok / rerun / skipped / grown
     loss: torch.Tensor | None
     grads: dict[str, torch.Tensor]  # the gradients the optimizer step consumed
-    sent_grads: dict[tuple[int, int], torch.Tensor]
+    sent_grads: dict[Key, torch.Tensor]
     peak_bytes: int
     peak_pages: int | None = None
     host_spills: int = 0
@@ -85,18 +138,11 @@ class RunResult:
     monitor: OverflowMonitor | None = None
 
 
-@dataclass(frozen=True)
-class Verdict:
-    line: str
-    exit_code: int
-    problems: tuple[str, ...]
-
-
 class _Rank:
-    """The rank's chunks, optimizer and byte timeline for one run."""
+    """The rank's chunks, op order, optimizer and byte timeline for one run."""
 
     def __init__(self, chunks: Sequence[StageChunk], ops: Sequence[Op], device: torch.device):
-        self.chunks, self.ops = chunks, ops
+        self.chunks, self.ops, self.device = chunks, ops, device
         params = [p for chunk in chunks for p in chunk.parameters()]
         # capturable: Adam's step counters live on the device, which the device skip needs.
         self.optimizer = torch.optim.Adam(
@@ -108,34 +154,36 @@ class _Rank:
         self,
         context: PagingContext,
         paging: bool,
-        inputs: StepInputs,
-        measure: Callable[[MarkLedger], tuple[int, int]],
+        data: StepData,
+        measure: Callable[[MarkLedger], Held],
         record: bool = True,
-    ) -> tuple[StepRun, int, int]:
-        """One step's ops between ``begin_step`` and ``finish``; returns the run and the peak
-        (bytes, pages) held for backward."""
+    ) -> ForwardBackward:
+        """One step's ops through the simulator, the timeline sampled after every layer."""
         self.optimizer.zero_grad(set_to_none=True)
-        ledger = MarkLedger(context)
-        peak = [0, 0]
+        ends, ledger = StageEnds(self.chunks, data, self.device), MarkLedger(context)
+        peak = Held(0, 0)
         if record:
             self.result.step_starts.append(len(self.result.timeline))
 
-        def sample() -> None:
-            held, pages = measure(ledger)
-            peak[0], peak[1] = max(peak[0], held), max(peak[1], pages)
+        def on_layer(event: LayerEvent) -> None:
+            nonlocal peak
+            ledger.note(event)
+            held = measure(ledger)
+            peak = Held(max(peak.bytes, held.bytes), max(peak.pages, held.pages))
             if record:
-                self.result.timeline.append(held)
+                self.result.timeline.append(held.bytes)
 
-        context.begin_step(paging)
-        run = run_step(self.chunks, self.ops, context, inputs, ledger, sample)
-        unreloaded = context.finish()
+        layers = [chunk.layers for chunk in self.chunks]
+        unreloaded = run_step(
+            layers, self.ops, context, ends, paging=paging, layer_paging=ledger, on_layer=on_layer
+        )
         if unreloaded:
             raise RuntimeError(f"{unreloaded} paged record(s) were never reloaded")
-        return run, peak[0], peak[1]
+        return ForwardBackward(ends, peak)
 
-    def outcome(self, run: StepRun, peak_bytes: int, **fields) -> StepOutcome:
-        return StepOutcome(loss=run.loss, grads=self.grads(), sent_grads=run.sent_grads,
-                           peak_bytes=peak_bytes, **fields)
+    def outcome(self, run: ForwardBackward, peak: Held, action: str) -> StepOutcome:
+        return StepOutcome(action=action, loss=run.ends.loss_sum, grads=self.grads(),
+                           sent_grads=run.ends.sent_grads, peak_bytes=peak.bytes)
 
     def grads(self) -> dict[str, torch.Tensor]:
         return {
@@ -165,23 +213,6 @@ class _Rank:
         return self.result
 
 
-def _held(ledger: MarkLedger) -> tuple[int, int]:
-    return ledger.held_bytes, 0
-
-
-def _pool_usage(pools: PagePools) -> tuple[int, int]:
-    """(bytes, pages) of pool pages in use, both tiers (host read of the ring counters)."""
-    if pools.device.type == "cuda":
-        torch.cuda.synchronize(pools.device)  # let the paging stream's copies land first
-    used_bytes = used_pages = 0
-    for pool in pools:
-        free_device, free_host = pool.free_pages()
-        pages = pool.num_cuda_pages - free_device + pool.num_host_pages - free_host
-        used_pages += pages
-        used_bytes += pages * pool.page_bytes
-    return used_bytes, used_pages
-
-
 class ControlRun:
     """The unpaged control, one step at a time."""
 
@@ -189,9 +220,9 @@ class ControlRun:
         self.rank = _Rank(chunks, ops, device)
         self.context = PagingContext(None)
 
-    def step(self, inputs: StepInputs) -> StepOutcome:
-        run, peak, _ = self.rank.forward_backward(self.context, False, inputs, _held)
-        outcome = self.rank.outcome(run, peak, action="-")
+    def step(self, data: StepData) -> StepOutcome:
+        run = self.rank.forward_backward(self.context, False, data, unpaged_held)
+        outcome = self.rank.outcome(run, run.peak, action="-")
         self.rank.result.steps.append(outcome)
         self.rank.optimizer.step()
         return outcome
@@ -201,7 +232,7 @@ class ControlRun:
 
 
 class PagedRun:
-    """The paged run, one step at a time; the overflow policy's :class:`StepControl`."""
+    """The paged run, one step at a time."""
 
     def __init__(self, chunks, ops, device, config: PagingConfig):
         self.rank = _Rank(chunks, ops, device)
@@ -209,136 +240,65 @@ class PagedRun:
         self.backend = SpillCountingBackend(streams)
         self.engine = PagingEngine(config, stream_backend=self.backend)
         self.context = PagingContext(self.engine)
-        self.monitor = OverflowMonitor(make_policy(config))
-        self._skip: list[torch.Tensor | None] = [None]
-        if not self.monitor.policy.reads_before_optimizer:
-            DeviceSkip(self.rank.optimizer, lambda: self._skip[0])
-        self._inputs: StepInputs | None = None
-        self._run: StepRun | None = None
+        self.steps = StepRunner(config, grow=self.engine.grow, optimizers=[self.rank.optimizer])
 
-    # -- StepControl ------------------------------------------------------------------------
-    def rerun_unpaged(self) -> None:
-        self._run, _, _ = self.rank.forward_backward(
-            self.context, False, self._inputs, _held, record=False
-        )
-
-    def grow_pools(self, factor: float) -> None:
-        self.engine.grow(factor)
-
-    # -- one step ---------------------------------------------------------------------------
-    def _measure(self, ledger) -> tuple[int, int]:
+    def _measure(self, ledger: MarkLedger) -> Held:
         calibrator = self.engine.calibrator
         if calibrator is not None:  # calibration: the parked live rows
-            return sum(k * v for k, v in calibrator.rows_in_flight.items()), 0
-        return _pool_usage(self.engine.pools)
+            return Held(sum(k * v for k, v in calibrator.rows_in_flight.items()))
+        return pool_usage(self.engine.pools)
 
-    def step(self, inputs: StepInputs) -> StepOutcome:
+    def step(self, data: StepData) -> StepOutcome:
         rank, result = self.rank, self.rank.result
         calibrating = self.engine.pools is None
         self.backend.host_spills = 0
-        self._inputs = inputs
-        self._run, peak, peak_pages = rank.forward_backward(
-            self.context, True, inputs, self._measure
-        )
+        attempt = rank.forward_backward(self.context, True, data, self._measure)
         if calibrating:
-            outcome = rank.outcome(self._run, peak, action="calibrate")
+            outcome = rank.outcome(attempt, attempt.peak, action="calibrate")
             result.steps.append(outcome)
             rank.optimizer.step()
             result.calibrated_pools = result.pools = self.engine.pools
             return outcome
-        pools = self.engine.pools
-        pages_left = _pool_usage(pools)[1]
+        pages_left = pool_usage(self.engine.pools).pages
         spills = self.backend.host_spills
-        reduced = self.monitor.reduce(self.engine.flags)  # one collective, no host read
-        state_unchanged = None
-        if self.monitor.policy.reads_before_optimizer:
-            flags = self.monitor.read(reduced)
-            action = self.monitor.decide(flags, self)  # may rerun the step unpaged
-            outcome = rank.outcome(self._run, peak, action=ACTIONS[action])
-            rank.optimizer.step()
-        else:
-            outcome = rank.outcome(self._run, peak, action="")
-            before = rank.state()
-            self._skip[0] = skip_flag(reduced)
-            rank.optimizer.step()  # dropped on device when the reduced flags say so
-            self._skip[0] = None
-            flags = self.monitor.read(reduced)  # deferred: after the step
-            outcome.action = ACTIONS[self.monitor.decide(flags, self)]
-            if flags.discard:
-                after = rank.state()
-                state_unchanged = all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
-        outcome.peak_pages, outcome.host_spills = peak_pages, spills
-        outcome.overflow = bool(flags.overflow_ranks)
-        outcome.pages_left, outcome.state_unchanged = pages_left, state_unchanged
+        used = attempt
+
+        def rerun_unpaged(flags: StepFlags) -> torch.Tensor:
+            nonlocal used
+            used = rank.forward_backward(self.context, False, data, unpaged_held, record=False)
+            return self.steps.reduce(self.engine.flags)
+
+        decision = self.steps.after_forward_backward(
+            self.steps.reduce(self.engine.flags), rerun_unpaged
+        )
+        outcome = rank.outcome(used, attempt.peak, action="")
+        before = rank.state() if decision is None else None  # a deferred read may skip
+        rank.optimizer.step()  # dropped on the device when the reduced flags say so
+        decision = decision or self.steps.settle()
+        if before is not None and decision.flags.discard:
+            after = rank.state()
+            outcome.state_unchanged = all(
+                torch.equal(a, b) for a, b in zip(before, after, strict=True)
+            )
+        outcome.action = ACTIONS.get(decision.action, decision.action)
+        outcome.overflow = bool(decision.flags.overflow_ranks)
+        outcome.peak_pages, outcome.host_spills = attempt.peak.pages, spills
+        outcome.pages_left = pages_left
         result.steps.append(outcome)
         result.pools = self.engine.pools
         return outcome
 
     def finish(self) -> RunResult:
-        self.rank.result.monitor = self.monitor
+        self.rank.result.monitor = self.steps.monitor
         return self.rank.finish()
-
-
-def compare(step: int, control: StepOutcome, paged: StepOutcome) -> list[str]:
-    """Every difference between the runs at one step, one short phrase each."""
-    problems = []
-    if (control.loss is None) != (paged.loss is None) or (
-        control.loss is not None and not torch.equal(control.loss, paged.loss)
-    ):
-        problems.append(f"step {step}: loss {control.loss} vs {paged.loss}")
-    for what, c, p in (("gradient", control.grads, paged.grads),
-                       ("sent input gradient", control.sent_grads, paged.sent_grads)):
-        differ = [str(k) for k in c if k not in p or not torch.equal(c[k], p[k])]
-        differ += [str(k) for k in p if k not in c]
-        if differ:
-            shown = ", ".join(differ[:3]) + (", ..." if len(differ) > 3 else "")
-            problems.append(f"step {step}: {len(differ)} {what}(s) differ ({shown})")
-    return problems
-
-
-@dataclass
-class DemoResult:
-    layout: Layout
-    device: torch.device
-    backend: str
-    policy: str
-    control: RunResult
-    paged: RunResult
-
-    def verdict(self) -> Verdict:
-        """The parity line and exit code (contract: see ``megatron-paging demo --help``)."""
-        problems = []
-        skipped = [s for s, p in enumerate(self.paged.steps, 1) if p.action in ("skipped", "grown")]
-        for step, p in enumerate(self.paged.steps, 1):
-            if not p.overflow and p.pages_left:
-                problems.append(f"step {step}: {p.pages_left} page(s) never returned to a ring")
-            if step in skipped and not p.state_unchanged:
-                problems.append(f"step {step}: the skipped step changed parameters or state")
-        last_compared = skipped[0] - 1 if skipped else len(self.paged.steps)
-        pairs = zip(self.control.steps, self.paged.steps[:last_compared], strict=False)
-        for step, (c, p) in enumerate(pairs, 1):
-            problems += compare(step, c, p)
-        if problems:
-            more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
-            line = f"parity: MISMATCH {'; '.join(problems[:3])}{more}"
-            return Verdict(line, 1, tuple(problems))
-        if not skipped:
-            return Verdict("parity: bitwise", 0, ())
-        line = (
-            f"parity: n/a (policy {self.policy} skipped {len(skipped)} step(s); steps before "
-            f"step {skipped[0]} bitwise, skipped steps left parameters and optimizer state "
-            "unchanged)"
-        )
-        return Verdict(line, 0, ())
 
 
 __all__ = [
     "ControlRun",
-    "DemoResult",
-    "Layout",
+    "ForwardBackward",
     "PagedRun",
     "RunResult",
+    "StageEnds",
+    "StepData",
     "StepOutcome",
-    "Verdict",
-    "compare",
 ]

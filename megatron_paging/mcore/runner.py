@@ -6,8 +6,9 @@ this class (bound to the paging API through the ``paging`` keyword). What change
 
 * One collective per step: paging overflow, host spill, invalid live counts and the dispatchers'
   over-budget flags are packed in one tensor and all-reduced together, with no host read.
-* The overflow policy is an object (:mod:`megatron_paging.overflow`) built from the engine's
-  config (``--paging-overflow-policy``); this runner is its :class:`StepControl`:
+* The overflow handling is the runtime's :class:`~megatron_paging.step_runner.StepRunner`
+  (the one the demo drives too) with the policy of the engine's config
+  (``--paging-overflow-policy``); this runner adds what is Megatron's:
 
   - 'rerun' (Megatron-Core's behaviour) reads the flags right after forward-backward and
     repeats the step once without paging, before the optimizer consumes the gradients (one host
@@ -34,7 +35,9 @@ over-budget step drops only itself. Evaluations (``forward_only``) are no traini
 
 from __future__ import annotations
 
+import functools
 import logging
+from dataclasses import dataclass
 
 import torch
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
@@ -43,8 +46,8 @@ from megatron.core.utils import get_attr_wrapped_model, log_single_rank
 
 from megatron_paging.config import PagingConfig
 from megatron_paging.mcore import graphs
-from megatron_paging.optimizer_skip import DeviceSkip, device_resident_steps
-from megatron_paging.overflow import OverflowMonitor, OverflowPolicy, skip_flag
+from megatron_paging.overflow import OverflowMonitor, OverflowPolicy, StepFlags
+from megatron_paging.step_runner import StepRunner
 
 logger = logging.getLogger(__name__)
 
@@ -126,20 +129,15 @@ class _ApiFlags:
         )
 
 
+@dataclass
 class _Attempt:
-    """One call's data and random state, what a rerun needs (the policy's StepControl)."""
+    """One call's data and random state: what a rerun repeats."""
 
-    def __init__(self, runner, kwargs, saved_iterators, rng_before, training):
-        self.runner, self.kwargs, self.training = runner, kwargs, training
-        self.saved_iterators, self.rng_before = saved_iterators, rng_before
-        self.keep_static_budget = True
-        self.result = None
-
-    def rerun_unpaged(self) -> None:
-        self.result = self.runner._rerun(self)
-
-    def grow_pools(self, factor: float) -> None:
-        self.runner.grow_pools(factor)
+    kwargs: dict
+    saved_iterators: list
+    rng_before: dict
+    training: bool
+    result: object = None
 
 
 class PagedStashRunner:
@@ -177,35 +175,32 @@ class PagedStashRunner:
         if policy is None:
             engine = getattr(paging, "engine", None)
             policy = getattr(engine, "config", None) or PagingConfig()
-        self.monitor = OverflowMonitor(policy, group=group)
         self.moe_layers = _moe_layers(model)
         self._configs = {id(config): config}
         for chunk in model:
             root = get_attr_wrapped_model(chunk, "decoder", allow_none=False, return_model_obj=True)
             self._configs.setdefault(id(root.config), root.config)
-        self.skip: torch.Tensor | None = None  # the current step's device skip flag
-        self._pending: torch.Tensor | None = None  # reduced flags awaiting the deferred read
         self.eval_reruns = 0  # evaluations rerun without paging / static budget
         self.graph_invalidations = 0  # captured graphs dropped by 'grow'
-        self.device_skips = []
-        # 'rerun' reads the flags before the optimizer step and repairs the step, so the
-        # optimizer is left exactly as Megatron built it (the device skip would cost a copy of
-        # the parameters and optimizer state at every step for non-fused optimizers).
-        policy_skips = not self.monitor.policy.reads_before_optimizer
-        for torch_optimizer in _torch_optimizers(optimizer) if policy_skips else []:
-            if device_resident_steps(torch_optimizer):
-                log_single_rank(
-                    logger,
-                    logging.INFO,
-                    "paging: switched torch Adam to capturable=True so step counters live on "
-                    "the device (needed for the device-side optimizer skip; use the same "
-                    "setting in control runs)",
-                )
-            self.device_skips.append(DeviceSkip(torch_optimizer, lambda: self.skip))
+        self.steps = StepRunner(
+            policy, grow=self.grow_pools, optimizers=_torch_optimizers(optimizer), group=group
+        )
+        if self.steps.steps_made_device_resident:
+            log_single_rank(
+                logger,
+                logging.INFO,
+                "paging: switched torch Adam to capturable=True so step counters live on "
+                "the device (needed for the device-side optimizer skip; use the same "
+                "setting in control runs)",
+            )
+
+    @property
+    def monitor(self) -> OverflowMonitor:
+        return self.steps.monitor
 
     @property
     def skipped_steps(self) -> int:
-        return self.monitor.skipped_steps
+        return self.steps.skipped_steps
 
     # -- flags -------------------------------------------------------------------------------
     def _flag_device(self) -> torch.device:
@@ -232,7 +227,7 @@ class PagedStashRunner:
         """The step's packed flags, reduced over ranks; the dispatchers' sticky over-budget
         flags are cleared once packed, so the next step starts clean under every policy."""
         over_budget = [mlp.token_dispatcher.check_over_budget() for mlp in self.moe_layers]
-        reduced = self.monitor.reduce(self._paging_flags(), over_budget, self._flag_device())
+        reduced = self.steps.reduce(self._paging_flags(), over_budget, self._flag_device())
         for mlp in self.moe_layers:
             reset = getattr(mlp.token_dispatcher, "reset_over_budget", None)
             if reset is not None:
@@ -240,7 +235,7 @@ class PagedStashRunner:
         return reduced
 
     def grow_pools(self, factor: float) -> None:
-        """StepControl: larger device tiers for the next step; a captured graph is dropped."""
+        """Larger device tiers for the next step ('grow'); a captured graph is dropped."""
         engine = getattr(self.paging, "engine", None)
         if engine is None or engine.pools is None:
             log_single_rank(logger, logging.INFO, "paging: 'grow' found no pools to grow")
@@ -257,10 +252,7 @@ class PagedStashRunner:
 
     def finish(self) -> None:
         """Read and act on the last step's flags now (end of training, before checkpoints)."""
-        if self._pending is None:
-            return
-        reduced, self._pending = self._pending, None
-        self.monitor.decide(self.monitor.read(reduced), _Attempt(self, None, None, None, True))
+        self.steps.settle()
 
     # -- Megatron-Core's interface ------------------------------------------------------------
     def data_read(self, data_iterator, model, training, num_microbatches):
@@ -322,7 +314,7 @@ class PagedStashRunner:
         """Run forward-backward, then act on its flags (see the module docstring).
 
         Evaluation (``forward_only=True``) is not a training step: it is not counted by the
-        monitor, leaves ``self.skip`` (the training step's optimizer flag) alone and ignores
+        monitor, leaves ``steps.skip`` (the training step's optimizer flag) alone and ignores
         the policy. Its flags are read right away (an evaluation has no optimizer step to defer
         to) and, if the static dispatch budget dropped tokens (or paging failed), it is rerun
         once without paging and without the budget, so garbage losses never reach the caller;
@@ -342,60 +334,48 @@ class PagedStashRunner:
         saved_iterators, kwargs["data_iterator"] = self.data_read(
             kwargs["data_iterator"], kwargs["model"], training, kwargs["num_microbatches"]
         )
-        attempt = _Attempt(self, kwargs, saved_iterators, rng_state(), training)
+        attempt = _Attempt(kwargs, saved_iterators, rng_state(), training)
         attempt.result = self.forward_backward_func(**kwargs)
         if self.paging is not None and graphs.replayed(self.forward_backward_func, training):
             graphs.note_replay(self.paging)
         reduced = self._reduce_flags()
-        if not training:
-            flags = self.monitor.read(reduced)
-            if flags.discard:
-                log_single_rank(
-                    logger,
-                    logging.INFO,
-                    "paging: evaluation dropped tokens or overflowed; rerunning it without "
-                    "paging"
-                    + (
-                        " and without the static dispatch budget" if flags.over_budget_ranks else ""
-                    ),
-                )
-                self.eval_reruns += 1
-                attempt.keep_static_budget = not flags.over_budget_ranks
-                attempt.rerun_unpaged()
-            return attempt.result
-
-        self.skip = skip_flag(reduced)
-        if self.monitor.policy.reads_before_optimizer:
-            flags = self.monitor.read(reduced)  # before the optimizer consumes the gradients
-            attempt.keep_static_budget = not flags.over_budget_ranks
-            self.monitor.decide(flags, attempt)
+        rerun = functools.partial(self._rerun, attempt)
+        if training:
+            self.steps.after_forward_backward(reduced, rerun)
         else:
-            self._pending = reduced
+            self._check_evaluation(reduced, rerun)
         return attempt.result
 
-    def _rerun(self, attempt: _Attempt):
-        """Repeat forward-backward on the same data and random draws without paging (and,
-        unless the attempt keeps it, without the static dispatch budget), eagerly."""
+    def _check_evaluation(self, reduced: torch.Tensor, rerun) -> None:
+        """An evaluation has no optimizer step to defer to: its flags are read now."""
+        flags = self.steps.monitor.read(reduced)
+        if not flags.discard:
+            return
+        log_single_rank(
+            logger,
+            logging.INFO,
+            "paging: evaluation dropped tokens or overflowed; rerunning it without paging"
+            + (" and without the static dispatch budget" if flags.over_budget_ranks else ""),
+        )
+        self.eval_reruns += 1
+        self.steps.rerun(rerun, flags, training=False)
+
+    def _rerun(self, attempt: _Attempt, flags: StepFlags) -> torch.Tensor:
+        """Repeat forward-backward on the same data and random draws without paging, eagerly;
+        the static dispatch budget stays unless a dispatcher was over it (``flags``). Returns
+        the rerun's reduced flags."""
         saved_paged_stash = self.config.moe_paged_stash
-        keep = attempt.keep_static_budget
-        self.prepare_for_rerun(is_training=attempt.training, keep_static_budget=keep)
+        self.prepare_for_rerun(
+            is_training=attempt.training, keep_static_budget=not flags.over_budget_ranks
+        )
         set_rng_state(attempt.rng_before)
         kwargs = dict(attempt.kwargs, data_iterator=attempt.saved_iterators)
         try:
-            result = graphs.eager_function(self.forward_backward_func)(**kwargs)
-            rerun_flags = self._reduce_flags()
-            if attempt.training:
-                self.skip = skip_flag(rerun_flags)
-            if self.monitor.read(rerun_flags).discard:
-                raise RuntimeError(
-                    "PagedStashRunner: the rerun without paging"
-                    + ("" if keep else " and without the static dispatch budget")
-                    + " still raised an overflow flag"
-                )
+            attempt.result = graphs.eager_function(self.forward_backward_func)(**kwargs)
+            return self._reduce_flags()
         finally:
             self._set_moe_paged_stash(saved_paged_stash)
             self._set_static_budget(restore=True)
-        return result
 
 
 __all__ = ["PagedStashRunner"]

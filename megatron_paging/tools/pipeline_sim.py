@@ -1,12 +1,13 @@
 """Run one pipeline rank's schedule in one process, and a synthetic MoE layer stack to run.
 
-:func:`run_schedule` takes the rank's model chunks (each a list of layers called as
-``layer(x, context)``), an op list (:class:`~megatron_paging.schedule.Op`, e.g. from
-:mod:`megatron_paging.mcore.schedules`) and a :class:`~megatron_paging.paging.PagingContext`, and
-runs one step. Activations from the previous stage and
-gradients from the next one are synthetic (seeded per chunk and microbatch). Every layer is its
-own autograd island (input detached), so forward and backward of different microbatches can
-interleave layer by layer, as Megatron-Core's combined 1F1B and DualPipeV's overlapped F/B do.
+:func:`run_step` runs one step of the rank: its model chunks (each a list of layers called as
+``layer(x, paging)``), an op list (:class:`~megatron_paging.schedule.Op`, e.g. from
+:mod:`megatron_paging.mcore.schedules`) and a :class:`~megatron_paging.paging.PagingContext`.
+Every layer is its own autograd island (input detached), so forward and backward of different
+microbatches can interleave layer by layer, as Megatron-Core's combined 1F1B and DualPipeV's
+overlapped F/B do. What the rest of the pipeline exchanges with the rank comes from its
+:class:`Neighbours`: :class:`SyntheticNeighbours` sends seeded activations and gradients (what
+:func:`run_schedule` uses); the demo's first and last stages embed tokens and end in a loss.
 
 :class:`SyntheticMoELayer` is a small MoE-like layer: a dense part, a data-dependent router that
 fills a capacity buffer with per-segment live prefixes, and two expert GEMMs that, like a grouped
@@ -17,6 +18,8 @@ can defer its weight gradients. Nothing here imports megatron.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -25,59 +28,158 @@ from torch import nn
 from megatron_paging.paging import PagingContext
 from megatron_paging.schedule import Op, check_ops, drive_ops
 
+Key = tuple[int, int]  # (chunk, microbatch)
+# The ``salt`` of ``make_input(chunk, microbatch, salt)``: what the synthetic tensor stands for.
+ACTIVATION, OUTPUT_GRAD = 1, 2
+
+
+class Neighbours(Protocol):
+    """The rest of the pipeline as one rank sees it, per (chunk, microbatch)."""
+
+    def forward_input(self, chunk: int, microbatch: int) -> torch.Tensor:
+        """The input of the chunk's first layer. A tensor without autograd history is an
+        activation from the previous stage: the layer gets a detached copy that requires grad,
+        and its gradient goes back through :meth:`send_grad`. A tensor with history (a first
+        stage's embedding of its tokens) is part of the first layer's island."""
+
+    def loss(self, chunk: int, microbatch: int, output: torch.Tensor) -> torch.Tensor | None:
+        """The last stage's loss of the chunk's ``output``, where its backward starts; None on
+        other stages."""
+
+    def output_grad(self, chunk: int, microbatch: int) -> torch.Tensor:
+        """The gradient of the chunk's output, from the next stage (when there is no loss)."""
+
+    def send_grad(self, chunk: int, microbatch: int, grad: torch.Tensor) -> None:
+        """The gradient of the chunk's input activation, for the previous stage."""
+
 
 def _seeded(seed: int, chunk: int, microbatch: int, salt: int) -> torch.Generator:
     mixed = seed * 1_000_003 + chunk * 10_007 + microbatch * 101 + salt
     return torch.Generator().manual_seed(mixed)
 
 
-def run_schedule(
+@dataclass
+class SyntheticNeighbours:
+    """Seeded stand-ins for the stages around the rank: the activation every chunk receives
+    and the gradient of its output (``grad_scale`` x a standard normal); no loss, sent
+    gradients are dropped. ``make_input(chunk, microbatch, salt)`` overrides the tensors (salt
+    ACTIVATION or OUTPUT_GRAD), e.g. to pre-generate them on a GPU."""
+
+    shape: tuple[int, ...]
+    seed: int = 0
+    device: torch.device | str = "cpu"
+    dtype: torch.dtype = torch.float32
+    make_input: Callable[[int, int, int], torch.Tensor] | None = None
+    grad_scale: float = 1.0
+
+    def _tensor(self, chunk: int, microbatch: int, salt: int) -> torch.Tensor:
+        if self.make_input is not None:
+            return self.make_input(chunk, microbatch, salt)
+        g = _seeded(self.seed, chunk, microbatch, salt)
+        return torch.randn(self.shape, generator=g, dtype=self.dtype).to(self.device)
+
+    def forward_input(self, chunk: int, microbatch: int) -> torch.Tensor:
+        return self._tensor(chunk, microbatch, ACTIVATION)
+
+    def loss(self, chunk: int, microbatch: int, output: torch.Tensor) -> None:
+        return None
+
+    def output_grad(self, chunk: int, microbatch: int) -> torch.Tensor:
+        grad = self._tensor(chunk, microbatch, OUTPUT_GRAD)
+        return grad if self.grad_scale == 1 else grad * self.grad_scale
+
+    def send_grad(self, chunk: int, microbatch: int, grad: torch.Tensor) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class LayerEvent:
+    """A layer's forward (``kind`` "F") or backward ("B") just finished."""
+
+    kind: str
+    chunk: int
+    layer: int
+    microbatch: int
+
+
+@dataclass
+class _Island:
+    """One layer's autograd island: its detached input (None when the input belongs to the
+    island, like a first stage's embedding) and the tensor its backward starts from."""
+
+    input: torch.Tensor | None
+    root: torch.Tensor
+
+
+@dataclass
+class _Forward:
+    """A (chunk, microbatch) forward, kept for its backward."""
+
+    islands: list[_Island] = field(default_factory=list)
+    ends_in_loss: bool = False
+
+
+def run_step(
     chunks: Sequence[Sequence[nn.Module]],
     ops: Sequence[Op],
     context: PagingContext,
-    input_shape: tuple[int, ...],
-    seed: int = 0,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
+    neighbours: Neighbours,
+    *,
+    paging: bool = True,
+    layer_paging=None,
+    on_layer: Callable[[LayerEvent], None] | None = None,
     prefetch_ops: bool = True,
     on_op: Callable[[int, Op], None] | None = None,
-    make_input: Callable[[int, int, int], torch.Tensor] | None = None,
 ) -> int:
-    """Run ``ops`` on ``chunks`` as one step (``context.begin_step()`` ... ``context.finish()``);
-    returns the records never reloaded.
+    """Run ``ops`` on ``chunks`` as one step, between ``context.begin_step(paging)`` and
+    ``context.finish()``; returns the records never reloaded.
 
-    ``make_input(chunk, microbatch, salt)`` overrides the seeded synthetic tensors (salt 1: the
-    chunk's input activation, salt 2: its output gradient), e.g. to pre-generate them on a GPU.
+    ``layer_paging`` is what the layers get as their ``paging`` argument (default: the context;
+    the demo passes a wrapper that counts the bytes marked). ``on_layer`` is called after every
+    layer forward and backward, ``on_op(index, op)`` before every op.
     """
     check_ops(ops)
-    context.begin_step()
-    saved: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
-
-    def synthetic(chunk: int, microbatch: int, salt: int) -> torch.Tensor:
-        if make_input is not None:
-            return make_input(chunk, microbatch, salt)
-        g = _seeded(seed, chunk, microbatch, salt)
-        return torch.randn(input_shape, generator=g, dtype=dtype).to(device)
+    context.begin_step(paging)
+    marks = context if layer_paging is None else layer_paging
+    forwards: dict[Key, _Forward] = {}
 
     def forward_steps(op: Op):
-        x = synthetic(op.chunk, op.microbatch, 1)
-        layers = saved.setdefault((op.chunk, op.microbatch), [])
-        for index, layer in enumerate(chunks[op.chunk]):
-            x_in = x.detach().requires_grad_(True)
-            with context.forward(op.chunk, op.microbatch):
-                y = context.group_commit(layer(context.group_start(x_in, index), context))
-            layers.append((x_in, y))
+        key, layers = (op.chunk, op.microbatch), chunks[op.chunk]
+        kept = forwards.setdefault(key, _Forward())
+        x = None
+        for index, layer in enumerate(layers):
+            with context.forward(*key):
+                if index == 0:
+                    x = neighbours.forward_input(*key)
+                own = index == 0 and x.requires_grad
+                x_in = None if own else x.detach().requires_grad_(True)
+                h = x if own else x_in
+                y = context.group_commit(layer(context.group_start(h, index), marks))
+                root = y
+                if index == len(layers) - 1:
+                    loss = neighbours.loss(op.chunk, op.microbatch, y)
+                    if loss is not None:
+                        root, kept.ends_in_loss = loss, True
+            kept.islands.append(_Island(x_in, root))
             x = y
+            if on_layer is not None:
+                on_layer(LayerEvent("F", op.chunk, index, op.microbatch))
             yield
 
     def backward_steps(op: Op):
-        layers = saved.pop((op.chunk, op.microbatch))
-        grad = synthetic(op.chunk, op.microbatch, 2)
-        for x_in, y in reversed(layers):
+        key = (op.chunk, op.microbatch)
+        kept = forwards.pop(key)
+        grad = None if kept.ends_in_loss else neighbours.output_grad(*key)
+        for index in reversed(range(len(kept.islands))):
+            island = kept.islands[index]
             with context.backward(op.chunk, op.microbatch, op.defers_wgrad):
-                torch.autograd.backward(y, grad)
-            grad = x_in.grad
+                torch.autograd.backward(island.root, grad)
+            grad = None if island.input is None else island.input.grad
+            if on_layer is not None:
+                on_layer(LayerEvent("B", op.chunk, index, op.microbatch))
             yield
+        if grad is not None:
+            neighbours.send_grad(op.chunk, op.microbatch, grad)
 
     def prefetch(op: Op) -> None:
         if op.kind == "B":
@@ -94,9 +196,31 @@ def run_schedule(
         prefetch if prefetch_ops else None,
         on_op,
     )
-    if saved:
-        raise RuntimeError(f"forwards without a backward: {sorted(saved)}")
+    if forwards:
+        raise RuntimeError(f"forwards without a backward: {sorted(forwards)}")
     return context.finish()
+
+
+def run_schedule(
+    chunks: Sequence[Sequence[nn.Module]],
+    ops: Sequence[Op],
+    context: PagingContext,
+    input_shape: tuple[int, ...],
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    prefetch_ops: bool = True,
+    on_op: Callable[[int, Op], None] | None = None,
+    make_input: Callable[[int, int, int], torch.Tensor] | None = None,
+) -> int:
+    """One paged step of ``chunks`` between :class:`SyntheticNeighbours` of ``input_shape``
+    (see :func:`run_step`); returns the records never reloaded.
+
+    ``make_input(chunk, microbatch, salt)`` overrides the seeded synthetic tensors (salt 1: the
+    chunk's input activation, salt 2: its output gradient), e.g. to pre-generate them on a GPU.
+    """
+    neighbours = SyntheticNeighbours(input_shape, seed, device, dtype, make_input)
+    return run_step(chunks, ops, context, neighbours, prefetch_ops=prefetch_ops, on_op=on_op)
 
 
 # --------------------------------------------------------------------- synthetic MoE stack
@@ -210,9 +334,16 @@ def parameter_grads(chunks: Sequence[Sequence[nn.Module]]) -> dict[str, torch.Te
 
 
 __all__ = [
+    "ACTIVATION",
+    "OUTPUT_GRAD",
+    "Key",
+    "LayerEvent",
     "LiveRowsLinear",
+    "Neighbours",
     "SyntheticMoELayer",
+    "SyntheticNeighbours",
     "parameter_grads",
     "run_schedule",
+    "run_step",
     "synthetic_chunks",
 ]
