@@ -131,7 +131,10 @@ COMMANDS: tuple[Command, ...] = (
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The command line; ``only``: configure that subcommand's arguments alone (the others
+    are listed but not configured: the demo's flags import Megatron, which 'info' must not
+    need)."""
     parser = argparse.ArgumentParser(prog="megatron-paging", description=DESCRIPTION,
                                      epilog=EPILOG)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
@@ -141,12 +144,15 @@ def build_parser() -> argparse.ArgumentParser:
     for command in COMMANDS:
         sub_parser = sub.add_parser(command.name, help=command.help,
                                     description=command.description or None)
-        sub_parser.set_defaults(func=command.configure(sub_parser))
+        if only is None or command.name == only:
+            sub_parser.set_defaults(func=command.configure(sub_parser))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    chosen = next((a for a in argv if not a.startswith("-")), "")
+    args = build_parser(only=chosen).parse_args(argv)
     return args.func(args)
 
 
