@@ -106,6 +106,11 @@ def check_model_flags(args) -> None:
         if value:
             flag = "--" + dest.replace("_", "-")
             raise ValueError(f"{flag}: this example builds no {what}; drop the flag")
+    if getattr(args, "context_parallel_size", 1) != 1:
+        raise ValueError(
+            "--context-parallel-size: the example's SDPA core attention has no context "
+            "parallelism; use 1"
+        )
     if getattr(args, "transformer_impl", "local") != "local":
         raise ValueError(
             f"--transformer-impl {args.transformer_impl}: this example builds the local "

@@ -5,7 +5,7 @@
 #
 #   bash scripts/gpu_check.sh [steps...]          (default: info build tests)
 #   steps: info build tests sanitizer bench-kernels bench-scheduler bench-offload bench-swiglu
-#          mcore frontier step-ratio
+#          mcore frontier step-ratio scale
 #
 # Each step has its own time limit, so one hang cannot take the whole run; `build tests` is sized
 # for one 10-minute call (the build ~40 s when not cached, the tests TESTS_LIMIT_S). Environment:
@@ -24,6 +24,8 @@
 #                       limit is 40 s more), FRONTIER_RESUME an earlier call's frontier.json,
 #                       FRONTIER_ARGS more arguments ("--only moe_compute:paged", ...)
 #   STEP_RATIO_TIME_S, STEP_RATIO_ARGS   the same for benchmarks/bench_step_ratio.py
+#   SCALE_TIME_S, SCALE_ARGS, SCALE_RESUME   the same for benchmarks/bench_scale.py (one
+#                       emulated rank of a frontier layout per arm; docs/scale.md)
 set -u
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -110,6 +112,12 @@ for step in "${steps[@]}"; do
       run_step step-ratio $((stime + 40)) python3 benchmarks/bench_step_ratio.py \
         --out "$OUT/step_ratio.json" --time-budget-s "$stime" ${STEP_RATIO_ARGS:-} ;;
     mcore) run_step mcore "${MCORE_LIMIT_S:-420}" bash scripts/mcore_gpu_run.sh "$OUT" ;;
+    scale)
+      sctime=${SCALE_TIME_S:-500}
+      [ -n "${SCALE_RESUME:-}" ] && cp "$SCALE_RESUME" "$OUT/scale.json"
+      # shellcheck disable=SC2086
+      run_step scale $((sctime + 320)) python3 benchmarks/bench_scale.py \
+        --out "$OUT/scale.json" --time-budget "$sctime" ${SCALE_ARGS:-} ;;
     *) echo "unknown step $step" | tee -a "$LOG" ;;
   esac
 done
@@ -118,7 +126,7 @@ echo
 echo "==================== gpu_check summary ===================="
 printf '%-18s %-10s %s\n' step status seconds
 for step in info build tests memcheck racecheck bench-kernels bench-scheduler bench-offload \
-            bench-swiglu mcore frontier step-ratio; do
+            bench-swiglu mcore frontier step-ratio scale; do
   [ -n "${status[$step]:-}" ] && printf '%-18s %-10s %s\n' "$step" "${status[$step]}" "${seconds[$step]}"
 done
 if [ -f "$OUT/gpu_tests.xml" ]; then
