@@ -35,6 +35,10 @@ logger = logging.getLogger(__name__)
 DEVICE_TIER = 0
 HOST_TIER = 1
 
+# Bits of the invalid_live flag, as csrc/paging.h spells them.
+INVALID_LIVE_COUNT = 1  # a stash saw a live count outside [0, segment capacity]
+INVALID_RELOAD = 2  # a reload found its record holding no pages (reloaded twice, never stashed)
+
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
@@ -68,8 +72,16 @@ class PagingFlags:
       count). Sticky: once set, later stashes and reloads copy nothing and leave every freelist
       unchanged, so the step's results are garbage and must be discarded (see ``overflow.py``).
     * ``host_spill``: at least one record was stashed to the pinned host tier.
-    * ``invalid_live``: a live count was negative or above its segment's capacity. It also sets
-      ``overflow``; ``raise_if_invalid`` turns it into a clear error once the host reads flags.
+    * ``invalid_live``: a kernel refused bad input, one bit per kind, so that
+      ``raise_if_invalid`` can name it once the host reads flags (any bit means the step must be
+      discarded):
+
+      - :data:`INVALID_LIVE_COUNT`: a stash saw a live count that was negative or above its
+        segment's capacity. It copied nothing and also set ``overflow``.
+      - :data:`INVALID_RELOAD`: a reload, with ``overflow`` clear, found its record holding no
+        pages: reloaded already, or never stashed (``record.py``, ``state``). It gave no page
+        back to a freelist, copied nothing and zeroed the record's live rows in its
+        destination; ``overflow`` is left alone, so later stashes and reloads run as before.
     """
 
     def __init__(self, device: torch.device | str = "cpu"):
@@ -89,13 +101,22 @@ class PagingFlags:
         return {"overflow": overflow, "host_spill": host_spill, "invalid_live": invalid}
 
     def raise_if_invalid(self) -> None:
-        """Raise if any stash saw a live count outside ``[0, segment capacity]`` (host sync)."""
-        if self.read()["invalid_live"]:
-            raise ValueError(
-                "paging: a record's live_rows was negative or above its segment capacity; "
-                "the stash copied nothing and set the overflow flag (check the dispatcher's "
+        """Raise, naming what happened, if a kernel refused bad input (host sync)."""
+        bits = int(self.invalid_live.item())
+        problems = []
+        if bits & INVALID_LIVE_COUNT:
+            problems.append(
+                "a record's live_rows was negative or above its segment capacity; the stash "
+                "copied nothing and set the overflow flag (check the dispatcher's "
                 "tokens_per_expert against the static capacity)"
             )
+        if bits & INVALID_RELOAD:
+            problems.append(
+                "a record was reloaded twice, or reloaded before it was stashed; that reload "
+                "gave no page back and zeroed its destination's live rows"
+            )
+        if problems:
+            raise ValueError("paging: " + "; and ".join(problems))
 
     def __repr__(self) -> str:
         return f"PagingFlags(device={self.device})"
@@ -166,8 +187,8 @@ class PagePool:
             self.num_host_pages, dtype=torch.int64, device=self.device
         )
         # The CUDA kernels' last CTA commits ring counters and flags; this counts finished CTAs
-        # and is back at 0 after every launch; the second entry is the dynamic bulk variant's
-        # tile ticket (same rule). Allocated here so capture never allocates it.
+        # and is back at 0 after every launch; the second entry is the bulk path's tile ticket
+        # (same rule). Allocated here so capture never allocates it.
         self.kernel_done_counter = torch.zeros(2, dtype=torch.int32, device=self.device)
         # What a kernel backend caches about this pool (e.g. the CUDA kernels' pointer block);
         # made outside any CUDA-graph capture, see kernels.prepare().

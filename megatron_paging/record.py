@@ -16,6 +16,14 @@ pages back in the same order. For one segment this is Megatron-Core 0.19.2's lay
 ``spilled_to_host`` is Megatron-Core's: 0 = pages in the device tier, 1 = in the host tier (or
 the stash overflowed). Unused slots of ``page_record`` hold 0.
 
+``state`` (int64 ``[1]``) says whether the record holds pages: every stash writes
+:data:`RECORD_STASHED` when it took pages and :data:`RECORD_EMPTY` when it took none (overflow,
+invalid live count); every reload writes :data:`RECORD_RELOADED`. A reload without an overflow
+checks it: a record that holds no pages (reloaded already, or never stashed) gives nothing back
+and sets the ``invalid_live`` flag's reload bit (``pool.py``), so its pages can never be on a
+freelist twice. A stash accepts any state, so a record is stashed again after its reload (the
+same record objects every CUDA-graph replay) with nothing to reset in between.
+
 The static part (sizes, segments, slots) is a :class:`RecordLayout`, validated once and shared
 by every record of that shape; a record adds its three device tensors and its annotations.
 """
@@ -30,6 +38,14 @@ import torch
 
 from megatron_paging.config import positive_int
 from megatron_paging.pool import ceil_div
+
+# Values of PageRecord.state, as csrc/paging.h spells them. The stashed value is distinctive
+# rather than 1: new_record and attach_buffers leave the word uninitialized (the save path runs
+# no fill kernel), and a stray int64 1 there must not pass for a stash. PageRecord.new starts at
+# RECORD_EMPTY.
+RECORD_EMPTY = 0
+RECORD_STASHED = 0x53544153484544  # "STASHED" in ASCII
+RECORD_RELOADED = 2
 
 
 @dataclass(eq=False)
@@ -118,34 +134,36 @@ class RecordLayout:
                    defer_buffer: bool = False) -> PageRecord:
         """A record over ``live_rows``: copied when ``snapshot``, else kept (already private).
 
-        The live-count copy, ``page_record`` and ``spilled_to_host`` share one uninitialized
-        int64 buffer: one allocation and at most one copy kernel per record. Every stash
-        kernel writes ``page_record`` and ``spilled_to_host`` before anything reads them.
-        ``defer_buffer`` (a private int64 count: nothing to copy now) leaves the last two
-        unset for :func:`attach_buffers`, which gives a whole group one buffer.
+        The live-count copy, ``page_record``, ``spilled_to_host`` and ``state`` share one
+        uninitialized int64 buffer: one allocation and at most one copy kernel per record.
+        Every stash kernel writes the last three before anything reads them (a reload before
+        any stash reads an unwritten ``state``: see :data:`RECORD_STASHED`). ``defer_buffer``
+        (a private int64 count: nothing to copy now) leaves the last three unset for
+        :func:`attach_buffers`, which gives a whole group one buffer.
         """
         segments = self.num_segments
         _check_live_rows(live_rows, segments)
         own = segments if snapshot or live_rows.dtype != torch.int64 else 0
         flat = live_rows if live_rows.dim() == 1 else live_rows.reshape(-1)
         if defer_buffer and not own:
-            return PageRecord(self, flat, None, None)
-        packed = torch.empty(own + self.page_slots + 1, dtype=torch.int64,
+            return PageRecord(self, flat, None, None, None)
+        packed = torch.empty(own + self.page_slots + 2, dtype=torch.int64,
                              device=live_rows.device)
-        # One op for the three pieces (two slices cost twice as much host time). "Unsafe" only
+        # One op for the four pieces (slices cost a multiple of its host time). "Unsafe" only
         # means autograd keeps no view links: these int64 tensors never meet autograd.
-        live, page_record, spilled = packed.unsafe_split_with_sizes([own, self.page_slots, 1])
+        live, page_record, spilled, state = packed.unsafe_split_with_sizes(
+            [own, self.page_slots, 1, 1])
         if own:
             live.copy_(flat)  # the snapshot: the caller may overwrite its tensor
         else:
             live = flat
-        return PageRecord(self, live, page_record, spilled)
+        return PageRecord(self, live, page_record, spilled, state)
 
 
 def attach_buffers(records) -> None:
-    """Give every record still without ``page_record`` / ``spilled_to_host`` (made with
-    ``defer_buffer``) its two pieces of one int64 buffer per device: one allocation and one
-    split for a commit group, not one of each per record."""
+    """Give every record still without ``page_record`` / ``spilled_to_host`` / ``state`` (made
+    with ``defer_buffer``) its three pieces of one uninitialized int64 buffer per device: one
+    allocation and one split for a commit group, not one of each per record."""
     waiting: dict[torch.device, list[PageRecord]] = {}
     for record in records:
         if record.page_record is None:
@@ -153,11 +171,11 @@ def attach_buffers(records) -> None:
     for device, group in waiting.items():
         sizes = []
         for record in group:
-            sizes += (record.layout.page_slots, 1)
+            sizes += (record.layout.page_slots, 1, 1)
         packed = torch.empty(sum(sizes), dtype=torch.int64, device=device)
         pieces = packed.unsafe_split_with_sizes(sizes)  # views; see new_record
         for i, record in enumerate(group):
-            record.page_record, record.spilled_to_host = pieces[2 * i], pieces[2 * i + 1]
+            record.page_record, record.spilled_to_host, record.state = pieces[3 * i : 3 * i + 3]
 
 
 def _check_live_rows(live_rows, segments: int) -> None:
@@ -176,9 +194,10 @@ class PageRecord:
 
     layout: RecordLayout
     live_rows: torch.Tensor  # int64 [num_segments], on the record's device
-    # int64 [page_slots] and [1]; None only between a deferred-buffer save and its commit
+    # int64 [page_slots], [1] and [1]; None only between a deferred-buffer save and its commit
     page_record: torch.Tensor | None
     spilled_to_host: torch.Tensor | None
+    state: torch.Tensor | None  # RECORD_EMPTY / RECORD_STASHED / RECORD_RELOADED
     # Optional scheduler annotations; the kernels ignore them.
     annotations: dict = field(default_factory=dict)
 
@@ -209,6 +228,7 @@ class PageRecord:
             live_rows=live_rows,
             page_record=torch.zeros(layout.page_slots, dtype=torch.int64, device=device),
             spilled_to_host=torch.zeros(1, dtype=torch.int64, device=device),
+            state=torch.full((1,), RECORD_EMPTY, dtype=torch.int64, device=device),
         )
 
     # The layout's fields, read through the record (kernels and tests use both).
@@ -238,4 +258,5 @@ class PageRecord:
         )
 
 
-__all__ = ["PageRecord", "RecordLayout", "attach_buffers"]
+__all__ = ["RECORD_EMPTY", "RECORD_RELOADED", "RECORD_STASHED", "PageRecord", "RecordLayout",
+           "attach_buffers"]

@@ -1,7 +1,7 @@
 """The CUDA kernels' differential twin (test_kernels_cuda.py): one pool and its records driven
 by the reference, an identical one driven by a CUDA backend, compared byte for byte after every
 stash and reload (payload of both tiers, rings, counters, flags, page records, spill markers,
-poisoned reload destinations)."""
+record state words, poisoned reload destinations)."""
 
 from __future__ import annotations
 
@@ -64,6 +64,7 @@ def assert_same_pool(ref: PagePool, got: PagePool) -> None:
 def assert_same_record(ref: PageRecord, got: PageRecord) -> None:
     assert torch.equal(ref.page_record, got.page_record), "page_record"
     assert torch.equal(ref.spilled_to_host, got.spilled_to_host), "spilled_to_host"
+    assert torch.equal(ref.state, got.state), "record state"
 
 
 def live_row_mask(record: PageRecord, live: list[int]) -> torch.Tensor:
@@ -74,14 +75,12 @@ def live_row_mask(record: PageRecord, live: list[int]) -> torch.Tensor:
 
 
 class Twin:
-    """The same pool and records twice: one driven by the reference, one by ``backend`` (a
-    kernel backend or a ``cuda_ops`` bulk variant, see :func:`copy_with`; ``copy_path``
-    overrides it)."""
+    """The same pool and records twice: one driven by the reference, one by ``backend`` (a CUDA
+    kernel backend: ``cuda``, ``tile`` or ``bulk``)."""
 
-    def __init__(self, backend, row_bytes, page_size, cuda_pages, host_pages, max_ctas=None,
-                 copy_path=None):
+    def __init__(self, backend, row_bytes, page_size, cuda_pages, host_pages, max_ctas=None):
         self.backend, self.row_bytes, self.page_size = backend, row_bytes, page_size
-        self.max_ctas, self.path = max_ctas, copy_path or backend
+        self.max_ctas = max_ctas
         self.ref = make_pool(row_bytes, page_size, cuda_pages, host_pages)
         self.got = make_pool(row_bytes, page_size, cuda_pages, host_pages)
 
@@ -104,6 +103,7 @@ class Twin:
         kernels.reload(dsts[0], recs[0], self.ref, backend="reference")
         self._copy(True, dsts[1], recs[1])
         assert_same_pool(self.ref, self.got)
+        assert_same_record(*recs)
         assert torch.equal(as_bytes(dsts[0]), as_bytes(dsts[1])), "reload destination"
         # Independently of the reference: rows outside the live prefixes stay poisoned.
         outside = ~live_row_mask(recs[1], live)
@@ -111,7 +111,7 @@ class Twin:
         return dsts[1]
 
     def _copy(self, reload, tensor, record):
-        copy_with(self.path, reload, tensor, record, self.got, self.max_ctas)
+        copy_with(self.backend, reload, tensor, record, self.got, self.max_ctas)
 
     def round_trip(self, src, capacity, live, segments=None, dtype=torch.uint8):
         recs = self.records(capacity, live, segments)
@@ -122,26 +122,20 @@ class Twin:
         return recs
 
 
-def copy_with(path: str, reload: bool, tensor, record, pool, max_ctas=None) -> None:
-    """One stash or reload through ``path``: a kernel backend name (``tile``, ``bulk``, ...)
-    or a ``cuda_ops`` bulk variant (``bulk-contig``, ``bulk-stride``, ...: benchmark and test
-    paths that no backend names)."""
-    if path.startswith("bulk-"):
-        from megatron_paging.kernels import cuda_ops
-
-        cuda_ops.copy(reload, tensor, record, pool, 2048 if max_ctas is None else max_ctas, path)
-    elif reload:
-        kernels.reload(tensor, record, pool, backend=path, max_ctas=max_ctas)
+def copy_with(backend: str, reload: bool, tensor, record, pool, max_ctas=None) -> None:
+    """One stash or reload through the kernel backend ``backend``."""
+    if reload:
+        kernels.reload(tensor, record, pool, backend=backend, max_ctas=max_ctas)
     else:
-        kernels.stash(tensor, record, pool, backend=path, max_ctas=max_ctas)
+        kernels.stash(tensor, record, pool, backend=backend, max_ctas=max_ctas)
 
 
 def run_random_case(seed: int, path: str, row_elems, page_sizes, invalid_rate: float = 0.1,
                     max_ctas=(None, 1, 3, 64)) -> None:
-    """Random multi-segment stashes and FIFO reloads through ``path`` (see :func:`copy_with`),
-    each compared byte for byte with the reference: dtype, row size (``row_elems`` elements),
-    page size, tier sizes and grid bound drawn from ``seed``; with ``invalid_rate`` some live
-    counts are invalid (sticky overflow from there on)."""
+    """Random multi-segment stashes and FIFO reloads through the backend ``path``, each
+    compared byte for byte with the reference: dtype, row size (``row_elems`` elements), page
+    size, tier sizes and grid bound drawn from ``seed``; with ``invalid_rate`` some live counts
+    are invalid (sticky overflow from there on)."""
     rng = random.Random(seed)
     gen = torch.Generator(device="cuda").manual_seed(seed)
     dtype = rng.choice(DTYPES)
@@ -167,6 +161,20 @@ def run_random_case(seed: int, path: str, row_elems, page_sizes, invalid_rate: f
             twin.reload(recs, dtype, live)
     for recs, live in stashed:
         twin.reload(recs, dtype, live)
+
+
+def one_tile_per_page(path: str, tiles: int, max_ctas) -> None:
+    """``tiles`` pages of one 32 KiB bulk tile each, the last one partial (a short last tile);
+    two round trips, the second on a ring that has moved on (and with the ticket back at 0)."""
+    row_bytes, page_size = 512, 64
+    assert page_size * row_bytes == BULK_TILE
+    live = tiles * page_size - 17
+    gen = torch.Generator(device="cuda").manual_seed(tiles)
+    twin = Twin(path, row_bytes, page_size, cuda_pages=tiles + 3, host_pages=0, max_ctas=max_ctas)
+    capacity = (tiles + 1) * page_size
+    src = random_rows(capacity, row_bytes, torch.uint8, gen)
+    twin.round_trip(src, capacity, [live])
+    twin.round_trip(src, capacity, [live])
 
 
 def random_segments(rng: random.Random):

@@ -15,8 +15,14 @@ import pytest
 import torch
 
 from megatron_paging.kernels import build, cuda_ops
-from megatron_paging.pool import PagePool
-from megatron_paging.record import PageRecord, RecordLayout
+from megatron_paging.pool import INVALID_LIVE_COUNT, INVALID_RELOAD, PagePool
+from megatron_paging.record import (
+    RECORD_EMPTY,
+    RECORD_RELOADED,
+    RECORD_STASHED,
+    PageRecord,
+    RecordLayout,
+)
 
 
 def _toolkit_or_none():
@@ -60,7 +66,7 @@ def test_extension_builds_for_sm90_and_exposes_copy_and_the_handles(extension):
     # type names differ between pybind11 versions, the argument names do not).
     names = re.findall(r"(\w+):", extension.copy.__doc__.split("\n", 1)[0])
     assert names == ["reload", "user", "pool", "layout", "live_rows", "page_record",
-                     "spilled_to_host", "path", "max_ctas"], names
+                     "spilled_to_host", "record_state", "path", "max_ctas"], names
 
 
 @_apply(needs_build)
@@ -129,13 +135,19 @@ def test_pool_class_needs_a_cuda_pool(extension):
     assert handle is None and problem == "megatron_paging: cuda_pages must be a CUDA tensor"
 
 
-def test_header_and_wrapper_agree_on_the_paths_and_the_segment_limit():
+def test_header_and_wrapper_agree_on_paths_constants_and_the_segment_limit():
     header = (build.CSRC / "paging.h").read_text()
     enum = re.search(r"enum class CopyPath : int \{(.*?)\};", header, re.S).group(1)
     values = {name: int(v) for name, v in re.findall(r"(k\w+) = (\d+)", enum)}
-    assert values["kTile"] == cuda_ops.TILE == cuda_ops.PATHS["tile"] == 0
-    assert values["kBulk"] == cuda_ops.BULK == cuda_ops.PATHS["bulk"] == 1
-    assert set(cuda_ops.PATHS.values()) <= set(values.values())  # every path the wrapper names
+    assert values == {"kTile": cuda_ops.TILE, "kBulk": cuda_ops.BULK} == {"kTile": 0, "kBulk": 1}
+    assert cuda_ops.PATHS == {"tile": cuda_ops.TILE, "bulk": cuda_ops.BULK}
+    constants = {name: int(v, 0) for name, v in
+                 re.findall(r"constexpr int64_t (k\w+) = (0x[0-9a-fA-F]+|\d+);", header)}
+    assert constants == {
+        "kRecordEmpty": RECORD_EMPTY, "kRecordStashed": RECORD_STASHED,
+        "kRecordReloaded": RECORD_RELOADED, "kInvalidLiveCount": INVALID_LIVE_COUNT,
+        "kInvalidReload": INVALID_RELOAD,
+    }
     assert re.search(r"kMaxSegments\s*=\s*1024;", header)
     # Every source and header is listed, so that an edit of any of them rebuilds.
     assert set(build.SOURCES) | set(build.HEADERS) == set(build.CSRC.glob("*.[ch]*"))
@@ -241,3 +253,10 @@ def test_cuda_wrapper_runs_the_shared_checks_first(no_extension):
         cuda_ops.copy(False, src[:7], record, pool, 64)
     with pytest.raises(ValueError, match="reload destination must be contiguous"):
         cuda_ops.copy(True, torch.zeros(8, 16, dtype=torch.uint8)[:, ::2], record, pool, 64)
+
+
+@pytest.mark.parametrize("name", ["bulk-16k", "bulk-contig", "bulk-dyn", "auto-bulk"])
+def test_only_tile_and_bulk_can_be_forced(no_extension, name):
+    src, record, _ = _cpu_case()
+    with pytest.raises(ValueError, match=r"one of \('tile', 'bulk'\), got '" + name):
+        cuda_ops.choose_path(src, record, name)

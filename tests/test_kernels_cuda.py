@@ -1,7 +1,6 @@
-"""The CUDA kernels on both copy paths (backends ``tile`` and ``bulk``, whose tile order is chosen
-per launch, and ``bulk-contig``: the bulk pipeline with every CTA on one contiguous range of
-tiles, the order a small grid or a short launch gets) against the reference and
-against Megatron-Core's Triton kernels; and the path rule (``cuda_ops.choose_path``).
+"""The CUDA kernels on both copy paths (backends ``tile`` and ``bulk``; the bulk path chooses its
+tile order per launch, and every order runs here) against the reference and against
+Megatron-Core's Triton kernels; and the path rule (``cuda_ops.choose_path``).
 
 Every comparison is byte-exact: pool payload (both tiers), rings, head/tail, flags, page records,
 spill flags and reload destinations, which start poisoned so that a stray write shows. The bulk
@@ -16,7 +15,6 @@ import random
 import pytest
 import torch
 from cuda_twin import (
-    BULK_TILE,
     POISON,
     Twin,
     as_bytes,
@@ -27,6 +25,7 @@ from cuda_twin import (
     make_pool,
     needs_sm90,
     on_gpu,
+    one_tile_per_page,
     poisoned,
     random_rows,
     require_bulk,
@@ -39,13 +38,10 @@ from megatron_paging.pool import PagePool
 from megatron_paging.record import PageRecord
 
 
-@pytest.fixture(params=["tile", pytest.param("bulk", marks=needs_sm90),
-                        pytest.param("bulk-contig", marks=needs_sm90)])
+@pytest.fixture(params=["tile", pytest.param("bulk", marks=needs_sm90)])
 def path(request) -> str:
-    """The kernel backend that forces one copy path, or ``bulk-contig``: the bulk pipeline in
-    the contiguous tile order only (the default chooses per launch, docs/kernels.md "Tile
-    order"), so that every order the default may pick runs the whole suite."""
-    if request.param.startswith("bulk"):
+    """The kernel backend that forces one copy path."""
+    if request.param == "bulk":
         require_bulk()
     return request.param
 
@@ -145,6 +141,8 @@ def test_overflow_is_sticky(path):
     twin.stash(src, tiny)
     assert tiny[1].spilled_to_host.item() == 0 and int(tiny[1].page_record.abs().sum()) == 0
     twin.reload(first, torch.uint8, [100])  # zeroes its live rows, copies and recycles nothing
+    twin.reload(too_big, torch.uint8, [400])  # an overflowed record: no invalid reload either
+    assert twin.got.flags.read() == {"overflow": True, "host_spill": False, "invalid_live": False}
     assert torch.equal(twin.got.free_list_head, rings[0])
     assert torch.equal(twin.got.free_list_tail, rings[1])
 
@@ -182,21 +180,46 @@ def test_tiny_records(path, capacity, page_size, live, segments, row_bytes):
 
 
 @on_gpu
-@pytest.mark.parametrize("tiles", [1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 40])
-@pytest.mark.parametrize("max_ctas", [1, 3])
+@pytest.mark.parametrize("tiles", [1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 40, 333])
+@pytest.mark.parametrize("max_ctas", [1, 3, 2048])
 def test_tiles_per_cta_around_the_stage_count(path, tiles, max_ctas):
-    """One page = one 32 KiB bulk tile: with one CTA its pipeline sees fewer, as many and more
-    tiles than its 6 stages (and its 4 loads ahead); with 3 CTAs each sees a third. The last
-    page is partial, so the last tile is short."""
-    row_bytes, page_size = 512, 64
-    assert page_size * row_bytes == BULK_TILE
-    live = tiles * page_size - 17
-    gen = torch.Generator(device="cuda").manual_seed(tiles)
-    twin = Twin(path, row_bytes, page_size, cuda_pages=tiles + 3, host_pages=0, max_ctas=max_ctas)
-    capacity = (tiles + 1) * page_size
-    src = random_rows(capacity, row_bytes, torch.uint8, gen)
-    twin.round_trip(src, capacity, [live])
-    twin.round_trip(src, capacity, [live])  # again, on a ring that has moved on
+    """With one CTA the bulk pipeline sees fewer, as many and more tiles than its 6 stages (and
+    its 4 loads ahead); with 3 CTAs each sees a third; with the full grid a few each."""
+    one_tile_per_page(path, tiles, max_ctas)
+
+
+@on_gpu
+@pytest.mark.parametrize(("max_ctas", "tiles"), [
+    (64, 100), (2048, 300),  # < 8 tiles per CTA: contiguous ranges
+    (16, 200), (32, 300),  # <= 32 CTAs: interleaved
+    (33, 300), (64, 601), (2048, 1500),  # more CTAs: batches of 4 from the ticket
+])
+def test_every_bulk_tile_order(path, max_ctas, tiles):
+    """The bulk path picks its tile order per launch from its grid (paging_bulk.cu
+    adaptive_order, with a 132-SM H200's full grid in mind): each order, at and around its
+    bounds, byte-exact, the ticket's last batch partial. The tile path: more grid strides."""
+    one_tile_per_page(path, tiles, max_ctas)
+
+
+@on_gpu
+@pytest.mark.parametrize("host_only", [False, True])
+@pytest.mark.parametrize("max_ctas", [1, 8, 2048])
+def test_many_segments_and_host_tier_only(path, host_only, max_ctas):
+    """Nine segments take the 1024-segment kernels; a pool without device pages sends whole
+    multi-page records of big rows to the pinned host tier, which the bulk path moves
+    cooperatively."""
+    gen = torch.Generator(device="cuda").manual_seed(max_ctas)
+    if not host_only:
+        segments, capacity = [(i * 40, 33) for i in range(9)], 9 * 40
+        twin = Twin(path, 224, 16, cuda_pages=64, host_pages=0, max_ctas=max_ctas)
+        src = random_rows(capacity, 224, torch.uint8, gen)
+        twin.round_trip(src, capacity, [33, 0, 17, 1, 16, 33, 5, 32, 2], segments)
+        return
+    capacity = 640
+    twin = Twin(path, 14336, 64, cuda_pages=0, host_pages=24, max_ctas=max_ctas)
+    src = random_rows(capacity, 14336, torch.uint8, gen)
+    assert int(twin.round_trip(src, capacity, [capacity - 37])[1].spilled_to_host) == 1
+    twin.round_trip(src, capacity, [5])
 
 
 @on_gpu
@@ -286,13 +309,13 @@ def _graph_case(backend, max_ctas, host_pages):
 @pytest.mark.parametrize("max_ctas", [1, 7, 64, 2048])
 def test_cuda_graph_replay_with_changing_live_counts(path, max_ctas):
     twin = _graph_case(path, max_ctas, host_pages=0)
-    assert not twin.got.flags.read()["overflow"]
+    assert not any(twin.got.flags.read().values())
 
 
 @on_gpu
 def test_cuda_graph_replay_with_host_spill(path):
     twin = _graph_case(path, 64, host_pages=20)
-    assert twin.got.flags.read()["host_spill"]
+    assert twin.got.flags.read() == {"overflow": False, "host_spill": True, "invalid_live": False}
 
 
 @on_gpu

@@ -1,6 +1,7 @@
 """PagePool, PagePools and PagingFlags: argument errors (each names the bad argument), the
-initial ring state and the public views, ``PagePools.grown``, sticky flags and invalid live
-counts (detected on the device, raised on the host), and ``reset()`` allocating nothing."""
+initial ring state and the public views, ``PagePools.grown``, sticky flags, invalid live counts
+and invalid reloads (detected on the device, named on the host; the reloads themselves:
+test_kernels_reload_state.py), and ``reset()`` allocating nothing."""
 
 from __future__ import annotations
 
@@ -13,7 +14,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_paging import kernels
 from megatron_paging.config import ConfigError
-from megatron_paging.pool import DEVICE_TIER, HOST_TIER, PagePool, PagePools, PagingFlags
+from megatron_paging.pool import (
+    DEVICE_TIER,
+    HOST_TIER,
+    INVALID_LIVE_COUNT,
+    INVALID_RELOAD,
+    PagePool,
+    PagePools,
+    PagingFlags,
+)
 from megatron_paging.record import PageRecord
 
 NOT_POSITIVE_INTS = [0, -1, 1.5, True, "4", None]
@@ -251,6 +260,23 @@ def test_invalid_live_count_sets_flags_copies_nothing_and_raises(live):
     assert record.spilled_to_host.tolist() == [1]
     with pytest.raises(ValueError, match="live_rows was negative or above its segment capacity"):
         pool.flags.raise_if_invalid()
+
+
+@pytest.mark.parametrize(("bits", "words"), [
+    (INVALID_LIVE_COUNT, "^paging: a record's live_rows was negative(?!.*reloaded)"),
+    (INVALID_RELOAD, "^paging: a record was reloaded twice, or reloaded before it was stashed"
+                     "(?!.*live_rows)"),
+    (INVALID_LIVE_COUNT | INVALID_RELOAD, "live_rows was negative.*; and a record was reloaded"),
+])
+def test_raise_if_invalid_names_what_happened_in_one_line(bits, words):
+    flags = PagingFlags()
+    flags.invalid_live.fill_(bits)
+    assert flags.read() == {"overflow": False, "host_spill": False, "invalid_live": True}
+    with pytest.raises(ValueError, match=words) as excinfo:
+        flags.raise_if_invalid()
+    assert "\n" not in str(excinfo.value)
+    flags.reset()
+    flags.raise_if_invalid()
 
 
 def test_valid_live_counts_do_not_raise_even_on_overflow():

@@ -1,6 +1,6 @@
 """RecordLayout and PageRecord: validation (each error names the bad argument), the static slot
-layout, ``new_record``'s one-buffer packing and live-count snapshot, and the record's
-read-through properties."""
+layout, ``new_record``'s one-buffer packing and live-count snapshot, ``attach_buffers``' one
+buffer per group, the state word's initial value, and the record's read-through properties."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_paging.config import ConfigError
-from megatron_paging.record import PageRecord, RecordLayout
+from megatron_paging.record import RECORD_EMPTY, PageRecord, RecordLayout, attach_buffers
 
 NOT_POSITIVE_INTS = [0, -1, 1.5, True, "4", None]
 ROW_BYTES, PAGE_SIZE, ROWS = 8, 4, 10
@@ -126,12 +126,14 @@ def test_new_record_snapshot_packs_one_buffer(live_dtype):
     assert record.layout is layout and record.annotations == {}
     assert record.live_rows.dtype == torch.int64 and record.live_rows.tolist() == [3, 5]
     assert record.page_record.shape == (3,) and record.spilled_to_host.shape == (1,)
-    # live copy | page_record | spilled_to_host: consecutive slices of one int64 buffer.
+    assert record.state.shape == (1,) and record.state.dtype == torch.int64
+    # live copy | page_record | spilled_to_host | state: consecutive slices of one int64 buffer.
     base = record.live_rows.untyped_storage().data_ptr()
-    assert record.page_record.untyped_storage().data_ptr() == base
-    assert record.spilled_to_host.untyped_storage().data_ptr() == base
+    for piece in (record.page_record, record.spilled_to_host, record.state):
+        assert piece.untyped_storage().data_ptr() == base
     assert record.page_record.data_ptr() == record.live_rows.data_ptr() + 2 * 8
     assert record.spilled_to_host.data_ptr() == record.page_record.data_ptr() + 3 * 8
+    assert record.state.data_ptr() == record.spilled_to_host.data_ptr() + 8
     live.fill_(0)  # the caller overwrites its tensor (the next microbatch): the record keeps its
     assert record.live_rows.tolist() == [3, 5]
 
@@ -155,6 +157,25 @@ def test_new_record_without_snapshot_still_copies_other_int_dtypes():
     assert record.live_rows.data_ptr() != live.data_ptr()
 
 
+def test_deferred_records_get_one_buffer_per_group():
+    layouts = [RecordLayout.new(ROWS, ROW_BYTES, PAGE_SIZE, seg) for seg in (None, [(0, 4)])]
+    records = [layout.new_record(torch.tensor([n]), snapshot=False, defer_buffer=True)
+               for n, layout in zip((5, 2), layouts, strict=True)]
+    assert all(r.page_record is r.spilled_to_host is r.state is None for r in records)
+    attach_buffers(records)
+    base = records[0].page_record.untyped_storage().data_ptr()
+    offset = 0
+    for record in records:
+        pieces = (record.page_record, record.spilled_to_host, record.state)
+        assert [p.numel() for p in pieces] == [record.layout.page_slots, 1, 1]
+        for piece in pieces:
+            assert piece.untyped_storage().data_ptr() == base
+            assert piece.data_ptr() == records[0].page_record.data_ptr() + offset * 8
+            offset += piece.numel()
+    attach_buffers(records)  # records that have their buffers keep them
+    assert records[0].page_record.untyped_storage().data_ptr() == base
+
+
 def test_records_of_one_layout_are_independent():
     layout = RecordLayout.new(ROWS, ROW_BYTES, PAGE_SIZE)
     a, b = layout.new_record(torch.tensor([1])), layout.new_record(torch.tensor([2]))
@@ -174,6 +195,7 @@ def test_page_record_new_zeroes_its_state_and_keeps_an_int64_reference():
     record = PageRecord.new(ROWS, ROW_BYTES, PAGE_SIZE, live, [(0, 4), (4, 6)])
     assert record.live_rows.data_ptr() == live.data_ptr()  # documented: a reference, not a copy
     assert record.page_record.tolist() == [0, 0, 0] and record.spilled_to_host.tolist() == [0]
+    assert record.state.tolist() == [RECORD_EMPTY]  # a reload before any stash is refused
     converted = PageRecord.new(ROWS, ROW_BYTES, PAGE_SIZE, torch.tensor(3, dtype=torch.int32))
     assert converted.live_rows.dtype == torch.int64 and converted.live_rows.shape == (1,)
 
@@ -196,6 +218,7 @@ def test_meta_device_record():
     record = PageRecord.new(ROWS, ROW_BYTES, PAGE_SIZE, torch.tensor(3, device="meta"))
     assert record.device == torch.device("meta")
     assert record.page_record.device == record.spilled_to_host.device == torch.device("meta")
+    assert record.state.device == torch.device("meta")
 
 
 @pytest.mark.parametrize("segments", [[(0, 2.5)], [(0.5, 4)], [(0, "4")]])

@@ -3,7 +3,7 @@
 The extension module (built and imported on first use) provides ``copy`` and two handle
 classes. A pool's handle (its tensors' device pointers, the host tier's mapped address) and a
 record layout's handle (its segment table) are made once and cached on the pool / layout object,
-so a launch passes the user buffer, two handles, the record's three tensors and three ints. Make
+so a launch passes the user buffer, two handles, the record's four tensors and three ints. Make
 pool handles before a CUDA-graph capture (:func:`prepare`; the engine does it when it sizes
 pools).
 
@@ -14,13 +14,13 @@ Path rule (:func:`choose_path`), per record, from host-static facts only:
   :data:`BULK_MIN_CAPACITY_BYTES` (smaller launches cannot amortize the pipeline's set-up);
 * ``tile`` (CTA-cooperative vector copies) otherwise.
 
-Inside a bulk launch, tiles of the pinned host tier and the zero fill after an overflow still
-move cooperatively (bulk copies are not used on mapped host memory).
+Inside a bulk launch, tiles of the pinned host tier and the zero fill of a reload that moves no
+pages still move cooperatively (bulk copies are not used on mapped host memory).
 
-Each pool carries a two-int32 completion counter (``pool.kernel_done_counter``): the
-kernels' last CTA uses the first to commit freelist counters and flags, the dynamic bulk
-variant takes tiles from the second; both are 0 between launches. All
-stashes and reloads of one pool must be ordered on one stream (the freelists need that anyway).
+Each pool carries a two-int32 completion counter (``pool.kernel_done_counter``): the kernels'
+last CTA uses the first to commit freelist counters, the record's state word and flags; the bulk
+path's ticket order takes tiles from the second; both are 0 between launches. All stashes and
+reloads of one pool must be ordered on one stream (the freelists need that anyway).
 """
 
 from __future__ import annotations
@@ -34,18 +34,8 @@ from megatron_paging.kernels.checks import check_args
 from megatron_paging.pool import PagePool, PagePools
 from megatron_paging.record import PageRecord, RecordLayout
 
-TILE, BULK = 0, 1
-# "bulk-16k" / "bulk-8k": the bulk pipeline with smaller tiles and more stages (same shared
-# memory); "bulk-stride" / "bulk-dyn": the default pipeline with tiles interleaved across CTAs /
-# taken from a shared ticket; "bulk-deep": 7 stages, 5 loads ahead; "bulk-contig": every CTA
-# on one contiguous range of tiles (the default "bulk" chooses the order per launch from its
-# grid, docs/kernels.md "Tile order"); "bulk-host": "bulk" with host-tier pages through the
-# pipeline too; "bulk-2cta" / "bulk-64k": "bulk" on a 96 KiB ring (two CTAs per SM) / with
-# 64 KiB tiles (docs/kernels.md "Full-grid gap"). Reachable here for the kernel benchmark's
-# comparison and the GPU tests, never chosen by the rule.
-PATHS = {"tile": TILE, "bulk": BULK, "bulk-16k": 2, "bulk-8k": 3, "bulk-stride": 4,
-         "bulk-dyn": 5, "bulk-deep": 6, "bulk-contig": 7, "bulk-host": 8,
-         "bulk-2cta": 9, "bulk-64k": 10}
+TILE, BULK = 0, 1  # csrc/paging.h CopyPath
+PATHS = {"tile": TILE, "bulk": BULK}
 # Below this capacity a launch is too short for the bulk pipeline to pay (measured, see
 # docs/kernels.md): the tile path takes it.
 BULK_MIN_CAPACITY_BYTES = 1 << 20
@@ -110,7 +100,7 @@ def choose_path(tensor: torch.Tensor, record: PageRecord, requested: str = "auto
         return TILE
     device_index = tensor.device.index
     if requested != "auto":
-        if requested not in PATHS:
+        if requested != "bulk":
             raise ValueError(
                 f"copy path must be 'auto' or one of {tuple(PATHS)}, got {requested!r}"
             )
@@ -119,7 +109,7 @@ def choose_path(tensor: torch.Tensor, record: PageRecord, requested: str = "auto
                 f"the bulk copy path needs an sm90 (Hopper) or newer GPU; cuda:{device_index} "
                 "is older (use kernel backend 'tile' or 'cuda')"
             )
-        return PATHS[requested]
+        return BULK
     layout = record.layout
     if (
         layout.row_bytes % BULK_ALIGN == 0
@@ -141,7 +131,7 @@ def copy(reload: bool, tensor, record: PageRecord, pool: PagePool, max_ctas: int
     # its problem instead of raising (no C++ exception crosses the extension).
     problem = library().copy(reload, tensor, pool_handle(pool), layout_handle(record.layout),
                              record.live_rows, record.page_record, record.spilled_to_host,
-                             choose_path(tensor, record, path), max_ctas)
+                             record.state, choose_path(tensor, record, path), max_ctas)
     if problem:
         raise RuntimeError(problem)
 

@@ -5,7 +5,8 @@ Semantics (identical, byte for byte, to the CUDA kernels and, for one segment, t
 
 stash(src, record, pool)
     1. ``page_record`` and ``spilled_to_host`` are zeroed.
-    2. A live count outside ``[0, segment rows]`` sets ``invalid_live`` and ``overflow``.
+    2. A live count outside ``[0, segment rows]`` sets ``invalid_live`` (bit
+       ``INVALID_LIVE_COUNT``) and ``overflow``.
     3. If ``overflow`` was already set: nothing else happens (freelists unchanged).
     4. ``required`` = sum over segments of ceil(live / page_size). If the device ring has
        ``tail - head >= required`` free pages the record goes there; else, if the pool has a host
@@ -13,15 +14,21 @@ stash(src, record, pool)
        ``host_spill`` flag set); else ``overflow`` is set, ``spilled_to_host = 1``, nothing copied.
     5. Pages are popped from the chosen ring in record order (see ``record.py``); the live rows of
        each page are copied; ``head`` advances by ``required``.
+    6. ``record.state`` becomes ``RECORD_STASHED`` if the record took pages (in either tier),
+       else ``RECORD_EMPTY``.
 
 reload(dst, record, pool)
     1. If ``overflow`` is set: the record's live rows (clamped to its segments) of ``dst`` are
        zeroed and nothing else happens. (Megatron-Core leaves them untouched; its destinations
        are uninitialized memory, and a NaN there trips Megatron's gradient NaN check before the
        overflow policy can discard the step.)
-    2. From the tier ``spilled_to_host`` names, the live rows are copied back to the same rows of
-       ``dst``; rows outside the live prefixes keep their bytes; pages are pushed back at ``tail``
-       in record order; ``tail`` advances by ``required``.
+    2. Else, if ``record.state`` is not ``RECORD_STASHED`` (reloaded already, or never stashed):
+       ``invalid_live`` gets bit ``INVALID_RELOAD``, the live rows are zeroed as in 1, no page
+       goes back to a ring.
+    3. Else, from the tier ``spilled_to_host`` names, the live rows are copied back to the same
+       rows of ``dst``; rows outside the live prefixes keep their bytes; pages are pushed back at
+       ``tail`` in record order; ``tail`` advances by ``required``.
+    4. In every case ``record.state`` becomes ``RECORD_RELOADED``.
 
 Every dtype is moved as bytes. Nothing here reads a device value on the host: masked-off writes
 go to the pool's scratch row / scratch freelist slot instead of being filtered out. The one
@@ -34,8 +41,14 @@ from __future__ import annotations
 import torch
 
 from megatron_paging.kernels.checks import as_rows, check_args
-from megatron_paging.pool import DEVICE_TIER, HOST_TIER, PagePool
-from megatron_paging.record import PageRecord
+from megatron_paging.pool import (
+    DEVICE_TIER,
+    HOST_TIER,
+    INVALID_LIVE_COUNT,
+    INVALID_RELOAD,
+    PagePool,
+)
+from megatron_paging.record import RECORD_EMPTY, RECORD_RELOADED, RECORD_STASHED, PageRecord
 
 
 def _byte_rows(t: torch.Tensor, record: PageRecord, pool: PagePool, what: str) -> torch.Tensor:
@@ -143,9 +156,10 @@ def stash(src: torch.Tensor, record: PageRecord, pool: PagePool, max_ctas: int =
     advance = torch.stack([torch.where(use_cuda, required, 0), torch.where(use_host, required, 0)])
     head.add_(advance)
     record.spilled_to_host.add_((use_host | new_overflow).to(torch.int64))
+    record.state.copy_(torch.where(use_cuda | use_host, RECORD_STASHED, RECORD_EMPTY))
     flags.overflow.bitwise_or_(new_overflow.to(torch.int64))
     flags.host_spill.bitwise_or_(use_host.to(torch.int64))
-    flags.invalid_live.bitwise_or_(invalid.to(torch.int64))
+    flags.invalid_live.bitwise_or_(invalid.to(torch.int64) * INVALID_LIVE_COUNT)
 
 
 def reload(dst: torch.Tensor, record: PageRecord, pool: PagePool, max_ctas: int = 0) -> None:
@@ -158,7 +172,9 @@ def reload(dst: torch.Tensor, record: PageRecord, pool: PagePool, max_ctas: int 
     live, pages, prefix, required, _ = _plan(record)
     from_host = record.spilled_to_host[0] == 1
     overflowed = flags.overflow[0] != 0
-    active = ~overflowed & (~from_host | pool.has_host_tier)
+    invalid_reload = ~overflowed & (record.state[0] != RECORD_STASHED)
+    zero_fill = overflowed | invalid_reload
+    active = ~zero_fill & (~from_host | pool.has_host_tier)
     from_cuda = active & ~from_host
     from_host = active & from_host
 
@@ -171,8 +187,8 @@ def reload(dst: torch.Tensor, record: PageRecord, pool: PagePool, max_ctas: int 
             host_idx = torch.where(row_live & from_host, src_row, pool.host_pages.shape[0])
             host_data = pool._host_storage[_host_index(host_idx, pool)].to(pool.device)
             data = torch.where(from_host, host_data, data)
-        data = torch.where(overflowed, 0, data)
-        keep = ~(row_live & (active | overflowed))
+        data = torch.where(zero_fill, 0, data)
+        keep = ~(row_live & (active | zero_fill))
         dst_rows[rows] = torch.where(keep[:, None], dst_rows[rows], data)
 
         slot_live = slot_in_seg < pages[seg_of_slot]
@@ -189,3 +205,5 @@ def reload(dst: torch.Tensor, record: PageRecord, pool: PagePool, max_ctas: int 
     pool.free_list_tail.add_(
         torch.stack([torch.where(from_cuda, required, 0), torch.where(from_host, required, 0)])
     )
+    record.state.fill_(RECORD_RELOADED)
+    flags.invalid_live.bitwise_or_(invalid_reload.to(torch.int64) * INVALID_RELOAD)

@@ -26,27 +26,20 @@ constexpr int kMaxSegments = 1024;
 enum class CopyPath : int {
   kTile = 0,  // CTA-cooperative 16-byte vector loads/stores; any alignment, any tier
   kBulk = 1,  // sm90 cp.async.bulk global->shared->global pipeline; 16-byte aligned rows
-  // The bulk pipeline in other tile/stage configurations (the kernel benchmark compares them;
-  // kBulk is the default they are measured against, see docs/kernels.md).
-  kBulkSmallTiles = 2,
-  kBulkTinyTiles = 3,
-  // The default pipeline with other tile-to-CTA assignments or more bytes in flight (benchmark
-  // variants, docs/kernels.md "Tuning attempts"): tiles interleaved across CTAs, tiles taken
-  // from a shared ticket in small batches, and 7 stages with 5 loads ahead (few segments only).
-  kBulkInterleaved = 4,
-  kBulkDynamic = 5,
-  kBulkDeep = 6,
-  // The default pipeline with every CTA on one contiguous range of tiles, whatever its grid
-  // (the default before kBulk chose the order per launch, docs/kernels.md "Tile order").
-  kBulkContiguous = 7,
-  // kBulk with host-tier pages through the pipeline too (a measurement variant).
-  kBulkHostTier = 8,
-  // kBulk's order on other rings, for the full-grid gap to copy_ (docs/kernels.md "Full-grid
-  // gap"): half the ring (96 KiB, so two CTAs share an SM: twice the issuing threads and plans
-  // at the same bytes in flight per SM), and 64 KiB tiles (half as many bulk operations).
-  kBulkTwoPerSm = 9,
-  kBulkLargeTiles = 10,
 };
+
+// A record's state word (PageRecord.state, record.py), written by every stash and reload and read
+// by reload: a reload of a record that holds no pages (reloaded already, or never stashed) must
+// not hand pages back to the ring twice. The stashed value is distinctive rather than 1: the
+// save path leaves the word uninitialized (no fill kernel), and a stray int64 1 there must not
+// pass for a stash.
+constexpr int64_t kRecordEmpty = 0;                   // holds no pages: its stash took none
+constexpr int64_t kRecordStashed = 0x53544153484544;  // holds pages ("STASHED" in ASCII)
+constexpr int64_t kRecordReloaded = 2;                // its pages went back to the ring
+
+// Bits of the invalid_live flag (flags[2], pool.py), so that the host can name what happened.
+constexpr int64_t kInvalidLiveCount = 1;  // a stash saw a live count outside its segment
+constexpr int64_t kInvalidReload = 2;     // a reload found its record holding no pages
 
 struct PoolView {
   uint8_t* pages[2];         // page storage per tier (the host tier through its device address)
@@ -55,9 +48,9 @@ struct PoolView {
   int64_t* head;             // [2], monotonically increasing pop counters
   int64_t* tail;             // [2], monotonically increasing push counters
   const int64_t* capacity;   // [2], ring capacity per tier
-  int64_t* flags;            // [3]: overflow, host_spill, invalid_live (shared by every pool)
+  int64_t* flags;            // [3]: overflow, host_spill, invalid_live bits (shared by every pool)
   unsigned int* done_counter;  // [1], 0 between launches (the last CTA resets it)
-  unsigned int* tile_ticket;   // [1] or null: next tile a CTA takes (kBulkDynamic), 0 between launches
+  unsigned int* tile_ticket;   // [1] or null: the bulk path's ticket order, 0 between launches
   int64_t page_size;
   int64_t row_bytes;
 };
@@ -78,6 +71,7 @@ struct CopyLaunch {
   int64_t* page_record;        // [record_slots]
   int64_t record_slots;        // page_record.numel() (>= max_slots)
   int64_t* spilled_to_host;    // [1]
+  int64_t* record_state;       // [1]: kRecordEmpty / kRecordStashed / kRecordReloaded
   PoolView pool;
   LayoutView layout;
   int max_ctas;                // grid bound; never bounds capacity or copied rows

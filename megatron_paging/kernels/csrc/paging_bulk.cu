@@ -11,16 +11,15 @@
 // issue slots to whatever compute kernel shares the SM.
 //
 // Tiles the copy engine may not take go through the cooperative copy of the tile path instead,
-// decided per tile and uniformly across the CTA: host-tier pages (bulk copies to mapped pinned
-// memory are not guaranteed; only the bulk-host measurement variant sends them through the
-// pipeline), the zero fill of a reload after an overflow, and any tile whose
-// addresses or size are not multiples of 16 bytes (the host dispatch should never send one).
+// decided per tile and uniformly across the CTA: host-tier pages (the PTX ISA promises nothing
+// for bulk copies to mapped pinned memory, and the link, not the issue rate, bounds them), the
+// zero fill of a reload that moves no pages, and any tile whose addresses or size are not
+// multiples of 16 bytes (the host dispatch should never send one).
 
 #include <cuda_runtime.h>
 
 #include <atomic>
 #include <cstdint>
-#include <type_traits>
 
 #include "paging.h"
 #include "paging_bulk_pipe.cuh"
@@ -29,69 +28,46 @@
 namespace megatron_paging {
 namespace {
 
-// A pipeline configuration: tile bytes, shared-memory stages, loads issued ahead of the oldest
-// store. 32 KiB x 6 stages (192 KiB of dynamic shared memory, + at most ~16.5 KiB static for the
-// 1024-segment plan, under the 227 KiB a block may opt into: one CTA per SM) keeps 4 loads =
-// 128 KiB in flight; a 64-row page of a bf16 h7168 activation (896 KiB) is exactly 28 tiles. The
-// other configurations trade tile size for stages at the same shared memory (more, smaller
-// copies in flight: better for small pages such as 224-byte rows); the benchmark measures all of
-// them (docs/kernels.md) and CopyPath::kBulk names the default.
-// How a CTA finds its tiles: one contiguous range per CTA (the default: consecutive tiles share
-// a page id and both sides move in long runs), tiles interleaved across CTAs (tile t -> CTA
-// t % grid: at any moment all CTAs work on neighbouring addresses, as a plain copy kernel's
-// blocks do), or batches taken from a shared ticket (a CTA on a slower SM simply takes fewer).
-// kAdaptive picks one of the three per launch from the grid it got (see adaptive_order); it is
-// the default since it measured at least as fast as each fixed order in every regime
-// (kernels_bulk_host_h200.json at 965172b: 32 CTAs 3066/3041 GB/s, full grid 3845/3857).
-enum class TileOrder { kContiguous, kInterleaved, kDynamic, kAdaptive };
-
-template <int kTileKiB, int kStagesN, int kAheadN, TileOrder kOrderN = TileOrder::kContiguous,
-          bool kHostTierN = false>
+// The pipeline: 32 KiB tiles x 6 shared-memory stages (192 KiB of dynamic shared memory, + at
+// most ~16.5 KiB static for the 1024-segment plan, under the 227 KiB a block may opt into: one
+// CTA per SM), 4 loads in flight ahead of the oldest store (128 KiB per CTA). A 64-row page of a
+// bf16 h7168 activation (896 KiB) is exactly 28 tiles. Smaller tiles with more stages, a deeper
+// ring, a half-size ring and 64 KiB tiles measured no better across the regimes
+// (docs/kernels.md).
 struct BulkConfig {
-  static constexpr int64_t kTileBytes = int64_t{kTileKiB} * 1024;
-  static constexpr int kStages = kStagesN;
+  static constexpr int64_t kTileBytes = int64_t{32} * 1024;
+  static constexpr int kStages = 6;
   // Loads issued ahead of the oldest store. The remaining stages give each store time to finish
   // reading shared memory before its stage is refilled.
-  static constexpr int kLoadsAhead = kAheadN;
+  static constexpr int kLoadsAhead = 4;
   // Store groups that may still be reading shared memory when a stage is refilled: with
   // kLoadsAhead loads pending, the store of the tile that last used the stage is followed by
   // exactly this many younger stores (see BulkPipe::push).
   static constexpr int kStoresReading = kStages - kLoadsAhead - 1;
   static constexpr size_t kSmemBytes = size_t{kStages} * kTileBytes;
-  static constexpr TileOrder kOrder = kOrderN;
-  // Whether host-tier pages (pinned memory mapped into the device) go through the pipeline too.
-  // Off in the default: the PTX ISA names no guarantee for bulk copies to mapped host memory,
-  // and the live-row host rate (~52 GB/s through the cooperative copy) is the open question
-  // this variant measures (docs/kernels.md "Tile order").
-  static constexpr bool kHostTier = kHostTierN;
   static_assert(kLoadsAhead >= 1 && kLoadsAhead <= kStages - 1,
                 "a stage must be free for the next load while kLoadsAhead loads are pending");
   static_assert(kStoresReading >= 0, "the stage count covers the loads ahead");
   static_assert(kTileBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
   static_assert(kTileBytes < (1 << 20), "an mbarrier transaction count is below 2^20 bytes");
-  // 224 KiB only beside the few-segment plan (launch_bulk_config keeps larger tables on the
-  // default ring): a block may opt into 227 KiB in all.
-  static_assert(kSmemBytes <= 224 * 1024, "the stage ring fits next to the static plan");
 };
-using BulkDefault = BulkConfig<32, 6, 4, TileOrder::kAdaptive>;
-using BulkSmallTiles = BulkConfig<16, 12, 9>;
-using BulkTinyTiles = BulkConfig<8, 24, 20>;
-using BulkInterleaved = BulkConfig<32, 6, 4, TileOrder::kInterleaved>;
-using BulkDynamic = BulkConfig<32, 6, 4, TileOrder::kDynamic>;
-using BulkDeep = BulkConfig<32, 7, 5>;
-using BulkContiguous = BulkConfig<32, 6, 4>;  // the default before the adaptive order
-using BulkHostTier = BulkConfig<32, 6, 4, TileOrder::kAdaptive, true>;
-using BulkTwoPerSm = BulkConfig<32, 3, 2, TileOrder::kAdaptive>;
-using BulkLargeTiles = BulkConfig<64, 3, 2, TileOrder::kAdaptive>;
+
+// How a CTA finds its tiles, chosen per launch from its grid (adaptive_order): one contiguous
+// range per CTA (consecutive tiles share a page id and both sides move in long runs), tiles
+// interleaved across CTAs (tile t -> CTA t % grid: at any moment all CTAs work on neighbouring
+// addresses, as a plain copy kernel's blocks do), or batches taken from a shared ticket (a CTA
+// on a slower SM simply takes fewer, so all CTAs finish together).
+enum class TileOrder { kContiguous, kInterleaved, kDynamic };
+
 // Tiles a dynamic CTA takes per ticket: small enough that the last batches even out the CTAs'
 // finishing times (4 x 32 KiB is ~5 us of one CTA's copy rate), large enough that consecutive
 // tiles still share a page id load.
 constexpr int kTicketTiles = 4;
 
-// The adaptive order, from kernels_bulk_orders_h200.json (docs/kernels.md "Tile order"): with
-// a few tiles per CTA the contiguous split is best (a ticket per batch costs more than it
-// evens out: 224-byte rows); on up to 32 CTAs the interleaved order (each batch's resolution
-// is exposed at ~95 GB/s per CTA, the ticket loses there); otherwise the ticket.
+// Measured per order (docs/kernels.md "Tile order"): with a few tiles per CTA the contiguous
+// split is best (a ticket per batch costs more than it evens out: 224-byte rows); on up to 32
+// CTAs the interleaved order (each batch's resolution is exposed at ~95 GB/s per CTA, the
+// ticket loses there); otherwise the ticket.
 constexpr int64_t kAdaptiveMinTilesPerCta = 8;
 constexpr unsigned int kAdaptiveMaxInterleavedCtas = 32;
 
@@ -101,9 +77,6 @@ __device__ __forceinline__ TileOrder adaptive_order(int64_t tiles, bool has_tick
   if (gridDim.x <= kAdaptiveMaxInterleavedCtas) return TileOrder::kInterleaved;
   return has_ticket ? TileOrder::kDynamic : TileOrder::kContiguous;
 }
-// The largest ring the default and the variants every table size uses (bulk_supported checks the
-// device can give it; BulkDeep asks for more and its launch reports the error if refused).
-constexpr size_t kBulkMaxSmemBytes = 192 * 1024;
 
 constexpr int kThreads = 256;
 constexpr int kUnroll = 4;  // the cooperative fallback's loads in flight per thread
@@ -112,18 +85,18 @@ static_assert(kThreads >= device::kPlanThreads, "the plan needs kPlanThreads thr
 
 // The single-thread pipeline (paging_bulk_pipe.cuh).
 using bulk::aligned16;
-using bulk::BulkPipe;
-using bulk::BulkRing;
+using Pipe = bulk::BulkPipe<BulkConfig>;
+using Ring = bulk::BulkRing<BulkConfig>;
 
 // Warp 0 alone walks the CTA's tiles when every tile may use the copy engine: its 32 lanes
 // resolve up to 32 tiles at once (their page-id loads in flight together, each lane writing its
 // tile's page record / recycling its page), then lane 0 issues their bulk copies. Tiles are
 // begin, begin + stride, ... below end; with stride 1 consecutive tiles mostly share a page, so
 // the page-id loads of a batch mostly hit one address.
-template <bool kReload, int N, typename C>
+template <bool kReload, int N>
 __device__ void walk_tiles_solo(const PagingArgs& a, const Segments<N>& seg, const Plan<N>& plan,
-                                const Decision& d, BulkPipe<C>& pipe, int64_t begin,
-                                int64_t end, int64_t stride, int batch = 32) {
+                                const Decision& d, Pipe& pipe, int64_t begin, int64_t end,
+                                int64_t stride, int batch = 32) {
   const int lane = threadIdx.x & 31;
   for (int64_t base = begin; base < end; base += batch * stride) {
     device::Tile tile{nullptr, nullptr, 0};
@@ -152,9 +125,9 @@ __device__ void walk_tiles_solo(const PagingArgs& a, const Segments<N>& seg, con
 // for the next batch before issuing the current one so the atomic's round trip overlaps the
 // copies in flight. Every tile index is taken by exactly one CTA, so each page record is still
 // written / each page recycled exactly once.
-template <bool kReload, int N, typename C>
+template <bool kReload, int N>
 __device__ void walk_tiles_dynamic(const PagingArgs& a, const Segments<N>& seg,
-                                   const Plan<N>& plan, const Decision& d, BulkPipe<C>& pipe,
+                                   const Plan<N>& plan, const Decision& d, Pipe& pipe,
                                    int64_t tiles) {
   const int lane = threadIdx.x & 31;
   unsigned int* const ticket = a.pool.tile_ticket;
@@ -172,17 +145,17 @@ __device__ void walk_tiles_dynamic(const PagingArgs& a, const Segments<N>& seg,
   }
 }
 
-template <bool kReload, int N, typename C>
+template <bool kReload, int N>
 __global__ void __launch_bounds__(kThreads, 1)
     bulk_kernel(const __grid_constant__ PagingArgs a, const __grid_constant__ Segments<N> seg) {
   const device::RingState state = device::read_state<kReload>(a);
 
   __shared__ Plan<N> plan;
-  __shared__ BulkRing<C> bulk_ring;
+  __shared__ Ring bulk_ring;
   extern __shared__ __align__(128) uint8_t bulk_stages[];
 
   const bool issuer = threadIdx.x == 0;
-  BulkPipe<C> pipe;
+  Pipe pipe;
   // Before the plan: the barrier inside make_plan is not needed for the mbarriers (only this
   // thread uses them), but their initialization then overlaps the plan's loads.
   if (issuer) pipe.init(&bulk_ring, bulk_stages);
@@ -193,8 +166,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Uniform across the CTA (d is): whether tiles may use the copy engine at all. The stage base
   // is 128-byte aligned by declaration; checking it costs nothing and keeps a surprise there
   // from becoming a faulting bulk copy.
-  const bool bulk_tier = MEGATRON_PAGING_BULK_ARCH && d.active &&
-                         (d.tier == 0 || C::kHostTier) && aligned16(bulk_stages);
+  const bool bulk_tier =
+      MEGATRON_PAGING_BULK_ARCH && d.active && d.tier == 0 && aligned16(bulk_stages);
   // Launch-wide alignment implies every tile's alignment: a tile starts at user + row * rb + lo
   // and at pages + page_id * page_size * rb + lo, with lo a multiple of tile_bytes, and ends at
   // min(lo + tile_bytes, rows * rb); all multiples of 16 when the bases, rb and tile_bytes are.
@@ -202,20 +175,18 @@ __global__ void __launch_bounds__(kThreads, 1)
   // zeroing and the commit barrier.
   const bool solo = bulk_tier && aligned16(a.user) && aligned16(a.pool.pages[d.tier]) &&
                     (a.pool.row_bytes & 15) == 0 && (a.tile_bytes & 15) == 0 &&
-                    a.tile_bytes <= C::kTileBytes;
+                    a.tile_bytes <= BulkConfig::kTileBytes;
   const int64_t tiles = plan.total_pages * a.tiles_per_page;
 
   if (solo) {
-    // Uniform across the CTA: a pool whose counter has no ticket entry keeps the default order.
+    // Uniform across the CTA: a pool whose counter has no ticket entry never takes the ticket.
     const bool has_ticket = a.pool.tile_ticket != nullptr && tiles < (int64_t{1} << 31);
-    const TileOrder order = C::kOrder == TileOrder::kAdaptive ? adaptive_order(tiles, has_ticket)
-                                                               : C::kOrder;
-    const bool dynamic = order == TileOrder::kDynamic && has_ticket;
+    const TileOrder order = adaptive_order(tiles, has_ticket);
     if (threadIdx.x >= 32) {
       // Nothing to walk: straight to the slot zeroing and the commit barrier.
     } else if (order == TileOrder::kInterleaved) {
       walk_tiles_solo<kReload>(a, seg, plan, d, pipe, blockIdx.x, tiles, gridDim.x);
-    } else if (dynamic) {
+    } else if (order == TileOrder::kDynamic) {
       walk_tiles_dynamic<kReload>(a, seg, plan, d, pipe, tiles);
     } else {
       // A contiguous range of tiles per CTA: consecutive tiles share pages (one page-id load
@@ -233,7 +204,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       uint8_t* const dst = kReload ? tile.user : tile.paged;
       const uint8_t* const src = kReload ? tile.paged : tile.user;
       const bool bulk_ok = bulk_tier && aligned16(tile.user) && aligned16(tile.paged) &&
-                           (tile.bytes & 15) == 0 && tile.bytes <= C::kTileBytes;
+                           (tile.bytes & 15) == 0 && tile.bytes <= BulkConfig::kTileBytes;
       if (bulk_ok) {
         if (issuer) pipe.push(dst, src, static_cast<uint32_t>(tile.bytes));
         continue;
@@ -258,80 +229,53 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // Raise the kernel's dynamic shared-memory limit once per device (the attribute belongs to the
 // kernel's per-device module). Not a stream operation, so also legal under graph capture.
-template <bool kReload, int N, typename C>
+template <bool kReload, int N>
 cudaError_t allow_bulk_smem(int device) {
   constexpr int kDevices = 64;
   static std::atomic<bool> done[kDevices] = {};
   const bool cacheable = device >= 0 && device < kDevices;
   if (cacheable && done[device].load(std::memory_order_relaxed)) return cudaSuccess;
   const cudaError_t err = cudaFuncSetAttribute(
-      bulk_kernel<kReload, N, C>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-      static_cast<int>(C::kSmemBytes));
+      bulk_kernel<kReload, N>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+      static_cast<int>(BulkConfig::kSmemBytes));
   if (err == cudaSuccess && cacheable) done[device].store(true, std::memory_order_relaxed);
   return err;
 }
 
-template <bool kReload, int N, typename C>
+template <bool kReload, int N>
 cudaError_t launch_bulk_with(const CopyLaunch& launch, cudaStream_t stream) {
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
   if (!bulk_supported(device)) return cudaErrorNotSupported;
   // Before the occupancy query: without the raised limit it would count 0 CTAs per SM.
-  err = allow_bulk_smem<kReload, N, C>(device);
+  err = allow_bulk_smem<kReload, N>(device);
   if (err != cudaSuccess) return err;
-  const PagingArgs args = device::make_args(launch, C::kTileBytes);
+  const PagingArgs args = device::make_args(launch, BulkConfig::kTileBytes);
   const Segments<N> seg = device::make_segments<N>(launch.layout);
   int64_t resident = 0;
-  err = device::resident_ctas<bulk_kernel<kReload, N, C>>(kThreads, C::kSmemBytes, &resident);
+  err = device::resident_ctas<bulk_kernel<kReload, N>>(kThreads, BulkConfig::kSmemBytes,
+                                                       &resident);
   if (err != cudaSuccess) return err;
   const int64_t grid = device::grid_size(launch, args, kThreads, resident);
-  bulk_kernel<kReload, N, C>
-      <<<static_cast<unsigned int>(grid), kThreads, C::kSmemBytes, stream>>>(args, seg);
+  bulk_kernel<kReload, N>
+      <<<static_cast<unsigned int>(grid), kThreads, BulkConfig::kSmemBytes, stream>>>(args, seg);
   return cudaGetLastError();
 }
 
-template <int N, typename C>
+template <int N>
 cudaError_t launch_bulk_n(const CopyLaunch& launch, cudaStream_t stream) {
-  return launch.reload ? launch_bulk_with<true, N, C>(launch, stream)
-                       : launch_bulk_with<false, N, C>(launch, stream);
-}
-
-template <typename C>
-cudaError_t launch_bulk_config(const CopyLaunch& launch, cudaStream_t stream) {
-  if (launch.layout.num_segments <= kFewSegments) {
-    return launch_bulk_n<kFewSegments, C>(launch, stream);
-  }
-  // The deep ring leaves no room for the 1024-segment plan: larger tables take the default.
-  using Wide = std::conditional_t<(C::kSmemBytes > kBulkMaxSmemBytes), BulkDefault, C>;
-  return launch_bulk_n<kMaxSegments, Wide>(launch, stream);
+  return launch.reload ? launch_bulk_with<true, N>(launch, stream)
+                       : launch_bulk_with<false, N>(launch, stream);
 }
 
 }  // namespace
 
 cudaError_t launch_bulk(const CopyLaunch& launch, cudaStream_t stream) {
-  switch (launch.path) {
-    case CopyPath::kBulkSmallTiles:
-      return launch_bulk_config<BulkSmallTiles>(launch, stream);
-    case CopyPath::kBulkTinyTiles:
-      return launch_bulk_config<BulkTinyTiles>(launch, stream);
-    case CopyPath::kBulkInterleaved:
-      return launch_bulk_config<BulkInterleaved>(launch, stream);
-    case CopyPath::kBulkDynamic:
-      return launch_bulk_config<BulkDynamic>(launch, stream);
-    case CopyPath::kBulkDeep:
-      return launch_bulk_config<BulkDeep>(launch, stream);
-    case CopyPath::kBulkContiguous:
-      return launch_bulk_config<BulkContiguous>(launch, stream);
-    case CopyPath::kBulkHostTier:
-      return launch_bulk_config<BulkHostTier>(launch, stream);
-    case CopyPath::kBulkTwoPerSm:
-      return launch_bulk_config<BulkTwoPerSm>(launch, stream);
-    case CopyPath::kBulkLargeTiles:
-      return launch_bulk_config<BulkLargeTiles>(launch, stream);
-    default:
-      return launch_bulk_config<BulkDefault>(launch, stream);
+  if (launch.layout.num_segments <= kFewSegments) {
+    return launch_bulk_n<kFewSegments>(launch, stream);
   }
+  return launch_bulk_n<kMaxSegments>(launch, stream);
 }
 
 bool bulk_supported(int device) {
@@ -355,7 +299,7 @@ bool bulk_supported(int device) {
   }
   // The largest static shared memory of the four instantiations (the 1024-segment plan).
   if (err == cudaSuccess) {
-    err = cudaFuncGetAttributes(&attr, bulk_kernel<false, kMaxSegments, BulkDefault>);
+    err = cudaFuncGetAttributes(&attr, bulk_kernel<false, kMaxSegments>);
   }
   if (err != cudaSuccess) {
     // Not cached (the device may be usable later), and the error the query recorded is cleared
@@ -364,7 +308,7 @@ bool bulk_supported(int device) {
     return false;
   }
   const bool ok =
-      major >= 9 && attr.sharedSizeBytes + kBulkMaxSmemBytes <= static_cast<size_t>(optin);
+      major >= 9 && attr.sharedSizeBytes + BulkConfig::kSmemBytes <= static_cast<size_t>(optin);
   if (cacheable) cached[device].store(ok ? 2 : 1, std::memory_order_relaxed);
   return ok;
 }

@@ -1,6 +1,6 @@
 // The bulk path's single-thread copy pipeline (sm90+): a ring of shared-memory stages, each
 // filled by a cp.async.bulk load that completes on the stage's mbarrier and drained by a bulk
-// store. Only paging_bulk.cu includes it; the kernel, the tile orders and the configurations
+// store. Only paging_bulk.cu includes it; the kernel, the tile orders and the configuration
 // (BulkConfig: tile bytes, stages, loads ahead) live there.
 
 #pragma once

@@ -7,10 +7,11 @@
 // (reload).
 //
 // One launch does everything: every CTA computes the same plan from read-only state (flags,
-// freelist head/tail, live counts), copies its tiles (grid-stride), then the last CTA to finish
-// (counted on a per-pool int32 in device memory, which it resets to 0) commits head/tail and
-// flags. Nothing a CTA reads is written before every CTA has arrived, so no CTA sees a half-
-// committed state, and no host read is needed: the launch is CUDA-graph capturable.
+// freelist head/tail, live counts, the record's state word), copies its tiles (grid-stride),
+// then the last CTA to finish (counted on a per-pool int32 in device memory, which it resets to
+// 0) commits head/tail, the record's state word and flags. Nothing a CTA reads is written before
+// every CTA has arrived, so no CTA sees a half-committed state, and no host read is needed: the
+// launch is CUDA-graph capturable.
 
 #pragma once
 
@@ -41,6 +42,7 @@ struct PagingArgs {
   int64_t record_slots;
   int64_t max_slots;
   int64_t* spilled_to_host;
+  int64_t* record_state;
   PoolView pool;
   int64_t tile_bytes;      // bytes per tile (the path's tile size, at most one page)
   int64_t tiles_per_page;
@@ -61,11 +63,12 @@ struct Plan {
 // What every CTA decided from the plan and the ring/flag state read at launch.
 struct Decision {
   int tier;            // 0 = device tier, 1 = host tier
-  bool active;         // pages move (stash: a tier has room; reload: the record is intact)
+  bool active;         // pages move (stash: a tier has room; reload: the record holds pages)
   bool use_host;       // stash: the record spills to the host tier
   bool new_overflow;   // stash: this launch sets the overflow flag
-  bool zero_fill;      // reload after an overflow: zero the record's live rows
+  bool zero_fill;      // reload that moves no pages (overflow, invalid reload): zero live rows
   bool invalid;        // a live count was outside [0, segment rows]
+  bool invalid_reload;  // reload without an overflow of a record that holds no pages
   int64_t ring_start;  // first ring position popped (stash) or pushed (reload)
   int64_t ring_pages;  // pages popped or pushed
 };
@@ -134,7 +137,8 @@ struct RingState {
   int64_t overflow;
   int64_t head[2];
   int64_t tail[2];
-  int64_t spilled;  // reload: the record's spilled_to_host
+  int64_t spilled;       // reload: the record's spilled_to_host
+  int64_t record_state;  // reload: the record's state word
 };
 
 template <bool kReload>
@@ -142,7 +146,8 @@ __device__ __forceinline__ RingState read_state(const PagingArgs& a) {
   return RingState{a.pool.flags[0],
                    {a.pool.head[0], a.pool.head[1]},
                    {a.pool.tail[0], a.pool.tail[1]},
-                   kReload ? a.spilled_to_host[0] : 0};
+                   kReload ? a.spilled_to_host[0] : 0,
+                   kReload ? a.record_state[0] : kRecordEmpty};
 }
 
 // Where the record goes (stash) or comes from (reload), from state read before any write.
@@ -167,12 +172,18 @@ __device__ Decision decide(const PagingArgs& a, const Plan<N>& plan, const RingS
     d.ring_start = d.use_host ? head[1] : head[0];
   } else {
     const bool from_host = spilled == 1;
-    d.active = overflow == 0 && (!from_host || has_host);
+    // After an overflow nothing moves and nothing is checked: an overflowed stash took no pages,
+    // so its reload is no misuse. Otherwise a record holding no pages gives none back: pushing
+    // them again would let a later stash hand one page to two records.
+    const bool stashed = r.record_state == kRecordStashed;
+    d.invalid_reload = overflow == 0 && !stashed;
+    d.active = overflow == 0 && stashed && (!from_host || has_host);
     d.tier = from_host ? 1 : 0;
     d.ring_start = from_host ? tail[1] : tail[0];
-    // After an overflow the step is discarded, but its backward still runs: a reload zeroes its
-    // live rows so that uninitialized memory (NaN) never reaches Megatron's gradient NaN check.
-    d.zero_fill = overflow != 0;
+    // The step is discarded, but its backward still runs: a reload that moves no pages zeroes
+    // its live rows so that uninitialized memory (NaN) never reaches Megatron's gradient NaN
+    // check before the host reads the flags.
+    d.zero_fill = overflow != 0 || d.invalid_reload;
   }
   return d;
 }
@@ -256,16 +267,19 @@ __device__ void commit(const PagingArgs& a, const Decision& d) {
   __threadfence();
   const unsigned int arrived = atomicAdd(a.pool.done_counter, 1u);
   if (arrived != gridDim.x - 1) return;
+  // Atomic: the flags are shared by every pool of a paging context.
+  auto* flags = reinterpret_cast<unsigned long long*>(a.pool.flags);
   if constexpr (!kReload) {
     if (d.active) a.pool.head[d.tier] = d.ring_start + d.ring_pages;
     a.spilled_to_host[0] = (d.use_host || d.new_overflow) ? 1 : 0;
-    // Atomic: the flags are shared by every pool of a paging context.
-    auto* flags = reinterpret_cast<unsigned long long*>(a.pool.flags);
+    a.record_state[0] = d.active ? kRecordStashed : kRecordEmpty;
     if (d.new_overflow) atomicOr(flags + 0, 1ull);
     if (d.use_host) atomicOr(flags + 1, 1ull);
-    if (d.invalid) atomicOr(flags + 2, 1ull);
+    if (d.invalid) atomicOr(flags + 2, static_cast<unsigned long long>(kInvalidLiveCount));
   } else {
     if (d.active) a.pool.tail[d.tier] = d.ring_start + d.ring_pages;
+    a.record_state[0] = kRecordReloaded;
+    if (d.invalid_reload) atomicOr(flags + 2, static_cast<unsigned long long>(kInvalidReload));
   }
   *a.pool.done_counter = 0u;
   // Every CTA took its last ticket before it arrived, so no one reads the ticket any more.
@@ -354,6 +368,7 @@ inline PagingArgs make_args(const CopyLaunch& launch, int64_t tile_bytes) {
   args.record_slots = launch.record_slots;
   args.max_slots = launch.layout.max_slots;
   args.spilled_to_host = launch.spilled_to_host;
+  args.record_state = launch.record_state;
   args.pool = launch.pool;
   const int64_t page_bytes = launch.pool.page_size * launch.pool.row_bytes;
   args.tile_bytes = std::min(tile_bytes, page_bytes);

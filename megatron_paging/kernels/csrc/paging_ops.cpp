@@ -143,7 +143,7 @@ struct Pool {
     PAGING_REQUIRE(flags.numel() == 3,
                    "flags must hold 3 entries (overflow, host_spill, invalid_live)");
     PAGING_REQUIRE(done_counter.numel() >= 1, "done_counter must hold 1 entry");
-    // A second entry, when there is one, is the tile ticket of the dynamic bulk variant.
+    // A second entry, when there is one, is the bulk path's tile ticket.
     view.num_pages[0] = cuda_pages.size(0) / page_size;
     view.num_pages[1] = host_pages.size(0) / page_size;
     PAGING_REQUIRE(free_list_cuda.numel() >= view.num_pages[0], "free_list_cuda has ",
@@ -219,7 +219,8 @@ struct Layout {
 
 std::string copy(bool reload, const at::Tensor& user, const Pool& pool, const Layout& layout,
                  const at::Tensor& live_rows, const at::Tensor& page_record,
-                 const at::Tensor& spilled_to_host, int64_t path, int64_t max_ctas) {
+                 const at::Tensor& spilled_to_host, const at::Tensor& record_state,
+                 int64_t path, int64_t max_ctas) {
   const at::Device& device = pool.device;
   PAGING_REQUIRE(layout.row_bytes == pool.view.row_bytes && layout.page_size == pool.view.page_size,
                  "the record's layout (row_bytes ", layout.row_bytes, ", page_size ",
@@ -234,16 +235,18 @@ std::string copy(bool reload, const at::Tensor& user, const Pool& pool, const La
   PAGING_FORWARD(check_on(live_rows, "live_rows", device, at::kLong));
   PAGING_FORWARD(check_on(page_record, "page_record", device, at::kLong));
   PAGING_FORWARD(check_on(spilled_to_host, "spilled_to_host", device, at::kLong));
+  PAGING_FORWARD(check_on(record_state, "record_state", device, at::kLong));
   PAGING_REQUIRE(live_rows.numel() == static_cast<int64_t>(layout.rows.size()), "live_rows has ",
                  live_rows.numel(), " entries for ", layout.rows.size(), " segments");
   PAGING_REQUIRE(page_record.numel() >= layout.max_slots, "page_record has ",
                  page_record.numel(), " slots, the segments need ", layout.max_slots);
   PAGING_REQUIRE(spilled_to_host.numel() == 1, "spilled_to_host must hold 1 entry");
+  PAGING_REQUIRE(record_state.numel() == 1, "record_state must hold 1 entry");
   PAGING_REQUIRE(max_ctas > 0 && max_ctas <= INT32_MAX, "max_ctas must be a positive int32, got ",
                  max_ctas);
-  PAGING_REQUIRE(path >= static_cast<int64_t>(CopyPath::kTile) &&
-                     path <= static_cast<int64_t>(CopyPath::kBulkLargeTiles),
-                 "path must be 0 (tile), 1 (bulk) or 2-10 (bulk variants), got ", path);
+  PAGING_REQUIRE(path == static_cast<int64_t>(CopyPath::kTile) ||
+                     path == static_cast<int64_t>(CopyPath::kBulk),
+                 "path must be 0 (tile) or 1 (bulk), got ", path);
 
   const c10::cuda::CUDAGuard guard(device);
   CopyLaunch launch{};
@@ -254,6 +257,7 @@ std::string copy(bool reload, const at::Tensor& user, const Pool& pool, const La
   launch.page_record = page_record.data_ptr<int64_t>();
   launch.record_slots = page_record.numel();
   launch.spilled_to_host = spilled_to_host.data_ptr<int64_t>();
+  launch.record_state = record_state.data_ptr<int64_t>();
   launch.pool = pool.view;
   launch.layout = layout.view();
   launch.max_ctas = static_cast<int>(max_ctas);
@@ -305,7 +309,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "One stash (reload=False) or reload of one record (one launch); '' or the problem.",
         pybind11::arg("reload"), pybind11::arg("user"), pybind11::arg("pool"),
         pybind11::arg("layout"), pybind11::arg("live_rows"), pybind11::arg("page_record"),
-        pybind11::arg("spilled_to_host"), pybind11::arg("path"), pybind11::arg("max_ctas"));
+        pybind11::arg("spilled_to_host"), pybind11::arg("record_state"), pybind11::arg("path"),
+        pybind11::arg("max_ctas"));
   m.def("bulk_supported", [](int device) { return megatron_paging::bulk_supported(device); },
         "Whether the bulk path runs on CUDA device `device` (sm90+, enough shared memory).");
   m.def("max_segments", []() { return megatron_paging::kMaxSegments; });
