@@ -219,9 +219,9 @@ class OverflowMonitor:
         self.steps += 1
         if flags.invalid_live_ranks:
             raise ValueError(
-                f"paging: a record's live_rows was negative or above its segment capacity on "
-                f"{flags.invalid_live_ranks} rank(s); check the dispatcher's tokens_per_expert "
-                "against the static capacity"
+                f"paging: invalid input on {flags.invalid_live_ranks} rank(s): a record's "
+                "live_rows outside its segment capacity, or a record reloaded twice or before "
+                "its stash (PagingFlags.raise_if_invalid on a rank says which)"
             )
         if flags.host_spill_ranks:
             self.spill_steps += 1
