@@ -23,7 +23,8 @@ def _params_with_grad(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
 
 
-def _uses_found_inf(optimizer: torch.optim.Optimizer) -> bool:
+def uses_found_inf(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` skips its own update on a device ``found_inf`` flag."""
     # torch's fused Adam/AdamW/SGD skip their update on device when `found_inf` is set and
     # undo the step-counter increment (the AMP GradScaler contract).
     return getattr(optimizer, "_step_supports_amp_scaling", False) and all(
@@ -68,7 +69,7 @@ def step_unless(
                     "fused=True, see device_resident_steps)"
                 )
 
-    if _uses_found_inf(optimizer):
+    if uses_found_inf(optimizer):
         previous = getattr(optimizer, "found_inf", None)
         optimizer.found_inf = skip.to(torch.float32)
         try:
@@ -151,9 +152,10 @@ def device_resident_steps(optimizer: torch.optim.Optimizer) -> bool:
 class DeviceSkip:
     """Route every ``optimizer.step()`` through :func:`step_unless` with a flag from ``get_skip``.
 
-    ``get_skip`` returns the current device flag, or None to step normally. ``host_reads``
-    counts the steps that needed the first-step host read. ``remove()`` restores the optimizer's
-    own ``step``.
+    ``get_skip`` returns the current device flag, a decision already known on the host (True:
+    the step is not called at all; False: it runs as usual), or None to step normally.
+    ``host_reads`` counts the steps that needed the first-step host read. ``remove()`` restores
+    the optimizer's own ``step``.
     """
 
     def __init__(
@@ -166,8 +168,10 @@ class DeviceSkip:
 
         def step(closure=None):
             skip = self.get_skip()
-            if skip is None:
+            if skip is None or skip is False:
                 return self._original_step(closure)
+            if skip is True:
+                return None
             self.host_reads += step_unless(optimizer, skip, closure, self._original_step)
             return None
 
@@ -177,4 +181,4 @@ class DeviceSkip:
         self.optimizer.step = self._original_step
 
 
-__all__ = ["DeviceSkip", "device_resident_steps", "step_unless"]
+__all__ = ["DeviceSkip", "device_resident_steps", "step_unless", "uses_found_inf"]

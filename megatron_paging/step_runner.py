@@ -7,14 +7,21 @@ forward-backward again without paging, how to grow the pools, where the flags co
     forward-backward                    the driver's, paged
     reduce(paging flags, over budget)   pack the flags: the step's one collective, no host read
     after_forward_backward(reduced, rerun)
-                                        the reduced flags become the optimizer's device skip
-                                        flag; a policy that reads before the optimizer
-                                        ('rerun') reads them now and may repeat the step unpaged
-    optimizer.step()                    the driver's; dropped on the device when the flag is set
-                                        and the policy skips (optimizer_skip.DeviceSkip)
-    settle()                            the deferred read of the other policies ('skip',
-                                        'grow'): after the optimizer step, when the driver likes
-                                        (the Megatron runner: when the next step starts)
+                                        a policy that reads before the optimizer ('rerun') reads
+                                        them now and may repeat the step unpaged; 'skip' and
+                                        'grow' read them now too unless every optimizer is fused
+                                        (see below)
+    optimizer.step()                    the driver's; dropped when the step is discarded
+                                        (optimizer_skip.DeviceSkip)
+    settle()                            the deferred read of 'skip' / 'grow' with fused
+                                        optimizers: after the optimizer step, when the driver
+                                        likes (the Megatron runner: when the next step starts)
+
+Why 'skip' and 'grow' read early with a non-fused optimizer: dropping its step on the device
+without a host read means stepping and then blending the old values back, which keeps a copy of
+every stepped parameter and optimizer state tensor during the step: an overflowing step would
+then need more memory than a pool large enough not to overflow. Fused torch optimizers take
+the flag as ``found_inf`` and need no copy, so with them the read stays deferred.
 
 The policies themselves, the flag layout and the counts live in :mod:`megatron_paging.overflow`.
 """
@@ -27,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_paging.config import PagingConfig
-from megatron_paging.optimizer_skip import DeviceSkip, device_resident_steps
+from megatron_paging.optimizer_skip import DeviceSkip, device_resident_steps, uses_found_inf
 from megatron_paging.overflow import OverflowMonitor, OverflowPolicy, StepFlags, skip_flag
 from megatron_paging.pool import PagingFlags
 
@@ -65,12 +72,11 @@ class StepRunner:
     Args:
         policy: an :class:`OverflowPolicy`, a config or a policy name.
         grow: enlarges the device page tiers by a factor (the 'grow' policy).
-        optimizers: the torch optimizers of the run. A policy that skips on the device routes
-            their ``step`` through :class:`~megatron_paging.optimizer_skip.DeviceSkip` (torch
-            Adam is switched to device-resident step counters for it, see
-            ``steps_made_device_resident``); 'rerun' leaves them as built, since it repairs
-            the step before the optimizer sees it and a device skip costs a copy of the
-            parameters and optimizer state per step for non-fused optimizers.
+        optimizers: the torch optimizers of the run. 'skip' and 'grow' route their ``step``
+            through :class:`~megatron_paging.optimizer_skip.DeviceSkip`: with a device flag
+            when every one is fused (no host read, no copy), else with the decision read on
+            the host after forward-backward; 'rerun' leaves them as built, since it repairs
+            the step before the optimizer sees it.
         group: process group of the flag all_reduce (default: the world, if initialized).
     """
 
@@ -84,13 +90,18 @@ class StepRunner:
     ):
         self.monitor = OverflowMonitor(policy, group=group)
         self.grow = grow
-        self.skip: torch.Tensor | None = None  # device flag of the last reduced step
+        # the last step's skip: a device flag (deferred read) or the host's decision
+        self.skip: torch.Tensor | bool | None = None
         self._pending: torch.Tensor | None = None  # reduced flags awaiting settle()
         self.device_skips: list[DeviceSkip] = []
         self.steps_made_device_resident = False
-        if not self.policy.reads_before_optimizer:
+        deferred = not self.policy.reads_before_optimizer
+        # deferred on the device only where the optimizers take the flag without a copy
+        self.reads_deferred = deferred and all(uses_found_inf(o) for o in optimizers)
+        if deferred:
             for optimizer in optimizers:
-                self.steps_made_device_resident |= device_resident_steps(optimizer)
+                if self.reads_deferred:
+                    self.steps_made_device_resident |= device_resident_steps(optimizer)
                 self.device_skips.append(DeviceSkip(optimizer, lambda: self.skip))
 
     @property
@@ -118,11 +129,15 @@ class StepRunner:
         :meth:`settle` and None is returned.
         """
         self.skip = skip_flag(reduced)
-        if not self.policy.reads_before_optimizer:
+        if self.reads_deferred:
             self._pending = reduced
             return None
         flags = self.monitor.read(reduced)
-        return self._decide(flags, lambda: self.rerun(rerun, flags))
+        if self.policy.reads_before_optimizer:
+            return self._decide(flags, lambda: self.rerun(rerun, flags))
+        decision = self._decide(flags, self._too_late_to_rerun)
+        self.skip = flags.discard  # known on the host: the optimizer step is not called
+        return decision
 
     def settle(self) -> Decision | None:
         """The deferred read and decision of the last step (None if none is pending)."""

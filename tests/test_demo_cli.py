@@ -225,11 +225,10 @@ def test_skip_policy_leaves_parameters_unchanged(tmp_path, capsys, monkeypatch):
 
 def test_skip_that_updates_parameters_is_reported(tmp_path, capsys, monkeypatch):
     # An optimizer skip that does not skip: the demo must notice and fail.
-    def step_anyway(optimizer, skip, closure=None, step_fn=None):
-        step_fn(closure)
-        return False
+    def never_wrap(self, optimizer, get_skip):
+        self.host_reads = 0
 
-    monkeypatch.setattr(optimizer_skip, "step_unless", step_anyway)
+    monkeypatch.setattr(optimizer_skip.DeviceSkip, "__init__", never_wrap)
     run = run_cli(tmp_path, capsys, monkeypatch, CUDA_FACTOR, "0.3", POLICY, "skip")
     assert run.code == 1 and run.last.startswith("parity: MISMATCH")
     assert [step.state_unchanged for step in run.result.paged.steps] == [None, False, False]

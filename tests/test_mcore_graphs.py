@@ -89,8 +89,8 @@ class ReplayCountingEngine:
         self.engine.paged = True
 
 
-def graphed_run(policy, cuda_rows):
-    run = Run(policy, cuda_rows)
+def graphed_run(policy, cuda_rows, optimizer="adamw"):
+    run = Run(policy, cuda_rows, optimizer=optimizer)
     run.graph = StandInGraph(run.runner.forward_backward_func)
     run.runner.forward_backward_func = run.graph
     counter = ReplayCountingEngine(run.paging.engine)
@@ -123,7 +123,9 @@ def test_rerun_under_graphs_runs_eagerly_and_keeps_the_graph():
 
 
 def test_grow_drops_the_captured_graph():
-    run = graphed_run("grow", PAGE)  # one page: every step overflows while the pool grows
+    # one page: every step overflows while the pool grows; a fused optimizer: the flags of a
+    # step are read when the next one starts
+    run = graphed_run("grow", PAGE, optimizer="adamw-fused")
     run.train_step(0)  # eager warm-up, overflows
     run.train_step(1)  # reads step 0's flags: grow (nothing captured yet); captures, overflows
     assert run.runner.monitor.grown_steps == 1 and run.runner.graph_invalidations == 0

@@ -169,11 +169,11 @@ class Run:
         self.config = SimpleNamespace(moe_paged_stash=paged, moe_expert_rank_capacity_factor=1.0)
         self.chunk = Chunk(self.config)
         params = [self.chunk.weight]
-        self.optimizer = (
-            torch.optim.AdamW(params, lr=0.05)
-            if optimizer == "adamw"
-            else torch.optim.SGD(params, lr=0.1, momentum=0.9)
-        )
+        self.optimizer = {
+            "adamw": lambda: torch.optim.AdamW(params, lr=0.05),
+            "adamw-fused": lambda: torch.optim.AdamW(params, lr=0.05, fused=True),
+            "sgd": lambda: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+        }[optimizer]()
         self.paging = Paging(cuda_rows, policy)
         self.calls, self.budgets = [], []
         self.runner = PagedStashRunner(
@@ -242,9 +242,9 @@ def test_paged_without_overflow_matches_control_and_recycles_pages():
     assert_equal_states(paged.state(), control.state())
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
-def test_skip_policy_drops_the_step_on_device_and_counts_it_later(optimizer):
-    run = Run("skip", ROOMY, optimizer=optimizer)
+def test_skip_policy_with_a_fused_optimizer_drops_the_step_on_device_and_counts_it_later():
+    run = Run("skip", ROOMY, optimizer="adamw-fused")
+    assert run.runner.steps.reads_deferred
     run.train_step(0)
     before = run.state()
     run.paging.engine.pools = Run("skip", TINY).paging.engine.pools
@@ -252,6 +252,27 @@ def test_skip_policy_drops_the_step_on_device_and_counts_it_later(optimizer):
     assert_equal_states(run.state(), before)  # optimizer.step() was a device no-op
     assert run.runner.skipped_steps == 0  # not read yet: deferred
     assert sum(ds.host_reads for ds in run.runner.steps.device_skips) == 1  # only the first step's
+    run.runner.finish()
+    assert run.runner.skipped_steps == 1 and run.calls == [True, True]
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_skip_policy_with_an_unfused_optimizer_reads_first_and_never_steps(optimizer, monkeypatch):
+    """No device skip for it: that would keep a copy of every stepped tensor during the step
+    (memory an overflowing step must not need); the flags are read before the optimizer."""
+    import megatron_paging.optimizer_skip as optimizer_skip
+
+    run = Run("skip", ROOMY, optimizer=optimizer)
+    assert not run.runner.steps.reads_deferred
+    run.train_step(0)
+    before = run.state()
+    blends = []
+    monkeypatch.setattr(optimizer_skip, "step_unless", lambda *a, **k: blends.append(a))
+    run.paging.engine.pools = Run("skip", TINY).paging.engine.pools
+    run.train_step(1)
+    assert_equal_states(run.state(), before)  # the step was not taken
+    assert run.runner.skipped_steps == 1  # read before the optimizer
+    assert blends == []  # no stepped-then-blended copy
     run.runner.finish()
     assert run.runner.skipped_steps == 1 and run.calls == [True, True]
 

@@ -400,9 +400,24 @@ def test_step_runner_wraps_the_optimizer_only_for_policies_that_skip_on_device()
     assert [skip.optimizer for skip in runner.device_skips] == [skip_opt]
 
 
-def test_step_runner_defers_the_read_and_skips_on_device():
+def test_step_runner_with_an_unfused_optimizer_reads_before_it_and_never_steps_it():
     weight = torch.nn.Parameter(torch.ones(2))
     optimizer = torch.optim.SGD([weight], lr=0.1)
+    runner = StepRunner("skip", grow=None, optimizers=[optimizer])
+    weight.grad = torch.ones(2)
+    decision = runner.after_forward_backward(runner.reduce(overflowed()), no_rerun)
+    assert decision.action == "skip" and runner.skipped_steps == 1  # read now
+    optimizer.step()
+    assert torch.equal(weight, torch.ones(2))  # not taken
+    assert runner.settle() is None
+    assert runner.after_forward_backward(runner.reduce(PagingFlags()), no_rerun).action == "ok"
+    optimizer.step()
+    assert not torch.equal(weight, torch.ones(2))
+
+
+def test_step_runner_defers_the_read_and_skips_on_device():
+    weight = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([weight], lr=0.1, fused=True)
     runner = StepRunner("skip", grow=None, optimizers=[optimizer])
     weight.grad = torch.ones(2)
     assert runner.after_forward_backward(runner.reduce(overflowed()), no_rerun) is None

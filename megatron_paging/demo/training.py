@@ -272,8 +272,9 @@ class PagedRun:
             self.steps.reduce(self.engine.flags), rerun_unpaged
         )
         outcome = rank.outcome(used, attempt.peak, action="")
-        before = rank.state() if decision is None else None  # a deferred read may skip
-        rank.optimizer.step()  # dropped on the device when the reduced flags say so
+        # a skipping policy's step must leave every parameter and state tensor as it was
+        before = None if self.steps.policy.reads_before_optimizer else rank.state()
+        rank.optimizer.step()  # dropped when the step is discarded
         decision = decision or self.steps.settle()
         if before is not None and decision.flags.discard:
             after = rank.state()

@@ -16,13 +16,15 @@ this class (bound to the paging API through the ``paging`` keyword). What change
     (CPU, CUDA, Megatron's tracker) so it draws the same dropout masks, and keeps the static
     dispatch budget unless a dispatcher was over budget: a step that only overflowed the pools
     reruns at the same capacity, bitwise equal to the unpaged control.
-  - 'skip' / 'grow' read nothing during the step: every inner torch optimizer's ``step`` goes
-    through :func:`megatron_paging.optimizer_skip.step_unless`, so a step whose flags are set
-    (on any rank) leaves parameters and optimizer state untouched on the device. The reduced
-    flags are read when the next step starts (or by :meth:`PagedStashRunner.finish`); 'grow'
-    then enlarges every pool's device tier. Unless the optimizer is fused, the skip keeps a copy
-    of the stepped parameters and state during the step (memory). Megatron's own
-    ``update_successful`` reports True for such a step: count skips from ``skipped_steps``.
+  - 'skip' / 'grow' drop a step whose flags are set (on any rank): parameters and optimizer
+    state stay as they were; 'grow' then enlarges every pool's device tier. With fused torch
+    optimizers nothing is read during the step (they take the flag as ``found_inf``; the flags
+    are read when the next step starts, or by :meth:`PagedStashRunner.finish`); with any other
+    optimizer the flags are read right after forward-backward and a dropped step's
+    ``optimizer.step()`` is not called (a device-side drop would keep a copy of every stepped
+    tensor: an overflowing step would need more memory than a pool large enough). Megatron's
+    own ``update_successful`` reports True for such a step: count skips from
+    ``skipped_steps``.
 
 * Full-iteration CUDA graphs (:mod:`.graphs`): a replayed step's flags are read after the
   replay, outside the graph; a rerun runs the graph's schedule function eagerly (the graph is
