@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -41,6 +42,15 @@ from megatron_paging.pool import PagePools, ceil_div
 from megatron_paging.record import PageRecord
 
 logger = logging.getLogger(__name__)
+
+
+class ParkEvent(NamedTuple):
+    """A record parked (``sign`` +1) or unparked (-1), in issue order."""
+
+    row_bytes: int  # the pool key
+    live_counts: tuple[int, ...]  # per segment
+    avg_rows: int | None  # the record's average-token hint, if it carried one
+    sign: int
 
 
 @dataclass(eq=False)
@@ -74,13 +84,11 @@ class Calibrator:
 
     def __init__(self, paging: bool = True):
         self.paging = paging
-        # Event log: (row_bytes, live counts per segment, average-token hint or None,
-        # +1 park / -1 unpark), in issue order.
-        self.events: list[tuple[int, tuple[int, ...], int | None, int]] = []
+        self.events: list[ParkEvent] = []
         self.rows_in_flight: dict[int, int] = {}
         self.peak_rows: dict[int, int] = {}
-        # Resident held slots' records, same form: each slot's +1s then its -1s (see hold).
-        self.held_events: list[tuple[int, tuple[int, ...], int | None, int]] = []
+        # Resident held slots' records: each slot's +1s then its -1s (see hold).
+        self.held_events: list[ParkEvent] = []
 
     @property
     def saw_records(self) -> bool:
@@ -122,10 +130,10 @@ class Calibrator:
         if not self.paging:
             return
         counts = [(record.row_bytes, *_counts(record)) for record in records]
-        self.held_events += [(*c, sign) for sign in (+1, -1) for c in counts]
+        self.held_events += [ParkEvent(*c, sign) for sign in (+1, -1) for c in counts]
 
     def _track(self, row_bytes: int, live_counts, avg_rows, sign: int) -> None:
-        self.events.append((row_bytes, live_counts, avg_rows, sign))
+        self.events.append(ParkEvent(row_bytes, live_counts, avg_rows, sign))
         in_flight = self.rows_in_flight.get(row_bytes, 0) + sign * sum(live_counts)
         if in_flight < 0:
             raise ValueError(f"unpark of a record that was not parked (row_bytes={row_bytes})")
@@ -141,8 +149,8 @@ class Calibrator:
         every record carried one (the others keep the measured peak). A key only resident held
         slots had (:meth:`hold`) gets the peak of those slots, one at a time.
         """
-        parked = {event[0] for event in self.events}
-        events = self.events + [e for e in self.held_events if e[0] not in parked]
+        parked = {event.row_bytes for event in self.events}
+        events = self.events + [e for e in self.held_events if e.row_bytes not in parked]
         hinted = {}
         for row_bytes, _, avg_rows, _ in events:
             hinted[row_bytes] = hinted.get(row_bytes, True) and avg_rows is not None
@@ -199,4 +207,4 @@ def _counts(record: PageRecord) -> tuple[tuple[int, ...], int | None]:
     return live_counts, None if avg_rows is None else int(avg_rows)
 
 
-__all__ = ["Calibrator", "ParkedRecord"]
+__all__ = ["Calibrator", "ParkEvent", "ParkedRecord"]

@@ -35,6 +35,7 @@ from __future__ import annotations
 import bisect
 import logging
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -48,6 +49,16 @@ ARENA_ALIGN = 512  # bytes; DMA-friendly starts for every range
 
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // ARENA_ALIGN) * ARENA_ALIGN
+
+
+class RowEvent(NamedTuple):
+    """An offloaded live-row record parked (``sign`` +1) or unparked (-1) while calibrating."""
+
+    capacity_rows: int
+    row_bytes: int
+    live_counts: tuple[int, ...]  # per segment
+    sign: int
+    token: int  # the parked object's id: pairs a record's unpark with its park
 
 
 class ArenaAllocator:
@@ -217,9 +228,7 @@ class OffloadCalibrator:
 
     def __init__(self):
         self.rows = Calibrator()
-        # (capacity_rows, row_bytes, live count per segment, +1 park / -1 unpark, the parked
-        # object's id), in issue order
-        self.row_events: list[tuple[int, int, tuple[int, ...], int, int]] = []
+        self.row_events: list[RowEvent] = []  # in issue order
         self.arena = ArenaAllocator(None)
         self.whole_records = 0
         self.whole_bytes = 0
@@ -235,7 +244,7 @@ class OffloadCalibrator:
 
     def _log(self, record, parked, sign: int) -> None:
         self.row_events.append(
-            (record.capacity_rows, record.row_bytes, parked.live_counts, sign, id(parked))
+            RowEvent(record.capacity_rows, record.row_bytes, parked.live_counts, sign, id(parked))
         )
 
     def park_whole(self, tensor: torch.Tensor) -> tuple[torch.Tensor, int, int]:
@@ -287,6 +296,6 @@ class OffloadCalibrator:
 
 
 __all__ = [
-    "ARENA_ALIGN", "ArenaAllocator", "HostArena", "OffloadCalibrator", "OffloadPools",
+    "ARENA_ALIGN", "ArenaAllocator", "HostArena", "OffloadCalibrator", "OffloadPools", "RowEvent",
     "dma_prefix_rows", "replay_rows",
 ]

@@ -8,11 +8,14 @@ A model (or its adapter: Megatron-Core's goes through :mod:`megatron_paging.mcor
   microbatch, device)`` — and closes it with ``y = context.group_commit(y)``, an identity
   autograd function: its forward stashes the slot's records, its backward marks the layer's
   backward start (reload + prefetch);
-* says which saved tensors to page: ``context.mark(buffer, live_rows, segments)`` (matched by
+* says which saved tensors to move: ``context.mark(buffer, live_rows, segments)`` (matched by
   identity when autograd saves the tensor; before or after the saving op, until the commit), or
-  ``context.pack_marked(tensor, live_rows, ...)`` from inside its own pack hook (the tensor is
-  known to be paged when it is saved). Every other saved tensor passes through untouched; the
-  commit raises if a marked tensor was not saved as marked (a view or copy was saved instead);
+  a *pack policy* given to ``context.hooks(policy)`` that decides per saved tensor, when it is
+  saved, to keep it (return it), page its live rows (``context.pack_marked``) or offload it to
+  the host, live rows or whole, non-contiguous views included (``context.pack_offload``:
+  Megatron-Core's offload groups, :mod:`megatron_paging.mcore.offload`). Every other saved
+  tensor passes through untouched; the commit raises if a marked tensor was not saved as
+  marked (a view or copy was saved instead);
 * optionally defers weight gradients: inside ``with context.backward(chunk, microbatch,
   defer_wgrad=True)`` a custom autograd function hands its wgrad closure to
   ``context.defer_wgrad(fn)``, keeping its wgrad input as ``context.pack(x)`` /
@@ -26,41 +29,31 @@ deferred-wgrad bookkeeping: the unpaged control of the same model.
 from __future__ import annotations
 
 import contextlib
-from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from megatron_paging.engine import OFF, PagingEngine
-from megatron_paging.scheduler import WGRAD, PagedHandle, PagingScheduler
+from megatron_paging.saved import Mark, OpenSlot, Saved, StridedView
+from megatron_paging.scheduler import WGRAD, PagingScheduler
+from megatron_paging.slot_queues import Slot
+from megatron_paging.wgrad import DeferredWgrads
 
 # -1 outside the autograd engine; inside a backward, the running graph task's id.
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
-
-@dataclass(eq=False)
-class _Mark:
-    tensor: torch.Tensor
-    live_rows: torch.Tensor
-    segments: Sequence[tuple[int, int]] | None
-    wgrad_only: bool
-    private: bool  # live_rows is a copy nobody else writes
-    capacity_rows: int | None
-    annotations: dict = field(default_factory=dict)
-    handle: PagedHandle | None = None
-    offload: bool = False  # to the host (offload pools / arena), not the paged stash
+# A pack policy: what autograd keeps for a tensor saved in the region it covers (the tensor
+# itself, or what one of PagingContext's pack methods returned for it).
+PackPolicy = Callable[[torch.Tensor], object]
 
 
-class _Saved:
-    """What the pack hook returns inside a slot: the tensor until commit, then maybe a handle."""
+@dataclass(frozen=True)
+class ForwardOp:
+    """The forward of ``chunk`` for ``microbatch`` that ``context.forward`` is running."""
 
-    __slots__ = ("tensor", "handle", "mark")
-
-    def __init__(self, tensor: torch.Tensor, mark: _Mark | None = None):
-        self.tensor = tensor
-        self.handle: PagedHandle | None = None
-        self.mark = mark
+    chunk: int
+    microbatch: int
 
 
 class _GroupStart(torch.autograd.Function):
@@ -108,18 +101,14 @@ class PagingContext:
     def __init__(self, engine: PagingEngine | None = None):
         self.engine = engine
         self.scheduler: PagingScheduler | None = None  # the open step's, once a slot opened
-        self._forward: tuple[int, int] | None = None  # (chunk, microbatch)
-        self._backward: tuple[int, int, bool] | None = None  # (chunk, microbatch, defer)
-        # Open forward slots, innermost last: (slot, saved, marks, live-count snapshots). An
-        # offload group opens inside a layer slot (open_offload_group) and commits first.
-        self._slots: list[tuple[tuple, list[_Saved], dict[int, _Mark], dict]] = []
-        self._backward_layer: int | None = None
+        self._forward: ForwardOp | None = None
+        # Open forward slots, innermost last. An offload group opens inside a layer slot
+        # (open_offload_group) and commits first.
+        self._slots: list[OpenSlot] = []
         # Slots whose input carries an end marker (_GroupStart, slot_end_marker): their
         # backward's end is reported, so the slots below are prefetched then.
-        self._slot_ends: set[tuple] = set()
-        self._wgrad: dict[tuple[int, int], list[tuple[int | None, Callable[[], None]]]] = (
-            defaultdict(list)
-        )
+        self._slot_ends: set[Slot] = set()
+        self._wgrads = DeferredWgrads()
 
     @property
     def enabled(self) -> bool:
@@ -144,7 +133,7 @@ class PagingContext:
 
     def finish(self) -> int:
         """End of step: join the paging stream; returns records never reloaded (should be 0)."""
-        pending = sorted(self._wgrad)
+        pending = self._wgrads.pending()
         self._reset()
         unreloaded = 0
         if self.engine is not None and self.engine.step_open:
@@ -157,41 +146,35 @@ class PagingContext:
         self.scheduler = None
         self._slots = []
         self._slot_ends.clear()
-        self._wgrad.clear()
+        self._wgrads.clear()
 
     @property
-    def _slot(self):
-        return self._slots[-1][0] if self._slots else None
-
-    @property
-    def innermost_slot(self) -> tuple | None:
+    def innermost_slot(self) -> Slot | None:
         """The innermost open forward slot ``(chunk, layer or group key, microbatch)``."""
-        return self._slot
-
-    @property
-    def _saved(self) -> list[_Saved]:
-        return self._slots[-1][1]
-
-    @property
-    def _marks(self) -> dict[int, _Mark]:
-        return self._slots[-1][2]
+        return self._slots[-1].slot if self._slots else None
 
     # ------------------------------------------------------------- forward side
     @contextlib.contextmanager
     def forward(self, chunk: int, microbatch: int):
         """Forward of ``chunk`` for ``microbatch`` (or some of its layers): installs the hooks."""
-        if self._forward is not None:
-            raise RuntimeError(f"forward({chunk}, {microbatch}) nested in {self._forward}")
-        self._forward = (int(chunk), int(microbatch))
+        running = self._forward
+        if running is not None:
+            raise RuntimeError(f"forward({chunk}, {microbatch}) nested in "
+                               f"forward({running.chunk}, {running.microbatch})")
+        self._forward = ForwardOp(int(chunk), int(microbatch))
         try:
             with self.hooks():
                 yield self
         finally:
             self._forward = None
 
-    def hooks(self, pack=None):
-        """``saved_tensors_hooks`` with :meth:`pack` (or ``pack``) and :meth:`unpack`; a no-op
-        context while the step does not page."""
+    def hooks(self, pack: PackPolicy | None = None):
+        """The runtime's saved-tensor hooks (the only ones it installs): over the region they
+        cover, each saved tensor goes through ``pack`` — the region's policy: the paged stash's
+        (:mod:`megatron_paging.mcore.api`), an offload group's
+        (:mod:`megatron_paging.mcore.offload`) — or by default :meth:`pack` (kept until the
+        commit, paged if marked); :meth:`unpack` gives every one back. A no-op context while
+        the step does not page."""
         if not self.enabled:
             return contextlib.nullcontext()
         return torch.autograd.graph.saved_tensors_hooks(pack or self.pack, self.unpack)
@@ -202,31 +185,17 @@ class PagingContext:
             return
         if self.scheduler is None:
             self.scheduler = self.engine.scheduler_for(torch.device(device))
-        slot = (int(chunk), layer if isinstance(layer, tuple) else int(layer), int(microbatch))
+        slot = Slot(int(chunk), layer if isinstance(layer, tuple) else int(layer),
+                    int(microbatch))
         self.scheduler.open_slot(*slot)
-        self._slots.append((slot, [], {}, {}))
+        self._slots.append(OpenSlot(slot))
 
     def open_offload_group(self, chunk: int, key: tuple, microbatch: int, device) -> None:
-        """An offload group's forward begins (it may nest in an open layer slot): its saved
-        tensors go through :meth:`pack_offload`; :meth:`commit_slot` ends it."""
+        """An offload group's forward begins (it may nest in an open layer slot): the tensors
+        its pack policy gives to :meth:`pack_offload` go to the host at :meth:`commit_slot`."""
         if not isinstance(key, tuple):
             raise TypeError(f"an offload group's key must be a tuple, got {key!r}")
         self.open_slot(chunk, key, microbatch, device)
-
-    def pack_offload(self, tensor: torch.Tensor, live_rows: torch.Tensor | None = None,
-                     capacity_rows: int | None = None):
-        """Pack-hook path of an offload group: ``tensor`` goes to the host at the group's
-        commit — its live rows (``live_rows``: a device count nobody writes until the reload,
-        of ``capacity_rows`` rows) or, without ``live_rows``, the whole tensor."""
-        if self._slot is None:
-            return tensor
-        mark = self._marks.get(id(tensor))
-        if mark is None or mark.tensor is not tensor:  # saved twice: one record, one copy
-            mark = _Mark(tensor, live_rows, None, False, True, capacity_rows, offload=True)
-            self._marks[id(tensor)] = mark
-        saved = _Saved(tensor, mark)
-        self._saved.append(saved)
-        return saved
 
     def group_start(self, tensor: torch.Tensor, layer: int) -> torch.Tensor:
         """Start of layer ``layer``'s forward inside ``forward(chunk, microbatch)`` (identity)."""
@@ -242,7 +211,7 @@ class PagingContext:
         produced this tensor's gradient, the slots below it are prefetched."""
         if not self.pages_forward or not (torch.is_grad_enabled() and tensor.requires_grad):
             return tensor
-        slot = (int(chunk), int(layer), int(microbatch))
+        slot = Slot(int(chunk), int(layer), int(microbatch))
         if slot in self._slot_ends:
             # Marked earlier in this forward (the dispatcher's input before the experts'): the
             # slot's backward ends where its earliest marked input gets its gradient.
@@ -259,7 +228,7 @@ class PagingContext:
 
         Outside autograd (no grad, or an output that needs none) the slot is committed directly.
         """
-        if not self.pages_forward or self._slot is None:
+        if not self.pages_forward or not self._slots:
             return tensor
         if not (torch.is_grad_enabled() and tensor.requires_grad):
             # A forward without grad (a recompute's first pass, evaluation) saves nothing: its
@@ -287,30 +256,23 @@ class PagingContext:
         """
         if not self.pages_forward:
             return tensor
-        if self._slot is None:
+        if not self._slots:
             raise RuntimeError("mark() must be called between group_start and group_commit")
         if not isinstance(live_rows, torch.Tensor):
             raise TypeError(f"live_rows must be a tensor, got {type(live_rows).__name__}")
-        self._marks[id(tensor)] = _Mark(
-            tensor, self._live_snapshot(live_rows), segments, bool(wgrad_only), True, None
+        slot = self._slots[-1]
+        slot.marks[id(tensor)] = Mark(
+            tensor, slot.live_snapshot(live_rows), segments, bool(wgrad_only), True, None
         )
         return tensor
 
-    def _live_snapshot(self, live_rows: torch.Tensor) -> torch.Tensor:
-        """A private copy of ``live_rows``, shared by the open slot's marks of the same tensor
-        while its version counter says nobody wrote it in between (each copy is an allocation
-        and a kernel on the step's host path). Integer tensors never require grad: no detach."""
-        snapshots = self._slots[-1][3]
-        try:
-            version = live_rows._version
-        except RuntimeError:  # an inference tensor keeps no version counter: copy every time
-            return live_rows.clone()
-        known = snapshots.get(id(live_rows))
-        if known is not None and known[0] is live_rows and known[1] == version:
-            return known[2]
-        copy = live_rows.clone()
-        snapshots[id(live_rows)] = (live_rows, version, copy)
-        return copy
+    # The pack methods: what a pack policy returns for a tensor saved in the innermost slot.
+    def pack(self, tensor: torch.Tensor):
+        """Keep ``tensor`` until the commit (paged then if it was marked); the default policy.
+        Call it directly to keep a tensor that is unpacked later."""
+        if not self._slots or not isinstance(tensor, torch.Tensor):
+            return tensor
+        return self._slots[-1].keep(tensor)
 
     def pack_marked(
         self,
@@ -320,45 +282,50 @@ class PagingContext:
         annotations: dict | None = None,
         private: bool = False,
     ):
-        """Pack-hook path for a tensor known to be paged when it is saved: ``capacity_rows`` rows
-        (default its first dimension) of which ``live_rows`` are live. ``private=True``: nobody
-        writes ``live_rows`` before the reload (no snapshot needed). Returns what autograd keeps.
-        """
-        if self._slot is None:
+        """Page ``tensor``'s live rows (known to be paged when it is saved): ``capacity_rows``
+        rows (default its first dimension) of which ``live_rows`` are live. ``private=True``:
+        nobody writes ``live_rows`` before the reload (no snapshot needed)."""
+        if not self._slots:
             return tensor
-        mark = self._marks.get(id(tensor))
-        if mark is None or mark.tensor is not tensor:
-            mark = self._marks[id(tensor)] = _Mark(
+        slot = self._slots[-1]
+        mark = slot.mark_of(tensor)
+        if mark is None:  # saved twice: one record, one copy
+            mark = slot.marks[id(tensor)] = Mark(
                 tensor, live_rows, None, False, private, capacity_rows, annotations or {}
             )
-        saved = _Saved(tensor, mark)
-        self._saved.append(saved)
-        return saved
+        return slot.keep(tensor, mark)
 
-    def pack(self, tensor: torch.Tensor):
-        """The pack hook; call it directly to keep a tensor that is unpacked later."""
-        if self._slot is None or not isinstance(tensor, torch.Tensor):
-            return tensor
-        saved = _Saved(tensor)
-        self._saved.append(saved)
-        return saved
+    def pack_offload(self, tensor: torch.Tensor, live_rows: torch.Tensor | None = None,
+                     capacity_rows: int | None = None, view: StridedView | None = None):
+        """Move contiguous ``tensor`` to the host at the commit: its live rows (``live_rows``:
+        a device count nobody writes until the reload, of ``capacity_rows`` rows) or, without
+        ``live_rows``, all of it. ``view``: the strides it is given back with
+        (:func:`megatron_paging.saved.packable` made ``tensor`` from a non-contiguous view)."""
+        if not self._slots:
+            return tensor if view is None else view.restore(tensor)
+        slot = self._slots[-1]
+        mark = slot.mark_of(tensor)
+        if mark is None:  # saved twice: one record, one copy
+            mark = slot.marks[id(tensor)] = Mark(
+                tensor, live_rows, None, False, True, capacity_rows, offload=True
+            )
+        return slot.keep(tensor, mark, view)
 
     def unpack(self, saved):
-        """The unpack hook; the inverse of :meth:`pack`."""
-        if not isinstance(saved, _Saved):
+        """The unpack hook; the inverse of every pack method."""
+        if not isinstance(saved, Saved):
             return saved
-        if saved.handle is not None:
-            return self.scheduler.unpack(saved.handle)
-        return saved.tensor
+        tensor = saved.tensor if saved.handle is None else self.scheduler.unpack(saved.handle)
+        return tensor if saved.view is None else saved.view.restore(tensor)
 
-    def commit_slot(self, strict: bool = True) -> tuple[int, int, int]:
-        """The open slot's forward is done: stash its marked saved tensors (one record each);
+    def commit_slot(self, strict: bool = True) -> Slot:
+        """The open slot's forward is done: save its marked saved tensors (one record each);
         ``strict``: a mark autograd did not save is an error."""
-        if self._slot is None:
+        if not self._slots:
             raise RuntimeError("group_commit() without a group_start()")
-        slot, saved, marks, _ = self._slots.pop()
-        scheduler = self.scheduler
-        for s in saved:
+        open_slot = self._slots.pop()
+        marks, scheduler = open_slot.marks, self.scheduler
+        for s in open_slot.saved:
             mark = s.mark or marks.get(id(s.tensor))
             if mark is None or mark.tensor is not s.tensor:
                 continue
@@ -383,7 +350,7 @@ class PagingContext:
         if unmatched and strict:
             # A view, reshape or .contiguous() copy of the marked tensor (or nothing at all) was
             # saved: it would silently stay resident, so the memory saving would be a lie.
-            chunk, layer, microbatch = slot
+            chunk, layer, microbatch = open_slot.slot
             first = unmatched[0].tensor
             raise RuntimeError(
                 f"{len(unmatched)} tensor(s) marked for paging in chunk {chunk} layer {layer} "
@@ -391,39 +358,33 @@ class PagingContext:
                 f"{tuple(first.shape)}, dtype {first.dtype}); mark the exact tensor that is "
                 "saved for backward, not a view or copy of it"
             )
-        return slot
+        return open_slot.slot
 
     # ------------------------------------------------------------ backward side
     @contextlib.contextmanager
     def backward(self, chunk: int, microbatch: int, defer_wgrad: bool = False):
         """Backward of ``chunk`` for ``microbatch``; ``defer_wgrad`` postpones weight grads."""
-        self._backward = (int(chunk), int(microbatch), bool(defer_wgrad))
-        try:
+        with self._wgrads.backward(chunk, microbatch, defer_wgrad):
             yield self
-        finally:
-            self._backward = None
-            self._backward_layer = None
 
     @property
     def wgrad_deferred(self) -> bool:
         """Whether the running backward defers weight gradients to a later W op."""
-        return self._backward is not None and self._backward[2]
+        return self._wgrads.deferring
 
     def defer_wgrad(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` (a weight-gradient closure) at ``run_wgrad`` of this backward's op."""
-        if not self.wgrad_deferred:
-            raise RuntimeError("defer_wgrad() outside a backward(..., defer_wgrad=True)")
-        chunk, microbatch, _ = self._backward
-        self._wgrad[(chunk, microbatch)].append((self._backward_layer, fn))
+        self._wgrads.defer(fn)
 
     def run_wgrad(self, chunk: int, microbatch: int) -> None:
         """The W op: run the deferred weight gradients of ``(chunk, microbatch)`` in order."""
         current = None
-        for layer, fn in self._wgrad.pop((int(chunk), int(microbatch)), []):
+        for wgrad in self._wgrads.take(chunk, microbatch):
+            layer = wgrad.layer
             if self.scheduler is not None and layer is not None and layer != current:
                 self.scheduler.wgrad_slot_start(chunk, layer, microbatch)
                 current = layer
-            fn()
+            wgrad.fn()
 
     def prefetch(self, chunk: int, microbatch: int, defer_wgrad: bool = False) -> None:
         """Hint: the backward of ``(chunk, microbatch)`` comes next; reload its top slots."""
@@ -436,17 +397,17 @@ class PagingContext:
             self.scheduler.prefetch(chunk, microbatch, branch=WGRAD)
 
     # --------------------------------------------------------------- internals
-    def _open_from_forward(self, layer: int, device) -> tuple[int, int, int]:
-        if self._forward is None:
+    def _open_from_forward(self, layer: int, device) -> Slot:
+        running = self._forward
+        if running is None:
             raise RuntimeError("group_start() outside `with context.forward(chunk, microbatch)`")
-        chunk, microbatch = self._forward
-        self.open_slot(chunk, layer, microbatch, device)
-        return self._slot
+        self.open_slot(running.chunk, layer, running.microbatch, device)
+        return self.innermost_slot
 
     def _backward_slot_start(self, chunk: int, layer: int, microbatch: int) -> None:
-        self._backward_layer = layer
+        self._wgrads.layer = layer
         self.scheduler.backward_slot_start(
-            chunk, layer, microbatch, defer_wgrad=self._defers(chunk, microbatch),
+            chunk, layer, microbatch, defer_wgrad=self._wgrads.defers(chunk, microbatch),
             prefetch_at_end=(chunk, layer, microbatch) in self._slot_ends,
         )
 
@@ -458,13 +419,8 @@ class PagingContext:
             "backward-slot-end", chunk=chunk, layer=layer, microbatch=microbatch
         )
         self.scheduler.backward_slot_end(
-            chunk, layer, microbatch, defer_wgrad=self._defers(chunk, microbatch)
+            chunk, layer, microbatch, defer_wgrad=self._wgrads.defers(chunk, microbatch)
         )
 
-    def _defers(self, chunk: int, microbatch: int) -> bool:
-        """Whether the running backward is ``(chunk, microbatch)``'s and defers wgrads."""
-        backward = self._backward
-        return backward is not None and backward[:2] == (chunk, microbatch) and backward[2]
 
-
-__all__ = ["PagingContext"]
+__all__ = ["ForwardOp", "PackPolicy", "PagingContext"]

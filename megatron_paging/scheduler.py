@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,9 +29,17 @@ from megatron_paging import kernels
 from megatron_paging.config import PagingConfig
 from megatron_paging.pool import PagePools
 from megatron_paging.record import RecordLayout, attach_buffers
-from megatron_paging.slot_queues import BACKWARD, WGRAD, Group, SlotQueues
+from megatron_paging.slot_queues import BACKWARD, WGRAD, Group, Slot, SlotQueues
 from megatron_paging.sources import SourceLifetimes
 from megatron_paging.transfers import PagedHandle, Parker, Transfers, reload_destination
+
+
+@dataclass(eq=False)
+class _OpenSlot:
+    """A slot whose forward runs, and the records saved in it so far."""
+
+    slot: Slot
+    pending: list[PagedHandle] = field(default_factory=list)
 
 
 class PagingScheduler:
@@ -69,8 +78,7 @@ class PagingScheduler:
         self.prefetch_distance = config.prefetch_distance
         self.overlap = config.overlap
         self.hold_last_slot = config.hold_last_slot
-        # (chunk, layer, microbatch, handles, position) of the held newest slot (see _hold)
-        self._held: tuple | None = None
+        self._held: Group | None = None  # the newest commit's, not stashed yet (see _hold)
         self.max_ctas = config.grid_bound
         self.page_size = pools.page_size if pools is not None else config.page_size
         # Resolved once: every pool of a scheduler lives on one device.
@@ -84,9 +92,9 @@ class PagingScheduler:
         self._ids = itertools.count()
         self._positions = itertools.count()  # commit order of the step's groups
         self._paging_used = False  # the paging stream got work this step (finish joins it)
-        # Open slots, innermost last, each with its pending records: an offload group may open
-        # inside a paged-stash slot (Megatron's expert_fc1 inside the experts' stash context).
-        self._open_slots: list[tuple[tuple, list[PagedHandle]]] = []
+        # Innermost last: an offload group may open inside a paged-stash slot (Megatron's
+        # expert_fc1 inside the experts' stash context).
+        self._open_slots: list[_OpenSlot] = []
         self._queues = SlotQueues()  # the groups and slots each backward / wgrad will meet
         # what the queued copies still read, and when it may go (also the offload backend's)
         self.sources = SourceLifetimes(
@@ -95,21 +103,17 @@ class PagingScheduler:
         # id -> reloaded handle no stream waited on yet: autograd dropping it unread must not
         # free memory the paging stream writes (released at unpack's wait or finish's join)
         self._unwaited: dict[int, PagedHandle] = {}
-        # (chunk, layer, microbatch) -> commit position of a slot whose backward started with
-        # its prefetch left to its end (backward_slot_end)
-        self._prefetch_at_end: dict[tuple, int] = {}
+        # commit position of each slot whose backward started with its prefetch left to its
+        # end (backward_slot_end)
+        self._prefetch_at_end: dict[Slot, int] = {}
         # Record layouts per (capacity_rows, row_bytes, segments, device, page size)
         self._layouts: dict[tuple, RecordLayout] = {} if layout_cache is None else layout_cache
 
     # ---------------------------------------------------------------- forward
     @property
-    def _open(self):
-        """The innermost open slot ``(chunk, layer, microbatch)``, or None."""
-        return self._open_slots[-1][0] if self._open_slots else None
-
-    @property
-    def _pending(self) -> list[PagedHandle]:
-        return self._open_slots[-1][1] if self._open_slots else []
+    def _open(self) -> Slot | None:
+        """The innermost open slot, or None."""
+        return self._open_slots[-1].slot if self._open_slots else None
 
     def open_slot(self, chunk: int, layer, microbatch: int) -> None:
         """A layer's forward begins; later saves belong to this slot until ``commit``.
@@ -120,23 +124,21 @@ class PagingScheduler:
         slot. ``commit`` closes the innermost.
         """
         group = isinstance(layer, tuple)
-        slot = (int(chunk), layer if group else int(layer), int(microbatch))
-        # Slots nest (Megatron commits an offload group after the ops it encloses: mlp_norm's
-        # group spans the MoE layer's stash slot); two layer slots open at once mean a missing
-        # commit.
+        slot = Slot(int(chunk), layer if group else int(layer), int(microbatch))
+        # Two layer slots open at once mean a missing commit.
         clash = next(
-            (o for o, _ in self._open_slots
-             if o == slot or not (group or isinstance(o[1], tuple))),
+            (o.slot for o in self._open_slots
+             if o.slot == slot or not (group or isinstance(o.slot.layer, tuple))),
             None,
         )
         if clash is not None:
             raise RuntimeError(
-                f"open_slot{slot}: slot {clash} is still open (every group start needs a group "
-                "commit)"
+                f"open_slot{tuple(slot)}: slot {tuple(clash)} is still open (every group start "
+                "needs a group commit)"
             )
         if not group:  # a layer's paged region begins: older layers' sources go first
             self.sources.layer_opens(self.backend.compute_stream())
-        self._open_slots.append((slot, []))
+        self._open_slots.append(_OpenSlot(slot))
 
     def save(
         self,
@@ -157,15 +159,17 @@ class PagingScheduler:
         the copy. ``offload=True`` sends the record to the host (offload pools) instead of the
         paged stash; with ``live_rows=None`` the whole tensor is offloaded (the host arena).
         """
-        if self._open is None:
+        if not self._open_slots:
             raise RuntimeError("save() needs an open slot (call open_slot / group_start first)")
         if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0 or tensor.shape[0] == 0:
             raise ValueError("save(): tensor must be a tensor with at least one row")
         if not tensor.is_contiguous():
             raise ValueError(f"save(): tensor must be contiguous, got strides {tensor.stride()}")
-        chunk, layer, microbatch = self._open
+        open_slot = self._open_slots[-1]
         if offload and live_rows is None:
-            return self._save_whole(tensor, wgrad_only)
+            handle = PagedHandle.whole(next(self._ids), tensor, open_slot.slot, wgrad_only)
+            open_slot.pending.append(handle)
+            return handle
         if not isinstance(live_rows, torch.Tensor):
             raise TypeError(f"live_rows must be a device tensor, got {type(live_rows).__name__}")
         if capacity_rows is None:
@@ -188,29 +192,9 @@ class PagingScheduler:
         # commit (one allocation per group).
         record = layout.new_record(live_rows, snapshot=not live_rows_private,
                                    defer_buffer=True)
-        wgrad_only = bool(wgrad_only)
-        record.annotations.update(
-            chunk=chunk, layer=layer, microbatch=microbatch, wgrad_only=wgrad_only
-        )
-        handle = PagedHandle(
-            id=next(self._ids),
-            record=record,
-            shape=tensor.shape,
-            dtype=tensor.dtype,
-            device=tensor.device,
-            wgrad_only=wgrad_only,
-            source=tensor,
-            notes=record.annotations,
-            offload="rows" if offload else None,
-            prefix_rows=prefix_rows,
-        )
-        self._pending.append(handle)
-        return handle
-
-    def _save_whole(self, tensor: torch.Tensor, wgrad_only: bool) -> PagedHandle:
-        chunk, layer, microbatch = self._open
-        handle = PagedHandle.whole(next(self._ids), tensor, chunk, layer, microbatch, wgrad_only)
-        self._pending.append(handle)
+        handle = PagedHandle.rows(next(self._ids), tensor, record, open_slot.slot, wgrad_only,
+                                  offload, prefix_rows)
+        open_slot.pending.append(handle)
         return handle
 
     def commit(self) -> None:
@@ -218,29 +202,31 @@ class PagingScheduler:
         (with ``hold_last_slot``: hold them until another slot commits; see :meth:`_hold`)."""
         if not self._open_slots:
             raise RuntimeError("commit() without an open slot")
-        (chunk, layer, microbatch), handles = self._open_slots.pop()
+        closed = self._open_slots.pop()
+        slot, handles = closed.slot, closed.pending
         attach_buffers([h.record for h in handles if h.record is not None])
         self.sources.poll()
         self.backend.note(
-            "commit", chunk=chunk, layer=layer, microbatch=microbatch,
+            "commit", chunk=slot.chunk, layer=slot.layer, microbatch=slot.microbatch,
             records=[h.id for h in handles],
         )
         held, self._held = self._held, None
         if held is not None:  # another slot committed: the held one is stashed now
-            self._stash(*held)
+            self._stash(held)
         if not handles:
             return
         handles = self.transfers.offload_room(handles)
         if not handles:
             return
-        position = next(self._positions)
-        self._queues.expect(BACKWARD, chunk, layer, microbatch, position)
+        group = Group(slot, handles, next(self._positions))
+        self._queues.expect(BACKWARD, *slot, group.position)
         if self.hold_last_slot and not any(h.offload for h in handles):
-            self._held = (chunk, layer, microbatch, handles, position)
+            self._held = group
             return
-        self._stash(chunk, layer, microbatch, handles, position)
+        self._stash(group)
 
-    def _stash(self, chunk, layer, microbatch, handles, position) -> None:
+    def _stash(self, group: Group) -> None:
+        handles = group.handles
         if self.parker is not None:
             for h in handles:
                 self.transfers.park(h)
@@ -250,7 +236,7 @@ class PagingScheduler:
                 h.source = None  # same stream as every later use: safe to drop
         else:
             compute, paging = self.backend.compute_stream(), self.backend.paging_stream
-            commit_event = self.backend.record(compute, f"commit{(chunk, layer, microbatch)}")
+            commit_event = self.backend.record(compute, f"commit{tuple(group.slot)}")
             self.backend.wait(paging, commit_event, "commit")
             self._paging_used = True
             self.transfers.launch_group(paging, "stash", handles)
@@ -259,22 +245,22 @@ class PagingScheduler:
             if tracked:
                 self.sources.track(done, tracked)
             self.sources.release_captured(compute, done if tracked else None)
-        self._queues.add(BACKWARD, chunk, layer, Group(microbatch, handles, position))
+        self._queues.add(BACKWARD, group)
 
-    def _hold(self, handle: PagedHandle | None = None, slot: tuple | None = None) -> bool:
+    def _hold(self, handle: PagedHandle | None = None, slot: Slot | None = None) -> bool:
         """Whether ``handle`` (or ``slot``) is the held slot's: the newest commit, whose
         backward started before another slot committed (the last layer before a backward).
         Its records become resident (the sources are the tensors): stashing would copy rows
         out and straight back while the reload buffer coexists with the pages."""
         held = self._held
-        if held is None or (slot is not None and held[:3] != slot) or (
-            handle is not None and not any(h is handle for h in held[3])
+        if held is None or (slot is not None and held.slot != slot) or (
+            handle is not None and not any(h is handle for h in held.handles)
         ):
             return False
         self._held = None
-        chunk, layer, microbatch, handles, _ = held
-        self.backend.note("resident", chunk=chunk, layer=layer, microbatch=microbatch,
-                          records=[h.id for h in handles])
+        handles = held.handles
+        self.backend.note("resident", chunk=held.slot.chunk, layer=held.slot.layer,
+                          microbatch=held.slot.microbatch, records=[h.id for h in handles])
         for h in handles:
             h.tensor, h.source = h.source, None
         if self.parker is not None:  # calibration: a key only held slots have needs a pool too
@@ -330,7 +316,7 @@ class PagingScheduler:
         A handle still pending in the open slot (its layer's forward has not committed, e.g. a
         recompute or a backward inside the forward) was never stashed: its source is returned.
         """
-        if any(h is handle for _, pending in self._open_slots for h in pending):
+        if any(h is handle for o in self._open_slots for h in o.pending):
             return handle.source
         self._hold(handle=handle)
         compute = None
@@ -351,7 +337,7 @@ class PagingScheduler:
     def finish(self) -> int:
         """End of a step: join the paging stream, drop sources; return unreloaded record count."""
         if self._open_slots:
-            raise RuntimeError(f"finish(): slot {self._open} was never committed")
+            raise RuntimeError(f"finish(): slot {tuple(self._open)} was never committed")
         # Join only a paging stream this step used: it then holds work ordered after the
         # compute stream's events of this step (inside a CUDA-graph capture, an unused paging
         # stream never joined the capture and must not be waited on).
@@ -361,8 +347,9 @@ class PagingScheduler:
             self._paging_used = False
         self._unwaited.clear()  # the compute stream is ordered after every reload now
         held, self._held = self._held, None
-        left = 0 if held is None else sum(1 for h in held[3] if h.tensor is None)
-        for h in held[3] if held is not None else ():
+        handles = [] if held is None else held.handles
+        left = sum(1 for h in handles if h.tensor is None)
+        for h in handles:
             h.source = None  # its backward never ran: nothing was stashed, nothing to reload
         self.sources.clear()
         self._prefetch_at_end.clear()
@@ -383,12 +370,12 @@ class PagingScheduler:
         if not known:
             return
         if branch == BACKWARD:
-            self._hold(slot=(chunk, layer, microbatch))
+            self._hold(slot=Slot(chunk, layer, microbatch))
         compute = self._reload_slot(branch, chunk, layer, microbatch, defer_wgrad, "slot")
         if not self.overlap or position is None:
             return
         if prefetch_at_end:
-            self._prefetch_at_end[(chunk, layer, microbatch)] = position
+            self._prefetch_at_end[Slot(chunk, layer, microbatch)] = position
             return
         self._prefetch_below(branch, chunk, microbatch, position, defer_wgrad, compute)
 
@@ -413,7 +400,7 @@ class PagingScheduler:
             resident = [h for h in handles if h.wgrad_only and h.tensor is None]
             handles = [h for h in handles if not h.wgrad_only]
             if resident:
-                self._queues.add(WGRAD, chunk, layer, Group(microbatch, resident, group.position))
+                self._queues.add(WGRAD, Group(group.slot, resident, group.position))
                 self._queues.expect(WGRAD, chunk, layer, microbatch, group.position)
         return self._reload(
             [h for h in handles if h.tensor is None], reason, oldest=oldest, branch=branch,

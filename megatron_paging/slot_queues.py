@@ -13,20 +13,33 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 BACKWARD = "backward"
 WGRAD = "wgrad"
 BRANCHES = (BACKWARD, WGRAD)
 
 
-@dataclass
-class Group:
-    """The records one commit stashed for one slot and microbatch."""
+class Slot(NamedTuple):
+    """A slot: one layer's (or offload group's) forward of one microbatch. A tuple, so that it
+    keys dicts and equals the plain ``(chunk, layer, microbatch)`` a caller passes."""
 
+    chunk: int
+    layer: Any  # an int for a paged-stash slot, a tuple key for an offload group
     microbatch: int
+
+
+@dataclass(eq=False)
+class Group:
+    """The records one commit of ``slot`` stashed (or a branch of them: a deferred wgrad's)."""
+
+    slot: Slot
     handles: list = field(default_factory=list)
     position: int = 0  # commit order in the step: backward meets groups in reverse
+
+    @property
+    def microbatch(self) -> int:
+        return self.slot.microbatch
 
 
 class SlotQueues:
@@ -43,10 +56,11 @@ class SlotQueues:
             branch: defaultdict(dict) for branch in BRANCHES
         }
 
-    def add(self, branch: str, chunk: int, layer, group: Group) -> None:
-        """``group`` waits for ``branch`` of slot ``(chunk, layer)``."""
+    def add(self, branch: str, group: Group) -> None:
+        """``group`` waits for ``branch`` of its slot."""
+        chunk, layer, microbatch = group.slot
         self._fifo[branch][(chunk, layer)].append(group)
-        self._pending[branch][(chunk, group.microbatch)][layer] = group.position
+        self._pending[branch][(chunk, microbatch)][layer] = group.position
 
     def expect(self, branch: str, chunk: int, layer, microbatch: int, position: int) -> None:
         """The slot's ``branch`` is pending (before its group is known: the commit order is)."""
@@ -102,4 +116,4 @@ class SlotQueues:
         return left
 
 
-__all__ = ["BACKWARD", "BRANCHES", "WGRAD", "Group", "SlotQueues"]
+__all__ = ["BACKWARD", "BRANCHES", "WGRAD", "Group", "Slot", "SlotQueues"]

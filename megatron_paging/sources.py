@@ -31,6 +31,7 @@ stream always waits on the copy, which orders every later reuse of the memory af
 from __future__ import annotations
 
 from collections import defaultdict, deque
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -44,6 +45,18 @@ def _offload_name(handles) -> Any:
     return key[-1] if isinstance(key, tuple) and key else key
 
 
+@dataclass(eq=False)
+class InFlight:
+    """One committed group whose copy may still read its sources."""
+
+    done: Any  # the copy's done event on the paging stream
+    handles: list
+    name: Any  # the offload group's module name; None for a stash group
+    number: int  # how many groups of ``name`` were tracked before this one
+    # storages freed with these sources (Megatron's forced releases under capture)
+    freed_with: list = field(default_factory=list)
+
+
 class SourceLifetimes:
     """The sources whose copies may still run, oldest first, and the rule that drops them."""
 
@@ -51,9 +64,7 @@ class SourceLifetimes:
         self.backend = backend
         self.offload_in_flight = offload_in_flight
         self.stash_in_flight = stash_in_flight  # layers' stash sources allocated at once; 0: any
-        # (copy-done event, handles, offload name or None, that name's commit number, tensors
-        # whose storage is freed with the sources: Megatron's forced releases under capture)
-        self._entries: deque[tuple[Any, list, Any, int, list]] = deque()
+        self._entries: deque[InFlight] = deque()
         self._commits: dict[Any, int] = defaultdict(int)  # offload name -> groups tracked
 
     def __len__(self) -> int:
@@ -66,7 +77,7 @@ class SourceLifetimes:
         if name is not None:
             number = self._commits[name]
             self._commits[name] = number + 1
-        self._entries.append((done, handles, name, number, []))
+        self._entries.append(InFlight(done, handles, name, number))
 
     def layer_opens(self, compute) -> None:
         """A layer's slot opens (its paged region, the experts, begins): only the newest
@@ -78,10 +89,10 @@ class SourceLifetimes:
         if not self.stash_in_flight or not self._entries:
             return
         self.poll()  # what is seen done goes without a wait
-        stash = [id(e[1]) for e in self._entries if e[2] is None]
-        due = set(stash[: max(len(stash) - self.stash_in_flight + 1, 0)])
+        stash = [e for e in self._entries if e.name is None]
+        due = {id(e) for e in stash[: max(len(stash) - self.stash_in_flight + 1, 0)]}
         if due:
-            self._release(compute, lambda done, handles, name, number: id(handles) in due)
+            self._release(compute, lambda entry: id(entry) in due)
 
     def free_with_sources(self, tensors) -> None:
         """Inside a capture: free each tensor's storage (``resize_(0)``) once no queued copy
@@ -92,20 +103,20 @@ class SourceLifetimes:
             pointer = tensor.untyped_storage().data_ptr()
             entry = next((e for e in reversed(self._entries) if any(
                 h.source is not None and h.source.untyped_storage().data_ptr() == pointer
-                for h in e[1])), None)
+                for h in e.handles)), None)
             if entry is None:
                 tensor.untyped_storage().resize_(0)
             else:
-                entry[4].append(tensor)
+                entry.freed_with.append(tensor)
 
     def poll(self) -> None:
         """Eagerly: drop the sources whose copies ended (in order; never inside a capture)."""
         if self.backend.capturing():
             return  # no event queries inside a capture; the next commit releases
-        while self._entries and self.backend.done(self._entries[0][0]):
-            _, handles, _, _, freed = self._entries.popleft()
-            _drop(handles)
-            self.free_with_sources(freed)  # or with an older copy's source that shares it
+        while self._entries and self.backend.done(self._entries[0].done):
+            entry = self._entries.popleft()
+            _drop(entry.handles)
+            self.free_with_sources(entry.freed_with)  # or with an older copy's source sharing it
 
     def release_captured(self, compute, current=None) -> None:
         """Inside a capture, after a commit tracked its sources (``current``: that commit's
@@ -114,28 +125,28 @@ class SourceLifetimes:
         (the committing one included). Eagerly nothing (``poll`` does it)."""
         if not self.backend.capturing():
             return
-        self._release(compute, lambda done, handles, name, number: (
-            done is not current if name is None
-            else self._commits[name] - number > self.offload_in_flight))
+        self._release(compute, lambda entry: (
+            entry.done is not current if entry.name is None
+            else self._commits[entry.name] - entry.number > self.offload_in_flight))
 
     def release_forward_of(self, compute, chunk: int, microbatch: int, name=None) -> None:
         """Inside a capture, when the backward of ``(chunk, microbatch)`` begins: its forward is
         over, so every source it left is waited on and dropped (not those of forwards that run
         between backward slots, as in 1F1B, whose copies may have just begun). With ``name``:
         only that forward's offload sources of that module name (its window closed)."""
-        self._release(compute, lambda done, handles, entry_name, number: (
-            handles[0].notes.get("chunk") == chunk
-            and handles[0].notes.get("microbatch") == microbatch
-            and (name is None or entry_name == name)))
+        self._release(compute, lambda entry: (
+            entry.handles[0].notes.get("chunk") == chunk
+            and entry.handles[0].notes.get("microbatch") == microbatch
+            and (name is None or entry.name == name)))
 
     def backward_begins(self, chunk: int, microbatch: int) -> None:
         """When the backward of ``(chunk, microbatch)`` begins, what its forward left goes now
         (``release_forward_of``), eagerly too: a host ahead of the GPU has not seen its last
         stashes end, and polling alone would keep their capacity-sized sources allocated
         through the backward beside the reloads of the same rows (one layer's sources at the
-        backward's peak, by the H200 frontier's numbers: benchmarks/NOTES.md). The compute
-        stream's wait costs nothing in practice: the copy had the rest of the forward and the
-        loss to finish."""
+        backward's peak; docs/scheduler.md, "Copy-input lifetimes"). The compute stream's wait
+        costs nothing in practice: the copy had the rest of the forward and the loss to
+        finish."""
         if not self._entries:
             return
         self.poll()  # what is seen done goes without a wait
@@ -149,16 +160,15 @@ class SourceLifetimes:
             self.release_forward_of(self.backend.compute_stream(), chunk, microbatch, name)
 
     def _release(self, compute, due) -> None:
-        kept: deque = deque()
+        kept: deque[InFlight] = deque()
         freed = []
         for entry in self._entries:
-            done, handles, name, number, tensors = entry
-            if not due(done, handles, name, number):
+            if not due(entry):
                 kept.append(entry)
                 continue
-            self.backend.wait(compute, done, "source-release")
-            _drop(handles)
-            freed += tensors
+            self.backend.wait(compute, entry.done, "source-release")
+            _drop(entry.handles)
+            freed += entry.freed_with
         self._entries = kept
         # A storage another copy still in flight reads (the same tensor saved by an older
         # group) goes with that copy's source instead.
@@ -167,9 +177,9 @@ class SourceLifetimes:
     def clear(self) -> None:
         """End of step (after the paging stream was joined): drop everything."""
         entries, self._entries = self._entries, deque()
-        for _, handles, _, _, tensors in entries:
-            _drop(handles)
-            self.free_with_sources(tensors)
+        for entry in entries:
+            _drop(entry.handles)
+            self.free_with_sources(entry.freed_with)
         self._commits.clear()
 
 
@@ -178,4 +188,4 @@ def _drop(handles) -> None:
         h.source = None
 
 
-__all__ = ["SourceLifetimes"]
+__all__ = ["InFlight", "SourceLifetimes"]

@@ -77,8 +77,25 @@ class PagedHandle:
     prefix_range: tuple[int, int] | None = None
 
     @classmethod
-    def whole(cls, id, tensor, chunk, layer, microbatch, wgrad_only) -> PagedHandle:
-        """A handle for a dense tensor offloaded whole (no page record)."""
+    def rows(cls, id, tensor, record: PageRecord, slot, wgrad_only, offload: bool,
+             prefix_rows: int = 0) -> PagedHandle:
+        """A handle for a capacity buffer of ``slot`` whose live rows ``record`` moves (to the
+        paged stash, or offloaded to the host); the slot is noted in the record."""
+        chunk, layer, microbatch = slot
+        wgrad_only = bool(wgrad_only)
+        record.annotations.update(
+            chunk=chunk, layer=layer, microbatch=microbatch, wgrad_only=wgrad_only
+        )
+        return cls(
+            id=id, record=record, shape=tensor.shape, dtype=tensor.dtype, device=tensor.device,
+            wgrad_only=wgrad_only, source=tensor, notes=record.annotations,
+            offload="rows" if offload else None, prefix_rows=prefix_rows,
+        )
+
+    @classmethod
+    def whole(cls, id, tensor, slot, wgrad_only) -> PagedHandle:
+        """A handle for a dense tensor of ``slot`` offloaded whole (no page record)."""
+        chunk, layer, microbatch = slot
         wgrad_only = bool(wgrad_only)
         return cls(
             id=id, record=None, shape=tensor.shape, dtype=tensor.dtype, device=tensor.device,

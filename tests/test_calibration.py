@@ -298,17 +298,18 @@ def test_backward_does_not_depend_on_padding_rows():
     assert torch.equal(weight.grad, expected)
 
 
-def test_size_pools_logs_one_line(caplog):
+def test_size_pools_sizes_every_key_and_logs_once(caplog):
     calibrator = Calibrator()
     for row_bytes, live in ((8, 5), (16, 9)):
         record = make_record(16, row_bytes, 4, [live])
         calibrator.park(torch.zeros(16, row_bytes, dtype=torch.uint8), record)
     with caplog.at_level(logging.INFO, logger="megatron_paging.calibration"):
         pools = calibrator.size_pools(config(4, 1.5, 0.5))
-    assert len(caplog.records) == 1
-    line = caplog.records[0].getMessage()
-    assert "row_bytes=8" in line and "row_bytes=16" in line
-    assert "cuda_factor=1.5" in line and "host_factor=0.5" in line
+    (record,) = caplog.records  # one record for all keys, on one line
+    assert "\n" not in record.getMessage()
+    assert sorted(pool.row_bytes for pool in pools) == [8, 16]
+    assert pools[8].num_cuda_pages == ceil_div(math.ceil(8 * 1.5), 4)  # 5 live: 2 pages
+    assert pools[8].num_host_pages == ceil_div(4, 4)
     assert pools[16].num_cuda_pages == ceil_div(math.ceil(12 * 1.5), 4)
     assert pools[16].num_host_pages == ceil_div(6, 4)
 

@@ -240,7 +240,7 @@ def _calibrated_paged_layer(api, seed: int):
 def test_reloaded_tensors_are_freed_when_their_backward_ran(installed, model_parallel, monkeypatch):  # noqa: F811
     import weakref
 
-    from megatron_paging.paging import _Saved
+    from megatron_paging.saved import Saved
 
     api = installed
     layer, config = _calibrated_paged_layer(api, seed=2)
@@ -248,7 +248,7 @@ def test_reloaded_tensors_are_freed_when_their_backward_ran(installed, model_par
     unpack = api.context.unpack
 
     def tracking_unpack(saved):
-        paged = isinstance(saved, _Saved) and saved.handle is not None  # not a weight or probs
+        paged = isinstance(saved, Saved) and saved.handle is not None  # not a weight or probs
         tensor = unpack(saved)
         if paged:
             reloaded.append(weakref.ref(tensor))

@@ -12,7 +12,13 @@ from offload_helpers import HIDDEN, PAGE, _context, _cuda_kernels_or_skip, _Offl
 
 from megatron_paging.config import PagingConfig
 from megatron_paging.engine import PagingEngine
-from megatron_paging.offload import ARENA_ALIGN, OffloadCalibrator, dma_prefix_rows, replay_rows
+from megatron_paging.offload import (
+    ARENA_ALIGN,
+    OffloadCalibrator,
+    RowEvent,
+    dma_prefix_rows,
+    replay_rows,
+)
 from megatron_paging.paging import PagingContext
 from megatron_paging.record import RecordLayout
 from megatron_paging.streams import PAGING, CpuStreamBackend
@@ -22,7 +28,7 @@ CAPACITY, ROW_BYTES = 16, HIDDEN * 4  # _step's live-row buffer: 16 rows of 8 fl
 
 def _events(*records):
     """Calibration log entries: (capacity, row_bytes, live counts, +1/-1, token)."""
-    return [(c, rb, live, sign, token) for token, (c, rb, live, sign) in enumerate(records)]
+    return [RowEvent(c, rb, live, sign, token) for token, (c, rb, live, sign) in enumerate(records)]
 
 
 def test_prefix_is_the_fraction_of_the_smallest_live_count_below_capacity():
@@ -35,8 +41,8 @@ def test_prefix_is_the_fraction_of_the_smallest_live_count_below_capacity():
 
 
 def test_replay_pages_only_past_the_prefix_and_finds_the_arena_high_water():
-    events = [(16, 32, (9,), +1, 0), (16, 32, (5,), +1, 1), (16, 32, (5,), -1, 1),
-              (16, 32, (9,), -1, 0)]
+    events = [RowEvent(16, 32, (9,), +1, 0), RowEvent(16, 32, (5,), +1, 1),
+              RowEvent(16, 32, (5,), -1, 1), RowEvent(16, 32, (9,), -1, 0)]
     peak, high = replay_rows(events, {(16, 32): 5}, page_size=PAGE)
     assert peak == {32: PAGE}  # 9 - 5 = 4 rows: one page; 5 - 5: none
     assert high == 2 * ARENA_ALIGN  # two 160-byte ranges in flight, aligned

@@ -64,7 +64,7 @@ def test_marks_of_one_slot_share_a_live_count_copy_until_it_is_written():
         context.mark(b, live)
         live.fill_(ROWS - 5)  # the dispatcher overwrites its counts in place
         context.mark(c, live)
-        marks = list(context._marks.values())
+        marks = list(context._slots[-1].marks.values())
         y = context.group_commit(Square.apply(a) + Square.apply(b) + Square.apply(c))
     assert marks[0].live_rows is marks[1].live_rows  # one copy for the unchanged tensor
     assert marks[2].live_rows is not marks[0].live_rows
@@ -282,15 +282,15 @@ def test_slot_errors():
     context, _, _ = paged()
     context.begin_step()
     x = torch.randn(4, 4)
-    with pytest.raises(RuntimeError, match="outside `with context.forward"):
+    with pytest.raises(RuntimeError, match="context.forward"):
         context.group_start(x, 0)
-    with pytest.raises(RuntimeError, match="without a group_start"):
+    with pytest.raises(RuntimeError, match="group_start"):
         context.commit_slot()
     assert context.group_commit(x) is x  # no open slot: nothing to commit
-    with context.forward(0, 0), pytest.raises(RuntimeError, match="nested"):
+    with context.forward(0, 0), pytest.raises(RuntimeError, match=r"forward\(0, 0\)"):
         with context.forward(0, 1):
             pass
-    with pytest.raises(TypeError, match="live_rows must be a tensor"):
+    with pytest.raises(TypeError, match="live_rows"):
         context.open_slot(0, 0, 0, "cpu")
         context.mark(x, 3)
     assert context.unpack(x) is x  # not something pack() made: returned as is

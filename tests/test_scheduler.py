@@ -385,12 +385,12 @@ def test_argument_errors():
     with pytest.raises(ValueError, match="kernel_backend"):
         PagingScheduler(backend, make_pools(), config=PagingConfig(kernel_backend="triton"))
     scheduler = PagingScheduler(backend, make_pools())
-    with pytest.raises(RuntimeError, match="open slot"):
+    with pytest.raises(RuntimeError, match="open_slot"):
         scheduler.save(torch.randn(8, HIDDEN), torch.tensor(1))
-    with pytest.raises(RuntimeError, match="without an open slot"):
+    with pytest.raises(RuntimeError, match=r"commit\(\)"):
         scheduler.commit()
     scheduler.open_slot(0, 0, 0)
-    with pytest.raises(RuntimeError, match="still open"):
+    with pytest.raises(RuntimeError, match=r"\(0, 0, 0\)"):  # names the open slot
         scheduler.open_slot(0, 1, 0)
     with pytest.raises(ValueError, match="contiguous"):
         scheduler.save(torch.randn(HIDDEN, 8).t(), torch.tensor(1))

@@ -1,5 +1,5 @@
 """The per-record host path stays lean: deterministic counts of stream look-ups, stream switches,
-tensor allocations and views (no timings).
+tensor allocations, views and writes (no timings, and not which ATen ops make them).
 
 Kernels are replaced by recording stubs where a test counts the scheduler's own work: the
 reference kernels are a specification and allocate freely; the CUDA kernels allocate nothing.
@@ -245,19 +245,16 @@ def test_save_commit_reload_unpack_allocation_counts(noop_kernels):
         tensor = scheduler.unpack(handle)
     scheduler.finish()
 
-    # A private save makes nothing: its page_record and spilled_to_host come with the group's
-    # one buffer at commit. A snapshot save: one buffer (live copy + page_record +
-    # spilled_to_host), split by one op, and the copy.
+    # A private save makes nothing: its record's device tensors come with the group's one
+    # buffer at commit. A snapshot save: one buffer (live copy + the record's tensors), split
+    # once, and one write (the live-count snapshot).
     assert private.allocations == private.views == private.writes == []
-    assert snapshot.allocations == ["aten.empty.memory_format"]
-    assert snapshot.views == ["aten.unsafe_split_with_sizes.default"]
-    assert snapshot.writes == ["aten.copy_.default"]  # the live-count snapshot
-    # Commit: one buffer and one split for the group's private records; unpack makes no
+    assert (len(snapshot.allocations), len(snapshot.views), len(snapshot.writes)) == (1, 1, 1)
+    # Commit: one buffer, split once, for the group's private records; unpack makes no
     # tensors; a reload allocates exactly one destination per record.
-    assert commit.allocations == ["aten.empty.memory_format"]
-    assert commit.views == ["aten.unsafe_split_with_sizes.default"]
+    assert (len(commit.allocations), len(commit.views)) == (1, 1)
     assert handle.record.page_record.numel() == handle.record.layout.page_slots
-    assert reload.allocations == ["aten.empty.memory_format"] * 2 and reload.views == []
+    assert len(reload.allocations) == 2 and reload.views == []
     assert unpack.allocations == [] and unpack.views == []
     assert tensor.shape == tensors[0].shape
     assert noop_kernels.count("stash") == LAYERS * RECORDS + 2
@@ -331,18 +328,17 @@ def test_mcore_api_steady_state_allocation_counts(noop_kernels):
     assert noop_kernels.count("stash") - stashes == LAYERS * RECORDS
     assert noop_kernels.count("reload") == 2 * LAYERS * RECORDS
     # Per group: one private int64 copy of the live count (a reshape view at most).
-    assert counters["open"].allocations == ["aten._to_copy.default"] * LAYERS
-    assert counters["open"].views == ["aten.view.default"] * LAYERS
+    assert len(counters["open"].allocations) == LAYERS
+    assert len(counters["open"].views) <= LAYERS
     assert counters["open"].writes == []
     # The pack hook only takes note; the commit makes one record buffer per group (no
     # live-count snapshot: the group's copy is private) and stashes.
     assert counters["pack"].allocations == counters["pack"].views == []
     assert counters["pack"].writes == []
-    assert counters["commit"].allocations == ["aten.empty.memory_format"] * LAYERS
+    assert len(counters["commit"].allocations) == LAYERS
     assert counters["commit"].writes == []
     # One record buffer per group, split once, and the commit's identity view per group.
-    group_views = ["aten.unsafe_split_with_sizes.default", "aten.view.default"]
-    assert counters["commit"].views == group_views * LAYERS
+    assert len(counters["commit"].views) == 2 * LAYERS
     assert counters["unpack"].allocations == [] and counters["unpack"].views == []
     assert counters["unpack"].writes == []
     assert engine.unreloaded_records == 0
@@ -368,7 +364,30 @@ class FakeExtension:
         return ""
 
 
+def _same(a, b) -> bool:
+    """Tensors are the same argument by identity, anything else by value."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return a is b
+    return type(a) is type(b) and a == b
+
+
+def _passed(call, obj) -> bool:
+    return any(_same(arg, obj) for arg in call)
+
+
+def _differing(first, second) -> list[tuple]:
+    """The arguments in which two calls of one operator differ (position-free to the reader)."""
+    return [(a, b) for a, b in zip(first, second, strict=True) if not _same(a, b)]
+
+
+def _tensors(obj) -> list[torch.Tensor]:
+    return [v for v in vars(obj).values() if isinstance(v, torch.Tensor)]
+
+
 def test_cuda_wrapper_passes_cached_handles_without_new_tensors(monkeypatch):
+    """A launch hands the extension what already exists — the pool's and layout's cached
+    handles, the user buffer and the record's own device tensors — and makes no tensor, view or
+    write on the host path. Checked by identity and value, not by argument position."""
     fake = FakeExtension()
     monkeypatch.setattr(cuda_ops, "library", lambda: fake)
     pool = make_pools()[HIDDEN * 4]
@@ -380,9 +399,12 @@ def test_cuda_wrapper_passes_cached_handles_without_new_tensors(monkeypatch):
     handle = cuda_ops.pool_handle(pool)
     pool.device = torch.device("cpu")  # the rest of the call runs its checks on CPU tensors
     assert pool.kernel_handle is handle and cuda_ops.pool_handle(pool) is handle
-    (pool_args,) = fake.pools
-    assert pool_args[0] is pool.cuda_pages and pool_args[7] is pool.flags.values
-    assert pool_args[8] is pool.kernel_done_counter and pool_args[9:] == (PAGE, HIDDEN * 4)
+    (pool_args,) = fake.pools  # made from the pool's own tensors, no copies
+    owned = [*_tensors(pool), pool.cuda_pages, pool.flags.values]
+    assert all(any(t is o for o in owned) for t in pool_args if isinstance(t, torch.Tensor))
+    for tensor in (pool.cuda_pages, pool.host_pages, pool.flags.values, pool.kernel_done_counter):
+        assert _passed(pool_args, tensor)
+    assert _passed(pool_args, PAGE) and _passed(pool_args, HIDDEN * 4)
 
     with OpCounter() as ops:
         cuda_ops.copy(False, rows, record, pool, 7, "tile")  # first use of the layout: its handle
@@ -390,12 +412,23 @@ def test_cuda_wrapper_passes_cached_handles_without_new_tensors(monkeypatch):
         cuda_ops.copy(False, rows, other, pool, 3, "tile")
     assert ops.views == [] and ops.allocations == [] and ops.writes == []
     assert len(fake.pools) == 1 and len(fake.layouts) == 1  # cached on the pool and layout
-    assert fake.layouts[0] == (ROWS, HIDDEN * 4, PAGE, [0], [ROWS], [0])
+    (layout_args,) = fake.layouts
+    for value in (ROWS, HIDDEN * 4, PAGE, [0], [ROWS]):
+        assert _passed(layout_args, value)
     assert record.layout.kernel_handle == ("layout", 1)
-    for call, (reload, rec, max_ctas) in zip(
-        fake.calls, [(False, record, 7), (True, record, 7), (False, other, 3)], strict=True
-    ):
-        assert call[0] is reload and call[1] is rows and call[2] is handle
-        assert call[3] is rec.layout.kernel_handle and call[4] is rec.live_rows
-        assert call[5] is rec.page_record and call[6] is rec.spilled_to_host
-        assert call[7:] == (cuda_ops.TILE, max_ctas)
+    stash, reload, other_stash = fake.calls
+    for call, rec in ((stash, record), (reload, record), (other_stash, other)):
+        state = _tensors(rec)  # live_rows, page_record, spilled_to_host, ...
+        assert state and all(_passed(call, t) for t in state)
+        assert _passed(call, rows) and _passed(call, handle)
+        assert _passed(call, rec.layout.kernel_handle) and _passed(call, cuda_ops.TILE)
+        # every tensor argument existed before the call: the buffer or the record's state
+        assert all(any(t is k for k in (rows, *state)) for t in call if isinstance(t, torch.Tensor))
+    # One record stashed, then reloaded: only the direction differs.
+    assert _differing(stash, reload) == [(False, True)]
+    # Another record of the same layout with another grid bound: its state and the bound differ.
+    changed = _differing(stash, other_stash)
+    assert [pair for pair in changed if not isinstance(pair[0], torch.Tensor)] == [(7, 3)]
+    assert {id(b) for a, b in changed if isinstance(b, torch.Tensor)} == {
+        id(t) for t in _tensors(other)
+    }

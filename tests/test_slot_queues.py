@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from megatron_paging.slot_queues import BACKWARD, WGRAD, Group, SlotQueues
+from megatron_paging.slot_queues import BACKWARD, WGRAD, Group, Slot, SlotQueues
 
 
 def handle(reloaded=False):
@@ -17,9 +17,9 @@ def committed(queues, chunk, layers, microbatch, first_position=0):
     """Commit ``layers`` in order for one microbatch; returns their groups."""
     groups = []
     for i, layer in enumerate(layers):
-        group = Group(microbatch, [handle()], first_position + i)
+        group = Group(Slot(chunk, layer, microbatch), [handle()], first_position + i)
         queues.expect(BACKWARD, chunk, layer, microbatch, group.position)
-        queues.add(BACKWARD, chunk, layer, group)
+        queues.add(BACKWARD, group)
         groups.append(group)
     return groups
 
@@ -52,7 +52,7 @@ def test_branches_and_chunks_are_separate():
     queues = SlotQueues()
     committed(queues, 0, [0], microbatch=0)
     committed(queues, 1, [0], microbatch=0, first_position=1)
-    queues.add(WGRAD, 0, 0, Group(0, [handle()], 0))
+    queues.add(WGRAD, Group(Slot(0, 0, 0), [handle()], 0))
     queues.expect(WGRAD, 0, 0, 0, 0)
     assert queues.newest(WGRAD, 0, 0, 3) == [0] and queues.newest(BACKWARD, 1, 0, 3) == [0]
     assert queues.take(WGRAD, 0, 0, 0)[0].position == 0
@@ -62,8 +62,8 @@ def test_branches_and_chunks_are_separate():
 
 def test_clear_counts_the_handles_never_reloaded():
     queues = SlotQueues()
-    queues.add(BACKWARD, 0, 0, Group(0, [handle(), handle(reloaded=True)], 0))
-    queues.add(WGRAD, 0, 1, Group(0, [handle(), handle()], 1))
+    queues.add(BACKWARD, Group(Slot(0, 0, 0), [handle(), handle(reloaded=True)], 0))
+    queues.add(WGRAD, Group(Slot(0, 1, 0), [handle(), handle()], 1))
     queues.expect(BACKWARD, 0, 0, 0, 0)
     assert queues.clear() == 3
     assert queues.clear() == 0 and queues.newest(BACKWARD, 0, 0, 1) == []

@@ -117,8 +117,9 @@ class MCorePagingAPI:
     def get_paged_stash_context(
         self, name=None, max_num_tokens=None, num_tokens_tensor=None, avg_num_tokens=None
     ):
-        """Saved-tensor hooks that page the group's marked capacity-sized tensors (none for a
-        recompute inside the backward: its tensors are read at once)."""
+        """The context's saved-tensor hooks with this group's pack policy (:meth:`_pack`: page
+        the marked capacity-sized tensors); none for a recompute inside the backward, whose
+        tensors are read at once."""
         if not self.context.pages_forward:
             return nullcontext()
         if isinstance(max_num_tokens, bool) or not isinstance(max_num_tokens, int):
@@ -138,7 +139,8 @@ class MCorePagingAPI:
         return self.context.hooks(self._pack)
 
     def _pack(self, tensor):
-        # Megatron-Core's contract: only tensors its grouped MLP marked are paged.
+        """The paged stash's pack policy. Megatron-Core's contract: only tensors its grouped
+        MLP marked are paged; every other tensor is kept as it is."""
         if tensor.dim() == 0 or not hasattr(tensor, "grouped_tensor_scale_inv"):
             return tensor
         group = self._group

@@ -14,11 +14,14 @@ stash):
   the step's scheduler (it nests inside an open paged-stash slot: ``expert_fc1`` and ``moe_act``
   run inside the experts' stash context); its commit stashes on the paging stream, its backward
   reloads it (FIFO, prefetch of the next groups below, late wait at unpack) like a stashed layer;
-* what a group's ops save for backward: a tensor carrying :data:`LIVE_ROWS_ATTR` (set by
+* what a group's ops save for backward goes through the runtime's one saved-tensor hook
+  (``PagingContext.hooks``) with the group's pack policy (:meth:`PagedOffloadManager.pack`): a
+  tensor carrying :data:`LIVE_ROWS_ATTR` (set by
   :class:`~megatron_paging.mcore.experts.PagedGroupedMLP` on its capacity buffers) is offloaded as
   its live rows only, through the page-tile kernels into the host tier; any other CUDA tensor of
   at least ``--min-offloaded-tensor-size`` elements goes whole (one DMA copy into the pinned
-  arena); parameters, tensors marked ``_do_not_offload`` and small tensors stay;
+  arena; a non-contiguous view comes back at its strides); parameters, tensors marked
+  ``_do_not_offload`` and small tensors stay;
 * ``forced_released_tensors`` are released (storage resized to 0) only if this group offloaded
   their storage: eagerly at once with ``record_stream`` on the paging stream, inside a CUDA-graph
   capture when the compute stream has waited on the copy (``SourceLifetimes``);
@@ -32,13 +35,15 @@ forward-backward, as for the paged stash).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 
 import torch
 
 from megatron_paging.engine import CALIBRATE
 from megatron_paging.mcore.offload_plan import GroupLog, OffloadPlan, plan_from_log
-from megatron_paging.transfers import reload_destination
+from megatron_paging.saved import packable
 
 logger = logging.getLogger(__name__)
 
@@ -59,40 +64,6 @@ def _offloadable(tensor, min_numel: int, device_type: str) -> bool:
         and not getattr(tensor, "_do_not_offload", False)
         and not getattr(tensor, "_TE_do_not_offload", False)
     )
-
-
-def _span(tensor: torch.Tensor) -> int | None:
-    """Elements from a view's first to its last element (None for zero/negative strides)."""
-    dims = list(zip(tensor.shape, tensor.stride(), strict=True))
-    if any(stride <= 0 for size, stride in dims if size > 1):
-        return None
-    return 1 + sum((size - 1) * stride for size, stride in dims)
-
-
-class _Strided:
-    """What autograd keeps for an offloaded non-contiguous view, so that backward gets the
-    same strides back (its arithmetic then reads the same layout: bitwise the same; a plain
-    ``.contiguous()`` tensor would change it).
-
-    * a dense permuted view (a transposed q/k/v): the storage run it covers was offloaded
-      (``span == numel``) and is re-viewed in place;
-    * a view with gaps (``v`` sliced out of the fused qkv projection): a contiguous copy was
-      offloaded (only its own bytes cross PCIe) and is written back into a fresh ``span``-long
-      buffer at the original strides on reload.
-    """
-
-    __slots__ = ("saved", "size", "stride", "span")
-
-    def __init__(self, saved, size, stride, span):
-        self.saved, self.size, self.stride, self.span = saved, size, stride, span
-
-    def restore(self, tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.numel() == self.span:
-            return tensor.as_strided(self.size, self.stride)
-        out = reload_destination(self.span, tensor.dtype, tensor.device)  # copy_ fills it
-        out = out.as_strided(self.size, self.stride)
-        out.copy_(tensor)
-        return out
 
 
 class _Group:
@@ -204,21 +175,19 @@ class PagedOffloadManager:
         return group
 
     def pack(self, group: _Group, tensor):
-        """The group's pack hook: what autograd keeps for ``tensor``."""
+        """The group's pack policy (:meth:`PagingContext.hooks`): what autograd keeps for
+        ``tensor``. Kept as it is: everything of a kept group, parameters, small or marked
+        tensors, overlapping views; offloaded by the context otherwise: the live rows of a
+        buffer carrying :data:`LIVE_ROWS_ATTR`, any other tensor whole (a non-contiguous view
+        comes back at its strides)."""
         if group.kept or not _offloadable(tensor, self.min_numel, self.api.device.type):
             return tensor
         live = getattr(tensor, LIVE_ROWS_ATTR, None)
         pointer = tensor.untyped_storage().data_ptr()
-        view = None
-        if not tensor.is_contiguous():
-            span = None if live is not None else _span(tensor)
-            if span is None:
-                return tensor  # overlapping or a strided capacity buffer: saved as it is
-            view = (tensor.shape, tensor.stride(), span)
-            if span == tensor.numel():  # dense: its own storage run
-                tensor = tensor.as_strided((span,), (1,), tensor.storage_offset())
-            else:
-                tensor = tensor.contiguous()
+        movable = packable(tensor, rows=live is not None)
+        if movable is None:
+            return tensor  # overlapping or a strided capacity buffer: saved as it is
+        tensor, view = movable
         nbytes = tensor.numel() * tensor.element_size()
         if (tensor.data_ptr(), nbytes) not in group.counted:
             group.counted.add((tensor.data_ptr(), nbytes))
@@ -228,23 +197,17 @@ class PagedOffloadManager:
         if self.log is not None:
             self.log.add_bytes(group.cm, group.index, nbytes)
         if live is not None:
-            saved = self.context.pack_offload(tensor, live, tensor.shape[0])
+            saved = self.context.pack_offload(tensor, live, tensor.shape[0], view)
         else:
-            saved = self.context.pack_offload(tensor)
+            saved = self.context.pack_offload(tensor, view=view)
         group.packed.append((pointer, saved))
-        return saved if view is None else _Strided(saved, *view)
+        return saved
 
     def rows_live_bytes(self) -> int:
         """Live-row bytes the last step offloaded. Reads the device counts (a host sync): for
         reports after training, never inside a step. Under graphs the counts are the last
         replay's (a replay rewrites the captured step's count tensors)."""
         return sum(int(live.sum()) * row_bytes for live, row_bytes in self._live_rows)
-
-    def unpack(self, saved):
-        """The group's unpack hook: the inverse of :meth:`pack`."""
-        if isinstance(saved, _Strided):
-            return saved.restore(self.context.unpack(saved.saved))
-        return self.context.unpack(saved)
 
     def group_commit(self, group: _Group, tensor, forced_released_tensors):
         """End of the group's forward: offload it; its backward reloads it."""
@@ -279,11 +242,10 @@ class PagedOffloadManager:
         Returns ``tensor``, through :class:`_OnBackward` calling :meth:`kept_backward` when the
         group sits right above an offloaded one: no offloaded group's backward comes before that
         one's, so without this its reload would start only when its own backward does and the
-        compute stream would wait for the whole copy (15 ms per microbatch at ``moe_compute``,
-        ``offload_runs/moe_compute_dma_prefix_99d22ca``). This group's backward begins once the
+        compute stream would wait for the whole PCIe copy. This group's backward begins once the
         kept groups above it are done with their saved tensors, so the reload takes memory they
         gave back — not the memory of their backward, where the step peaks (a prefetch from the
-        first kept group's backward cost +1152 MiB of activation, NOTES.md fourteenth session).
+        first kept group's backward would add the reload to that peak).
         """
         scheduler = self.context.scheduler
         if scheduler is not None:
@@ -344,11 +306,8 @@ def make_interface(manager: PagedOffloadManager) -> type:
         def __enter__(self):
             if self.offload:
                 self._group = manager.group_start(self.name, self.tensor)
-            if self._group is not None:
-                group = self._group
-                self._hooks = torch.autograd.graph.saved_tensors_hooks(
-                    lambda t: manager.pack(group, t), manager.unpack
-                )
+            if self._group is not None:  # the runtime's hook, with the group's pack policy
+                self._hooks = manager.context.hooks(functools.partial(manager.pack, self._group))
                 self._hooks.__enter__()
             return self.tensor
 
@@ -415,8 +374,6 @@ def make_interface(manager: PagedOffloadManager) -> type:
         # kept callable so nothing else in Megatron breaks on the name.
         @staticmethod
         def get_context(flag):
-            import contextlib
-
             return contextlib.nullcontext()
 
         @staticmethod

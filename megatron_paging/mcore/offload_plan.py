@@ -27,17 +27,26 @@ applies it (a smaller tensor stays on the device).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 # A chunk-microbatch: (virtual pipeline stage, microbatch number within the step).
 ChunkMicrobatch = tuple[int, int]
+
+
+class LoggedGroup(NamedTuple):
+    """One group's forward in the calibration step."""
+
+    index: int  # in its chunk-microbatch's forward
+    name: str  # the module name
+    nbytes: int  # offloadable bytes
 
 
 @dataclass
 class GroupLog:
     """What the calibration step saw, in issue order."""
 
-    # (stage, microbatch) -> [(group index, name, bytes offloadable)], forward order
-    groups: dict[ChunkMicrobatch, list[tuple[int, str, int]]] = field(default_factory=dict)
+    # forward order per chunk-microbatch
+    groups: dict[ChunkMicrobatch, list[LoggedGroup]] = field(default_factory=dict)
     # chunk-microbatches in the order their backward began
     backward_order: list[ChunkMicrobatch] = field(default_factory=list)
     # chunk-microbatches whose backward began right after their own last forward group
@@ -45,14 +54,14 @@ class GroupLog:
     _last_forward: ChunkMicrobatch | None = None
 
     def forward_group(self, cm: ChunkMicrobatch, index: int, name: str) -> None:
-        self.groups.setdefault(cm, []).append((index, name, 0))
+        self.groups.setdefault(cm, []).append(LoggedGroup(index, name, 0))
         self._last_forward = cm
 
     def add_bytes(self, cm: ChunkMicrobatch, index: int, nbytes: int) -> None:
         entries = self.groups[cm]
-        for i, (j, name, total) in enumerate(entries):
-            if j == index:
-                entries[i] = (j, name, total + nbytes)
+        for i, entry in enumerate(entries):
+            if entry.index == index:
+                entries[i] = entry._replace(nbytes=entry.nbytes + nbytes)
                 return
 
     def backward_group(self, cm: ChunkMicrobatch) -> None:
@@ -96,4 +105,4 @@ def plan_from_log(log: GroupLog, pp_rank: int = 0, delta_bytes: int = 0,
     return OffloadPlan(frozenset(kept))
 
 
-__all__ = ["GroupLog", "OffloadPlan", "plan_from_log"]
+__all__ = ["GroupLog", "LoggedGroup", "OffloadPlan", "plan_from_log"]
