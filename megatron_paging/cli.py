@@ -12,7 +12,7 @@ import argparse
 import runpy
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_paging.version import __version__
@@ -32,6 +32,7 @@ class Command:
     help: str  # one line, in the top-level command list
     description: str  # plain text, at the top of 'megatron-paging NAME --help'
     configure: Callable[[argparse.ArgumentParser], Handler]
+    parser_options: dict = field(default_factory=dict)  # extra add_parser() keywords
 
 
 # --- demo ------------------------------------------------------------------------------------
@@ -106,6 +107,22 @@ def _configure_bench(parser: argparse.ArgumentParser) -> Handler:
     return _cmd_bench
 
 
+# --- plan ------------------------------------------------------------------------------------
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from megatron_paging.plan.cli import main as plan_main
+
+    return plan_main(args.rest)
+
+
+def _configure_plan(parser: argparse.ArgumentParser) -> Handler:
+    parser.add_argument("rest", nargs=argparse.REMAINDER, metavar="ARGS",
+                        help="the plan's options and the launch line's Megatron flags "
+                        "('megatron-paging plan --help' lists the plan's options)")
+    return _cmd_plan
+
+
 COMMANDS: tuple[Command, ...] = (
     Command(
         "demo",
@@ -128,6 +145,15 @@ COMMANDS: tuple[Command, ...] = (
         "folder, with the remaining arguments passed on to it.",
         _configure_bench,
     ),
+    Command(
+        "plan",
+        "predict each arm's per-rank memory for a launch line; size the page pools",
+        "",  # megatron_paging.plan.cli prints its own help
+        _configure_plan,
+        # Every argument, '--help' and Megatron's flags included, goes to the plan's own
+        # parser: no prefix character argparse would treat as an option here.
+        parser_options={"prefix_chars": "\0", "add_help": False},
+    ),
 )
 
 
@@ -143,7 +169,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                                 metavar="COMMAND", help="one of:")
     for command in COMMANDS:
         sub_parser = sub.add_parser(command.name, help=command.help,
-                                    description=command.description or None)
+                                    description=command.description or None,
+                                    **command.parser_options)
         if only is None or command.name == only:
             sub_parser.set_defaults(func=command.configure(sub_parser))
     return parser

@@ -1,0 +1,341 @@
+"""A Megatron launch line -> :class:`~megatron_paging.plan.model.PlanInputs` (the plan package's
+only Megatron import).
+
+Nothing here re-derives what Megatron decides: the flags go through Megatron's own
+``parse_args(extra_args_provider=add_paging_args)`` and ``validate_args`` (world size and rank
+from ``WORLD_SIZE``/``RANK``, set in-process; the argument dump it prints is dropped; under
+``--fake-process-group`` with the static dispatcher, through the same validation lift the
+emulated-rank example uses), the paging flags through
+:func:`~megatron_paging.mcore.flags.paging_config`; which layers a stage builds, and which are MoE,
+through ``get_num_layers_to_build``, ``get_transformer_layer_offset`` (a
+``--pipeline-model-parallel-layout`` as ``PipelineParallelLayerLayout``), ``get_moe_layer_pattern``
+and ``is_pipeline_first_stage`` / ``is_pipeline_last_stage``; the ranks of a stage through
+``RankGenerator``; each stage's op order through Megatron-Core's schedule generators
+(:mod:`megatron_paging.mcore.schedules`). Every error is one line naming the flag.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import logging
+import os
+import sys
+import warnings
+from types import SimpleNamespace
+
+from megatron_paging.plan import shapes as S
+from megatron_paging.plan.arms import PagingSettings
+from megatron_paging.plan.model import PlanInputs, StageInputs
+
+IMPLEMENTATION_ENV = "MEGATRON_PAGING_BENCH_IMPLEMENTATION"  # examples/preflight.py's control
+# validate_args asks the device's architecture (TP or CP > 1, grouped GEMM); without a GPU the
+# plan answers for the one it was validated on, an H200 (sm90).
+TARGET_CAPABILITY = (9, 0)
+EXPERT_OFFLOAD = {"expert_fc1", "moe_act"}
+MODELED_RECOMPUTE = {"moe", "core_attn"}
+
+
+class PlanError(ValueError):
+    """One line: what in the launch line the plan cannot use, naming the flag."""
+
+
+@contextlib.contextmanager
+def _environment(world_size: int | None, rank: int | None, argv: list[str]):
+    """WORLD_SIZE / RANK / sys.argv as Megatron's parser reads them, restored afterwards."""
+    saved = {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK")}
+    saved_argv = sys.argv
+    if world_size is not None:
+        os.environ["WORLD_SIZE"] = str(world_size)
+    os.environ["RANK"] = str(rank if rank is not None else 0)
+    sys.argv = ["megatron-paging plan", *argv]
+    try:
+        yield
+    finally:
+        sys.argv = saved_argv
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def parse_megatron(argv: list[str], world_size: int | None = None, rank: int | None = None):
+    """Megatron's parsed and validated ``args`` for ``argv``; PlanError (one line) otherwise."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TE/apex-missing notices at import
+        from megatron.training import arguments
+
+        from megatron_paging.mcore.flags import add_paging_args, paging_config
+        from megatron_paging.mcore.peers import _fake_group_validation
+
+    err = io.StringIO()
+    with _environment(world_size, rank, argv):
+        try:
+            with contextlib.redirect_stderr(err):
+                args = arguments.parse_args(extra_args_provider=add_paging_args)
+        except SystemExit:
+            lines = [line for line in err.getvalue().splitlines() if line.strip()]
+            message = lines[-1].split("error: ", 1)[-1] if lines else "bad arguments"
+            raise PlanError(message) from None
+        validate = _fake_group_validation(arguments.validate_args)
+        try:
+            with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings(), \
+                    _target_device(arguments):
+                warnings.simplefilter("ignore")
+                validate(args)
+        except (AssertionError, ValueError, RuntimeError, TypeError) as error:
+            message = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+            raise PlanError(f"Megatron's validate_args: {message}") from None
+    try:
+        paging_config(args, environ={}, cuda_available=True,
+                      te_available=importlib.util.find_spec("transformer_engine") is not None)
+    except ValueError as error:
+        raise PlanError(str(error)) from None
+    _refuse_unmodeled(args)
+    return args
+
+
+def _refuse_unmodeled(args) -> None:
+    if getattr(args, "fp8", None) or getattr(args, "fp4", None):
+        raise PlanError("--fp8-format/--fp4-format: the plan models bf16/fp16/fp32 activations")
+    if getattr(args, "mtp_num_layers", None):
+        raise PlanError("--mtp-num-layers: the plan does not model multi-token prediction layers")
+    if args.recompute_granularity == "full":
+        raise PlanError("--recompute-granularity full: the plan models selective recompute of "
+                        "moe (the recompute arm) only")
+    other = set(args.recompute_modules or []) - MODELED_RECOMPUTE
+    if args.recompute_granularity == "selective" and other:
+        raise PlanError(f"--recompute-modules {' '.join(sorted(other))}: the plan models moe "
+                        "(and core_attn, which saves nothing a fused attention keeps)")
+    if not args.vocab_size:
+        raise PlanError("--vocab-size is needed (the plan builds no tokenizer)")
+
+
+def model_shape(args) -> S.ModelShape:
+    from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
+
+    heads = args.num_attention_heads
+    mla = None
+    if args.multi_latent_attention:
+        mla = S.MLAShape(args.q_lora_rank, args.kv_lora_rank, args.qk_head_dim,
+                         args.qk_pos_emb_head_dim, args.v_head_dim)
+    rope = args.position_embedding_type == "rope" and mla is None
+    vocab = args.padded_vocab_size or vocab_size_with_padding(args.vocab_size, args, False)
+    dtype = str(args.params_dtype)
+    return S.ModelShape(
+        hidden=args.hidden_size, heads=heads,
+        query_groups=args.num_query_groups if args.group_query_attention else heads,
+        kv_channels=args.kv_channels, ffn=args.ffn_hidden_size, vocab=vocab,
+        seq=args.seq_length, micro_batch=args.micro_batch_size, gated=bool(args.swiglu),
+        untied=bool(args.untie_embeddings_and_output_weights),
+        layernorm=args.normalization == "LayerNorm", qk_layernorm=bool(args.qk_layernorm),
+        hidden_dropout=args.hidden_dropout > 0,
+        rotary_dim=int(args.kv_channels * args.rotary_percent) if rope else 0, mla=mla,
+        num_experts=args.num_experts or 0, topk=args.moe_router_topk or 0,
+        moe_ffn=args.moe_ffn_hidden_size or args.ffn_hidden_size,
+        shared_ffn=args.moe_shared_expert_intermediate_size or 0,
+        capacity_factor=args.moe_expert_rank_capacity_factor,
+        fused_activation=bool(args.bias_swiglu_fusion),
+        param_bytes=S.FP32 if "float32" in dtype else S.BF16,
+    )
+
+
+def parallel(args) -> S.Parallel:
+    return S.Parallel(
+        world=args.world_size, tp=args.tensor_model_parallel_size,
+        pp=args.pipeline_model_parallel_size,
+        vpp=args.virtual_pipeline_model_parallel_size or 1,
+        ep=args.expert_model_parallel_size,
+        etp=args.expert_tensor_parallel_size or args.tensor_model_parallel_size,
+        cp=args.context_parallel_size, sequence_parallel=bool(args.sequence_parallel),
+        distributed_optimizer=bool(args.use_distributed_optimizer),
+        grads_fp32=bool(args.accumulate_allreduce_grads_in_fp32),
+    )
+
+
+@contextlib.contextmanager
+def _target_device(arguments):
+    """validate_args's device queries answered as :data:`TARGET_CAPABILITY` where no GPU is."""
+    import torch
+
+    if torch.cuda.is_available():
+        yield
+        return
+    saved = arguments.get_device_arch_version, torch.cuda.get_device_capability
+    arguments.get_device_arch_version = lambda: TARGET_CAPABILITY[0]
+    torch.cuda.get_device_capability = lambda *_, **__: TARGET_CAPABILITY
+    try:
+        yield
+    finally:
+        arguments.get_device_arch_version, torch.cuda.get_device_capability = saved
+
+
+@contextlib.contextmanager
+def quiet():
+    """Megatron's import-time warnings and INFO logs (the layout it parsed, the rank it could not
+    find) are not the plan's output."""
+    logger = logging.getLogger("megatron")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def _pipeline_rank(pp: int, vpp: int | None, rank: int):
+    """Megatron-Core's parallel_state answering as pipeline rank ``rank`` (no process group)."""
+    from megatron.core import parallel_state as ps
+
+    saved = (ps._MPU_PIPELINE_MODEL_PARALLEL_RANK, ps._MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE,
+             ps._VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE)
+    ps.set_pipeline_model_parallel_rank(rank)
+    ps.set_pipeline_model_parallel_world_size(pp)
+    ps.set_virtual_pipeline_model_parallel_world_size(vpp)
+    try:
+        yield ps
+    finally:
+        ps.set_pipeline_model_parallel_rank(saved[0])
+        ps.set_pipeline_model_parallel_world_size(saved[1])
+        ps.set_virtual_pipeline_model_parallel_world_size(saved[2])
+
+
+def stage_chunks(args, pp_rank: int) -> tuple[S.Chunk, ...]:
+    """What pipeline rank ``pp_rank`` builds, chunk by chunk, by Megatron-Core's functions."""
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+        get_moe_layer_pattern,
+    )
+    from megatron.core.transformer.pipeline_parallel_layer_layout import (
+        PipelineParallelLayerLayout,
+    )
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    pp, vpp = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
+    layout = args.pipeline_model_parallel_layout
+    if isinstance(layout, str):
+        layout = PipelineParallelLayerLayout.from_str(layout, pp)
+    config = SimpleNamespace(
+        num_layers=args.num_layers, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp, pipeline_model_parallel_layout=layout,
+        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
+        account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
+        moe_layer_freq=args.moe_layer_freq,
+    )
+    pattern = get_moe_layer_pattern(config) if args.num_experts else [0] * args.num_layers
+    chunks = []
+    with _pipeline_rank(pp, vpp, pp_rank) as ps:
+        for vp in range(vpp or 1):
+            vp_stage = vp if vpp else None
+            count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+            offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+            layers = tuple(S.Layer(offset + i + 1, bool(pattern[offset + i])) for i in range(count))
+            chunks.append(S.Chunk(
+                vp, layers,
+                embedding=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                loss=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)))
+    return tuple(chunks)
+
+
+def stage_ops(args, pp_rank: int, microbatches: int):
+    """Pipeline rank ``pp_rank``'s op order from Megatron-Core's schedule generators."""
+    from megatron_paging.mcore.schedules import interleaved_one_f_one_b, one_f_one_b
+
+    pp, vpp = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
+    if vpp and vpp > 1 and pp > 1:
+        group = args.microbatch_group_size_per_vp_stage or pp
+        return tuple(interleaved_one_f_one_b(
+            pp, vpp, pp_rank, microbatches, group_size=group,
+            combined_1f1b=bool(args.overlap_moe_expert_parallel_comm),
+            delay_wgrad=bool(args.delay_wgrad_compute)))
+    return tuple(one_f_one_b(pp, pp_rank, microbatches,
+                             delay_wgrad=bool(args.delay_wgrad_compute)))
+
+
+def rank_positions(args) -> tuple[dict[int, int], dict[int, int]]:
+    """Global rank -> (pipeline rank, expert-parallel rank), from Megatron's RankGenerator."""
+    from megatron.core.parallel_state import RankGenerator
+
+    order = "tp-cp-ep-pp-dp" if args.use_tp_pp_dp_mapping else "tp-cp-ep-dp-pp"
+    tp, pp, cp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                  args.context_parallel_size)
+    ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size or tp
+    dense = RankGenerator(tp=tp, ep=1, dp=args.data_parallel_size, pp=pp, cp=cp, order=order)
+    expert = RankGenerator(tp=etp, ep=ep, dp=args.world_size // (etp * ep * pp), pp=pp, cp=1,
+                           order=order)
+    pp_of = {r: i for group in dense.get_ranks("pp") for i, r in enumerate(group)}
+    ep_of = {r: i for group in expert.get_ranks("ep") for i, r in enumerate(group)}
+    return pp_of, ep_of
+
+
+def as_launched(args, environ=None) -> str:
+    """The arm the launch line itself runs."""
+    environ = os.environ if environ is None else environ
+    offload = set(args.offload_modules or []) if args.fine_grained_activation_offloading else set()
+    if args.moe_paged_stash:
+        if environ.get(IMPLEMENTATION_ENV, "ours") == "mcore":
+            return "mcore"
+        if offload and args.paging_offload_backend == "paged":
+            return "paged_offload"
+        return "paged_recompute_fc1" if args.paging_recompute_expert_fc1 else "paged"
+    if args.recompute_granularity == "selective" and "moe" in (args.recompute_modules or []):
+        return "recompute"
+    return "offload" if offload & EXPERT_OFFLOAD else "unpaged"
+
+
+def plan_inputs(args, rank: int | None = None) -> PlanInputs:
+    """Everything :func:`~megatron_paging.plan.model.build_plan` reads, for a validated line."""
+    par = parallel(args)
+    microbatches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+    pp_of, ep_of = rank_positions(args)
+    if rank is not None and rank not in pp_of:
+        raise PlanError(f"--rank {rank} is not a rank of a {args.world_size}-rank job")
+    stages = []
+    for s in range(par.pp):
+        first = rank if (rank is not None and pp_of[rank] == s) else min(
+            r for r, p in pp_of.items() if p == s)
+        stages.append(StageInputs(s, stage_chunks(args, s), stage_ops(args, s, microbatches),
+                                  global_rank=first, ep_rank=ep_of[first]))
+    graphed = getattr(args, "cuda_graph_impl", "none") == "full_iteration"
+    paging = PagingSettings(
+        page_size=args.moe_paged_stash_page_size,
+        cuda_factor=args.moe_paged_stash_buffer_size_factor_cuda,
+        host_factor=args.moe_paged_stash_buffer_size_factor_cpu,
+        hold_last_slot=bool(args.paging_hold_last_slot), persistent_pool=graphed)
+    schedule = "no pipelining" if par.pp == 1 else (
+        f"interleaved 1F1B (VPP {par.vpp})" if par.vpp > 1 else "1F1B")
+    notes = []
+    if par.cp > 1:
+        notes.append("context parallelism: tokens divided by CP; attention's ring buffers are "
+                     "not modeled")
+    if "core_attn" in (args.recompute_modules or []) and args.recompute_granularity:
+        notes.append("--recompute-modules core_attn is not modeled (fused attention)")
+    if not args.moe_expert_rank_capacity_factor and args.num_experts:
+        notes.append("no --moe-expert-rank-capacity-factor: expert buffers sized to the routed "
+                     "rows on average (no static capacity)")
+    return PlanInputs(
+        model=model_shape(args), parallel=par, microbatches=microbatches, stages=tuple(stages),
+        paging=paging, as_launched=as_launched(args), load=args.paging_emulated_load,
+        seed=args.seed, schedule=schedule, notes=tuple(notes),
+        requested_stage=None if rank is None else pp_of[rank])
+
+
+def plan_from_argv(argv: list[str], world_size: int | None = None, rank: int | None = None,
+                   **build):
+    """Parse a launch line and plan it (``build``: :func:`build_plan`'s keywords)."""
+    from megatron_paging.plan.model import build_plan
+
+    with quiet():
+        inputs = plan_inputs(parse_megatron(argv, world_size, rank), rank)
+    return build_plan(inputs, **build)
+
+
+__all__ = ["PlanError", "as_launched", "model_shape", "parallel", "parse_megatron",
+           "plan_from_argv", "plan_inputs", "rank_positions", "stage_chunks", "stage_ops"]

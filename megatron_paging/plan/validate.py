@@ -1,0 +1,143 @@
+"""Predicted against measured memory: :func:`compare` for one measured record and a plan, the
+historical H200 runs (:mod:`.measured`) replayed through the plan, and the fit of the model's
+one constant.
+
+A measured record is what the example prints per arm (examples/pretrain_gpt_moe_paged.py, or a
+benchmark summary of it): ``{arm: {"steady_peak_allocated_mib": ..., "steady_fb_peak_allocated_mib":
+..., "param_mib": ..., "grad_mib": ..., "optimizer_state_mib": ..., "pool_cuda_mib": ...}}``;
+values may be strings, missing quantities are skipped.
+
+``python -m megatron_paging.plan.validate`` prints the historical comparison and the fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass
+
+from megatron_paging.plan.arms import ARMS, CONSTANTS, MIB, ArmSpec, Constants, evaluate
+from megatron_paging.plan.measured import (
+    ARM_OF,
+    FIT_ARM,
+    FIT_SIZE,
+    RECORDS,
+    line_for,
+)
+
+QUANTITIES = (
+    ("peak", "steady_peak_allocated_mib"),
+    ("fb_peak", "steady_fb_peak_allocated_mib"),
+    ("params", "param_mib"),
+    ("grads", "grad_mib"),
+    ("optimizer", "optimizer_state_mib"),
+    ("pool_device", "pool_cuda_mib"),
+)
+# Benchmark arm names -> plan arms.
+ALIASES = {name: arm for name, (arm, _) in ARM_OF.items()}
+# Arms the benchmarks ran that are not among the plan's arms, for validation only.
+EXTRA_ARMS = (ArmSpec("unpaged_recompute_fc1", "--paging-recompute-expert-fc1",
+                      "unpaged experts that keep only x", recompute_fc1=True),)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    arm: str
+    quantity: str  # an ArmMemory field
+    predicted_mib: float
+    measured_mib: float
+
+    @property
+    def error_mib(self) -> float:
+        return self.predicted_mib - self.measured_mib
+
+    @property
+    def relative_error(self) -> float:
+        """(predicted - measured) / measured; 0 when both are 0."""
+        if self.measured_mib == 0:
+            return 0.0 if self.predicted_mib == 0 else float("inf")
+        return self.error_mib / self.measured_mib
+
+
+def compare(record: dict, plan) -> list[Comparison]:
+    """Predicted vs measured for every arm of ``record`` the plan has (``plan``: a Plan or a
+    mapping of arm name -> ArmMemory); benchmark arm names are mapped (``mcore_manager`` ->
+    ``mcore``, ...)."""
+    arms = plan.arms if hasattr(plan, "arms") else plan
+    out = []
+    for name, measured in record.items():
+        arm = arms.get(ALIASES.get(name, name))
+        if arm is None:
+            raise ValueError(f"measured arm {name!r} is not in the plan (arms: "
+                             f"{', '.join(arms)})")
+        for field, key in QUANTITIES:
+            if measured.get(key) in (None, ""):
+                continue
+            out.append(Comparison(name, field, getattr(arm, field) / MIB, float(measured[key])))
+    return out
+
+
+def _spec(name: str) -> ArmSpec:
+    for spec in (*ARMS, *EXTRA_ARMS):
+        if spec.name == name:
+            return spec
+    raise ValueError(f"no arm {name!r}")
+
+
+def historical(records=RECORDS, constants: Constants = CONSTANTS):
+    """``[(record, [Comparison, ...])]``: every record replayed through the plan (one Megatron
+    parse per distinct launch line; the one-GPU layouts have one pipeline stage)."""
+    from megatron_paging.plan.adapter import parse_megatron, plan_inputs, quiet
+
+    inputs_of: dict[tuple, object] = {}
+    out = []
+    for record in records:
+        line = tuple(line_for(record))
+        if line not in inputs_of:
+            with quiet():
+                inputs_of[line] = plan_inputs(parse_megatron(list(line), world_size=1))
+        inputs = inputs_of[line]
+        paging = inputs.paging
+        if record.persistent_pool:
+            paging = dataclasses.replace(paging, persistent_pool=True)
+        stage = inputs.stages[0]
+        memory = evaluate(inputs.model, inputs.parallel, stage.chunks, stage.ops, 0,
+                          _spec(ALIASES[record.arm]), paging, constants)
+        out.append((record, compare({record.arm: record.as_measured()},
+                                    {ALIASES[record.arm]: memory})))
+    return out
+
+
+def fit_workspace(records=RECORDS) -> float:
+    """The workspace constant: on the one-GPU example's unpaged arm (its only fit), the mean of
+    the forward-backward and the optimizer-step residuals of the model without it."""
+    fit = [r for r in records if r.size == FIT_SIZE and r.arm == FIT_ARM]
+    rows = historical(fit, Constants(workspace_mib=0.0))[0][1]
+    residual = {c.quantity: -c.error_mib for c in rows}
+    return (residual["peak"] + residual["fb_peak"]) / 2
+
+
+def format_comparisons(results) -> str:
+    lines = [f"{'size':<13}{'arm':<27}{'commit':<9}{'quantity':<12}{'predicted':>11}"
+             f"{'measured':>11}{'error':>9}{'rel':>8}"]
+    for record, rows in results:
+        for c in rows:
+            lines.append(f"{record.size:<13}{record.arm:<27}{record.commit:<9}{c.quantity:<12}"
+                         f"{c.predicted_mib:>11.1f}{c.measured_mib:>11.1f}{c.error_mib:>9.1f}"
+                         f"{100 * c.relative_error:>7.2f}%")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    results = historical()
+    print(format_comparisons(results))
+    print(f"\nworkspace constant: frozen {CONSTANTS.workspace_mib} MiB, refit "
+          f"{fit_workspace():.1f} MiB (on {FIT_SIZE}:{FIT_ARM})")
+    return 0
+
+
+__all__ = ["ALIASES", "Comparison", "EXTRA_ARMS", "QUANTITIES", "compare", "fit_workspace",
+           "format_comparisons", "historical"]
+
+if __name__ == "__main__":
+    sys.exit(main())
