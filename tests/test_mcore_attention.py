@@ -352,16 +352,16 @@ def test_forward_pins_the_selected_backend(recorded_kernels, monkeypatch):
     the deterministic flag the forward hands to the selection."""
     seen, real_select = [], select_sdpa_backend
 
-    def as_if_cuda(name, device_type, dtype, deterministic):
-        seen.append((name, device_type, dtype, deterministic))
-        return real_select(name, CUDA, dtype, deterministic)
+    def as_if_cuda(name, device_type, dtype, deterministic, same_head_dim=True):
+        seen.append((name, device_type, dtype, deterministic, same_head_dim))
+        return real_select(name, CUDA, dtype, deterministic, same_head_dim=same_head_dim)
 
     monkeypatch.setattr(sdpa_module, "select_sdpa_backend", as_if_cuda)
     module = build(SDPAttention, attention_config(groups=2))
     mixed = fused_qkv(8, 2, 4, 2, 16, dtype=BF16)
     with deterministic_algorithms():
         out, _ = run(module, mixed, 4, 16)
-    assert seen == [("auto", CPU, BF16, True)]
+    assert seen == [("auto", CPU, BF16, True, True)]
     assert recorded_kernels == [[SDPBackend.FLASH_ATTENTION]]
     assert sdpa_nodes(out) == {"ScaledDotProductFlashAttentionForCpuBackward0"}
 
