@@ -1,7 +1,7 @@
 """A plain-Python model of the paging rings: the oracle of the reference kernels' tests.
 
 It knows nothing about tensors or about ``megatron_paging.kernels.reference``: it is written
-from the stash/reload rules in DESIGN.md section 4 and Megatron-Core 0.19.2's Triton kernels.
+from the stash/reload rules of docs/kernels.md and Megatron-Core 0.19.2's Triton kernels.
 Page ids, ring counters and flags are Python ints; row payloads are ``bytes``, so the model
 also predicts, byte for byte, what a reload writes.
 

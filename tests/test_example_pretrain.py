@@ -42,7 +42,7 @@ PORT_TAKEN = re.compile(r"DistNetworkError: The server socket has failed to list
 
 
 def _free_port() -> int:
-    # torchrun's default port would collide when test shards share the machine (conftest.py).
+    # torchrun's default port would collide when pytest-xdist workers share the machine.
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
@@ -65,7 +65,7 @@ def _train(
         **(env_extra or {}),
     }
     for _attempt in range(3):
-        # The probed port is free only until torchrun binds it; another shard's process can
+        # The probed port is free only until torchrun binds it; another worker's process can
         # take it in between. That failure happens before any training: retry on a new port.
         env["PET_MASTER_PORT"] = str(_free_port())  # torchrun reads PET_<flag> as --master-port
         for stale in tmp_path.glob(f"{loss_log.name}.rank*"):

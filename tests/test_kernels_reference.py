@@ -233,7 +233,7 @@ COVERED_PATHS += ("reload_not_oldest_nor_newest", "finished_clean", "finished_ov
 def test_example_budget():
     """Runs last: >= 10,000 random sequences ran, and each interesting path was exercised."""
     if not GIVEN_TESTS <= set(EXAMPLES):
-        pytest.skip(f"only {sorted(EXAMPLES)} of the @given tests ran in this session")
+        pytest.skip(f"only {sorted(EXAMPLES)} of the @given tests ran in this run")
     total = sum(EXAMPLES.values())
     print(f"\nrandom sequences: {total} {dict(EXAMPLES)}\npaths: {dict(PATHS)}")
     assert total >= 10_000, f"only {total} random sequences ran"

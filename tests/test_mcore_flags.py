@@ -186,6 +186,8 @@ OFFLOAD = ["--fine-grained-activation-offloading", "--paging-offload-backend", "
          "--cuda-graph-impl full_iteration cannot be combined with --fake-process-group"),
         (BASE + ["--num-experts", "8", "--fake-process-group", "--delay-wgrad-compute"], {},
          "--delay-wgrad-compute needs Transformer Engine"),
+        (BASE + ["--num-experts", "8", "--delay-wgrad-compute"], {},
+         "--delay-wgrad-compute needs Transformer Engine"),
         (BASE + ["--num-experts", "8", "--fake-process-group", "--paging-emulated-load",
                  "zipf:1"], {},
          "--paging-emulated-load 'zipf:1': expected lognormal:<skew> or a path to a .json"),

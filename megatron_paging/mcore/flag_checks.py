@@ -173,6 +173,16 @@ def check_offload_modules(args, te_available: bool) -> None:
         )
 
 
+def check_delay_wgrad(args) -> None:
+    """Megatron-Core 0.19.2 defers weight gradients only inside Transformer Engine's grouped GEMM;
+    our TE-free experts compute them in the backward, so the flag would be silently ignored."""
+    if getattr(args, "delay_wgrad_compute", False):
+        raise ValueError(
+            "--delay-wgrad-compute needs Transformer Engine's grouped GEMM in Megatron-Core "
+            "0.19.2; megatron-paging's experts compute weight gradients in the backward"
+        )
+
+
 def check_fake_process_group(args) -> None:
     """``--fake-process-group``: one rank of a larger job, its peers emulated at the static
     dispatcher's exchanges and the pipeline receives (docs/scale.md); what else would read
@@ -193,11 +203,6 @@ def check_fake_process_group(args) -> None:
             f"--cuda-graph-impl {args.cuda_graph_impl} cannot be combined with "
             "--fake-process-group (the emulated peers run host code at every exchange)"
         )
-    if getattr(args, "delay_wgrad_compute", False):
-        raise ValueError(
-            "--delay-wgrad-compute needs Transformer Engine's grouped GEMM in Megatron-Core "
-            "0.19.2; the TE-free experts compute weight gradients in the backward"
-        )
     try:
         parse_load(getattr(args, "paging_emulated_load", "lognormal:0.3"))
     except ValueError as error:
@@ -207,6 +212,7 @@ def check_fake_process_group(args) -> None:
 __all__ = [
     "TE_RECOMPUTE_MODULES",
     "UNSUPPORTED_GRAPH_IMPLS",
+    "check_delay_wgrad",
     "check_fake_process_group",
     "check_megatron_combinations",
     "check_offload",

@@ -1,5 +1,5 @@
 // The page-tile path: every CTA copies its tiles with 16-byte vector loads and stores (any row
-// byte count, any alignment, either tier). DESIGN.md section 4; semantics: kernels/reference.py.
+// byte count, any alignment, either tier). The contract every path matches: kernels/reference.py.
 // Also holds launch_copy, the one entry point that picks a path.
 
 #include <cuda_runtime.h>
