@@ -219,6 +219,25 @@ def test_example_forced_overflow_skip_and_grow(tmp_path, policy, graphed):
             assert log.count(CAPTURE_LINE) == dropped + 1
 
 
+def test_example_skipped_steps_need_no_more_memory_than_a_sized_pool(tmp_path):
+    """A pool far too small with 'skip' drops every paged step; its whole-step peak must stay at
+    or below that of a run whose pool fits (the dropped step takes no optimizer step, so nothing
+    beyond the smaller pool is allocated)."""
+    iters = ("--train-iters", "6", "--no-check-for-nan-in-loss-and-grad")
+    _, sized_log = _train(tmp_path / "sized", paged=True, extra=iters)
+    _, skip_log = _train(
+        tmp_path / "skip", paged=True,
+        extra=(*iters, "--moe-paged-stash-buffer-size-factor-cuda", "0.05",
+               "--paging-overflow-policy", "skip"),
+    )
+    sized, skipped = _report(sized_log), _report(skip_log)
+    assert sized["overflow_actions"] == "ok:6"
+    assert "skip" in skipped["overflow_actions"]
+    assert float(skipped["pool_cuda_mib"]) < float(sized["pool_cuda_mib"])
+    for field in ("steady_peak_allocated_mib", "peak_allocated_mib"):
+        assert float(skipped[field]) <= float(sized[field]) + 1.0, (field, sized, skipped)
+
+
 def test_example_forced_overflow_rerun_is_bitwise_equal_to_unpaged(tmp_path):
     unpaged, _ = _train(tmp_path, paged=False)
     paged, log = _train(
