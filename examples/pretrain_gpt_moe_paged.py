@@ -20,6 +20,7 @@ and the arithmetic are identical).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from functools import partial
@@ -287,6 +288,10 @@ def report_memory(api, implementation: str) -> None:
         + _peers_report(),
         flush=True,
     )
+    # Each overflowing pool's record (where, rows needed vs held, the factor that would have
+    # fitted): one JSON object per line, for whoever parses the run's log.
+    for record in getattr(monitor, "overflow_records", ()):
+        print(f"paging-example overflow {json.dumps(record, sort_keys=True)}", flush=True)
 
 
 def _peers_report() -> str:

@@ -178,6 +178,7 @@ class Calibrator:
             cuda_rows = max(page_size, math.ceil(cuda_peak[row_bytes] * abs(config.cuda_factor)))
             host_rows = math.ceil(host_peak[row_bytes] * abs(config.host_factor))
             pool = pools.add(row_bytes, cuda_rows, host_rows)
+            pool.calibrated_rows = cuda_peak[row_bytes]
             sizes.append(
                 f"row_bytes={row_bytes}: peak {live_peak[row_bytes]} live rows "
                 f"({cuda_peak[row_bytes]} sized) -> {pool.num_cuda_pages} CUDA / "

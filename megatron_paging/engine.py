@@ -40,12 +40,17 @@ import torch
 from megatron_paging import kernels
 from megatron_paging.calibration import Calibrator
 from megatron_paging.config import ConfigError, PagingConfig
+from megatron_paging.demand import OverflowReport, needed_factor
 from megatron_paging.offload import OffloadCalibrator, OffloadPools
 from megatron_paging.pool import PagePools, PagingFlags
 from megatron_paging.scheduler import PagingScheduler
 from megatron_paging.streams import CpuStreamBackend, CudaStreamBackend
 
 logger = logging.getLogger(__name__)
+
+# The flags that size each kind of pool, named in overflow reports.
+DEVICE_FACTOR_FLAG = "--moe-paged-stash-buffer-size-factor-cuda"
+OFFLOAD_FACTOR_FLAG = "--paging-offload-host-factor"
 
 OFF, CALIBRATE, PAGED = "off", "calibrate", "paged"
 
@@ -224,6 +229,32 @@ class PagingEngine:
         self._set_pools(self.pools.grown(factor))
         if self.offload_pools is not None:  # either may have overflowed: grow both
             self._set_offload_pools(self.offload_pools.grown(factor))
+
+    def overflow_reports(self, rank: int, step: int) -> list[OverflowReport]:
+        """One report per pool whose step overflowed: where, what it needed, what to set.
+        Reads the step's live counts (synchronizes): call it after a step that overflowed."""
+        tiers = [(self.pools, DEVICE_FACTOR_FLAG, self.config.cuda_factor, True)]
+        if self.offload_pools is not None:
+            tiers.append((self.offload_pools.pools, OFFLOAD_FACTOR_FLAG,
+                          self.config.offload_host_factor, False))
+        reports = []
+        for pools, flag, factor, device_tier in tiers:
+            for pool in pools or ():
+                held = pool.num_cuda_pages + pool.num_host_pages
+                demand = pool.demand.read(held)
+                if demand.first_overflow is None:
+                    continue
+                # the device tier's factor leaves the host tier as it is
+                fixed = pool.num_host_pages if device_tier else 0
+                reports.append(OverflowReport(
+                    rank=rank, step=step, layer=demand.first_overflow.layer,
+                    microbatch=demand.first_overflow.microbatch, row_bytes=pool.row_bytes,
+                    rows_needed=demand.peak_pages * pool.page_size,
+                    rows_held=held * pool.page_size, flag=flag,
+                    factor=needed_factor(factor, demand.peak_pages, fixed, pool.calibrated_rows,
+                                         pool.page_size),
+                ))
+        return reports
 
     def release_pools(self) -> None:
         """Drop the pools; the next paging step calibrates again."""

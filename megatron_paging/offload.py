@@ -40,6 +40,7 @@ from typing import NamedTuple
 import torch
 
 from megatron_paging.calibration import Calibrator
+from megatron_paging.demand import grown_pages
 from megatron_paging.pool import PagePools, ceil_div
 
 logger = logging.getLogger(__name__)
@@ -177,8 +178,9 @@ class OffloadPools:
         """New pools whose host tiers are ``factor`` times larger (the ``grow`` policy)."""
         grown = PagePools(self.pools.page_size, self.pools.device)
         for pool in self.pools:
-            pages = max(pool.num_host_pages + 1, math.ceil(pool.num_host_pages * factor))
-            grown.add(pool.row_bytes, 0, pages * pool.page_size)
+            pages = grown_pages(pool.num_host_pages, pool.demand_peak(), 0, factor)
+            grown.add(pool.row_bytes, 0, pages * pool.page_size).calibrated_rows = (
+                pool.calibrated_rows)
         return OffloadPools(grown, self.arena, self.stats, self.prefix_rows, self.prefix_arena)
 
 
@@ -273,6 +275,7 @@ class OffloadCalibrator:
         sizes = []
         for row_bytes in sorted(peak):
             pool = pools.add(row_bytes, 0, max(page_size, math.ceil(peak[row_bytes] * host_factor)))
+            pool.calibrated_rows = peak[row_bytes]
             sizes.append(f"row_bytes={row_bytes}: {pool.num_host_pages} host pages")
         sizes += [f"{rows} DMA prefix rows of ({cap}, {rb})" for (cap, rb), rows
                   in sorted(prefix_rows.items())]

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
@@ -32,19 +32,16 @@ import torch
 import torch.distributed as dist
 
 from megatron_paging.config import PagingConfig
+from megatron_paging.demand import OverflowReport
 from megatron_paging.pool import PagingFlags
 
 logger = logging.getLogger(__name__)
 
 SPILL_ADVICE = (
-    "Consider increasing moe_paged_stash_buffer_size_factor_cuda for potentially better "
+    "Consider increasing --moe-paged-stash-buffer-size-factor-cuda for potentially better "
     "performance."
 )
-OVERFLOW_ADVICE = (
-    "Consider increasing moe_paged_stash_buffer_size_factor_cuda or "
-    "moe_paged_stash_buffer_size_factor_cpu."
-)
-OVER_BUDGET_ADVICE = "Consider increasing moe_expert_rank_capacity_factor."
+OVER_BUDGET_ADVICE = "Consider increasing --moe-expert-rank-capacity-factor."
 # How much the ``grow`` policy enlarges the device page tier after an overflowing step.
 GROWTH_FACTOR = 1.5
 
@@ -84,6 +81,7 @@ class OverflowPolicy:
 
     name: ClassVar[str]
     reads_before_optimizer: ClassVar[bool]
+    consequence: ClassVar[str]  # what happens to the step, for the overflow line
 
     @classmethod
     def from_config(cls, config: PagingConfig) -> OverflowPolicy:
@@ -99,6 +97,7 @@ class RerunPolicy(OverflowPolicy):
 
     name = "rerun"
     reads_before_optimizer = True
+    consequence = "the step runs again without paging"
 
     def on_discard(self, flags: StepFlags, step: StepControl) -> str:
         step.rerun_unpaged()
@@ -110,6 +109,7 @@ class SkipPolicy(OverflowPolicy):
 
     name = "skip"
     reads_before_optimizer = False
+    consequence = "the step's update is dropped"
 
     def on_discard(self, flags: StepFlags, step: StepControl) -> str:
         return "skip"
@@ -121,6 +121,7 @@ class GrowPolicy(OverflowPolicy):
 
     name = "grow"
     reads_before_optimizer = False
+    consequence = "the step's update is dropped; the pool grows to what it needed"
 
     def __init__(self, growth_factor: float = GROWTH_FACTOR):
         self.growth_factor = growth_factor
@@ -176,11 +177,17 @@ class OverflowMonitor:
     Args:
         policy: an :class:`OverflowPolicy`, or a config or policy name for :func:`make_policy`.
         group: process group of the all_reduce (default: the world, if initialized).
+        reports: ``(rank, step) -> [OverflowReport]`` for this rank's pools that overflowed
+            (``PagingEngine.overflow_reports``); each becomes one line and one entry of
+            :attr:`overflow_records`.
     """
 
-    def __init__(self, policy: OverflowPolicy | PagingConfig | str = "rerun", group=None):
+    def __init__(self, policy: OverflowPolicy | PagingConfig | str = "rerun", group=None,
+                 reports: Callable[[int, int], list[OverflowReport]] | None = None):
         self.policy = policy if isinstance(policy, OverflowPolicy) else make_policy(policy)
         self.group = group
+        self.reports = reports
+        self.overflow_records: list[dict] = []  # one per overflowing pool, as JSON-ready dicts
         self.steps = 0
         self.actions: Counter[str] = Counter()  # 'ok', 'rerun', 'skip', 'grow' per step
         self.spill_steps = 0
@@ -240,15 +247,25 @@ class OverflowMonitor:
                 OVER_BUDGET_ADVICE,
             )
         if flags.overflow_ranks:
-            logger.info(
-                "paging: page pool overflow on %d rank(s); policy %r. %s",
-                flags.overflow_ranks,
-                self.policy.name,
-                OVERFLOW_ADVICE,
-            )
+            self._report_overflow(flags)
         action = self.policy.on_discard(flags, step)
         self.actions[action] += 1
         return action
+
+    def _report_overflow(self, flags: StepFlags) -> None:
+        """One line per pool of this rank that overflowed (what it needed and what to set);
+        a rank whose pools fitted says only that another rank overflowed."""
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        reports = self.reports(rank, self.steps) if self.reports is not None else []
+        consequence = getattr(self.policy, "consequence", "the step is discarded")
+        for report in reports:
+            logger.warning(report.line(self.policy.name, consequence))
+            self.overflow_records.append({**report.record(), "policy": self.policy.name})
+        if not reports:
+            logger.warning(
+                "paging: page pool overflow on %d rank(s) in step %d; policy %r: %s",
+                flags.overflow_ranks, self.steps, self.policy.name, consequence,
+            )
 
 
 __all__ = [

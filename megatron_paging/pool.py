@@ -29,6 +29,7 @@ import math
 import torch
 
 from megatron_paging.config import non_negative_int, positive_int
+from megatron_paging.demand import PageDemand, grown_pages
 
 logger = logging.getLogger(__name__)
 
@@ -193,6 +194,10 @@ class PagePool:
         # What a kernel backend caches about this pool (e.g. the CUDA kernels' pointer block);
         # made outside any CUDA-graph capture, see kernels.prepare().
         self.kernel_handle = None
+        # What the step's stashes needed (megatron_paging/demand.py) and the live rows the
+        # device tier was sized from (0: not sized from a calibration), for the overflow report.
+        self.demand = PageDemand(self.page_size)
+        self.calibrated_rows = 0
         self.reset()
 
     @classmethod
@@ -273,6 +278,11 @@ class PagePool:
         self.free_list_host.copy_(self._reset_free_list_host)
         self.free_list_head.zero_()
         self.free_list_tail.copy_(self.free_list_capacity)
+        self.demand.reset()
+
+    def demand_peak(self) -> int:
+        """Pages this step's stashes needed at once (see demand.py). Synchronizes."""
+        return self.demand.read(self.num_cuda_pages + self.num_host_pages).peak_pages
 
     def free_pages(self) -> tuple[int, int]:
         """(device tier, host tier) free page counts. Reads device state: host sync."""
@@ -366,8 +376,12 @@ class PagePools:
             raise ValueError(f"factor must be a finite number > 1, got {factor!r}")
         grown = PagePools(self.page_size, self.device)
         for pool in self:
-            pages = max(pool.num_cuda_pages + 1, math.ceil(pool.num_cuda_pages * factor))
-            grown.add(pool.row_bytes, pages * pool.page_size, pool.num_host_pages * pool.page_size)
+            # a pool that overflowed gets what its step needed (demand.grown_pages)
+            pages = grown_pages(pool.num_cuda_pages, pool.demand_peak(), pool.num_host_pages,
+                                factor)
+            new = grown.add(pool.row_bytes, pages * pool.page_size,
+                            pool.num_host_pages * pool.page_size)
+            new.calibrated_rows = pool.calibrated_rows
             logger.info(
                 "paging: grew pool row_bytes=%d from %d to %d device pages",
                 pool.row_bytes, pool.num_cuda_pages, pages,

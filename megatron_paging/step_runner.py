@@ -78,6 +78,8 @@ class StepRunner:
             the host after forward-backward; 'rerun' leaves them as built, since it repairs
             the step before the optimizer sees it.
         group: process group of the flag all_reduce (default: the world, if initialized).
+        reports: this rank's overflow reports, ``(rank, step) -> [OverflowReport]``
+            (``PagingEngine.overflow_reports``), logged and kept by the monitor.
     """
 
     def __init__(
@@ -87,8 +89,9 @@ class StepRunner:
         grow: Callable[[float], None],
         optimizers: Sequence[torch.optim.Optimizer] = (),
         group=None,
+        reports=None,
     ):
-        self.monitor = OverflowMonitor(policy, group=group)
+        self.monitor = OverflowMonitor(policy, group=group, reports=reports)
         self.grow = grow
         # the last step's skip: a device flag (deferred read) or the host's decision
         self.skip: torch.Tensor | bool | None = None

@@ -233,6 +233,8 @@ class Transfers:
                                                pool, max_ctas)
                     else:
                         fn = functools.partial(copy, reload, tensor, record, pool, max_ctas)
+                if pool is not None:  # the step's page demand, beside the copy
+                    fn = functools.partial(_with_demand, fn, pool, reload, record, notes)
                 backend.launch(
                     stream, kind, fn,
                     record=h.id, chunk=notes["chunk"], layer=notes["layer"],
@@ -295,6 +297,15 @@ class Transfers:
             h.host_range = None
         else:
             arena.view(start, nbytes).copy_(flat, non_blocking=True)
+
+
+def _with_demand(copy, pool, reload: bool, record: PageRecord, notes: dict) -> None:
+    """Run a record's copy and note it in the pool's demand (host only, nothing queued)."""
+    copy()
+    if reload:
+        pool.demand.on_reload(record.live_rows)
+    else:
+        pool.demand.on_stash(record.live_rows, notes.get("layer"), notes.get("microbatch"))
 
 
 __all__ = ["PagedHandle", "Parker", "Transfers"]

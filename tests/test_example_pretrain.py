@@ -6,6 +6,7 @@ as the baseline) leaves every microbatch loss bitwise equal to the run without i
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -37,6 +38,7 @@ GRAPHS = (
 EAGER_LONG = ("--no-check-for-nan-in-loss-and-grad", "--train-iters", str(GRAPH_STEPS))
 CAPTURE_LINE = "Capture CUDA graph for training"
 REPORT = re.compile(r"paging-example rank 0: (.*)")
+OVERFLOW_RECORD = re.compile(r"paging-example overflow (\{.*\})")
 KERNELS = re.compile(r"paging-example kernels iteration=(\d+) count=(\d+)")
 PORT_TAKEN = re.compile(r"DistNetworkError: The server socket has failed to listen.*EADDRINUSE")
 
@@ -202,6 +204,12 @@ def test_example_forced_overflow_skip_and_grow(tmp_path, policy, graphed):
     )
     actions = dict(kv.split(":") for kv in _report(log)["overflow_actions"].split(","))
     assert f"policy '{policy}'" in log and int(actions[policy]) >= 1
+    # each overflowing pool's record: where, rows needed vs held, and the factor that fits
+    records = [json.loads(line) for line in OVERFLOW_RECORD.findall(log)]
+    assert records and all(r["policy"] == policy for r in records)
+    for record in records:
+        assert record["flag"] == "--moe-paged-stash-buffer-size-factor-cuda"
+        assert record["rows_needed"] > record["rows_held"] and record["factor"] > 0.3
     assert all(float.fromhex(v) == float.fromhex(v) for v in paged)  # nothing became NaN
     if policy == "skip":
         assert int(actions["skip"]) == len(paged) // MICROBATCHES - 1  # all but calibration

@@ -240,7 +240,8 @@ class PagedRun:
         self.backend = SpillCountingBackend(streams)
         self.engine = PagingEngine(config, stream_backend=self.backend)
         self.context = PagingContext(self.engine)
-        self.steps = StepRunner(config, grow=self.engine.grow, optimizers=[self.rank.optimizer])
+        self.steps = StepRunner(config, grow=self.engine.grow, optimizers=[self.rank.optimizer],
+                                reports=self.engine.overflow_reports)
 
     def _measure(self, ledger: MarkLedger) -> Held:
         calibrator = self.engine.calibrator

@@ -29,8 +29,8 @@ from megatron_paging.config import (
 )
 from megatron_paging.mcore.dispatcher import STATIC_BACKEND
 from megatron_paging.mcore.flag_checks import (
-    check_fake_process_group,
     check_delay_wgrad,
+    check_fake_process_group,
     check_megatron_combinations,
     check_offload,
     check_offload_modules,

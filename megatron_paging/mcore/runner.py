@@ -185,7 +185,8 @@ class PagedStashRunner:
         self.eval_reruns = 0  # evaluations rerun without paging / static budget
         self.graph_invalidations = 0  # captured graphs dropped by 'grow'
         self.steps = StepRunner(
-            policy, grow=self.grow_pools, optimizers=_torch_optimizers(optimizer), group=group
+            policy, grow=self.grow_pools, optimizers=_torch_optimizers(optimizer), group=group,
+            reports=getattr(getattr(paging, "engine", None), "overflow_reports", None),
         )
         if self.steps.steps_made_device_resident:
             log_single_rank(
