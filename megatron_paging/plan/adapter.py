@@ -68,6 +68,7 @@ def parse_megatron(argv: list[str], world_size: int | None = None, rank: int | N
         from megatron.training import arguments
 
         from megatron_paging.mcore.flags import add_paging_args, paging_config
+        from megatron_paging.mcore.offload_shims import lifted_validate_args
         from megatron_paging.mcore.peers import _fake_group_validation
 
     err = io.StringIO()
@@ -79,7 +80,9 @@ def parse_megatron(argv: list[str], world_size: int | None = None, rank: int | N
             lines = [line for line in err.getvalue().splitlines() if line.strip()]
             message = lines[-1].split("error: ", 1)[-1] if lines else "bad arguments"
             raise PlanError(message) from None
-        validate = _fake_group_validation(arguments.validate_args)
+        # the example's own lifts: the static dispatcher under a fake group, offloading on the
+        # local spec (megatron_paging/mcore/offload_shims.py)
+        validate = _fake_group_validation(lifted_validate_args(arguments.validate_args))
         try:
             with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings(), \
                     _target_device(arguments):

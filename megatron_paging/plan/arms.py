@@ -29,7 +29,7 @@ class Constants:
 
     workspace_mib: memory every moment of the step holds beyond tensors the model names
     (cuBLAS/cuBLASLt workspaces, RNG states, the step's small tensors). Fitted on the one-GPU
-    example's unpaged arm (benchmarks/results/mcore_graphs_h200.json, git 03c05b5): the mean of
+    example's unpaged arm (benchmarks/results/mcore_graphs_h200.json, mode unpaged): the mean of
     its forward-backward and optimizer-step residuals.
     """
 

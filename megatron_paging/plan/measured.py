@@ -1,10 +1,10 @@
 """Measured H200 memory of the one-GPU example (examples/run_pretrain_1gpu.sh) and two larger
-one-GPU sizes, as recorded in git history (``git show 03c05b5:benchmarks/results/<file>``).
+one-GPU sizes, kept here as data: the validation set of the plan's model.
 
 Each :class:`Record` is one run: the size, the arm (as the benchmark named it), the commit that
 ran it, its result file, and what examples/step_probe.py reported. ``small`` is the example's
 own model; ``expert_heavy`` and ``moe_compute`` are the frontier benchmark's sizes
-(benchmarks/frontier/arms.py at 03c05b5). Runs before ``0145ba5`` ran the experts' activation as
+(benchmarks/frontier/arms.py). Runs of code without the fused expert activation ran it as
 Megatron-Core's unfused torch expression, which the current code runs under
 ``--no-bias-swiglu-fusion``: :data:`CODE_FLAGS` adds it for them.
 """
@@ -55,10 +55,10 @@ ARM_OF = {
     "unpaged_recompute_fc1": ("unpaged_recompute_fc1", ()),
 }
 # Runs whose device pages stayed allocated across steps: the paged_persistent arm, and every
-# paged run before 60d7032 (which began freeing the device tier between eager steps).
+# paged run of code that still kept the device tier between eager steps (PERSISTENT_COMMITS).
 PERSISTENT_POOL = {"paged_persistent"}
 PERSISTENT_COMMITS = {"7b2a615"}
-# Commits before the fused weighted SwiGLU (0145ba5): the unfused expression ran.
+# Commits of code without the fused weighted SwiGLU: the unfused expression ran.
 UNFUSED_COMMITS = {"60d7032", "ca915e0", "7b2a615", "ca36af7", "08f6a80"}
 CODE_FLAGS = ("--no-bias-swiglu-fusion",)
 FIT_SIZE, FIT_ARM = "small", "unpaged"  # the one-GPU example: the constants' only fit

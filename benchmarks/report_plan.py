@@ -1,0 +1,149 @@
+"""The plan's committed predictions beside a measured scale benchmark: predicted vs measured MiB
+and the relative error, per run and per arm.
+
+Reads ``plan_predictions.py``'s JSON (made before the GPU run) and ``bench_scale.py``'s JSON
+(``runs``: one record per layout, rank, arm and capacity factor, ``report`` the example's
+numbers) and pairs them by (layout, rank, arm, capacity factor). A pair whose launch lines differ
+is kept and marked (``flags_differ``): the prediction was for another line.
+
+    python benchmarks/report_plan.py benchmarks/results/scale_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from megatron_paging.plan.validate import QUANTITIES, Comparison
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PREDICTIONS = RESULTS / "plan_predictions_frontier.json"
+# The quantities summarized per arm (all are written per run).
+SUMMARY = ("peak", "fb_peak")
+
+
+def key(record: dict) -> tuple:
+    return (record["layout"], int(record["rank"]), record["arm"],
+            float(record["capacity_factor"]))
+
+
+def pair(prediction: dict, run: dict) -> dict:
+    """One run: predicted, measured, error (MiB) and relative error per quantity."""
+    row = {"layout": run["layout"], "rank": run["rank"], "arm": run["arm"],
+           "capacity_factor": run["capacity_factor"], "status": run["status"],
+           "plan_arm": prediction["plan_arm"]}
+    if "model_note" in prediction:
+        row["model_note"] = prediction["model_note"]
+    if run.get("flags") is not None and list(run["flags"]) != list(prediction["flags"]):
+        row["flags_differ"] = True
+    predicted = prediction["predicted"]
+    if run["status"] != "ok":
+        row["predicted_peak_mib"] = predicted["peak_mib"]
+        return row
+    measured = run.get("report", {})
+    quantities = {}
+    for field, measured_key in QUANTITIES:
+        value = measured.get(measured_key)
+        if value in (None, "") or f"{field}_mib" not in predicted:
+            continue
+        c = Comparison(run["arm"], field, float(predicted[f"{field}_mib"]), float(value))
+        quantities[field] = {"predicted_mib": c.predicted_mib, "measured_mib": c.measured_mib,
+                             "error_mib": round(c.error_mib, 1),
+                             "relative_error": c.relative_error}
+    row["quantities"] = quantities
+    return row
+
+
+def per_arm(rows: list[dict]) -> dict:
+    """Per arm: the runs compared and the range and mean of |relative error| of each summary
+    quantity (runs that did not finish are counted apart)."""
+    out: dict[str, dict] = {}
+    for row in rows:
+        arm = out.setdefault(row["arm"], {"runs": 0, "not_ok": 0})
+        if row["status"] != "ok":
+            arm["not_ok"] += 1
+            continue
+        arm["runs"] += 1
+        for field in SUMMARY:
+            q = row["quantities"].get(field)
+            if q is not None:
+                arm.setdefault(field, []).append(q["relative_error"])
+    for arm in out.values():
+        for field in SUMMARY:
+            errors = arm.pop(field, [])
+            if errors:
+                arm[f"{field}_relative_error"] = {
+                    "min": min(errors), "max": max(errors),
+                    "mean_abs": sum(abs(e) for e in errors) / len(errors)}
+    return out
+
+
+def compare_files(predictions: dict, measured: dict) -> dict:
+    by_key = {key(e): e for e in predictions["entries"]}
+    rows, unpredicted = [], []
+    for run in measured.get("runs", []):
+        prediction = by_key.get(key(run))
+        if prediction is None:
+            unpredicted.append(list(key(run)))
+            continue
+        rows.append(pair(prediction, run))
+    measured_keys = {key(r) for r in measured.get("runs", [])}
+    return {
+        "benchmark": "plan_vs_measured",
+        "predictions": {"commit": predictions.get("commit"), "date": predictions.get("date"),
+                        "constants": predictions.get("constants")},
+        "measured": {"commit": measured.get("commit"), "date": measured.get("date"),
+                     "gpu": measured.get("gpu")},
+        "runs": rows,
+        "per_arm": per_arm(rows),
+        "measured_without_prediction": unpredicted,
+        "predicted_not_measured": [list(k) for k in by_key if k not in measured_keys],
+    }
+
+
+def format_rows(result: dict) -> str:
+    lines = [f"{'layout':<12}{'rank':>6} {'arm':<20}{'cf':>4}{'pred peak':>11}{'meas peak':>11}"
+             f"{'rel':>8}{'pred fb':>11}{'meas fb':>11}{'rel':>8}"]
+    for r in result["runs"]:
+        head = f"{r['layout']:<12}{r['rank']:>6} {r['arm']:<20}{r['capacity_factor']:>4g}"
+        if r["status"] != "ok":
+            lines.append(f"{head}{r['predicted_peak_mib']:>11.1f}  ({r['status']})")
+            continue
+        cells = ""
+        for field in SUMMARY:
+            q = r["quantities"].get(field)
+            cells += (f"{q['predicted_mib']:>11.1f}{q['measured_mib']:>11.1f}"
+                      f"{100 * q['relative_error']:>7.2f}%" if q else f"{'-':>11}{'-':>11}{'-':>8}")
+        mark = (" *" if "model_note" in r else "") + (" (flags differ)" if r.get("flags_differ")
+                                                       else "")
+        lines.append(head + cells + mark)
+    lines.append("")
+    for arm, s in result["per_arm"].items():
+        peak = s.get("peak_relative_error")
+        text = (f"peak rel. error {100 * peak['min']:+.2f}..{100 * peak['max']:+.2f} % "
+                f"(mean |e| {100 * peak['mean_abs']:.2f} %)" if peak else "no finished run")
+        lines.append(f"{arm:<20}{s['runs']} run(s), {s['not_ok']} not finished: {text}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("measured", type=Path, help="bench_scale.py's result JSON")
+    parser.add_argument("--predictions", type=Path, default=PREDICTIONS)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default: results/plan_vs_<measured file name>")
+    args = parser.parse_args(argv)
+    result = compare_files(json.loads(args.predictions.read_text()),
+                           json.loads(args.measured.read_text()))
+    print(format_rows(result))
+    out = args.out or RESULTS / f"plan_vs_{args.measured.name}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
