@@ -3,14 +3,14 @@
 For each frontier layout (``scale_layouts.py``: its largest-memory rank, paged, capacity factor
 2) and the one-GPU example, ``megatron-paging plan`` recommends
 ``--moe-paged-stash-buffer-size-factor-cuda`` for a design overflow rate (default 1e-3 per step;
-``plan/pools.py``: a 4,000-step Monte-Carlo with the line's seed, at the schedule moment with the
-most records in flight). Here 20,000 further steps are drawn with ANOTHER seed from the same
-router-load model (``tools/peer_load.py``'s ``LognormalLoad``, vectorised as in ``plan/pools.py``):
-per step, every MoE layer of the rank times every microbatch gets its own live rows; the pool
-holds each record's rows page-rounded from its forward to its backward, in the order of the
-rank's pipeline schedule (Megatron-Core's generators); a step overflows when, at any moment of
-it, the records alive need more rows than the device tier has. Target: observed rate <= 2x the
-design rate.
+``plan/pools.py``: a 4,000-step Monte-Carlo with the line's seed). Here 20,000 further steps are
+drawn with ANOTHER seed from the same router-load model (``tools/peer_load.py``'s
+``LognormalLoad``) by the plan's own ``plan/pools.simulate``: per step, every MoE layer of the
+rank times every microbatch gets its own live rows; the pool holds each record's rows
+page-rounded from its forward to its backward, in the order of the rank's pipeline schedule
+(Megatron-Core's generators); a step overflows when, at any moment of it, the records alive need
+more rows than the device tier has. Target: observed rate <= 2x the design rate. (The tests
+check ``simulate``'s per-step need against a brute-force walk of the schedule.)
 
 ``--trace T.json`` (a peer-load trace recorded on a GPU, ``tools/peer_load.py``'s format) also
 checks the trace target on every config the trace fits: the plan sized from the trace, replayed
@@ -29,63 +29,24 @@ import math
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scale_layouts import LAYOUTS  # noqa: E402
 
+if TYPE_CHECKING:
+    from megatron_paging.plan.schedule import RecordSchedule
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
 DESIGN_RATE = 1e-3
 STEPS = 20_000
 SEED = 20_261_204  # the validation draws' seed; the plan's is the line's --seed (1234)
-CHUNK = 512  # steps drawn at once
 TRACE_MARGIN = 1.10  # the trace target: at most 10 % more pool than the peak live rows need
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """One rank's records (``(chunk, microbatch, layer)``, one per MoE layer and microbatch) and
-    which are alive at each schedule moment (forward end, backward start): ``alive[k, r]``."""
-
-    records: tuple[tuple[int, int, int], ...]
-    alive: np.ndarray  # bool [moments, records]
-
-    @property
-    def peak_records(self) -> int:
-        return int(self.alive.sum(axis=1).max()) if self.alive.size else 0
-
-
-def schedule_records(chunks, ops) -> Schedule:
-    """The rank's records and their lifetimes, from its op order: a chunk-microbatch's records
-    enter the pool with its forward and leave at its backward (as :mod:`.schedule` counts)."""
-    moe = [[layer.number for layer in chunk.layers if layer.moe] for chunk in chunks]
-    records, index = [], {}
-    for op in ops:
-        if op.kind == "F" and (op.chunk, op.microbatch) not in index:
-            index[(op.chunk, op.microbatch)] = [len(records) + i for i in range(len(moe[op.chunk]))]
-            records += [(op.chunk, op.microbatch, n) for n in moe[op.chunk]]
-    alive, rows = np.zeros(len(records), dtype=bool), []
-    for op in ops:
-        if op.kind == "F":
-            alive[index[(op.chunk, op.microbatch)]] = True
-            rows.append(alive.copy())
-        elif op.kind == "B":
-            rows.append(alive.copy())
-            alive[index[(op.chunk, op.microbatch)]] = False
-    matrix = np.unique(np.array(rows, dtype=bool), axis=0) if rows else np.zeros((0, 0), bool)
-    return Schedule(tuple(records), matrix)
-
-
-def step_needs(paged_rows: np.ndarray, alive: np.ndarray) -> np.ndarray:
-    """Per step, the most rows the records alive at any moment need: ``paged_rows`` is
-    ``[steps, records]`` (page-rounded), ``alive`` ``[moments, records]``."""
-    # float64 sums of integers below 2**53 are exact; BLAS does the product
-    return (paged_rows.astype(np.float64) @ alive.T.astype(np.float64)).max(axis=1).astype(
-        np.int64)
 
 
 def pool_rows(peak_records: int, hint: int, factor: float, page: int) -> int:
@@ -95,28 +56,24 @@ def pool_rows(peak_records: int, hint: int, factor: float, page: int) -> int:
     return our_pool_bytes([PoolKey(1, peak_records)], hint, factor, page)
 
 
-def lognormal_needs(load, route, block: int, page: int, schedule: Schedule, steps: int,
+def lognormal_needs(load, route, block: int, page: int, schedule: RecordSchedule, steps: int,
                     seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """(per step the rows needed at its fullest moment, per step the rows of the fullest moment
-    alone) under the load model, ``steps`` drawn with ``seed``."""
-    from megatron_paging.plan.pools import LoadModel, _lognormal_live, page_rows
+    """(per step the rows needed at its fullest moment, per step the rows of the moment with
+    the most records alone) under the load model, ``steps`` drawn with ``seed``: the plan's own
+    Monte-Carlo (``plan/pools.simulate``), run once over every moment and once (the same
+    draws) over the peak moment."""
+    from megatron_paging.plan.pools import LoadModel, simulate
 
-    model = LoadModel(route, block, page, tuple(layer for _, _, layer in schedule.records))
-    peak = schedule.alive[int(np.argmax(schedule.alive.sum(axis=1)))]
-    rng = np.random.default_rng(seed)
-    needs, at_peak = np.empty(steps, np.int64), np.empty(steps, np.int64)
-    for start in range(0, steps, CHUNK):
-        n = min(CHUNK, steps - start)
-        paged = page_rows(_lognormal_live(load, model, n, rng), page)
-        needs[start:start + n] = step_needs(paged, schedule.alive)
-        at_peak[start:start + n] = paged[:, peak].sum(axis=1)
+    model = LoadModel(route, block, page, schedule.layers, schedule.alive)
+    needs = simulate(load, model, steps, seed)
+    at_peak = simulate(load, replace(model, alive=schedule.peak_moment[None]), steps, seed)
     return needs, at_peak
 
 
-def trace_needs(trace: dict, block: int, page: int, schedule: Schedule) -> np.ndarray:
+def trace_needs(trace: dict, block: int, page: int, schedule: RecordSchedule) -> np.ndarray:
     """The trace replayed in order (``TraceLoad.rows``'s indexing: step s, microbatch m reads
     entry ``(s x microbatches_per_step + m) mod len``), one value per recorded step."""
-    from megatron_paging.plan.pools import page_rows
+    from megatron_paging.plan.pools import page_rows, step_needs
 
     per_step = trace["microbatches_per_step"]
     totals = {}
@@ -159,6 +116,7 @@ def check(config: dict, design_rate: float, steps: int, seed: int, trace_path: s
     from megatron_paging.plan.arms import hint_rows, pool_keys
     from megatron_paging.plan.model import build_plan
     from megatron_paging.plan.pools import our_pool_bytes, page_rows
+    from megatron_paging.plan.schedule import record_schedule
     from megatron_paging.tools.peer_load import LognormalLoad, RouteShape, TraceLoad, parse_load
 
     with quiet():
@@ -172,7 +130,7 @@ def check(config: dict, design_rate: float, steps: int, seed: int, trace_path: s
         raise ValueError(f"{config['name']}: --paging-hold-last-slot is not simulated here")
     model, par, page = inputs.model, inputs.parallel, inputs.paging.page_size
     d = S.dims(model, par)
-    schedule = schedule_records(stage.chunks, stage.ops)
+    schedule = record_schedule(stage.chunks, stage.ops)
     hint = page_rows(hint_rows(model, d), page)
     advice = next(r for r in plan.pools.rows if r.rate == design_rate)
     factor = advice.cuda_factor  # the flag value the plan prints (3 decimals)
@@ -256,6 +214,8 @@ def main(argv=None) -> int:
     parser.add_argument("--trace", default=None, help="a GPU-recorded peer-load trace (.json)")
     parser.add_argument("--out", type=Path, default=RESULTS / "plan_pool_sizing_cpu.json")
     args = parser.parse_args(argv)
+    from megatron_paging.plan.pools import STEP_CHUNK
+
     started = time.perf_counter()
     chosen = [c for c in configs() if args.configs is None or c["name"] in args.configs]
     results = []
@@ -279,7 +239,7 @@ def main(argv=None) -> int:
         "commit": git_commit(),
         "what": __doc__.split("\n\n")[1].replace("\n", " "),
         "params": {"design_rate": args.design_rate, "steps": args.steps,
-                   "validation_seed": args.seed, "chunk": CHUNK, "trace": args.trace},
+                   "validation_seed": args.seed, "chunk": STEP_CHUNK, "trace": args.trace},
         "configs": results,
         "seconds": round(time.perf_counter() - started, 1),
     }

@@ -46,6 +46,21 @@ def deepseek_args():
         return adapter.parse_megatron(DEEPSEEK_V3, world_size=2048)
 
 
+def test_offloading_lines_map_to_their_arms():
+    from types import SimpleNamespace
+
+    def line(modules, stash=True, backend="paged"):
+        return SimpleNamespace(
+            moe_paged_stash=stash, fine_grained_activation_offloading=bool(modules),
+            offload_modules=modules, paging_offload_backend=backend,
+            paging_recompute_expert_fc1=False, recompute_granularity=None,
+            recompute_modules=None)
+
+    assert adapter.as_launched(line(["expert_fc1", "moe_act"]), {}) == "paged_offload_experts"
+    assert adapter.as_launched(line(["attn_norm", "mlp_norm"]), {}) == "paged_offload"
+    assert adapter.as_launched(line(["expert_fc1", "moe_act"], False, "mcore"), {}) == "offload"
+
+
 def test_example_line(example_args):
     inputs = adapter.plan_inputs(example_args)
     (stage,) = inputs.stages

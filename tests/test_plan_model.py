@@ -113,6 +113,24 @@ def test_recompute_and_offload_arms():
     assert (offload.experts, offload.host_offload, offload.pool_device) == (480, 480, 0)
 
 
+def test_paged_offload_experts_arm_by_hand():
+    # three microbatches in flight (records of the one MoE layer), pages of 4 rows
+    ops = one_f_one_b_ops(3, 0, 3)
+    paging = PagingSettings(page_size=4, offload_host_factor=1.25)
+    offload = evaluate(TINY, ONE, CHUNK, ops, 0, arm("offload"), paging, NO_CONSTANT)
+    live = evaluate(TINY, ONE, CHUNK, ops, 0, arm("paged_offload_experts"), paging, NO_CONSTANT)
+    # no record reaches the stash: no device pool; one layer's capacity x and fc1 resident
+    assert (live.pool_device, live.experts) == (0, 2 * 12 * (8 + 12))
+    # on the host: per record its 8 expected live rows (2 pages) of x (8) and fc1 (12 columns)
+    assert live.in_flight == 3 and live.host_offload == 3 * 2 * 8 * (8 + 12)
+    assert offload.host_offload == 3 * 2 * 12 * (8 + 12)  # Megatron-Core's: whole capacity
+    # host-only pools per row size: 3 records x 8 rows x 1.25 = 30 -> 32 rows (8 pages)
+    assert live.pool_host == 32 * 2 * 8 + 32 * 2 * 12
+    # the device side is the expert offload's
+    assert (live.fb_peak, live.step_peak, live.peak) == (offload.fb_peak, offload.step_peak,
+                                                         offload.peak)
+
+
 def test_pool_bytes_by_hand():
     keys = [PoolKey(16, 3)]
     # ours: 3 records x 12 page-rounded rows = 36, x 1.1 -> 40 rows (10 pages)

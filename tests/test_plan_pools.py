@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from megatron_paging.plan.pools import (
+    EXACT_DRAWS,
     LoadModel,
     factor_for_rate,
     overflow_rate,
@@ -66,3 +67,48 @@ def test_trace_replayed(tmp_path):
     assert set(samples.tolist()) == {4, 1 + 3}
     with pytest.raises(ValueError, match="no layer 2"):
         simulate(TraceLoad(str(path)), LoadModel(route, 3, 1, (2,)), 10, seed=0)
+
+
+def _brute_force_needs(chunks, ops, live, records, page):
+    """Walk the ops one by one: a chunk-microbatch's records enter with its forward and leave
+    after its backward starts; per step the most page-rounded rows held at once."""
+    where = {rec: j for j, rec in enumerate(records)}
+    out = []
+    for step in live:
+        held, most = 0, 0
+        for op in ops:
+            moe = [layer.number for layer in chunks[op.chunk].layers if layer.moe]
+            rows = sum(-(-int(step[where[(op.chunk, op.microbatch, n)]]) // page) * page
+                       for n in moe)
+            if op.kind == "F":
+                held += rows
+                most = max(most, held)
+            elif op.kind == "B":
+                most = max(most, held)
+                held -= rows
+        out.append(most)
+    return out
+
+
+@pytest.mark.parametrize("ep", [4, 1024])  # exact binomial draws; their normal limit
+def test_step_need_is_the_most_any_schedule_moment_holds(ep):
+    from megatron_paging.plan import shapes as S
+    from megatron_paging.plan.pools import _lognormal_live, page_rows
+    from megatron_paging.plan.schedule import one_f_one_b_ops, record_schedule
+
+    chunks = (S.Chunk(0, (S.Layer(1, False), S.Layer(2, True), S.Layer(3, True))),)
+    ops = one_f_one_b_ops(3, 0, 6)  # 3 microbatches in flight at the peak, 6 per step
+    schedule = record_schedule(chunks, ops)
+    assert len(schedule.records) == 12 and schedule.peak_records == 6
+    route = RouteShape(tokens=256, topk=2, num_experts=4 * ep, ep=ep, rank=1)
+    block = 96 if ep == 4 else 2  # 128 and 0.5 routes per peer on average
+    model = LoadModel(route, block, 16, schedule.layers, schedule.alive)
+    load, steps, seed = LognormalLoad(0.5), 300, 11
+    assert (steps * len(schedule.records) * ep > EXACT_DRAWS) == (ep > 4)
+    needs = simulate(load, model, steps, seed)
+    # the same draws (one chunk of steps), walked op by op
+    live = _lognormal_live(load, model, steps, np.random.default_rng(seed))
+    assert needs.tolist() == _brute_force_needs(chunks, ops, live, schedule.records, 16)
+    # the moment with the most records alone falls short on some steps
+    peak_only = page_rows(live, 16)[:, schedule.peak_moment].sum(axis=1)
+    assert (peak_only <= needs).all() and (peak_only < needs).any()

@@ -19,7 +19,8 @@ import report_plan  # noqa: E402
 from scale_layouts import LAYOUTS, Layout  # noqa: E402
 
 from megatron_paging.plan import shapes as S  # noqa: E402
-from megatron_paging.plan.schedule import one_f_one_b_ops  # noqa: E402
+from megatron_paging.plan.pools import step_needs  # noqa: E402
+from megatron_paging.plan.schedule import one_f_one_b_ops, record_schedule  # noqa: E402
 from megatron_paging.tools.peer_load import TRACE_FORMAT, TraceLoad  # noqa: E402
 
 # 4 ranks: PP 2 x DP 2, EP 2; 4 layers (the first dense), 4 experts top-2
@@ -168,10 +169,10 @@ def test_overflow_count_equals_brute_force(which):
         chunks, ops = _chunks()[:1], one_f_one_b_ops(3, 0, 5)
     else:
         chunks, ops = _chunks(), _interleaved_ops()
-    schedule = sizing.schedule_records(chunks, ops)
+    schedule = record_schedule(chunks, ops)
     rng = np.random.default_rng(0)
     paged = rng.integers(0, 40, size=(300, len(schedule.records))) * 8
-    needs = sizing.step_needs(paged, schedule.alive)
+    needs = step_needs(paged, schedule.alive)
     brute = _brute_needs(chunks, ops, paged, schedule.records)
     assert needs.tolist() == brute
     pool = int(np.quantile(brute, 0.95))
@@ -186,7 +187,7 @@ def test_lognormal_draws_are_seeded_and_bounded():
     from megatron_paging.tools.peer_load import LognormalLoad, RouteShape
 
     chunks, ops = _chunks()[:1], one_f_one_b_ops(2, 0, 3)
-    schedule = sizing.schedule_records(chunks, ops)
+    schedule = record_schedule(chunks, ops)
     route = RouteShape(tokens=64, topk=2, num_experts=8, ep=4, rank=1)
     args = (LognormalLoad(0.5), route, 48, 8, schedule, 700)
     needs, at_peak = sizing.lognormal_needs(*args, seed=3)
@@ -199,7 +200,7 @@ def test_lognormal_draws_are_seeded_and_bounded():
 
 def test_trace_replay_matches_the_trace_loads_own_indexing(tmp_path):
     chunks, ops = _chunks()[:1], one_f_one_b_ops(2, 0, 3)
-    schedule = sizing.schedule_records(chunks, ops)
+    schedule = record_schedule(chunks, ops)
     rng = np.random.default_rng(1)
     # 7 recorded microbatches (2 steps of 3 and one left over), 2 peers, 2 local experts
     layers = {str(n): rng.integers(0, 30, size=(7, 2, 2)).tolist() for n in (2, 3)}

@@ -286,7 +286,7 @@ def as_launched(args, environ=None) -> str:
         if environ.get(IMPLEMENTATION_ENV, "ours") == "mcore":
             return "mcore"
         if offload and args.paging_offload_backend == "paged":
-            return "paged_offload"
+            return "paged_offload_experts" if offload & EXPERT_OFFLOAD else "paged_offload"
         return "paged_recompute_fc1" if args.paging_recompute_expert_fc1 else "paged"
     if args.recompute_granularity == "selective" and "moe" in (args.recompute_modules or []):
         return "recompute"
@@ -311,7 +311,8 @@ def plan_inputs(args, rank: int | None = None) -> PlanInputs:
         page_size=args.moe_paged_stash_page_size,
         cuda_factor=args.moe_paged_stash_buffer_size_factor_cuda,
         host_factor=args.moe_paged_stash_buffer_size_factor_cpu,
-        hold_last_slot=bool(args.paging_hold_last_slot), persistent_pool=graphed)
+        hold_last_slot=bool(args.paging_hold_last_slot), persistent_pool=graphed,
+        offload_host_factor=args.paging_offload_host_factor)
     schedule = "no pipelining" if par.pp == 1 else (
         f"interleaved 1F1B (VPP {par.vpp})" if par.vpp > 1 else "1F1B")
     notes = []
@@ -320,12 +321,17 @@ def plan_inputs(args, rank: int | None = None) -> PlanInputs:
                      "not modeled")
     if "core_attn" in (args.recompute_modules or []) and args.recompute_granularity:
         notes.append("--recompute-modules core_attn is not modeled (fused attention)")
+    launched = as_launched(args)
+    offloaded = set(args.offload_modules or [])
+    if launched == "paged_offload_experts" and offloaded != EXPERT_OFFLOAD:
+        notes.append(f"--offload-modules {' '.join(sorted(offloaded))}: modelled as "
+                     "expert_fc1 moe_act alone (paged_offload_experts)")
     if not args.moe_expert_rank_capacity_factor and args.num_experts:
         notes.append("no --moe-expert-rank-capacity-factor: expert buffers sized to the routed "
                      "rows on average (no static capacity)")
     return PlanInputs(
         model=model_shape(args), parallel=par, microbatches=microbatches, stages=tuple(stages),
-        paging=paging, as_launched=as_launched(args), load=args.paging_emulated_load,
+        paging=paging, as_launched=launched, load=args.paging_emulated_load,
         seed=args.seed, schedule=schedule, notes=tuple(notes),
         requested_stage=None if rank is None else pp_of[rank])
 

@@ -49,9 +49,13 @@ class ArmSpec:
     offload_experts: bool = False
     offload_dense: bool = False
     recompute_fc1: bool = False
+    # the experts' x and fc1 leave as their live rows (our paged offloading backend) into a
+    # host-only pool, not whole capacity buffers (Megatron-Core's backend)
+    offload_live_rows: bool = False
 
 
 DENSE_OFFLOAD = "attn_norm qkv_linear core_attn attn_proj mlp_norm"
+EXPERT_OFFLOAD = "expert_fc1 moe_act"
 ARMS: tuple[ArmSpec, ...] = (
     ArmSpec("unpaged", "(no paging)", "capacity-sized expert activations kept for backward"),
     ArmSpec("paged", "--moe-paged-stash", "expert rows paged into megatron-paging's pools",
@@ -61,13 +65,18 @@ ARMS: tuple[ArmSpec, ...] = (
             manager="mcore"),
     ArmSpec("recompute", "--recompute-granularity selective --recompute-modules moe",
             "the MoE layer keeps only its input and runs again in backward", recompute_moe=True),
-    ArmSpec("offload", "--fine-grained-activation-offloading --offload-modules expert_fc1 "
-            "moe_act", "Megatron-Core's offloading moves the experts' x and fc1 to the host",
-            offload_experts=True),
+    ArmSpec("offload", f"--fine-grained-activation-offloading --offload-modules "
+            f"{EXPERT_OFFLOAD}", "Megatron-Core's offloading moves the experts' x and fc1 to the "
+            "host", offload_experts=True),
     ArmSpec("paged_offload", f"--moe-paged-stash --fine-grained-activation-offloading "
             f"--offload-modules {DENSE_OFFLOAD} --paging-offload-backend paged",
             "paged experts, dense modules' saved tensors offloaded to the host",
             manager="ours", offload_dense=True),
+    ArmSpec("paged_offload_experts", f"--moe-paged-stash --fine-grained-activation-offloading "
+            f"--offload-modules {EXPERT_OFFLOAD} --paging-offload-backend paged",
+            "paged stash on; the experts' x and fc1 go to the host as their live rows (the "
+            "offload hooks are innermost: the stash pools stay empty)",
+            manager="ours", offload_experts=True, offload_live_rows=True),
     ArmSpec("paged_recompute_fc1", "--moe-paged-stash --paging-recompute-expert-fc1",
             "paged experts that keep only x and recompute fc1 in backward",
             manager="ours", recompute_fc1=True),
@@ -84,6 +93,7 @@ class PagingSettings:
     host_factor: float = 0.0
     hold_last_slot: bool = False
     persistent_pool: bool = False  # --cuda-graph-impl full_iteration (or residency persistent)
+    offload_host_factor: float = 1.25  # --paging-offload-host-factor (live-row offload tiers)
 
 
 @dataclass(frozen=True)
@@ -144,7 +154,10 @@ def _dense_offloaded(model: S.ModelShape, d: S.Dims) -> tuple[int, int]:
     return S.attention_saved(model, d) - cos_sin, 3 * S.BF16 * d.stream_tokens * model.hidden
 
 
-def layer_terms(model: S.ModelShape, d: S.Dims, layer: S.Layer, arm: ArmSpec) -> _Terms:
+def layer_terms(model: S.ModelShape, d: S.Dims, layer: S.Layer, arm: ArmSpec,
+                page: int = 1) -> _Terms:
+    """One layer's saved bytes under ``arm``; ``page``: the pools' page (live-row offloads
+    occupy whole host pages)."""
     attn, res = S.attention_saved(model, d), S.residual_saved(model, d)
     host = 0
     if arm.offload_dense:
@@ -167,7 +180,9 @@ def layer_terms(model: S.ModelShape, d: S.Dims, layer: S.Layer, arm: ArmSpec) ->
         return _Terms(S.Parts(attention=attn, residual=res), live, host,
                       max(work_attn, recomputed + work_moe))
     pooled = arm.manager is not None or arm.offload_experts
-    if arm.offload_experts:
+    if arm.offload_live_rows:  # each record's expected live rows, in whole pages
+        host += S.expert_bytes(model, d, -(-d.expected_live // page) * page, rc)
+    elif arm.offload_experts:
         host += capacity
     parts = S.Parts(attention=attn, residual=res, dense_mlp=shared, router=router,
                     dispatch=dispatch, experts=0 if pooled else capacity)
@@ -182,7 +197,7 @@ class _ChunkTerms:
 
 
 def chunk_terms(model: S.ModelShape, d: S.Dims, chunk: S.Chunk, arm: ArmSpec,
-                pipelined: bool = False) -> _ChunkTerms:
+                pipelined: bool = False, page: int = 1) -> _ChunkTerms:
     """A chunk-microbatch's saved activations and its backward's candidate moments. Pipelined,
     a chunk keeps the input it received (its first norm's input) and Megatron's
     ``deallocate_output_tensor`` frees the data of the output it sent."""
@@ -192,7 +207,7 @@ def chunk_terms(model: S.ModelShape, d: S.Dims, chunk: S.Chunk, arm: ArmSpec,
         embedding_loss=S.embedding_saved(model, d) if chunk.embedding else 0, residual=received))
     prefixes, running = [], base
     for layer in chunk.layers:
-        terms = layer_terms(model, d, layer, arm)
+        terms = layer_terms(model, d, layer, arm, page)
         running = _Terms(running.parts + terms.parts, running.live + terms.live,
                          running.host + terms.host, terms.work)
         prefixes.append(running)
@@ -239,6 +254,12 @@ def pools(model, d, arm: ArmSpec, records: int, paging: PagingSettings) -> tuple
     if arm.manager is None or records == 0:
         return 0, 0
     page, hint = paging.page_size, hint_rows(model, d)
+    if arm.offload_live_rows:
+        # No record reaches the stash (its pools are empty); the offload backend's host-only
+        # pools hold offload_host_factor x the page-rounded live rows in flight, the expected
+        # live rows standing in for the calibration step's.
+        keys = pool_keys(model, d, records, arm.recompute_fc1)
+        return 0, our_pool_bytes(keys, d.expected_live, paging.offload_host_factor, page)
     if arm.manager == "mcore":  # every record counted, the last one before backward included
         keys = pool_keys(model, d, records, arm.recompute_fc1)
         return (mcore_pool_bytes(keys, hint, paging.cuda_factor, page),
@@ -269,7 +290,8 @@ def evaluate(model: S.ModelShape, par: S.Parallel, chunks, ops, pipeline_rank: i
     optimizer = int((master + 2 * S.FP32) * sum(shards))
     static = params + grads + optimizer
 
-    terms = [chunk_terms(model, d, chunk, arm, par.pp > 1) for chunk in chunks]
+    terms = [chunk_terms(model, d, chunk, arm, par.pp > 1, paging.page_size)
+             for chunk in chunks]
     moe_layers = sum(c.moe_layers for c in chunks)
     resident = _Terms(S.Parts())
     if moe_layers and (arm.manager or arm.offload_experts):  # one layer's capacity buffers
@@ -345,6 +367,6 @@ def arm(name: str) -> ArmSpec:
     raise ValueError(f"unknown arm {name!r}; arms: {', '.join(ARM_NAMES)}")
 
 
-__all__ = ["ARMS", "ARM_NAMES", "ArmMemory", "ArmSpec", "CONSTANTS", "Constants",
+__all__ = ["ARMS", "ARM_NAMES", "ArmMemory", "ArmSpec", "CONSTANTS", "Constants", "EXPERT_OFFLOAD",
            "PagingSettings", "arm", "evaluate", "hint_rows", "peak_records", "pool_keys",
            "pools"]

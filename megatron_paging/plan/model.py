@@ -34,7 +34,7 @@ from megatron_paging.plan.pools import (
     page_rows,
     simulate,
 )
-from megatron_paging.plan.schedule import max_in_flight, moments
+from megatron_paging.plan.schedule import max_in_flight, record_schedule
 from megatron_paging.schedule import Op
 from megatron_paging.tools.peer_load import RouteShape, parse_load
 
@@ -101,34 +101,26 @@ def _stage_peak(inputs: PlanInputs, stage: StageInputs, constants: Constants) ->
                     spec, inputs.paging, constants).peak
 
 
-def pool_peak_layers(chunks, ops) -> tuple[int, ...]:
-    """The layer number of every record in flight where the most are (the pools' peak)."""
-    best, best_n = (), -1
-    for m in moments(ops, len(chunks)):
-        layers = tuple(layer.number for c, n in enumerate(m.alive) for _ in range(n)
-                       for layer in chunks[c].layers if layer.moe)
-        if len(layers) > best_n:
-            best, best_n = layers, len(layers)
-    return best
-
-
 def advise_pools(inputs: PlanInputs, stage: StageInputs, rates, steps: int, load_spec: str,
                  seed: int) -> PoolAdvice | None:
     """Buffer factors for each target rate from a Monte-Carlo of the in-flight live rows."""
     model, par, paging = inputs.model, inputs.parallel, inputs.paging
-    layers = pool_peak_layers(stage.chunks, stage.ops)
-    if not layers or not model.num_experts:
+    schedule = record_schedule(stage.chunks, stage.ops)
+    at_peak = schedule.peak_records
+    if not at_peak or not model.num_experts:
         return None
     d = S.dims(model, par)
     page = paging.page_size
     route = RouteShape(tokens=d.stream_tokens, topk=model.topk, num_experts=model.num_experts,
                        ep=par.ep, rank=stage.ep_rank)
     load = parse_load(load_spec, seed)
-    samples = simulate(load, LoadModel(route, d.block, page, layers), steps, seed)
-    records = len(layers) - (1 if paging.hold_last_slot else 0)
-    scale = records / len(layers)  # a held slot is never paged: a layer fewer in the pool
-    hint = len(layers) * page_rows(hint_rows(model, d), page)
-    capacity = len(layers) * page_rows(d.capacity, page)
+    # every record of the step drawn; per step the fullest schedule moment's page-rounded rows
+    samples = simulate(load, LoadModel(route, d.block, page, schedule.layers, schedule.alive),
+                       steps, seed)
+    records = at_peak - (1 if paging.hold_last_slot else 0)
+    scale = records / at_peak  # a held slot is never paged: a layer fewer in the pool
+    hint = at_peak * page_rows(hint_rows(model, d), page)
+    capacity = at_peak * page_rows(d.capacity, page)
     typical = float(np.median(samples))
     keys = pool_keys(model, d, records, inputs.as_launched == "paged_recompute_fc1")
 
@@ -152,14 +144,15 @@ def advise_pools(inputs: PlanInputs, stage: StageInputs, rates, steps: int, load
                                 round(cpu if line > 0 else -cpu, 3), cpu_bytes, method))
     ratios = samples / hint
     return PoolAdvice(
-        load=load.name(), steps=steps, seed=seed, records_at_peak=len(layers),
+        load=load.name(), steps=steps, seed=seed, records_at_peak=at_peak,
         hint_rows=int(hint), capacity_rows=int(capacity), mean_ratio=float(ratios.mean()),
         max_ratio=float(ratios.max()), line_factor=line,
         line_rate=overflow_rate(samples, hint, line), rows=tuple(out),
-        method=(f"{steps} simulated steps (seed {seed}) of {load.name()}; live rows of the "
-                f"{len(layers)} records in flight at the pools' peak, page-rounded; rate = share "
-                f"of steps above the pool, read from the sample where it holds >= 10 "
-                f"overflows, else from a log-normal fit of the step peaks"),
+        method=(f"{steps} simulated steps (seed {seed}) of {load.name()}; live rows of each of "
+                f"the step's {len(schedule.records)} records, page-rounded, summed over those "
+                f"in flight at each of {schedule.alive.shape[0]} schedule moments, the most "
+                f"per step; rate = share of steps above the pool, read from the sample where "
+                f"it holds >= 10 overflows, else from a log-normal fit of the step needs"),
     )
 
 
@@ -194,5 +187,4 @@ def build_plan(inputs: PlanInputs, rates=DEFAULT_RATES, steps: int = 4000,
     )
 
 
-__all__ = ["DEFAULT_RATES", "Plan", "PlanInputs", "StageInputs", "advise_pools", "build_plan",
-           "pool_peak_layers"]
+__all__ = ["DEFAULT_RATES", "Plan", "PlanInputs", "StageInputs", "advise_pools", "build_plan"]

@@ -7,9 +7,11 @@ measured live rows (negative). Megatron-Core's own manager keys its pools by (dt
 and scales the unrounded token peak (``paged_stash.py``: ``int(max_tokens x scale)`` rows).
 
 The overflow rate is estimated by Monte-Carlo over steps with the router-load model of
-:mod:`megatron_paging.tools.peer_load`: per step, the live rows of every record in flight at the
-schedule's peak (one record per MoE layer and chunk-microbatch alive there), summed page-rounded;
-a step overflows when that sum exceeds the device tier. Vectorized in numpy, seeded.
+:mod:`megatron_paging.tools.peer_load`: per step, every record of the rank (one per MoE layer and
+chunk-microbatch) draws its live rows once; at each schedule moment (forward end, backward
+start) the records in flight there hold their rows page-rounded; the step needs the most any
+moment holds (:func:`step_needs`: a 0/1 moment x record incidence product), and overflows when
+that exceeds the device tier. Vectorized in numpy, seeded.
 """
 
 from __future__ import annotations
@@ -68,18 +70,37 @@ def mcore_pool_bytes(keys, base_rows_per_record: int, factor: float, page: int) 
     return total
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class LoadModel:
-    """What the Monte-Carlo needs about the routing of this rank's MoE layers."""
+    """What the Monte-Carlo needs about the routing of this rank's MoE layers.
+
+    ``alive``: bool ``[moments, records]``, which records are in flight at each schedule moment
+    (:func:`megatron_paging.plan.schedule.record_schedule`); None: all at one moment."""
 
     route: RouteShape  # tokens per peer, top-k, experts, EP size, this EP rank
     block: int  # rows one peer may send this rank (the static budget's per-pair block)
     page: int
-    record_layers: tuple[int, ...]  # global layer number of every record in flight at the peak
+    record_layers: tuple[int, ...]  # global layer number of every record of the step
+    alive: np.ndarray | None = None
+
+
+def step_needs(paged_rows: np.ndarray, alive: np.ndarray | None) -> np.ndarray:
+    """Per step, the most rows the records in flight at any one moment hold: ``paged_rows`` is
+    ``[steps, records]`` (page-rounded), ``alive`` ``[moments, records]`` (None: one moment
+    with every record)."""
+    if alive is None:
+        return paged_rows.sum(axis=1)
+    if alive.shape[0] == 0:
+        return np.zeros(paged_rows.shape[0], dtype=np.int64)
+    # float64 sums of integers below 2**53 are exact; BLAS does the product
+    sums = paged_rows.astype(np.float64) @ alive.T.astype(np.float64)
+    return sums.max(axis=1).astype(np.int64)
 
 
 def simulate(load, model: LoadModel, steps: int, seed: int) -> np.ndarray:
-    """Page-rounded live rows in flight at the peak, one value per simulated step."""
+    """Per simulated step, the page-rounded live rows the pool must hold at the step's fullest
+    schedule moment (records drawn in chunks of :data:`STEP_CHUNK` steps: the draws depend on
+    the seed, the step count and the records, not on ``alive``)."""
     out = np.empty(steps, dtype=np.int64)
     rng = np.random.default_rng(seed)
     for start in range(0, steps, STEP_CHUNK):
@@ -88,7 +109,7 @@ def simulate(load, model: LoadModel, steps: int, seed: int) -> np.ndarray:
             live = _trace_live(load, model, n, rng)
         else:
             live = _lognormal_live(load, model, n, rng)
-        out[start:start + n] = page_rows(live, model.page).sum(axis=1)
+        out[start:start + n] = step_needs(page_rows(live, model.page), model.alive)
     return out
 
 
@@ -110,11 +131,17 @@ def _lognormal_live(load: LognormalLoad, model: LoadModel, n: int, rng) -> np.nd
     routes = r.tokens * r.topk
     if n * records * r.ep <= EXACT_DRAWS:
         counts = rng.binomial(routes, p[..., None], size=(n, records, r.ep))
-    else:  # many peers x records: the binomial's normal limit (tokens x topk routes each)
-        mean = routes * p[..., None]
-        sd = np.sqrt(mean * (1 - p[..., None]))
-        noise = rng.standard_normal((n, records, r.ep), dtype=np.float32)
-        counts = np.clip(np.rint(mean + sd * noise), 0, routes)
+    else:  # many peers x records: the binomial's normal limit (tokens x topk routes each),
+        # in float32 and in place (the largest array of the model)
+        p32 = p.astype(np.float32)[..., None]
+        mean = routes * p32
+        sd = np.sqrt(mean * (1 - p32))
+        counts = rng.standard_normal((n, records, r.ep), dtype=np.float32)
+        counts *= sd
+        counts += mean
+        np.rint(counts, out=counts)
+        np.clip(counts, 0, min(routes, model.block), out=counts)
+        return counts.sum(axis=-1, dtype=np.float64).astype(np.int64)
     return np.minimum(counts, model.block).sum(axis=-1).astype(np.int64)
 
 
@@ -211,5 +238,5 @@ def overflow_rate(samples: np.ndarray, base: float, factor: float) -> float:
 
 __all__ = [
     "FactorAdvice", "LoadModel", "MIN_EXCEEDANCES", "PoolAdvice", "PoolKey", "factor_for_rate",
-    "mcore_pool_bytes", "our_pool_bytes", "overflow_rate", "page_rows", "simulate",
+    "mcore_pool_bytes", "our_pool_bytes", "overflow_rate", "page_rows", "simulate", "step_needs",
 ]

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from megatron_paging.schedule import Op
 
 
@@ -68,4 +70,50 @@ def max_in_flight(ops: Sequence[Op], chunks: int) -> int:
     return max((m.in_flight for m in moments(ops, chunks)), default=0)
 
 
-__all__ = ["Moment", "max_in_flight", "moments", "one_f_one_b_ops"]
+@dataclass(frozen=True)
+class RecordSchedule:
+    """One rank's pool records (``(chunk, microbatch, layer number)``: one per MoE layer of a
+    chunk-microbatch) and which are in flight at each distinct schedule moment (forward end,
+    backward start): ``alive[k, r]``, a 0/1 moment x record incidence."""
+
+    records: tuple[tuple[int, int, int], ...]
+    alive: np.ndarray  # bool [moments, records]
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return tuple(layer for _, _, layer in self.records)
+
+    @property
+    def peak_records(self) -> int:
+        return int(self.alive.sum(axis=1).max()) if self.alive.size else 0
+
+    @property
+    def peak_moment(self) -> np.ndarray:
+        """The incidence row of the moment with the most records in flight (the first such)."""
+        return self.alive[int(np.argmax(self.alive.sum(axis=1)))]
+
+
+def record_schedule(chunks, ops: Sequence[Op]) -> RecordSchedule:
+    """The rank's records and their lifetimes from its op order: a chunk-microbatch's records
+    enter the pool with its forward and leave at its backward (as :func:`moments` counts)."""
+    moe = [[layer.number for layer in chunk.layers if layer.moe] for chunk in chunks]
+    records, index = [], {}
+    for op in ops:
+        if op.kind == "F" and (op.chunk, op.microbatch) not in index:
+            index[(op.chunk, op.microbatch)] = [len(records) + i for i in range(len(moe[op.chunk]))]
+            records += [(op.chunk, op.microbatch, n) for n in moe[op.chunk]]
+    alive, rows = np.zeros(len(records), dtype=bool), []
+    for op in ops:
+        if op.kind == "F":
+            alive[index[(op.chunk, op.microbatch)]] = True
+            rows.append(alive.copy())
+        elif op.kind == "B":
+            rows.append(alive.copy())
+            alive[index[(op.chunk, op.microbatch)]] = False
+    if not records or not rows:
+        return RecordSchedule(tuple(records), np.zeros((0, len(records)), dtype=bool))
+    return RecordSchedule(tuple(records), np.unique(np.array(rows, dtype=bool), axis=0))
+
+
+__all__ = ["Moment", "RecordSchedule", "max_in_flight", "moments", "one_f_one_b_ops",
+           "record_schedule"]
