@@ -285,13 +285,17 @@ def report_memory(api, implementation: str) -> None:
         f"graphs_dropped={dropped} "
         f"overflow_actions={','.join(f'{k}:{v}' for k, v in sorted(actions.items())) or '-'}"
         + "".join(f" {k}={v:.1f}" for k, v in offload.items())
-        + _peers_report(),
+        + _peers_report()
+        + f" overflow={_overflow_records(monitor)}",
         flush=True,
     )
-    # Each overflowing pool's record (where, rows needed vs held, the factor that would have
-    # fitted): one JSON object per line, for whoever parses the run's log.
-    for record in getattr(monitor, "overflow_records", ()):
-        print(f"paging-example overflow {json.dumps(record, sort_keys=True)}", flush=True)
+
+
+def _overflow_records(monitor) -> str:
+    """Every overflow report of this rank (where, rows needed vs held, the flag and the factor
+    that would have fitted, the policy) as one JSON list without spaces: a key=value field."""
+    records = getattr(monitor, "overflow_records", [])
+    return json.dumps(records, sort_keys=True, separators=(",", ":"))
 
 
 def _peers_report() -> str:

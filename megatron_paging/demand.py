@@ -1,149 +1,308 @@
-"""What a step's stashes needed from a pool, whether or not they got it, and the overflow report
+"""What a step's stashes needed from their pools, counted on the device, and the overflow report
 built from it.
 
-After a pool's first overflow, later stashes copy nothing, so the pool's own rings cannot say
-how far short it fell. :class:`PageDemand` keeps, on the host, the step's stashes and reloads in
-the order they were queued, each with its record's live-count tensor (the device tensor the
-copy kernel reads; a few bytes, kept alive until the next step). Nothing runs on the device and
-nothing is read while the step runs. Only after a step that overflowed, at the step's existing
-flag read, are those counts read (one copy to the host) and replayed in order: every stash adds
-the pages its live rows need, every reload takes them back; the peak is what the pool would
-have needed, and the first stash past the pool's pages is where it overflowed.
+After a pool's first overflow every later stash copies nothing (``pool.py``), so its rings cannot
+say how far short it fell. Beside every stash and reload (``transfers.py``, on the same stream,
+after the copy) a few in-place device ops keep:
 
-Under a CUDA graph the log is the captured step's: a replay queues the same copies in the same
-order, and the tensors it holds are the graph's own buffers, which each replay rewrites with its
-live counts (keeping them referenced keeps the graph from reusing their memory).
+* per pool, the pages its records need in flight, ``ceil(live / page_size)`` per segment from
+  each record's own live counts, whether or not the pool had room (a reload gives back what its
+  stash added), and their peak;
+* per pool group (the pools sharing one :class:`~megatron_paging.pool.PagingFlags`), how many
+  stashes ran with the sticky overflow flag set. The host logs every stash's source (chunk,
+  layer, microbatch, pool) as it queues it, so the first overflowing stash is the log's entry
+  that many from its end.
+
+Nothing is read, allocated or branched on during the step, so the ops sit in a captured CUDA
+graph as they are. A replay runs no host code: the reset writes its host log's id to the device
+(``StashLog.reset``) and the logs of captured steps are kept, so a replay's counts find the log
+of the capture that made them. The host reads the counts once, packed behind the step's flags
+(``overflow.py``), and builds an :class:`OverflowReport`.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
-# 'grow' sizes a pool that overflowed to the pages its step needed plus this headroom (the
-# calibrated default, --moe-paged-stash-buffer-size-factor-cuda 1.10, leaves the same 10% for
-# routing that differs from step to step).
+# pool.py imports this module, so its classes and PageRecord are named here, not imported:
+# pool.PagePool, pool.PagePools, pool.PagingFlags and record.PageRecord.
+PagePool = PagePools = PagingFlags = PageRecord = Any
+
+# 'grow' sizes an overflowing tier to what its step needed plus this headroom: the headroom a
+# calibration gives the measured peak by default (--moe-paged-stash-buffer-size-factor-cuda 1.10).
 GROW_HEADROOM = 1.10
 
 
-class Queued(NamedTuple):
-    """One copy of the step, in the order it was queued."""
+class StashSource(NamedTuple):
+    """Where one stash came from (the scheduler's annotations) and the pool it went to."""
 
-    stash: bool
-    live_rows: torch.Tensor  # the record's live count per segment (device)
-    layer: int | None
+    chunk: int | None
+    layer: int | tuple | None  # an offload group's slot key is a tuple
     microbatch: int | None
+    row_bytes: int
 
 
-class Demand(NamedTuple):
-    peak_pages: int
-    first_overflow: Queued | None  # the first stash that found the pool full
+class StashLog:
+    """The stashes of one pool group in one step: their sources on the host (in queue order, the
+    order they run on the paging stream) and, on the device, how many ran after the overflow."""
+
+    def __init__(self, flags: PagingFlags):
+        self.flags = flags
+        # [stashes that ran with the overflow flag set, id of the host log they belong to]
+        self.state = torch.zeros(2, dtype=torch.int64, device=flags.device)
+        self.stashes_after_overflow = self.state[0:1]
+        self.log_id = self.state[1:2]
+        self.sources: list[StashSource] = []
+        self._logs: dict[int, list[StashSource]] = {}
+        self._kept: set[int] = set()  # logs of captured steps
+        self._last_id = 0
+        self.reset()
+
+    def reset(self, keep: bool = False) -> None:
+        """Start a step's log (``keep``: the step is being captured into a CUDA graph, whose
+        replays count against this log). Two in-place device ops, no allocation."""
+        self._last_id += 1
+        self.sources = []
+        self._logs = {i: log for i, log in self._logs.items() if i in self._kept}
+        self._logs[self._last_id] = self.sources
+        if keep:
+            self._kept.add(self._last_id)
+        self.stashes_after_overflow.zero_()
+        self.log_id.fill_(self._last_id)
+
+    def note_stash(self, source: StashSource) -> None:
+        self.sources.append(source)
+        # The flag is sticky: it reads 1 after the overflowing stash and after every later one.
+        self.stashes_after_overflow.add_(self.flags.overflow)
+
+    def log(self, log_id: int) -> list[StashSource] | None:
+        """The stashes of the step whose reset wrote ``log_id`` (None: dropped or unknown)."""
+        return self._logs.get(log_id)
+
+    def first_overflow(self, stashes_after_overflow: int, log_id: int) -> StashSource | None:
+        """The first stash that found the pools full (host values read from :attr:`state`)."""
+        log = self.log(log_id)
+        if stashes_after_overflow <= 0 or log is None or stashes_after_overflow > len(log):
+            return None
+        return log[len(log) - stashes_after_overflow]
 
 
-class PageDemand:
-    """The step's queued copies of one pool, replayed on demand (see the module docstring)."""
+def note_stash(pool: PagePool, record: PageRecord, notes: dict) -> None:
+    """Count a stash (queued after its copy, on the copy's stream): the pages ``record`` needs
+    go in flight, the pool's peak follows, the group's log takes its source. Four in-place
+    device ops (five for several segments), no sync."""
+    pool.pages_in_flight.sub_(_negated_pages(record))
+    torch.maximum(pool.peak_pages, pool.pages_in_flight, out=pool.peak_pages)
+    pool.stash_log.note_stash(StashSource(notes.get("chunk"), notes.get("layer"),
+                                          notes.get("microbatch"), pool.row_bytes))
 
-    def __init__(self, page_size: int):
-        self.page_size = page_size
-        self.queued: list[Queued] = []
 
-    def reset(self) -> None:
-        """Start a step (host only; a graph replay runs no host code and keeps the capture's)."""
-        self.queued = []
+def note_reload(pool: PagePool, record: PageRecord) -> None:
+    """Count a reload: what the record's stash needed leaves flight. One op, no sync."""
+    pool.pages_in_flight.add_(record.needed_pages_negated)
 
-    def on_stash(self, live_rows: torch.Tensor, layer=None, microbatch=None) -> None:
-        self.queued.append(Queued(True, live_rows, layer, microbatch))
 
-    def on_reload(self, live_rows: torch.Tensor) -> None:
-        self.queued.append(Queued(False, live_rows, None, None))
+def _negated_pages(record: PageRecord) -> torch.Tensor:
+    """``-sum(ceil(live / page_size))`` into the record's own ``needed_pages_negated`` (out=
+    ops on its buffers: nothing allocated). Negated because ``floor(live / -page_size)`` is
+    ``-ceil(live / page_size)`` in one op: every op here is a launch on each stash."""
+    negated = record.needed_pages_negated
+    per_segment = negated if record.segment_pages is None else record.segment_pages
+    torch.floor_divide(record.live_rows, -record.page_size, out=per_segment)
+    if record.segment_pages is not None:
+        torch.sum(per_segment, dim=0, keepdim=True, out=negated)
+    return negated
 
-    def read(self, held_pages: int) -> Demand:
-        """Replay the step's copies against a pool of ``held_pages`` (both tiers). Reads the
-        live counts: one synchronizing copy; call it after the step."""
-        if not self.queued:
-            return Demand(0, None)
-        sizes = [q.live_rows.numel() for q in self.queued]
-        counts = torch.cat([q.live_rows.reshape(-1).to(torch.int64) for q in self.queued])
-        counts = counts.tolist()
-        in_use = peak = 0
-        first = None
-        offset = 0
-        for queued, size in zip(self.queued, sizes, strict=True):
-            pages = sum(-(-n // self.page_size) for n in counts[offset:offset + size])
-            offset += size
-            in_use += pages if queued.stash else -pages
-            peak = max(peak, in_use)
-            if queued.stash and first is None and in_use > held_pages:
-                first = queued
-        return Demand(peak, first)
+
+# -- the report ------------------------------------------------------------------------------
+
+
+class DemandGroup(NamedTuple):
+    """One pool group as the report names it: the flag that sizes its ``tier`` and its value."""
+
+    pools: PagePools
+    flag: str
+    factor: float
+    tier: str  # 'device' (stash pools) or 'host' (host-only offload pools)
+
+
+def pack(groups: list[DemandGroup]) -> torch.Tensor:
+    """The groups' device counts in one int64 tensor (see :func:`read`). No sync."""
+    parts = []
+    for group in groups:
+        parts.append(group.pools.stash_log.state)
+        parts += [pool.peak_pages for pool in group.pools]
+    return torch.cat(parts)
+
+
+@dataclass(frozen=True)
+class PoolDemand:
+    """One pool's step, in pages: its peak need and what each tier holds."""
+
+    pool: PagePool
+    needed_pages: int
+    sized_pages: int  # the tier the group's flag sizes
+    other_pages: int  # the other tier (held as it is by the flag)
+
+    @property
+    def held_pages(self) -> int:
+        return self.sized_pages + self.other_pages
+
+    @property
+    def sized_needed(self) -> int:
+        """Pages the sized tier needs beside the other one."""
+        return max(self.needed_pages - self.other_pages, 0)
+
+
+class GroupDemand(NamedTuple):
+    group: DemandGroup
+    first_overflow: StashSource | None  # None: this group did not overflow here
+    pools: tuple[PoolDemand, ...]
+
+
+def read(values: tuple[int, ...], groups: list[DemandGroup]) -> list[GroupDemand]:
+    """The host values of :func:`pack` for ``groups``, per group (empty if they do not match)."""
+    if len(values) != sum(2 + len(g.pools) for g in groups):
+        return []
+    result, at = [], 0
+    for group in groups:
+        after, log_id = values[at : at + 2]
+        at += 2
+        pools = []
+        for pool in group.pools:
+            sized, other = pool.num_cuda_pages, pool.num_host_pages
+            if group.tier == "host":
+                sized, other = other, sized
+            pools.append(PoolDemand(pool, values[at], sized, other))
+            at += 1
+        first = group.pools.stash_log.first_overflow(after, log_id)
+        result.append(GroupDemand(group, first, tuple(pools)))
+    return result
+
+
+def needed_factor(calibrated_rows: int, needed_pages: int, page_size: int,
+                  sign: float = 1.0) -> float | None:
+    """The smallest factor, in hundredths, whose tier holds ``needed_pages``, the tier sized as
+    calibration sizes it: ``max(page_size, ceil(calibrated_rows x |factor|))`` rows in whole
+    pages; its sign is ``sign``'s. None when the pool was not sized by a calibration."""
+    if calibrated_rows <= 0:
+        return None
+    # ceil(x) > T for an integer T exactly when x > T: the tier must pass (needed - 1) pages.
+    must_pass = max(needed_pages - 1, 0) * page_size
+    hundredths = must_pass * 100 // calibrated_rows + 1
+    while _tier_pages(calibrated_rows, hundredths / 100, page_size) < needed_pages:
+        hundredths += 1  # the float product calibration takes fell just short
+    return math.copysign(hundredths / 100, sign)
+
+
+def _tier_pages(calibrated_rows: int, factor: float, page_size: int) -> int:
+    rows = max(page_size, math.ceil(calibrated_rows * abs(factor)))  # calibration.py's sizing
+    return -(-rows // page_size)
+
+
+def grown_pages(current: int, needed: int | None, factor: float) -> int:
+    """Pages of a tier after 'grow': ``needed`` (what the step needed of it; None: not counted)
+    plus GROW_HEADROOM, at least one page more; as it is when it fitted."""
+    if needed is None:  # pools driven outside the scheduler: only the blind factor is left
+        return max(current + 1, math.ceil(current * factor))
+    if needed <= current:
+        return current
+    # The measured need, not current x GROWTH_FACTOR: a blind factor falls short of a large
+    # overshoot (another overflow) and wastes memory on a small one; the headroom is the one a
+    # calibration on this step's load would have given, for routing that differs next step.
+    return max(current + 1, math.ceil(needed * GROW_HEADROOM))
 
 
 @dataclass(frozen=True)
 class OverflowReport:
-    """One pool's overflow in one step: where it happened and what would have fitted."""
+    """One rank's overflow in one step: where it began, what the pool needed, what to set."""
 
     rank: int
     step: int
-    layer: int | None
+    chunk: int | None
+    layer: int | str | None  # an offload group's key as 'offload:<index>:<name>'
     microbatch: int | None
+    tier: str  # of the pool named: 'device', 'device+host' or 'host'
     row_bytes: int
-    rows_needed: int  # the step's peak of live rows in pages, in rows
-    rows_held: int  # device + host tier
+    rows_needed: int  # the step's peak in flight, in whole pages
+    rows_held: int  # every tier of the pool
     flag: str
-    factor: float | None  # smallest value of ``flag`` that would have fitted
+    factor: float | None  # the smallest value of ``flag`` that fits every pool of the group
+    grown_rows: int  # what 'grow' sizes the flagged tier of this pool to
 
-    def line(self, policy: str, consequence: str) -> str:
-        where = (f"layer {self.layer}" if self.layer is not None else "a layer") + (
-            f", microbatch {self.microbatch}" if self.microbatch is not None else "")
-        advice = (f"{self.flag} >= {self.factor:.2f} would have fitted" if self.factor
-                  else f"raise {self.flag}")
-        return (f"paging: page pool overflow on rank {self.rank}, paged step {self.step}, {where} "
-                f"(rows of {self.row_bytes} B): needed {self.rows_needed} rows, holds "
-                f"{self.rows_held}; {advice}; policy {policy!r}: {consequence}")
+    def line(self, policy: str, outcome: str) -> str:
+        where = " ".join(f"{name} {value}" for name, value in (
+            ("chunk", self.chunk or None), ("layer", self.layer),
+            ("microbatch", self.microbatch)) if value is not None)
+        if self.factor is None:
+            advice = f"raise {self.flag} (this pool was not sized by a calibration)"
+        else:
+            advice = (f"{self.flag} {'>=' if self.factor > 0 else '<='} {self.factor:.2f} "
+                      "would have fitted")
+        return (f"megatron-paging: overflow at rank {self.rank} step {self.step}"
+                f"{' ' + where if where else ''}: the {self.tier} pool needed "
+                f"{self.rows_needed:,} rows, holds {self.rows_held:,}; {advice} "
+                f"(policy {policy}: {outcome})")
 
-    def record(self) -> dict:
-        return asdict(self)
+    def record(self, policy: str) -> dict:
+        """The report as a JSON-ready dict (strings without spaces, for key=value logs)."""
+        return {**asdict(self), "policy": policy}
 
 
-def needed_factor(factor: float, needed_pages: int, host_pages: int, calibrated_rows: int,
-                  page_size: int) -> float | None:
-    """The smallest device-tier factor, in hundredths, whose tier (sized as calibration sizes
-    it: ``ceil(calibrated_rows x factor)`` rows in whole pages) holds ``needed_pages`` beside
-    ``host_pages``; None when the pool was not sized from a calibrated peak."""
-    if calibrated_rows <= 0 or needed_pages <= 0:
+def report(reading: GroupDemand, rank: int, step: int) -> OverflowReport | None:
+    """The report of a group that overflowed on this rank (None if it did not)."""
+    first = reading.first_overflow
+    if first is None:
         return None
-    device_pages = max(1, needed_pages - host_pages)
+    group = reading.group
+    factors = [needed_factor(d.pool.calibrated_rows, grow_target(d, first), d.pool.page_size,
+                             group.factor) for d in reading.pools]
+    known = [f for f in factors if f is not None]
+    named = next((d for d in reading.pools if d.pool.row_bytes == first.row_bytes),
+                 reading.pools[0])
+    pool = named.pool
+    tier = group.tier if group.tier == "host" or not named.other_pages else "device+host"
+    layer = first.layer  # an offload group's slot key is a tuple: one word for the line
+    if isinstance(layer, tuple):
+        layer = ":".join(str(part) for part in layer)
+    return OverflowReport(
+        rank=rank, step=step, chunk=first.chunk, layer=layer,
+        microbatch=first.microbatch, tier=tier, row_bytes=pool.row_bytes,
+        rows_needed=named.needed_pages * pool.page_size,
+        rows_held=named.held_pages * pool.page_size, flag=group.flag,
+        factor=(max(known, key=abs) if len(known) == len(factors) else None),
+        grown_rows=grown_pages(named.sized_pages, grow_target(named, first), 0.0)
+        * pool.page_size,
+    )
 
-    def pages_at(hundredths: int) -> int:
-        # exact: the float product calibration takes is never fewer rows than this
-        rows = max(page_size, -(-calibrated_rows * hundredths // 100))
-        return -(-rows // page_size)
 
-    # the tier holds device_pages once calibrated_rows x factor > (device_pages - 1) pages
-    hundredths = max(1, math.floor((device_pages - 1) * page_size * 100 / calibrated_rows))
-    while pages_at(hundredths) < device_pages:
-        hundredths += 1
-    return max(hundredths / 100, abs(factor)) if pages_at(hundredths) else None
-
-
-def grown_pages(current_pages: int, needed_pages: int, host_pages: int, factor: float) -> int:
-    """Device pages for the next step after an overflow: what this step needed plus
-    GROW_HEADROOM when the demand is known (it overflowed), else ``factor`` x the current."""
-    if needed_pages > current_pages + host_pages:
-        by_demand = math.ceil((needed_pages - host_pages) * GROW_HEADROOM)
-        return max(current_pages + 1, by_demand)
-    return max(current_pages + 1, math.ceil(current_pages * factor))
+def grow_target(demand: PoolDemand, first: StashSource | None) -> int:
+    """Pages the sized tier must hold next step: its need beside the other tier, and for the
+    pool that overflowed at least one page more (a record spills whole, so a tier pair can
+    overflow below its summed need)."""
+    if first is not None and first.row_bytes == demand.pool.row_bytes:
+        return max(demand.sized_needed, demand.sized_pages + 1)
+    return demand.sized_needed
 
 
 __all__ = [
     "GROW_HEADROOM",
-    "Demand",
+    "DemandGroup",
+    "GroupDemand",
     "OverflowReport",
-    "PageDemand",
-    "Queued",
+    "PoolDemand",
+    "StashLog",
+    "StashSource",
+    "grow_target",
     "grown_pages",
     "needed_factor",
+    "note_reload",
+    "note_stash",
+    "pack",
+    "read",
+    "report",
 ]

@@ -37,10 +37,10 @@ import logging
 
 import torch
 
-from megatron_paging import kernels
+from megatron_paging import demand, kernels
 from megatron_paging.calibration import Calibrator
 from megatron_paging.config import ConfigError, PagingConfig
-from megatron_paging.demand import OverflowReport, needed_factor
+from megatron_paging.demand import DemandGroup, OverflowReport
 from megatron_paging.offload import OffloadCalibrator, OffloadPools
 from megatron_paging.pool import PagePools, PagingFlags
 from megatron_paging.scheduler import PagingScheduler
@@ -48,7 +48,7 @@ from megatron_paging.streams import CpuStreamBackend, CudaStreamBackend
 
 logger = logging.getLogger(__name__)
 
-# The flags that size each kind of pool, named in overflow reports.
+# The flags that size each kind of pool's tier, named in overflow reports.
 DEVICE_FACTOR_FLAG = "--moe-paged-stash-buffer-size-factor-cuda"
 OFFLOAD_FACTOR_FLAG = "--paging-offload-host-factor"
 
@@ -102,6 +102,11 @@ class PagingEngine:
         self.steps = 0  # paging steps begun in Python (calibration and graph captures included)
         self.replays = 0  # graph calls that ran a captured paged step (capture calls replay too)
         self.unreloaded_records = 0  # records a finished step never reloaded (should stay 0)
+        # The pool groups of the last demand_values() (what its values are), and the pages
+        # each pool's sized tier needed by the last overflow read ('grow' sizes from them).
+        self._demand_groups: list[DemandGroup] = []
+        self._needed: tuple[object, dict[int, int]] | None = None
+        self._offload_needed: tuple[object, dict[int, int]] | None = None
 
     # -- configuration -------------------------------------------------------------------
     def configure(self, config: PagingConfig) -> None:
@@ -158,9 +163,10 @@ class PagingEngine:
             if not self.pools.device_tiers_resident:
                 self.pools.acquire_device_tiers()
                 kernels.prepare(self.pools, self.config.kernel_backend)
-            self.pools.reset()
+            # a captured step keeps its stash log: its replays count against it (demand.py)
+            self.pools.reset(keep_log=capturing)
             if self.offload_pools is not None:
-                self.offload_pools.reset()
+                self.offload_pools.reset(keep_log=capturing)
             self.mode = PAGED
         self.steps += 1
 
@@ -222,38 +228,48 @@ class PagingEngine:
 
     # -- pools -----------------------------------------------------------------------------
     def grow(self, factor: float) -> None:
-        """Replace the pools by ones with ``factor`` times the device tier (between steps)."""
+        """Replace the pools by larger ones (between steps): each tier that overflowed gets what
+        the last overflow report counted it needed (demand.grown_pages); without a count, the
+        device tier becomes ``factor`` times larger."""
         if self.pools is None:
             logger.info("paging: nothing to grow (no pools yet)")
             return
-        self._set_pools(self.pools.grown(factor))
+        self._set_pools(self.pools.grown(factor, _needed_for(self._needed, self.pools)))
         if self.offload_pools is not None:  # either may have overflowed: grow both
-            self._set_offload_pools(self.offload_pools.grown(factor))
+            needed = _needed_for(self._offload_needed, self.offload_pools.pools)
+            self._set_offload_pools(self.offload_pools.grown(factor, needed))
 
-    def overflow_reports(self, rank: int, step: int) -> list[OverflowReport]:
-        """One report per pool whose step overflowed: where, what it needed, what to set.
-        Reads the step's live counts (synchronizes): call it after a step that overflowed."""
-        tiers = [(self.pools, DEVICE_FACTOR_FLAG, self.config.cuda_factor, True)]
-        if self.offload_pools is not None:
-            tiers.append((self.offload_pools.pools, OFFLOAD_FACTOR_FLAG,
-                          self.config.offload_host_factor, False))
+    # -- what the step's stashes needed (demand.py) ------------------------------------------
+    def demand_values(self) -> torch.Tensor | None:
+        """The step's demand counts of every pool group as one device tensor, for the flag
+        reduction to carry (no sync); None when the step did not page through pools."""
+        groups = []
+        if self.pools is not None and self.mode == PAGED:
+            groups.append(DemandGroup(self.pools, DEVICE_FACTOR_FLAG, self.config.cuda_factor,
+                                      "device"))
+            if self.offload_pools is not None:
+                groups.append(DemandGroup(self.offload_pools.pools, OFFLOAD_FACTOR_FLAG,
+                                          self.config.offload_host_factor, "host"))
+        self._demand_groups = groups
+        return demand.pack(groups) if groups else None
+
+    def overflow_reports(self, values: tuple[int, ...], rank: int,
+                         step: int) -> list[OverflowReport]:
+        """This rank's reports for the host ``values`` of :meth:`demand_values`: one per pool
+        group that overflowed here. Notes what each pool needed, for :meth:`grow`."""
+        readings = demand.read(values, self._demand_groups)
+        self._needed = self._offload_needed = None
         reports = []
-        for pools, flag, factor, device_tier in tiers:
-            for pool in pools or ():
-                held = pool.num_cuda_pages + pool.num_host_pages
-                demand = pool.demand.read(held)
-                if demand.first_overflow is None:
-                    continue
-                # the device tier's factor leaves the host tier as it is
-                fixed = pool.num_host_pages if device_tier else 0
-                reports.append(OverflowReport(
-                    rank=rank, step=step, layer=demand.first_overflow.layer,
-                    microbatch=demand.first_overflow.microbatch, row_bytes=pool.row_bytes,
-                    rows_needed=demand.peak_pages * pool.page_size,
-                    rows_held=held * pool.page_size, flag=flag,
-                    factor=needed_factor(factor, demand.peak_pages, fixed, pool.calibrated_rows,
-                                         pool.page_size),
-                ))
+        for reading in readings:
+            needed = {d.pool.row_bytes: demand.grow_target(d, reading.first_overflow)
+                      for d in reading.pools}
+            if reading.group.pools is self.pools:
+                self._needed = (self.pools, needed)
+            else:
+                self._offload_needed = (reading.group.pools, needed)
+            report = demand.report(reading, rank, step)
+            if report is not None:
+                reports.append(report)
         return reports
 
     def release_pools(self) -> None:
@@ -319,6 +335,11 @@ class PagingEngine:
             offload_parker=None if paged else self.offload_calibrator,
         )
         return self.scheduler
+
+
+def _needed_for(noted: tuple[object, dict[int, int]] | None, pools) -> dict[int, int] | None:
+    """The noted pages per row bytes if they were counted for ``pools`` (else None)."""
+    return noted[1] if noted is not None and noted[0] is pools else None
 
 
 __all__ = ["CALIBRATE", "CaptureError", "OFF", "PAGED", "PagingEngine"]

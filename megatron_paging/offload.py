@@ -159,9 +159,10 @@ class OffloadPools:
     def flags(self):
         return self.pools.flags
 
-    def reset(self) -> None:
-        """Start of a step: every page and range free, flags cleared (no allocation)."""
-        self.pools.reset()
+    def reset(self, keep_log: bool = False) -> None:
+        """Start of a step: every page and range free, flags cleared (no allocation);
+        ``keep_log``: see :meth:`PagePools.reset`."""
+        self.pools.reset(keep_log)
         for arena in (self.arena, self.prefix_arena):
             if arena is not None:
                 arena.reset()
@@ -174,11 +175,12 @@ class OffloadPools:
         """Rows of such a buffer the copy engine moves (0: all through the kernels)."""
         return self.prefix_rows.get((capacity_rows, row_bytes), 0)
 
-    def grown(self, factor: float) -> OffloadPools:
-        """New pools whose host tiers are ``factor`` times larger (the ``grow`` policy)."""
+    def grown(self, factor: float, needed: dict[int, int] | None = None) -> OffloadPools:
+        """New pools with larger host tiers (the ``grow`` policy): ``needed`` pages per row
+        bytes where the last step counted them (demand.grown_pages), else ``factor`` times."""
         grown = PagePools(self.pools.page_size, self.pools.device)
         for pool in self.pools:
-            pages = grown_pages(pool.num_host_pages, pool.demand_peak(), 0, factor)
+            pages = grown_pages(pool.num_host_pages, (needed or {}).get(pool.row_bytes), factor)
             grown.add(pool.row_bytes, 0, pages * pool.page_size).calibrated_rows = (
                 pool.calibrated_rows)
         return OffloadPools(grown, self.arena, self.stats, self.prefix_rows, self.prefix_arena)

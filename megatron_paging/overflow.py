@@ -5,11 +5,15 @@ Drivers (the demo, the Megatron runner) reach it through
 the rerun's checks. Where this sits in a training step (never inside a CUDA-graph-captured
 region)::
 
-    forward-backward (may be graph-captured; stashes set sticky flags on device)
-    OverflowMonitor.reduce()   pack local flags, ONE all_reduce, no host read
+    forward-backward (may be graph-captured; stashes set sticky flags and count their page
+                       demand on device, demand.py)
+    OverflowMonitor.reduce()   pack local flags (and this rank's demand counts behind them),
+                               ONE all_reduce of the flags, no host read
     optimizer step             dropped on device when the policy skips and the flags say so
-    OverflowMonitor.read()     the one host read of the reduced flags
-    OverflowMonitor.decide()   log, count, and let the policy act on a step to discard
+    OverflowMonitor.read()     the one host read of the reduced flags and the counts
+    OverflowMonitor.decide()   log (one line per overflowing pool group of this rank: where,
+                               rows needed vs held, the factor that fits), count, and let the
+                               policy act on a step to discard
 
 A policy says *when* the host may read (``reads_before_optimizer``: the rerun policy must
 replace the gradients before the optimizer consumes them, as Megatron-Core does; the others
@@ -24,8 +28,8 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
 import torch
@@ -38,11 +42,13 @@ from megatron_paging.pool import PagingFlags
 logger = logging.getLogger(__name__)
 
 SPILL_ADVICE = (
-    "Consider increasing --moe-paged-stash-buffer-size-factor-cuda for potentially better "
-    "performance."
+    "the step stays exact, only slower; a larger --moe-paged-stash-buffer-size-factor-cuda "
+    "keeps them on the device"
 )
-OVER_BUDGET_ADVICE = "Consider increasing --moe-expert-rank-capacity-factor."
-# How much the ``grow`` policy enlarges the device page tier after an overflowing step.
+OVER_BUDGET_ADVICE = (
+    "the step is discarded; a larger --moe-expert-rank-capacity-factor raises the budget"
+)
+# How much ``grow`` enlarges a tier whose step's need was not counted (demand.grown_pages).
 GROWTH_FACTOR = 1.5
 
 # Slots of the packed flag tensor: one all_reduce moves all of them.
@@ -52,12 +58,14 @@ NUM_FLAGS = 4
 
 @dataclass(frozen=True)
 class StepFlags:
-    """Per-flag count of ranks that raised it during one step (after the all_reduce)."""
+    """Per-flag count of ranks that raised it during one step (after the all_reduce), and this
+    rank's own demand counts (demand.py; not reduced, not compared)."""
 
     overflow_ranks: int = 0
     host_spill_ranks: int = 0
     invalid_live_ranks: int = 0
     over_budget_ranks: int = 0
+    demand: tuple[int, ...] = field(default=(), compare=False, repr=False)
 
     @property
     def discard(self) -> bool:
@@ -73,7 +81,19 @@ class StepControl(Protocol):
         before the optimizer step."""
 
     def grow_pools(self, factor: float) -> None:
-        """Enlarge the device page tier by ``factor`` for the next step."""
+        """Enlarge the pools for the next step: each tier that fell short to what the step
+        needed (demand.py), by ``factor`` where that was not counted."""
+
+
+class DemandSource(Protocol):
+    """Where a rank's page demand comes from (``PagingEngine``)."""
+
+    def demand_values(self) -> torch.Tensor | None:
+        """The step's counts as one int64 device tensor (no sync); None: nothing counted."""
+
+    def overflow_reports(self, values: tuple[int, ...], rank: int,
+                         step: int) -> list[OverflowReport]:
+        """This rank's reports for the host values of :meth:`demand_values`."""
 
 
 class OverflowPolicy:
@@ -81,7 +101,10 @@ class OverflowPolicy:
 
     name: ClassVar[str]
     reads_before_optimizer: ClassVar[bool]
-    consequence: ClassVar[str]  # what happens to the step, for the overflow line
+
+    def outcome(self, report: OverflowReport | None) -> str:
+        """What happens to the step, for the overflow line (``report``: this rank's)."""
+        return "step discarded"
 
     @classmethod
     def from_config(cls, config: PagingConfig) -> OverflowPolicy:
@@ -97,7 +120,9 @@ class RerunPolicy(OverflowPolicy):
 
     name = "rerun"
     reads_before_optimizer = True
-    consequence = "the step runs again without paging"
+
+    def outcome(self, report: OverflowReport | None) -> str:
+        return "step re-run unpaged"
 
     def on_discard(self, flags: StepFlags, step: StepControl) -> str:
         step.rerun_unpaged()
@@ -109,22 +134,29 @@ class SkipPolicy(OverflowPolicy):
 
     name = "skip"
     reads_before_optimizer = False
-    consequence = "the step's update is dropped"
+
+    def outcome(self, report: OverflowReport | None) -> str:
+        return "update skipped"
 
     def on_discard(self, flags: StepFlags, step: StepControl) -> str:
         return "skip"
 
 
 class GrowPolicy(OverflowPolicy):
-    """Drop the step, then enlarge the device tier by ``growth_factor`` for the next one (a
-    dispatcher over its budget is not fixed by larger pools: that step is only skipped)."""
+    """Drop the step, then size each tier that overflowed for the next one from what the step
+    needed (demand.grown_pages); ``growth_factor`` only where nothing was counted. A dispatcher
+    over its budget is not fixed by larger pools: that step is only skipped."""
 
     name = "grow"
     reads_before_optimizer = False
-    consequence = "the step's update is dropped; the pool grows to what it needed"
 
     def __init__(self, growth_factor: float = GROWTH_FACTOR):
         self.growth_factor = growth_factor
+
+    def outcome(self, report: OverflowReport | None) -> str:
+        if report is None:
+            return "update skipped, pools grow"
+        return f"update skipped, the {report.tier} tier grows to {report.grown_rows:,} rows"
 
     def on_discard(self, flags: StepFlags, step: StepControl) -> str:
         if not flags.overflow_ranks:
@@ -149,20 +181,25 @@ def pack_flags(
     paging_flags: PagingFlags | None,
     over_budget: Iterable[torch.Tensor | None] = (),
     device: torch.device | str | None = None,
+    demand: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The local flags as one int64 ``[4]`` device tensor (see OVERFLOW..OVER_BUDGET). No sync.
+    """The local flags as one int64 device tensor: ``[4]`` (see OVERFLOW..OVER_BUDGET), then
+    ``demand`` (this rank's demand counts, demand.pack) if given. No sync.
 
     ``paging_flags`` is a :class:`PagingFlags` or anything with its ``values`` (int ``[3]``:
     overflow, host spill, invalid live) and ``device``.
     """
     if device is None:
         device = paging_flags.device if paging_flags is not None else "cpu"
-    packed = torch.zeros(NUM_FLAGS, dtype=torch.int64, device=device)
+    extra = 0 if demand is None else demand.numel()
+    packed = torch.zeros(NUM_FLAGS + extra, dtype=torch.int64, device=device)
     if paging_flags is not None:
         packed[OVERFLOW : INVALID_LIVE + 1] = (paging_flags.values != 0).to(device, torch.int64)
     for flag in over_budget:
         if flag is not None:
             packed[OVER_BUDGET] |= (flag.reshape(-1)[0] != 0).to(device, torch.int64)
+    if extra:
+        packed[NUM_FLAGS:] = demand
     return packed
 
 
@@ -177,17 +214,17 @@ class OverflowMonitor:
     Args:
         policy: an :class:`OverflowPolicy`, or a config or policy name for :func:`make_policy`.
         group: process group of the all_reduce (default: the world, if initialized).
-        reports: ``(rank, step) -> [OverflowReport]`` for this rank's pools that overflowed
-            (``PagingEngine.overflow_reports``); each becomes one line and one entry of
-            :attr:`overflow_records`.
+        demand: this rank's page demand (a :class:`DemandSource`, the ``PagingEngine``): its
+            counts ride behind the flags, and each report of a step that overflowed here
+            becomes one line and one entry of :attr:`overflow_records`.
     """
 
     def __init__(self, policy: OverflowPolicy | PagingConfig | str = "rerun", group=None,
-                 reports: Callable[[int, int], list[OverflowReport]] | None = None):
+                 demand: DemandSource | None = None):
         self.policy = policy if isinstance(policy, OverflowPolicy) else make_policy(policy)
         self.group = group
-        self.reports = reports
-        self.overflow_records: list[dict] = []  # one per overflowing pool, as JSON-ready dicts
+        self.demand = demand
+        self.overflow_records: list[dict] = []  # one per report, as JSON-ready dicts
         self.steps = 0
         self.actions: Counter[str] = Counter()  # 'ok', 'rerun', 'skip', 'grow' per step
         self.spill_steps = 0
@@ -211,15 +248,19 @@ class OverflowMonitor:
         over_budget: Iterable[torch.Tensor | None] = (),
         device: torch.device | str | None = None,
     ) -> torch.Tensor:
-        """Pack the local flags and sum them over ranks: the step's one collective, no host read."""
-        packed = pack_flags(paging_flags, over_budget, device)
+        """Pack the local flags and sum them over ranks: the step's one collective, no host
+        read. This rank's demand counts ride behind them, outside the sum."""
+        values = self.demand.demand_values() if self.demand is not None else None
+        packed = pack_flags(paging_flags, over_budget, device, values)
         if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=self.group)
+            dist.all_reduce(packed[:NUM_FLAGS], op=dist.ReduceOp.SUM, group=self.group)
         return packed
 
     def read(self, reduced: torch.Tensor) -> StepFlags:
-        """The host read of a reduced flag tensor (synchronizes: call it after the step)."""
-        return StepFlags(*(int(v) for v in reduced.tolist()))
+        """The host read of a reduced flag tensor and the counts behind it (one copy;
+        synchronizes: call it after the step)."""
+        values = [int(v) for v in reduced.tolist()]
+        return StepFlags(*values[:NUM_FLAGS], demand=tuple(values[NUM_FLAGS:]))
 
     def decide(self, flags: StepFlags, step: StepControl) -> str:
         """Log what happened, let the policy act on a step to discard; returns the action."""
@@ -233,17 +274,16 @@ class OverflowMonitor:
         if flags.host_spill_ranks:
             self.spill_steps += 1
             logger.info(
-                "paging: spilled activations to pinned host on %d rank(s) (CUDA pool full). %s",
-                flags.host_spill_ranks,
-                SPILL_ADVICE,
+                "megatron-paging: step %d spilled activations to pinned host on %d rank(s) "
+                "(device tier full): %s", self.steps, flags.host_spill_ranks, SPILL_ADVICE,
             )
         if not flags.discard:
             self.actions["ok"] += 1
             return "ok"
         if flags.over_budget_ranks:
             logger.info(
-                "paging: token drop during MoE dispatch (over budget) on %d rank(s). %s",
-                flags.over_budget_ranks,
+                "megatron-paging: step %d dropped tokens in MoE dispatch (over the static "
+                "budget) on %d rank(s): %s", self.steps, flags.over_budget_ranks,
                 OVER_BUDGET_ADVICE,
             )
         if flags.overflow_ranks:
@@ -253,23 +293,27 @@ class OverflowMonitor:
         return action
 
     def _report_overflow(self, flags: StepFlags) -> None:
-        """One line per pool of this rank that overflowed (what it needed and what to set);
-        a rank whose pools fitted says only that another rank overflowed."""
+        """One line per pool group of this rank that overflowed: where, what it needed, the
+        flag and the value that fits; a rank whose pools fitted says only what happened."""
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        reports = self.reports(rank, self.steps) if self.reports is not None else []
-        consequence = getattr(self.policy, "consequence", "the step is discarded")
+        reports = []
+        if self.demand is not None and flags.demand:
+            reports = self.demand.overflow_reports(flags.demand, rank, self.steps)
         for report in reports:
-            logger.warning(report.line(self.policy.name, consequence))
-            self.overflow_records.append({**report.record(), "policy": self.policy.name})
+            logger.warning(report.line(self.policy.name, self.policy.outcome(report)))
+            self.overflow_records.append(report.record(self.policy.name))
         if not reports:
-            logger.warning(
-                "paging: page pool overflow on %d rank(s) in step %d; policy %r: %s",
-                flags.overflow_ranks, self.steps, self.policy.name, consequence,
+            logger.info(
+                "megatron-paging: overflow at step %d on %d rank(s), no report on rank %d (its "
+                "pools fitted, or nothing counted them): the overflowing rank's line names the "
+                "flag to set (policy %s: %s)", self.steps, flags.overflow_ranks, rank,
+                self.policy.name, self.policy.outcome(None),
             )
 
 
 __all__ = [
     "POLICIES",
+    "DemandSource",
     "GrowPolicy",
     "OverflowMonitor",
     "OverflowPolicy",

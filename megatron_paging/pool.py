@@ -15,6 +15,11 @@ counters are Megatron-Core 0.19.2's ``PagedStashBuffer``, so the two can be comp
 Pools are keyed by row *bytes*, not (dtype, hidden): every dtype is paged as bytes, so a bf16
 hidden-4096 record and an fp8 hidden-8192 record share one pool.
 
+Each pool also keeps the step's page demand on its device (``demand_pages``: pages its records
+need in flight and their peak, counted whether or not it had room), and the pools of one
+:class:`PagePools` share a :class:`~megatron_paging.demand.StashLog`; ``demand.py`` updates
+both beside every stash and reload, for the overflow report.
+
 Each tier tensor and each freelist carries one extra *scratch* slot past its end. The pure-torch
 reference kernels route masked-off writes there so that they stay free of data-dependent shapes
 (and thus of host synchronization); the CUDA kernels never touch it. The public views
@@ -29,7 +34,7 @@ import math
 import torch
 
 from megatron_paging.config import non_negative_int, positive_int
-from megatron_paging.demand import PageDemand, grown_pages
+from megatron_paging.demand import StashLog, grown_pages
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +138,8 @@ class PagePool:
         num_host_pages: pages in the pinned host tier (0 = no host tier).
         device: where the device tier and all metadata live.
         flags: shared :class:`PagingFlags`; a private one is made when omitted.
+        stash_log: the group's :class:`~megatron_paging.demand.StashLog` (over ``flags``); a
+            private one is made when omitted.
     """
 
     def __init__(
@@ -143,6 +150,7 @@ class PagePool:
         num_host_pages: int = 0,
         device: torch.device | str = "cpu",
         flags: PagingFlags | None = None,
+        stash_log: StashLog | None = None,
     ):
         self.row_bytes = positive_int("row_bytes", row_bytes)
         self.page_size = positive_int("page_size", page_size)
@@ -156,6 +164,8 @@ class PagePool:
         elif flags.device != self.device:
             raise ValueError(f"flags live on {flags.device} but the pool on {self.device}")
         self.flags = flags
+        self._owns_stash_log = stash_log is None
+        self.stash_log = StashLog(flags) if stash_log is None else stash_log
 
         host_rows = self.num_host_pages * page_size
         self._cuda_storage = self._cuda_pages = None
@@ -194,9 +204,14 @@ class PagePool:
         # What a kernel backend caches about this pool (e.g. the CUDA kernels' pointer block);
         # made outside any CUDA-graph capture, see kernels.prepare().
         self.kernel_handle = None
-        # What the step's stashes needed (megatron_paging/demand.py) and the live rows the
-        # device tier was sized from (0: not sized from a calibration), for the overflow report.
-        self.demand = PageDemand(self.page_size)
+        # The step's page demand (demand.py): pages its records need in flight, their peak;
+        # counted whether or not the pool had room, so an overflow report can say how much
+        # was missing. Reset with the rings.
+        self.demand_pages = torch.zeros(2, dtype=torch.int64, device=self.device)
+        self.pages_in_flight = self.demand_pages[0:1]
+        self.peak_pages = self.demand_pages[1:2]
+        # The page-rounded peak rows calibration sized the tiers from (0: sized by hand): what
+        # a buffer-size factor multiplies, so the report can name the factor that fits.
         self.calibrated_rows = 0
         self.reset()
 
@@ -209,6 +224,7 @@ class PagePool:
         host_rows: int = 0,
         device: torch.device | str = "cpu",
         flags: PagingFlags | None = None,
+        stash_log: StashLog | None = None,
     ) -> PagePool:
         """A pool with room for ``cuda_rows`` / ``host_rows`` rows, rounded up to whole pages."""
         positive_int("page_size", page_size)
@@ -219,6 +235,7 @@ class PagePool:
             ceil_div(non_negative_int("host_rows", host_rows), page_size),
             device,
             flags,
+            stash_log,
         )
 
     @property
@@ -278,11 +295,9 @@ class PagePool:
         self.free_list_host.copy_(self._reset_free_list_host)
         self.free_list_head.zero_()
         self.free_list_tail.copy_(self.free_list_capacity)
-        self.demand.reset()
-
-    def demand_peak(self) -> int:
-        """Pages this step's stashes needed at once (see demand.py). Synchronizes."""
-        return self.demand.read(self.num_cuda_pages + self.num_host_pages).peak_pages
+        self.demand_pages.zero_()
+        if self._owns_stash_log:
+            self.stash_log.reset()
 
     def free_pages(self) -> tuple[int, int]:
         """(device tier, host tier) free page counts. Reads device state: host sync."""
@@ -306,6 +321,7 @@ class PagePools:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.flags = PagingFlags(self.device)
+        self.stash_log = StashLog(self.flags)  # the group's stashes, for the overflow report
         self._pools: dict[int, PagePool] = {}
 
     def add(self, row_bytes: int, cuda_rows: int, host_rows: int = 0) -> PagePool:
@@ -313,7 +329,8 @@ class PagePools:
         if row_bytes in self._pools:
             raise ValueError(f"a pool for row_bytes={row_bytes} exists already")
         pool = PagePool.for_rows(
-            row_bytes, self.page_size, cuda_rows, host_rows, self.device, self.flags
+            row_bytes, self.page_size, cuda_rows, host_rows, self.device, self.flags,
+            self.stash_log,
         )
         self._pools[row_bytes] = pool
         return pool
@@ -336,11 +353,13 @@ class PagePools:
     def __len__(self) -> int:
         return len(self._pools)
 
-    def reset(self) -> None:
-        """Reset every ring and clear the flags. Allocates nothing."""
+    def reset(self, keep_log: bool = False) -> None:
+        """Reset every ring, demand count and flag, and start the step's stash log
+        (``keep_log``: the step is being captured, see demand.StashLog). Allocates nothing."""
         for pool in self._pools.values():
             pool.reset()
         self.flags.reset()
+        self.stash_log.reset(keep_log)
 
     def release_device_tiers(self) -> None:
         """Free every pool's device-tier payload between steps (see
@@ -361,11 +380,14 @@ class PagePools:
         host = sum(p.total_bytes[1] for p in self._pools.values())
         return cuda, host
 
-    def grown(self, factor: float) -> PagePools:
-        """New pools with every device tier ``factor`` times larger (at least one page more).
+    def grown(self, factor: float, needed: dict[int, int] | None = None) -> PagePools:
+        """New pools with larger device tiers; host tiers keep their size.
 
-        Host tiers keep their size. These pools are not touched; whoever holds them swaps in the
-        new ones between steps (a captured CUDA graph must be re-captured: addresses change).
+        ``needed``: per row bytes, the device pages the last step needed (demand.grow_target);
+        such a pool gets that plus GROW_HEADROOM (as it is when it fitted). Any other pool:
+        ``factor`` times larger, at least one page more. These pools are not touched; whoever
+        holds them swaps in the new ones between steps (a captured CUDA graph must be
+        re-captured: addresses change).
         """
         if (
             isinstance(factor, bool)
@@ -376,14 +398,13 @@ class PagePools:
             raise ValueError(f"factor must be a finite number > 1, got {factor!r}")
         grown = PagePools(self.page_size, self.device)
         for pool in self:
-            # a pool that overflowed gets what its step needed (demand.grown_pages)
-            pages = grown_pages(pool.num_cuda_pages, pool.demand_peak(), pool.num_host_pages,
-                                factor)
+            pages = grown_pages(pool.num_cuda_pages, (needed or {}).get(pool.row_bytes), factor)
             new = grown.add(pool.row_bytes, pages * pool.page_size,
                             pool.num_host_pages * pool.page_size)
             new.calibrated_rows = pool.calibrated_rows
-            logger.info(
-                "paging: grew pool row_bytes=%d from %d to %d device pages",
-                pool.row_bytes, pool.num_cuda_pages, pages,
-            )
+            if pages != pool.num_cuda_pages:
+                logger.info(
+                    "paging: grew pool row_bytes=%d from %d to %d device pages",
+                    pool.row_bytes, pool.num_cuda_pages, pages,
+                )
         return grown

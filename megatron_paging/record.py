@@ -24,12 +24,17 @@ and sets the ``invalid_live`` flag's reload bit (``pool.py``), so its pages can 
 freelist twice. A stash accepts any state, so a record is stashed again after its reload (the
 same record objects every CUDA-graph replay) with nothing to reset in between.
 
+``needed_pages_negated`` (int64 ``[1]``, and ``segment_pages`` ``[num_segments]`` for several
+segments) is the step's demand count's scratch (``demand.py``): minus the pages its live rows
+need, written beside each stash whether or not the pool had room, given back at its reload.
+
 The static part (sizes, segments, slots) is a :class:`RecordLayout`, validated once and shared
-by every record of that shape; a record adds its three device tensors and its annotations.
+by every record of that shape; a record adds its device tensors and its annotations.
 """
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -134,12 +139,12 @@ class RecordLayout:
                    defer_buffer: bool = False) -> PageRecord:
         """A record over ``live_rows``: copied when ``snapshot``, else kept (already private).
 
-        The live-count copy, ``page_record``, ``spilled_to_host`` and ``state`` share one
-        uninitialized int64 buffer: one allocation and at most one copy kernel per record.
-        Every stash kernel writes the last three before anything reads them (a reload before
-        any stash reads an unwritten ``state``: see :data:`RECORD_STASHED`). ``defer_buffer``
-        (a private int64 count: nothing to copy now) leaves the last three unset for
-        :func:`attach_buffers`, which gives a whole group one buffer.
+        The live-count copy, ``page_record``, ``spilled_to_host``, ``state`` and the demand
+        count's scratch share one uninitialized int64 buffer: one allocation and at most one
+        copy kernel per record. Every stash writes the pieces past the live counts before
+        anything reads them (a reload before any stash reads an unwritten ``state``: see
+        :data:`RECORD_STASHED`). ``defer_buffer`` (a private int64 count: nothing to copy now)
+        leaves them unset for :func:`attach_buffers`, which gives a whole group one buffer.
         """
         segments = self.num_segments
         _check_live_rows(live_rows, segments)
@@ -147,23 +152,30 @@ class RecordLayout:
         flat = live_rows if live_rows.dim() == 1 else live_rows.reshape(-1)
         if defer_buffer and not own:
             return PageRecord(self, flat, None, None, None)
-        packed = torch.empty(own + self.page_slots + 2, dtype=torch.int64,
-                             device=live_rows.device)
-        # One op for the four pieces (slices cost a multiple of its host time). "Unsafe" only
+        sizes = [own, *self.buffer_sizes]
+        packed = torch.empty(sum(sizes), dtype=torch.int64, device=live_rows.device)
+        # One op for the pieces (slices cost a multiple of its host time). "Unsafe" only
         # means autograd keeps no view links: these int64 tensors never meet autograd.
-        live, page_record, spilled, state = packed.unsafe_split_with_sizes(
-            [own, self.page_slots, 1, 1])
+        live, *pieces = packed.unsafe_split_with_sizes(sizes)
         if own:
             live.copy_(flat)  # the snapshot: the caller may overwrite its tensor
         else:
             live = flat
-        return PageRecord(self, live, page_record, spilled, state)
+        return PageRecord(self, live, *_record_pieces(pieces, segments))
+
+    @functools.cached_property
+    def buffer_sizes(self) -> tuple[int, ...]:
+        """Sizes of a record's int64 pieces past its live counts: ``page_record``,
+        ``spilled_to_host``, ``state``, ``needed_pages_negated``, ``segment_pages`` (empty for
+        one segment: ``needed_pages_negated`` is its own scratch)."""
+        segments = self.num_segments
+        return (self.page_slots, 1, 1, 1, segments if segments > 1 else 0)
 
 
 def attach_buffers(records) -> None:
-    """Give every record still without ``page_record`` / ``spilled_to_host`` / ``state`` (made
-    with ``defer_buffer``) its three pieces of one uninitialized int64 buffer per device: one
-    allocation and one split for a commit group, not one of each per record."""
+    """Give every record still without ``page_record`` and the pieces after it (made with
+    ``defer_buffer``) its pieces of one uninitialized int64 buffer per device: one allocation
+    and one split for a commit group, not one of each per record."""
     waiting: dict[torch.device, list[PageRecord]] = {}
     for record in records:
         if record.page_record is None:
@@ -171,11 +183,23 @@ def attach_buffers(records) -> None:
     for device, group in waiting.items():
         sizes = []
         for record in group:
-            sizes += (record.layout.page_slots, 1, 1)
+            sizes += record.layout.buffer_sizes
         packed = torch.empty(sum(sizes), dtype=torch.int64, device=device)
         pieces = packed.unsafe_split_with_sizes(sizes)  # views; see new_record
-        for i, record in enumerate(group):
-            record.page_record, record.spilled_to_host, record.state = pieces[3 * i : 3 * i + 3]
+        at = 0
+        for record in group:
+            count = len(record.layout.buffer_sizes)
+            (record.page_record, record.spilled_to_host, record.state,
+             record.needed_pages_negated, record.segment_pages) = _record_pieces(
+                pieces[at : at + count], record.layout.num_segments)
+            at += count
+
+
+def _record_pieces(pieces, segments: int) -> tuple:
+    """``page_record, spilled_to_host, state, needed_pages_negated, segment_pages`` from the
+    pieces of :attr:`RecordLayout.buffer_sizes` (``segment_pages`` None for one segment)."""
+    page_record, spilled, state, negated, per_segment = pieces
+    return page_record, spilled, state, negated, (per_segment if segments > 1 else None)
 
 
 def _check_live_rows(live_rows, segments: int) -> None:
@@ -198,6 +222,9 @@ class PageRecord:
     page_record: torch.Tensor | None
     spilled_to_host: torch.Tensor | None
     state: torch.Tensor | None  # RECORD_EMPTY / RECORD_STASHED / RECORD_RELOADED
+    # The demand count's scratch (demand.py): int64 [1], and [num_segments] for several.
+    needed_pages_negated: torch.Tensor | None = None
+    segment_pages: torch.Tensor | None = None
     # Optional scheduler annotations; the kernels ignore them.
     annotations: dict = field(default_factory=dict)
 
@@ -223,12 +250,16 @@ class PageRecord:
         _check_live_rows(live_rows, layout.num_segments)
         live_rows = live_rows.reshape(-1).to(torch.int64)
         device = live_rows.device
+        segments = layout.num_segments
         return cls(
             layout=layout,
             live_rows=live_rows,
             page_record=torch.zeros(layout.page_slots, dtype=torch.int64, device=device),
             spilled_to_host=torch.zeros(1, dtype=torch.int64, device=device),
             state=torch.full((1,), RECORD_EMPTY, dtype=torch.int64, device=device),
+            needed_pages_negated=torch.zeros(1, dtype=torch.int64, device=device),
+            segment_pages=(torch.zeros(segments, dtype=torch.int64, device=device)
+                           if segments > 1 else None),
         )
 
     # The layout's fields, read through the record (kernels and tests use both).

@@ -35,7 +35,13 @@ import torch
 
 from megatron_paging.config import PagingConfig
 from megatron_paging.optimizer_skip import DeviceSkip, device_resident_steps, uses_found_inf
-from megatron_paging.overflow import OverflowMonitor, OverflowPolicy, StepFlags, skip_flag
+from megatron_paging.overflow import (
+    DemandSource,
+    OverflowMonitor,
+    OverflowPolicy,
+    StepFlags,
+    skip_flag,
+)
 from megatron_paging.pool import PagingFlags
 
 # rerun(flags of the attempt) repeats the step's forward-backward without paging (same data,
@@ -78,8 +84,8 @@ class StepRunner:
             the host after forward-backward; 'rerun' leaves them as built, since it repairs
             the step before the optimizer sees it.
         group: process group of the flag all_reduce (default: the world, if initialized).
-        reports: this rank's overflow reports, ``(rank, step) -> [OverflowReport]``
-            (``PagingEngine.overflow_reports``), logged and kept by the monitor.
+        demand: this rank's page demand (the ``PagingEngine``): its counts ride with the
+            flags, and the monitor logs and keeps the report of a step that overflowed here.
     """
 
     def __init__(
@@ -89,9 +95,9 @@ class StepRunner:
         grow: Callable[[float], None],
         optimizers: Sequence[torch.optim.Optimizer] = (),
         group=None,
-        reports=None,
+        demand: DemandSource | None = None,
     ):
-        self.monitor = OverflowMonitor(policy, group=group, reports=reports)
+        self.monitor = OverflowMonitor(policy, group=group, demand=demand)
         self.grow = grow
         # the last step's skip: a device flag (deferred read) or the host's decision
         self.skip: torch.Tensor | bool | None = None

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
+from megatron_paging import demand
 from megatron_paging.pool import empty_unfilled
 from megatron_paging.record import PageRecord
 
@@ -233,8 +234,8 @@ class Transfers:
                                                pool, max_ctas)
                     else:
                         fn = functools.partial(copy, reload, tensor, record, pool, max_ctas)
-                if pool is not None:  # the step's page demand, beside the copy
-                    fn = functools.partial(_with_demand, fn, pool, reload, record, notes)
+                if pool is not None:  # the step's page demand, counted behind the copy
+                    fn = functools.partial(_counting_demand, fn, reload, record, pool, notes)
                 backend.launch(
                     stream, kind, fn,
                     record=h.id, chunk=notes["chunk"], layer=notes["layer"],
@@ -299,13 +300,14 @@ class Transfers:
             arena.view(start, nbytes).copy_(flat, non_blocking=True)
 
 
-def _with_demand(copy, pool, reload: bool, record: PageRecord, notes: dict) -> None:
-    """Run a record's copy and note it in the pool's demand (host only, nothing queued)."""
+def _counting_demand(copy, reload: bool, record: PageRecord, pool, notes: dict) -> None:
+    """Queue a record's copy, then its demand count on the same stream (demand.py): the count
+    reads the overflow flag that copy left. In-place device ops only: no sync, capturable."""
     copy()
     if reload:
-        pool.demand.on_reload(record.live_rows)
+        demand.note_reload(pool, record)
     else:
-        pool.demand.on_stash(record.live_rows, notes.get("layer"), notes.get("microbatch"))
+        demand.note_stash(pool, record, notes)
 
 
 __all__ = ["PagedHandle", "Parker", "Transfers"]

@@ -344,8 +344,8 @@ def test_decide_counts_logs_and_errors(caplog):
         assert monitor.decide(StepFlags(over_budget_ranks=1), control) == "skip"
         assert monitor.decide(StepFlags(host_spill_ranks=3), control) == "ok"
     messages = [r.getMessage() for r in caplog.records]
-    # no pool report from this rank (the others overflowed): the count and the policy
-    assert any("page pool overflow on 2 rank(s)" in m and "policy 'grow'" in m for m in messages)
+    # no demand count on this rank (the others overflowed): the count and the policy
+    assert any("overflow at step 2 on 2 rank(s)" in m and "(policy grow:" in m for m in messages)
     assert any(OVER_BUDGET_ADVICE in m for m in messages)
     assert any(SPILL_ADVICE in m and "on 3 rank(s)" in m for m in messages)
     assert (monitor.steps, monitor.skipped_steps, monitor.grown_steps) == (4, 2, 1)

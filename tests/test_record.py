@@ -166,8 +166,10 @@ def test_deferred_records_get_one_buffer_per_group():
     base = records[0].page_record.untyped_storage().data_ptr()
     offset = 0
     for record in records:
-        pieces = (record.page_record, record.spilled_to_host, record.state)
-        assert [p.numel() for p in pieces] == [record.layout.page_slots, 1, 1]
+        pieces = (record.page_record, record.spilled_to_host, record.state,
+                  record.needed_pages_negated)
+        assert [p.numel() for p in pieces] == [record.layout.page_slots, 1, 1, 1]
+        assert record.segment_pages is None  # one segment: no per-segment scratch
         for piece in pieces:
             assert piece.untyped_storage().data_ptr() == base
             assert piece.data_ptr() == records[0].page_record.data_ptr() + offset * 8

@@ -241,7 +241,7 @@ class PagedRun:
         self.engine = PagingEngine(config, stream_backend=self.backend)
         self.context = PagingContext(self.engine)
         self.steps = StepRunner(config, grow=self.engine.grow, optimizers=[self.rank.optimizer],
-                                reports=self.engine.overflow_reports)
+                                demand=self.engine)
 
     def _measure(self, ledger: MarkLedger) -> Held:
         calibrator = self.engine.calibrator

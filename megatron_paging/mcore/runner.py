@@ -184,9 +184,11 @@ class PagedStashRunner:
             self._configs.setdefault(id(root.config), root.config)
         self.eval_reruns = 0  # evaluations rerun without paging / static budget
         self.graph_invalidations = 0  # captured graphs dropped by 'grow'
+        engine = getattr(paging, "engine", None)
         self.steps = StepRunner(
             policy, grow=self.grow_pools, optimizers=_torch_optimizers(optimizer), group=group,
-            reports=getattr(getattr(paging, "engine", None), "overflow_reports", None),
+            # the engine's page demand names the flag to set when a step overflows
+            demand=engine if hasattr(engine, "demand_values") else None,
         )
         if self.steps.steps_made_device_resident:
             log_single_rank(
