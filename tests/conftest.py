@@ -22,6 +22,7 @@ import os
 
 import pytest
 import torch
+from cuda_twin import needs_sm90, require_bulk
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -97,3 +98,11 @@ def deterministic_fill(monkeypatch):
         yield _FillSpy(monkeypatch)
     finally:
         torch.use_deterministic_algorithms(was)
+
+
+@pytest.fixture(params=["tile", pytest.param("bulk", marks=needs_sm90)])
+def path(request) -> str:
+    """The kernel backend that forces one CUDA copy path (the GPU kernel tests)."""
+    if request.param == "bulk":
+        require_bulk()
+    return request.param

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import torch
-from cuda_twin import copy_with, needs_sm90, on_gpu, require_bulk
+from cuda_twin import copy_with, on_gpu
 from test_demand import FIRST_OVERFLOW, PAGE, ROW_BYTES, ROWS, SEQUENCE, count_sequence
 from test_scheduler_gpu import (
     HIDDEN,
@@ -27,13 +26,6 @@ from test_scheduler_gpu import (
 from megatron_paging import demand
 from megatron_paging.pool import PagePools
 from megatron_paging.record import PageRecord
-
-
-@pytest.fixture(params=["tile", pytest.param("bulk", marks=needs_sm90)])
-def path(request) -> str:
-    if request.param == "bulk":
-        require_bulk()
-    return request.param
 
 
 def cuda_pools() -> PagePools:

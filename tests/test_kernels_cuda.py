@@ -23,12 +23,10 @@ from cuda_twin import (
     copy_with,
     live_row_mask,
     make_pool,
-    needs_sm90,
     on_gpu,
     one_tile_per_page,
     poisoned,
     random_rows,
-    require_bulk,
     run_random_case,
 )
 
@@ -36,14 +34,6 @@ from megatron_paging import kernels
 from megatron_paging.kernels import cuda_ops
 from megatron_paging.pool import PagePool
 from megatron_paging.record import PageRecord
-
-
-@pytest.fixture(params=["tile", pytest.param("bulk", marks=needs_sm90)])
-def path(request) -> str:
-    """The kernel backend that forces one copy path."""
-    if request.param == "bulk":
-        require_bulk()
-    return request.param
 
 
 @on_gpu

@@ -22,11 +22,9 @@ from cuda_twin import (
     assert_same_record,
     copy_with,
     live_row_mask,
-    needs_sm90,
     on_gpu,
     poisoned,
     random_rows,
-    require_bulk,
 )
 
 from megatron_paging import kernels
@@ -213,14 +211,6 @@ def test_both_invalid_bits_are_named():
 
 
 # ----------------------------------------------------------------------------- GPU
-
-
-@pytest.fixture(params=["tile", pytest.param("bulk", marks=needs_sm90)])
-def path(request) -> str:
-    """The kernel backend that forces one copy path."""
-    if request.param == "bulk":
-        require_bulk()
-    return request.param
 
 
 def _zeroed_live_rows(dst: torch.Tensor, record: PageRecord) -> bool:
