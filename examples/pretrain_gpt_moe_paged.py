@@ -103,9 +103,15 @@ def loss_func(loss_mask, output_tensor):
     return loss, num_tokens, report
 
 
-def forward_step(data_iterator, model):
+def forward_step(data_iterator, model, return_schedule_plan: bool = False):
+    """One microbatch's forward; with ``return_schedule_plan`` (Megatron-Core's combined 1F1B,
+    ``--overlap-moe-expert-parallel-comm``) the model's schedule plan instead of its output."""
     vp_stage = get_attr_wrapped_model(model, "vp_stage")
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, vp_stage)
+    if return_schedule_plan:
+        plan = model.build_schedule_plan(tokens, position_ids, attention_mask, labels=labels,
+                                         loss_mask=loss_mask)
+        return plan, partial(loss_func, loss_mask)
     output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
     return output, partial(loss_func, loss_mask)
 

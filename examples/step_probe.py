@@ -30,6 +30,11 @@ MEMORY_ENV = "MEGATRON_PAGING_BENCH_MEMORY_ITER"
 # Verification: count the CUDA kernels of these iterations (comma-separated, e.g. "6,7"), so a
 # run can show that every replay of a captured CUDA graph launches the same work.
 KERNEL_COUNT_ENV = "MEGATRON_PAGING_BENCH_KERNEL_COUNT_ITERS"
+# Verification: drop the update of these iterations (comma-separated) through the step runner's
+# own skip path, as if a dispatcher had gone over budget, so an unpaged control can match a paged
+# run whose overflowing steps 'skip' or 'grow' dropped (run it with --paging-overflow-policy
+# skip). Megatron-paging's runner only.
+DROP_ENV = "MEGATRON_PAGING_BENCH_DROP_ITERS"
 # Diagnostics: write the profiled iteration's kernel timeline (every kernel's stream, start and
 # duration) to this JSON file (+ rank); read it with
 # python -m megatron_paging.tools.kernel_timeline.
@@ -130,7 +135,8 @@ class StepProbe:
         losses = [report["lm loss"].tolist()[0] for report in losses_reduced or []]
         checksum = grad_checksum(self.model)
         self.grad_checksums[self.iteration] = checksum
-        if emulated and not all(math.isfinite(v) for v in (*losses, checksum)):
+        if (emulated and not all(math.isfinite(v) for v in (*losses, checksum))
+                and not self._update_dropped()):
             # Megatron turns its NaN check off under a fake process group: this is that check.
             raise SystemExit(
                 f"error: iteration {self.iteration}: non-finite loss or gradient on the "
@@ -145,6 +151,13 @@ class StepProbe:
                 f.write(f"{float(loss).hex()} {int(num_tokens)}\n")
             f.write(f"grad {checksum.hex()}\n")
 
+    def _update_dropped(self) -> bool:
+        """Whether the step runner drops this step's update (an overflowing step under 'skip' or
+        'grow', whose gradients were computed from pages that were never written)."""
+        steps = getattr(self.runner, "steps", None)
+        skip = getattr(steps, "skip", None)
+        return skip is not None and bool(skip)
+
     def close_step(self) -> None:
         if self.iteration is None:
             return
@@ -153,6 +166,7 @@ class StepProbe:
         host = self.host_step_ms[self.iteration] = (time.thread_time() - self.host_t0) * 1e3
         print(
             f"paging-example step-memory iteration={self.iteration} peak_allocated_mib={peak:.1f} "
+            f"fb_peak_allocated_mib={self.fb_peaks.get(self.iteration, float('nan')):.1f} "
             f"host_fb_ms={self.host_fb_ms.get(self.iteration, float('nan')):.1f} "
             f"host_step_ms={host:.1f}",
             flush=True,
@@ -257,6 +271,28 @@ PROBE = StepProbe(
 )
 
 
+DROPPED_ITERATIONS = iterations_from_env(DROP_ENV)
+
+
+def drop_updates(runner, probe: StepProbe, iterations: tuple[int, ...]) -> None:
+    """``MEGATRON_PAGING_BENCH_DROP_ITERS``: the runner's reduced flags of these iterations say
+    a dispatcher went over budget, so its policy drops their updates (verification only)."""
+    from megatron_paging.overflow import OVER_BUDGET
+
+    if not hasattr(runner, "_reduce_flags"):
+        raise SystemExit(f"error: {DROP_ENV} needs megatron-paging's step runner "
+                         "(not MEGATRON_PAGING_BENCH_IMPLEMENTATION=mcore)")
+    reduce_flags = runner._reduce_flags
+
+    def reduced():
+        flags = reduce_flags()
+        if probe.iteration in iterations:
+            flags[OVER_BUDGET] += 1
+        return flags
+
+    runner._reduce_flags = reduced
+
+
 def observe_training_steps(probe: StepProbe) -> None:
     """Wrap the step runner ``train()`` builds (ours or Megatron-Core's ``PagedStashRunner``,
     used whenever ``--moe-expert-rank-capacity-factor`` is set) so that ``probe`` sees the start
@@ -268,6 +304,8 @@ def observe_training_steps(probe: StepProbe) -> None:
         runner = probe.runner = runner_cls(config, copy_main_params, model, optimizer, *args,
                                            **kwargs)
         probe.model, probe.optimizer = model, optimizer
+        if DROPPED_ITERATIONS:
+            drop_updates(runner, probe, DROPPED_ITERATIONS)
 
         def forward_backward(**step):
             training_step = not step["forward_only"]

@@ -1,9 +1,13 @@
 """GPU: one rank of a larger job under Megatron's ``--fake-process-group`` (emulated EP and PP
 peers, docs/scale.md): Megatron-Core's pipeline schedules run for real on the emulated rank, and
 paged and unpaged runs give bitwise equal losses (on the stage with the loss) and gradient
-checksums (on every stage); two runs with one seed are identical, peaks included."""
+checksums (on every stage), overflowing steps included: 'rerun' equals the unpaged run, 'skip'
+and 'grow' equal an unpaged run that drops the same updates; two runs with one seed are
+identical, peaks included."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -41,13 +45,53 @@ def _pair(tmp_path, env, extra=()):
     return unpaged, paged, log_p
 
 
+def _actions(log: str) -> dict[str, int]:
+    return {k: int(v) for k, v in
+            (kv.split(":") for kv in _report(log)["overflow_actions"].split(","))}
+
+
+POOL = "--moe-paged-stash-buffer-size-factor-cuda"
+POLICY = "--paging-overflow-policy"
+
+
 def test_emulated_first_stage_1f1b_pages_bitwise(tmp_path):
-    """Stage 0 of a 1F1B pipeline (no loss there): gradient checksums bitwise."""
+    """Stage 0 of a 1F1B pipeline (no loss there): gradient checksums bitwise, with the
+    example's pool (steps that overflow are rerun) and with one that never overflows."""
     unpaged, paged, log = _pair(tmp_path, STAGE_0)
     assert not unpaged and not paged  # no loss on the first stage
     assert len(paged.grads) == 4 and paged.grads == unpaged.grads
     report = _report(log)
     assert int(report["peer_rows"]) > 0 and float(report["pool_cuda_mib"]) > 0
+    roomy, roomy_log = _train(tmp_path / "roomy", paged=True, extra=(*LAYOUT, POOL, "3.0"),
+                              env_extra=STAGE_0)
+    assert _actions(roomy_log) == {"ok": 4} and roomy.grads == unpaged.grads
+
+
+@pytest.mark.parametrize("stage", [STAGE_0, STAGE_1], ids=["first", "last"])
+def test_emulated_forced_overflow_rerun_is_bitwise_equal_to_unpaged(tmp_path, stage):
+    """A pool far too small: every paged step after calibration overflows and is rerun
+    unpaged; losses and gradients are the unpaged run's, bit for bit."""
+    unpaged, paged, log = _pair(tmp_path, stage, (POOL, "0.3", POLICY, "rerun"))
+    assert _actions(log) == {"ok": 1, "rerun": 3}
+    assert paged == unpaged and paged.grads == unpaged.grads
+
+
+@pytest.mark.parametrize("policy", ["skip", "grow"])
+def test_emulated_skip_and_grow_equal_unpaged_with_the_same_updates_dropped(tmp_path, policy):
+    """'skip' and 'grow' drop an overflowing step's update: every step they keep equals an
+    unpaged run that drops the same updates (MEGATRON_PAGING_BENCH_DROP_ITERS), losses and
+    gradients bitwise; the dropped steps' own gradients come from pages never written."""
+    extra = (*LAYOUT, POOL, "0.5", POLICY, policy)
+    paged, log = _train(tmp_path / "p", paged=True, extra=extra, env_extra=STAGE_1)
+    dropped = sorted({r["step"] for r in json.loads(_report(log)["overflow"])})
+    assert dropped and _actions(log)[policy] == len(dropped)
+    drop = {**STAGE_1, "MEGATRON_PAGING_BENCH_DROP_ITERS": ",".join(map(str, dropped))}
+    unpaged, log_u = _train(tmp_path / "u", paged=False, extra=(*LAYOUT, POLICY, "skip"),
+                            env_extra=drop)
+    assert _actions(log_u) == {"ok": 4 - len(dropped), "skip": len(dropped)}
+    kept = [i for i in range(4) if i + 1 not in dropped]
+    assert [paged.grads[i] for i in kept] == [unpaged.grads[i] for i in kept]
+    assert paged == unpaged  # forward losses never read a page
 
 
 def test_emulated_last_stage_interleaved_mla_pages_bitwise_and_repeats(tmp_path):

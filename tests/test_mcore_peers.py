@@ -191,3 +191,70 @@ def test_an_emulated_ep_rank_pages_bit_for_bit_and_deterministically():
     # a skewed load on a tight budget: emulated senders drop what exceeds the per-pair block
     assert skewed["dropped_rows"] > 0
     assert all(sum(step["live"]) <= skewed["capacity_rows"] for step in skewed["steps"])
+
+
+def _emulated_step(peers):
+    """What one forward-backward of a 2-microbatch, 2-layer stage receives from its peers."""
+    from megatron_paging.tools.peer_load import RouteShape
+
+    received = []
+    for _ in range(2):
+        tensor = torch.empty(4, 3)
+        peers.fill_received(tensor, "p2p-forward")
+        received.append(tensor)
+        for layer in (1, 2):
+            key = peers.forward_key(layer)
+            counts = torch.zeros(4, 2, dtype=torch.int64)
+            peers.fill_counts(key, counts, counts.clone(), 0, RouteShape(16, 2, 8, 4, 0), 64)
+            rows = torch.empty(8, 3)
+            peers.fill_rows(key, "dispatch", False, rows, torch.zeros(8, 3), 0, 4)
+            received += [counts, rows]
+    return received
+
+
+def _same(a, b):
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_a_rerun_step_receives_what_its_first_attempt_received(monkeypatch):
+    """A step run again (overflow 'rerun') is keyed by Megatron's iteration, not by the count of
+    forward-backward calls: it receives its first attempt's rows, and the steps after it
+    receive what a run without the rerun receives."""
+    from types import SimpleNamespace
+
+    import megatron.training.global_vars as global_vars
+
+    from megatron_paging.mcore.installer import FinishingForwardBackward
+    from megatron_paging.mcore.peers import EmulatedPeers
+
+    def run(calls):
+        peers = EmulatedPeers(LognormalLoad(0.3))
+        seen = []
+        step = FinishingForwardBackward(lambda **_: seen.append(_emulated_step(peers)), None,
+                                        peers)
+        for iteration, forward_only in calls:
+            monkeypatch.setattr(global_vars, "_GLOBAL_ARGS",
+                                SimpleNamespace(curr_iteration=iteration))
+            step(forward_only=forward_only)
+        return seen
+
+    plain = run([(i, False) for i in range(4)])
+    # step 1 run again, then an evaluation at that iteration
+    rerun = run([(0, False), (1, False), (1, False), (1, True), (2, False), (3, False)])
+    first, again, evaluation = rerun[1], rerun[2], rerun[3]
+    assert _same(first, plain[1]) and _same(again, first)
+    assert _same(rerun[4], plain[2]) and _same(rerun[5], plain[3])
+    assert not _same(evaluation, first) and not _same(evaluation, plain[2])
+    assert not _same(plain[1], plain[2])
+
+
+def test_peers_refuse_a_bad_step():
+    from megatron_paging.mcore.peers import EVALUATION_STEPS, EmulatedPeers
+
+    peers = EmulatedPeers(LognormalLoad(0.0))
+    for bad in (-1, EVALUATION_STEPS, 1.5):
+        with pytest.raises(ValueError, match="step"):
+            peers.begin_step(bad)
+    peers.begin_step(5)
+    peers.begin_step()
+    assert peers.step == 6

@@ -98,8 +98,9 @@ class FinishingForwardBackward:
         self.peers = peers
 
     def __call__(self, *args, **kwargs):
-        if self.peers is not None:
-            self.peers.begin_step()
+        if self.peers is not None:  # a rerun of an iteration gets that iteration's exchanges
+            self.peers.begin_step(_training_iteration(),
+                                  evaluation=bool(kwargs.get("forward_only", False)))
         result = self.forward_backward_func(*args, **kwargs)
         if self.api is not None:
             self.api.paged_stash_finish()
@@ -109,6 +110,15 @@ class FinishingForwardBackward:
         if name == "forward_backward_func":  # not set yet (copying): no recursion
             raise AttributeError(name)
         return getattr(self.forward_backward_func, name)
+
+
+def _training_iteration() -> int | None:
+    """Megatron's ``args.curr_iteration`` (what ``train()`` sets before each step), or None
+    outside Megatron's training loop."""
+    global_vars = sys.modules.get("megatron.training.global_vars")
+    args = getattr(global_vars, "_GLOBAL_ARGS", None)
+    iteration = getattr(args, "curr_iteration", None)
+    return iteration if isinstance(iteration, int) else None
 
 
 def _finishing_getter(get_forward_backward_func, api: MCorePagingAPI | None, peers=None):

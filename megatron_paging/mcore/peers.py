@@ -15,7 +15,12 @@ each collective's output lands, and nowhere else:
 What arrives is deterministic: counts are seeded by ``(step, layer, microbatch, peer)`` and rows
 by ``(step, layer, microbatch, peer, direction)``, never by call order, because a recompute
 repeats a layer's forward exchange inside its backward. Pipeline receives, which no recompute
-repeats, are keyed by their order per direction within a step. Row contents are windows of a
+repeats, are keyed by their order per direction within a step. ``step`` is the training
+iteration the caller names (Megatron's ``args.curr_iteration``), not a count of
+forward-backward calls: an overflowing step that is run again (``rerun``, by our runner or by
+Megatron-Core's) receives exactly what its first attempt received, and every later step stays
+aligned with an unpaged run that never reran. Evaluations are keyed apart from training
+(:data:`EVALUATION_STEPS`). Row contents are windows of a
 fixed random bank (one gather per exchange), scaled to activation or gradient size.
 """
 
@@ -39,6 +44,9 @@ _MIX = np.array([0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F, 0x165667B1], dt
 DIRECTIONS = {"dispatch": 1, "probs": 2, "combine": 3, "p2p-forward": 4, "p2p-backward": 5}
 # What a received gradient is scaled by (activations come as N(0, 1) rows).
 GRAD_SCALE = 1e-3
+# Step keys of evaluation calls start here (one per call, in call order): an evaluation at
+# iteration N never repeats training step N's exchanges, and training keys never reach it.
+EVALUATION_STEPS = 1 << 32
 
 
 def _graph_task() -> int:
@@ -82,11 +90,28 @@ class EmulatedPeers:
         self._p2p: dict[str, int] = defaultdict(int)
         self._banks: dict[tuple, torch.Tensor] = {}
         self._checked = False
+        self._evaluations = 0
+        self._training_step = -1
 
     # -- steps -------------------------------------------------------------------------------
-    def begin_step(self) -> None:
-        """A forward-backward begins: microbatch and receive counters restart."""
-        self.step += 1
+    def begin_step(self, step: int | None = None, evaluation: bool = False) -> None:
+        """A forward-backward begins: microbatch and receive counters restart.
+
+        ``step``: the training iteration it belongs to; calling again with the same ``step``
+        (a rerun) repeats that step's exchanges. None: the step after the previous one (a
+        driver without iteration numbers and without reruns). ``evaluation``: a forward-only
+        call, keyed from :data:`EVALUATION_STEPS` on by call order.
+        """
+        if evaluation:
+            self.step = EVALUATION_STEPS + self._evaluations
+            self._evaluations += 1
+        else:
+            if step is None:
+                step = self._training_step + 1
+            if not isinstance(step, int) or not 0 <= step < EVALUATION_STEPS:
+                raise ValueError(f"emulated peers: step must be an iteration number in "
+                                 f"[0, {EVALUATION_STEPS}), got {step!r}")
+            self.step = self._training_step = step
         self._forwards.clear()
         self._recomputes.clear()
         self._p2p.clear()
@@ -268,4 +293,5 @@ def wiring(peers: EmulatedPeers) -> list[tuple[object, str, object]]:
     ]
 
 
-__all__ = ["BANK_ROWS", "DIRECTIONS", "EmulatedPeers", "ExchangeKey", "PeerStats", "wiring"]
+__all__ = ["BANK_ROWS", "DIRECTIONS", "EVALUATION_STEPS", "EmulatedPeers", "ExchangeKey",
+           "PeerStats", "wiring"]

@@ -24,6 +24,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_decoder_block_spec,
     get_gpt_layer_local_submodules,
 )
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
@@ -55,9 +56,22 @@ def with_core_attention(
         if sdpa_backend != "auto":
             raise ValueError(f"sdpa_backend={sdpa_backend!r} needs core_attention='sdpa'")
         return self_attention  # Megatron's unfused DotProductAttention, as the local spec has it
-    fused = partial(SDPAttention, sdpa_backend=sdpa_backend)
-    submodules = dataclasses.replace(self_attention.submodules, core_attention=fused)
+    submodules = dataclasses.replace(
+        self_attention.submodules, core_attention=_sdpa_builder(self_attention, sdpa_backend)
+    )
     return dataclasses.replace(self_attention, submodules=submodules)
+
+
+def _sdpa_builder(self_attention: ModuleSpec, sdpa_backend: str):
+    """SDPAttention as the attention module builds its core attention: ``SelfAttention`` calls
+    the builder (a class or a ``partial``), ``MLASelfAttention`` passes it to ``build_module``
+    (a class or a ``ModuleSpec``, which does not take a ``partial``)."""
+    if sdpa_backend == "auto":
+        return SDPAttention
+    if isinstance(self_attention.module, type) and issubclass(self_attention.module,
+                                                              MLASelfAttention):
+        return ModuleSpec(module=SDPAttention, params={"sdpa_backend": sdpa_backend})
+    return partial(SDPAttention, sdpa_backend=sdpa_backend)
 
 
 def get_gpt_moe_paged_layer_spec(

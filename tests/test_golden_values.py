@@ -1,0 +1,59 @@
+"""Golden values of emulated ranks (tests/golden_values.py): the comparison on the CPU, and on
+the GPU a fresh paged run of every layout against its golden file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from golden_values import LAYOUTS, compare, golden_path, run
+
+GOLDEN = {"losses": ["0x1.0p+1", "0x1.8p+0"], "grad_checksums": ["0x1.2p-3"],
+          "step_peak_mib": {"1": 1000.0, "2": 1200.0}, "fb_peak_mib": {"1": 900.0, "2": 1100.0}}
+
+
+def _fresh(**changes):
+    return {**json.loads(json.dumps(GOLDEN)), **changes}
+
+
+def test_an_equal_run_matches_and_peaks_may_move_within_one_percent():
+    assert compare(GOLDEN, _fresh()) == []
+    assert compare(GOLDEN, _fresh(step_peak_mib={"1": 1009.9, "2": 1188.1})) == []
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"losses": ["0x1.0p+1", "0x1.8000000000001p+0"]}, "losses"),
+    ({"losses": ["0x1.0p+1"]}, "losses"),
+    ({"grad_checksums": ["0x1.3p-3"]}, "grad_checksums"),
+    ({"step_peak_mib": {"1": 1010.1, "2": 1200.0}}, "step_peak_mib iteration 1"),
+    ({"fb_peak_mib": {"1": 900.0, "2": 1088.0}}, "fb_peak_mib iteration 2"),
+    ({"fb_peak_mib": {"1": 900.0}}, "fb_peak_mib: iterations"),
+])
+def test_a_difference_is_named(changes, field):
+    problems = compare(GOLDEN, _fresh(**changes))
+    assert len(problems) == 1 and problems[0].startswith(field)
+
+
+def test_every_golden_file_names_a_layout_and_its_gpu():
+    for name in LAYOUTS:
+        path = golden_path(name)
+        if path.exists():
+            golden = json.loads(path.read_text())
+            assert golden["layout"] == name and golden["gpu"] and golden["commit"]
+            assert golden["losses"] or golden["grad_checksums"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_emulated_rank_matches_its_golden_values(tmp_path, name):
+    path = golden_path(name)
+    if not path.exists():
+        pytest.skip(f"no golden file {path.name} yet: python tests/golden_values.py update {name}")
+    golden = json.loads(path.read_text())
+    if golden["gpu"] != torch.cuda.get_device_name():
+        pytest.skip(f"golden values made on {golden['gpu']}, this GPU is "
+                    f"{torch.cuda.get_device_name()}")
+    fresh = run(LAYOUTS[name], tmp_path)
+    assert compare(golden, fresh) == []
