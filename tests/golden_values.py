@@ -85,14 +85,14 @@ LAYOUTS = {layout.name: layout for layout in (
 )}
 
 
-def run(layout: GoldenLayout, workdir: Path, timeout: float = 480.0) -> dict:
-    """One paged run of ``layout``: its losses, gradient checksums and per-iteration peaks."""
+def run(layout: GoldenLayout, workdir: Path, paged: bool = True, timeout: float = 480.0) -> dict:
+    """One run of ``layout``: its losses, gradient checksums and per-iteration peaks."""
     import torch
 
-    loss_log = workdir / layout.name
-    for stale in workdir.glob(f"{layout.name}.rank*"):
+    loss_log = workdir / f"{layout.name}_{'paged' if paged else 'unpaged'}"
+    for stale in workdir.glob(f"{loss_log.name}.rank*"):
         stale.unlink()
-    env = {**os.environ, **layout.env(), "PAGED": "1", "PYTHON": sys.executable,
+    env = {**os.environ, **layout.env(), "PAGED": "1" if paged else "0", "PYTHON": sys.executable,
            "MEGATRON_PAGING_BENCH_LOSS_LOG": str(loss_log)}
     result = subprocess.run(["bash", str(ROOT / "examples" / "run_pretrain_1gpu.sh"),
                              *layout.flags], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -102,7 +102,7 @@ def run(layout: GoldenLayout, workdir: Path, timeout: float = 480.0) -> dict:
         raise RuntimeError(f"{layout.name}: the run failed (exit {result.returncode}):\n"
                            + log[-3000:])
     losses, grads = [], []
-    for rank_file in sorted(workdir.glob(f"{layout.name}.rank*")):
+    for rank_file in sorted(workdir.glob(f"{loss_log.name}.rank*")):
         for line in rank_file.read_text().splitlines():
             first, second = line.split()
             if first == "grad":
@@ -160,7 +160,15 @@ def check(name: str, workdir: Path) -> list[str]:
 
 
 def update(name: str, workdir: Path) -> Path:
+    """New golden values from a paged run, written only if an unpaged run of the same layout
+    gives the same losses and gradient checksums bit for bit."""
     fresh = run(LAYOUTS[name], workdir)
+    control = run(LAYOUTS[name], workdir, paged=False)
+    for field in ("losses", "grad_checksums"):
+        if fresh[field] != control[field]:
+            raise RuntimeError(f"{name}: paged and unpaged {field} differ; golden values are "
+                               "written only from a run that pages bitwise")
+    fresh["unpaged_step_peak_mib"] = control["step_peak_mib"]
     commit = os.environ.get("GIT_COMMIT") or subprocess.run(
         ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     fresh.update(date=datetime.date.today().isoformat(), commit=commit or "unknown")
