@@ -28,7 +28,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, header, print_table  # noqa: E402
-from scale_layouts import ARMS, CAPACITY_FACTORS, LAYOUTS  # noqa: E402
+from scale_layouts import (  # noqa: E402
+    ARMS,
+    CAPACITY_FACTORS,
+    LAYOUTS,
+    PARITY_PAIR,
+    POOL_OVERFLOW_RATE,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 REPORT = re.compile(r"paging-example rank \d+: (.*)")
@@ -36,6 +42,20 @@ ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?elapsed time per iteration 
 STEP_MEMORY = re.compile(r"step-memory iteration=(\d+) peak_allocated_mib=([\d.]+)")
 OOM = re.compile(r"CUDA out of memory|OutOfMemoryError")
 TRAIN_ITERS = 5  # step 1 calibrates, 2 allocates lazily; 3-5 are the steady state
+
+
+POOL_FLAG = "--moe-paged-stash-buffer-size-factor-cuda"
+
+
+def planned_pool_factor(argv: list[str], layout, rank: int) -> float:
+    """The device pool factor ``megatron-paging plan`` gives this launch line for
+    ``POOL_OVERFLOW_RATE`` (CPU only, a few seconds)."""
+    from megatron_paging.plan import plan_from_argv
+
+    plan = plan_from_argv(argv, layout.world_size, rank, rates=(POOL_OVERFLOW_RATE,))
+    if plan.pools is None:
+        raise RuntimeError(f"plan gives no pool advice for {layout.name} rank {rank}")
+    return plan.pools.rows[0].cuda_factor
 
 
 def run_arm(layout, rank: int, arm: str, capacity_factor: float, tmp: Path, timeout: float
@@ -47,6 +67,10 @@ def run_arm(layout, rank: int, arm: str, capacity_factor: float, tmp: Path, time
         stale.unlink()
     argv = [*layout.flags(rank), "--moe-expert-rank-capacity-factor", str(capacity_factor),
             "--train-iters", str(TRAIN_ITERS), *flags]
+    pool_factor = None
+    if "--moe-paged-stash" in flags and POOL_FLAG not in flags:
+        pool_factor = planned_pool_factor(argv, layout, rank)
+        argv += [POOL_FLAG, f"{pool_factor:.3f}"]
     run_env = {**os.environ, **layout.env(rank), **env, "PAGED": "0",
                "MEGATRON_PAGING_BENCH_LOSS_LOG": str(log_path), "PYTHON": sys.executable}
     started = time.perf_counter()
@@ -59,7 +83,9 @@ def run_arm(layout, rank: int, arm: str, capacity_factor: float, tmp: Path, time
         log, returncode = (expired.stdout or b"").decode() + (expired.stderr or b"").decode(), -1
     record = {"layout": layout.name, "rank": rank, "stage": layout.stage(rank), "arm": arm,
               "capacity_factor": capacity_factor, "flags": argv, "env": env,
-              "wall_s": round(time.perf_counter() - started, 1), "returncode": returncode}
+              "wall_s": round(time.perf_counter() - started, 1), "returncode": returncode,
+              "pool_factor": pool_factor,
+              "pool_factor_rate": POOL_OVERFLOW_RATE if pool_factor is not None else None}
     if returncode != 0:
         record["status"] = "out of memory" if OOM.search(log) else "failed"
         record["log_tail"] = log[-3000:]
@@ -104,11 +130,13 @@ def plan_runs(layouts, arms, factors, all_ranks: bool):
 
 
 def summarize(records: list[dict]) -> list[dict]:
-    """Per layout, rank and capacity factor: each arm against unpaged (peaks, step ratio,
-    parity)."""
+    """Per layout, rank and capacity factor: each arm against unpaged (peaks, step ratio) and,
+    for the deterministic paged arm, parity with the deterministic unpaged one (bitwise)."""
     rows = []
     base = {(r["layout"], r["rank"], r["capacity_factor"]): r for r in records
             if r["arm"] == "unpaged" and r["status"] == "ok"}
+    parity_base = {(r["layout"], r["rank"], r["capacity_factor"]): r for r in records
+                   if r["arm"] == PARITY_PAIR[0] and r["status"] == "ok"}
     for r in records:
         row = {k: r[k] for k in ("layout", "rank", "stage", "arm", "capacity_factor", "status")}
         if r["status"] == "ok":
@@ -126,8 +154,11 @@ def summarize(records: list[dict]) -> list[dict]:
                 if r["median_steady_iteration_ms"] and control["median_steady_iteration_ms"]:
                     row["step_vs_unpaged"] = (r["median_steady_iteration_ms"]
                                               / control["median_steady_iteration_ms"])
-                row["bitwise"] = (r["losses"] == control["losses"]
-                                  and r["grad_checksums"] == control["grad_checksums"])
+            row["overflow_actions"] = rep.get("overflow_actions")
+            twin = parity_base.get((r["layout"], r["rank"], r["capacity_factor"]))
+            if r["arm"] == PARITY_PAIR[1] and twin is not None:
+                row["bitwise"] = (r["losses"] == twin["losses"]
+                                  and r["grad_checksums"] == twin["grad_checksums"])
         rows.append(row)
     return rows
 
@@ -178,10 +209,11 @@ def main(argv=None) -> int:
     rows = result.get("summary", [])
     print_table(
         ["layout", "rank", "arm", "cf", "status", "peak MiB", "fb MiB", "x unpaged", "step x",
-         "bitwise"],
+         "overflow", "bitwise"],
         [[r["layout"], r["rank"], r["arm"], r["capacity_factor"], r["status"],
           r.get("peak_mib", "-"), r.get("fb_peak_mib", "-"), r.get("peak_vs_unpaged", "-"),
-          r.get("step_vs_unpaged", "-"), r.get("bitwise", "-")] for r in rows],
+          r.get("step_vs_unpaged", "-"), r.get("overflow_actions", "-"), r.get("bitwise", "-")]
+         for r in rows],
         floats=".3g",
     )
     print("step times are compute only (collectives emulated)", flush=True)

@@ -105,5 +105,13 @@ ARMS = {
                        "--offload-modules", "expert_fc1", "moe_act",
                        "--paging-offload-backend", "paged"), {}),
     "paged_recompute_fc1": (("--moe-paged-stash", "--paging-recompute-expert-fc1"), {}),
+    # The parity pair: deterministic kernels, so paged and unpaged can be compared bit for bit
+    # (the arms above run as users launch them, where atomics make two runs of one arm differ).
+    "unpaged_deterministic": (("--deterministic-mode",), {}),
+    "paged_deterministic": (("--moe-paged-stash", "--deterministic-mode"), {}),
 }
+PARITY_PAIR = ("unpaged_deterministic", "paged_deterministic")
 CAPACITY_FACTORS = {2.0: tuple(ARMS), 1.5: ("unpaged", "paged"), 3.0: ("unpaged", "paged")}
+# Paged arms get the device pool factor that `megatron-paging plan` gives for this overflow rate
+# (a rerun costs about one step, so 1e-2 costs about 1% of the step time on average).
+POOL_OVERFLOW_RATE = 1e-2

@@ -44,11 +44,15 @@ def test_an_arm_is_read_from_the_examples_output(tmp_path, monkeypatch):
         Path(f"{log_path}.rank256").write_text("0x1.0p+0 4096\ngrad 0x1.8p-3\n")
         assert kwargs["env"]["WORLD_SIZE"] == "2048" and kwargs["env"]["RANK"] == "256"
         assert "--fake-process-group" in cmd and "--moe-paged-stash" in cmd
+        assert cmd[cmd.index(bench_scale.POOL_FLAG) + 1] == "1.234"  # the plan's factor
         return subprocess.CompletedProcess(cmd, 0, LOG, "")
 
     monkeypatch.setattr(bench_scale.subprocess, "run", fake_run)
+    monkeypatch.setattr(bench_scale, "planned_pool_factor", lambda argv, lay, rank: 1.234)
     record = bench_scale.run_arm(layout, 256, "paged", 2.0, tmp_path, timeout=10)
     assert record["status"] == "ok" and record["stage"] == 2
+    assert record["pool_factor"] == 1.234
+    assert record["pool_factor_rate"] == bench_scale.POOL_OVERFLOW_RATE
     assert record["median_steady_iteration_ms"] == 2090.0
     assert record["losses"] == ["0x1.0p+0"] and record["grad_checksums"] == ["0x1.8p-3"]
     assert record["report"]["steady_peak_allocated_mib"] == "51234.5"
@@ -71,12 +75,18 @@ def test_summary_compares_each_arm_with_unpaged():
                            "steady_fb_peak_allocated_mib": str(peak - 1)}}
 
     rows = bench_scale.summarize([rec("unpaged", 100.0, 10.0, ["a"]),
-                                  rec("paged", 60.0, 10.2, ["a"]),
-                                  rec("recompute", 50.0, 13.0, ["b"])])
+                                  rec("paged", 60.0, 10.2, ["c"]),
+                                  rec("recompute", 50.0, 13.0, ["b"]),
+                                  rec("unpaged_deterministic", 100.0, 11.0, ["d"]),
+                                  rec("paged_deterministic", 60.0, 11.0, ["d"]),
+                                  rec("unpaged_deterministic", 100.0, 11.0, ["e"]) | {"rank": 1},
+                                  rec("paged_deterministic", 60.0, 11.0, ["f"]) | {"rank": 1}])
     paged, recompute = rows[1], rows[2]
     assert paged["peak_vs_unpaged"] == pytest.approx(0.6)
-    assert paged["step_vs_unpaged"] == pytest.approx(1.02) and paged["bitwise"] is True
-    assert recompute["bitwise"] is False
+    assert paged["step_vs_unpaged"] == pytest.approx(1.02)
+    # parity only from the deterministic pair (the others run with nondeterministic kernels)
+    assert "bitwise" not in paged and "bitwise" not in recompute
+    assert rows[4]["bitwise"] is True and rows[6]["bitwise"] is False
 
 
 def test_every_layout_flag_is_a_megatron_flag():
