@@ -30,9 +30,6 @@ from megatron_paging.plan.arms import PagingSettings
 from megatron_paging.plan.model import PlanInputs, StageInputs
 
 IMPLEMENTATION_ENV = "MEGATRON_PAGING_BENCH_IMPLEMENTATION"  # examples/preflight.py's control
-# validate_args asks the device's architecture (TP or CP > 1, grouped GEMM); without a GPU the
-# plan answers for the one it was validated on, an H200 (sm90).
-TARGET_CAPABILITY = (9, 0)
 EXPERT_OFFLOAD = {"expert_fc1", "moe_act"}
 MODELED_RECOMPUTE = {"moe", "core_attn"}
 
@@ -68,8 +65,7 @@ def parse_megatron(argv: list[str], world_size: int | None = None, rank: int | N
         from megatron.training import arguments
 
         from megatron_paging.mcore.flags import add_paging_args, paging_config
-        from megatron_paging.mcore.offload_shims import lifted_validate_args
-        from megatron_paging.mcore.peers import _fake_group_validation
+        from megatron_paging.mcore.validation import validate
 
     err = io.StringIO()
     with _environment(world_size, rank, argv):
@@ -80,17 +76,10 @@ def parse_megatron(argv: list[str], world_size: int | None = None, rank: int | N
             lines = [line for line in err.getvalue().splitlines() if line.strip()]
             message = lines[-1].split("error: ", 1)[-1] if lines else "bad arguments"
             raise PlanError(message) from None
-        # the example's own lifts: the static dispatcher under a fake group, offloading on the
-        # local spec (megatron_paging/mcore/offload_shims.py)
-        validate = _fake_group_validation(lifted_validate_args(arguments.validate_args))
         try:
-            with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings(), \
-                    _target_device(arguments):
-                warnings.simplefilter("ignore")
-                validate(args)
-        except (AssertionError, ValueError, RuntimeError, TypeError) as error:
-            message = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
-            raise PlanError(f"Megatron's validate_args: {message}") from None
+            validate(args)
+        except ValueError as error:
+            raise PlanError(str(error)) from None
     try:
         paging_config(args, environ={}, cuda_available=True,
                       te_available=importlib.util.find_spec("transformer_engine") is not None)
@@ -156,23 +145,6 @@ def parallel(args) -> S.Parallel:
         distributed_optimizer=bool(args.use_distributed_optimizer),
         grads_fp32=bool(args.accumulate_allreduce_grads_in_fp32),
     )
-
-
-@contextlib.contextmanager
-def _target_device(arguments):
-    """validate_args's device queries answered as :data:`TARGET_CAPABILITY` where no GPU is."""
-    import torch
-
-    if torch.cuda.is_available():
-        yield
-        return
-    saved = arguments.get_device_arch_version, torch.cuda.get_device_capability
-    arguments.get_device_arch_version = lambda: TARGET_CAPABILITY[0]
-    torch.cuda.get_device_capability = lambda *_, **__: TARGET_CAPABILITY
-    try:
-        yield
-    finally:
-        arguments.get_device_arch_version, torch.cuda.get_device_capability = saved
 
 
 @contextlib.contextmanager
