@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import copy
 import math
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from megatron_paging.demo.quiet import quiet_megatron
 from megatron_paging.demo.report import format_header, format_row, pool_line, write_plot
 from megatron_paging.demo.training import ControlRun, PagedRun, StepData
 from megatron_paging.demo.verdict import DemoResult
+from megatron_paging.paths import png_path
 
 with quiet_megatron():
     from megatron_paging.mcore.flags import (
@@ -181,17 +181,7 @@ def paging_config(args: argparse.Namespace, backend: str) -> PagingConfig:
 
 def plot_path(requested: str) -> Path:
     """``--plot`` as the file that will be written, checked before any training runs."""
-    path = Path(requested).expanduser()
-    if not path.suffix:
-        path = path.with_suffix(".png")
-    if path.suffix.lower() != ".png":
-        raise ValueError(f"--plot must name a .png file, got {requested!r}")
-    path = path.resolve()
-    if not path.parent.is_dir():
-        raise ValueError(f"--plot: directory {path.parent} does not exist")
-    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise ValueError(f"--plot: {path} is not writable")
-    return path
+    return png_path(requested, "--plot")
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ import sys
 import warnings
 from types import SimpleNamespace
 
+from megatron_paging.env import without_cuda_runtime_notice
 from megatron_paging.plan import shapes as S
 from megatron_paging.plan.arms import PagingSettings
 from megatron_paging.plan.model import PlanInputs, StageInputs
@@ -34,8 +35,32 @@ EXPERT_OFFLOAD = {"expert_fc1", "moe_act"}
 MODELED_RECOMPUTE = {"moe", "core_attn"}
 
 
+# What the plan needs of a launch line (Megatron requires some; its refusal of a missing one is
+# a bare AssertionError, and the rest the plan reads).
+REQUIRED_FLAGS = ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length",
+                  "--max-position-embeddings", "--num-experts", "--vocab-size")
+EXAMPLE = "$(DRY_RUN=1 bash examples/run_pretrain_1gpu.sh)"
+
+
 class PlanError(ValueError):
     """One line: what in the launch line the plan cannot use, naming the flag."""
+
+
+def _dest(flag: str) -> str:
+    return flag.removeprefix("--").replace("-", "_")
+
+
+def check_required(args) -> None:
+    """The launch line names every flag of :data:`REQUIRED_FLAGS`, and is an MoE model."""
+    missing = [flag for flag in REQUIRED_FLAGS
+               if flag != "--num-experts" and getattr(args, _dest(flag), None) is None]
+    if missing:
+        raise PlanError(f"the launch line lacks {', '.join(missing)}; usage: megatron-paging "
+                        f"plan [OPTIONS] MEGATRON_FLAGS, with at least {' '.join(REQUIRED_FLAGS)}"
+                        f" (e.g. megatron-paging plan {EXAMPLE})")
+    if not args.num_experts:
+        raise PlanError("no --num-experts: a dense model has no expert activations, so every "
+                        "arm would be the same; the plan compares ways to hold an MoE's")
 
 
 @contextlib.contextmanager
@@ -60,7 +85,7 @@ def _environment(world_size: int | None, rank: int | None, argv: list[str]):
 
 def parse_megatron(argv: list[str], world_size: int | None = None, rank: int | None = None):
     """Megatron's parsed and validated ``args`` for ``argv``; PlanError (one line) otherwise."""
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), without_cuda_runtime_notice():
         warnings.simplefilter("ignore")  # TE/apex-missing notices at import
         from megatron.training import arguments
 
@@ -76,6 +101,7 @@ def parse_megatron(argv: list[str], world_size: int | None = None, rank: int | N
             lines = [line for line in err.getvalue().splitlines() if line.strip()]
             message = lines[-1].split("error: ", 1)[-1] if lines else "bad arguments"
             raise PlanError(message) from None
+        check_required(args)
         try:
             validate(args)
         except ValueError as error:
@@ -155,7 +181,7 @@ def quiet():
     level = logger.level
     logger.setLevel(logging.WARNING)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), without_cuda_runtime_notice():
             warnings.simplefilter("ignore")
             yield
     finally:
@@ -318,5 +344,6 @@ def plan_from_argv(argv: list[str], world_size: int | None = None, rank: int | N
     return build_plan(inputs, **build)
 
 
-__all__ = ["PlanError", "as_launched", "model_shape", "parallel", "parse_megatron",
-           "plan_from_argv", "plan_inputs", "rank_positions", "stage_chunks", "stage_ops"]
+__all__ = ["REQUIRED_FLAGS", "PlanError", "as_launched", "check_required", "model_shape",
+           "parallel", "parse_megatron", "plan_from_argv", "plan_inputs", "rank_positions",
+           "stage_chunks", "stage_ops"]
