@@ -12,6 +12,7 @@ import datetime
 import gc
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -80,6 +81,16 @@ def header(benchmark: str, **extra) -> dict:
         "torch": torch.__version__,
         **extra,
     }
+
+
+def require_gpu(benchmark: str) -> None:
+    """Exit 2 with one line where no CUDA device is visible, before anything runs or is
+    written: every number a benchmark records is a GPU's, and a file written without one (named
+    for no GPU, its arms all failed) would read as a result."""
+    if not torch.cuda.is_available():
+        print(f"error: the {benchmark} benchmark needs a CUDA GPU and none is visible (nothing "
+              "run, nothing written)", file=sys.stderr, flush=True)
+        raise SystemExit(2)
 
 
 def default_out(benchmark: str) -> Path:
@@ -187,4 +198,4 @@ def host_profile(step: Callable[[], object], top: int = 25) -> list[str]:
 
 
 __all__ = ["CudaTimer", "GcTime", "RESULTS", "default_out", "figure", "gbps", "gpu_busy", "header",
-           "host_profile", "print_table", "spread", "write"]
+           "host_profile", "print_table", "require_gpu", "spread", "write"]
