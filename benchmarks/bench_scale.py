@@ -28,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import default_out, header, print_table, require_gpu  # noqa: E402
+from portable import dumps  # noqa: E402
 from scale_layouts import ARMS, CAPACITY_FACTORS, LAYOUTS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -179,7 +180,7 @@ def main(argv=None) -> int:
         result["runs"].append(record)
         result["summary"] = summarize(result["runs"])
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({**result, **header("scale")}, indent=1) + "\n")
+        args.out.write_text(dumps({**result, **header("scale")}))
     rows = result.get("summary", [])
     print_table(
         ["layout", "rank", "arm", "cf", "status", "peak MiB", "fb MiB", "x unpaged", "step x",

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime
 import gc
-import json
 import statistics
 import sys
 import time
@@ -18,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from portable import dumps
 
 from megatron_paging.env import git_commit
 from megatron_paging.tools.kernel_timeline import idle_gaps, summarize, timeline_record
@@ -101,7 +101,7 @@ def default_out(benchmark: str) -> Path:
 def write(result: dict, out: Path, plot: Callable[[object], None] | None = None) -> None:
     """``result`` as JSON at ``out``; ``plot(axes_factory)`` draws the PNG beside it."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out.write_text(dumps(result, indent=2))
     written = [str(out)]
     if plot is not None:
         png = out.with_suffix(".png")
@@ -193,7 +193,8 @@ def host_profile(step: Callable[[], object], top: int = 25) -> list[str]:
     step()
     profiler.disable()
     text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    # file names without their folders: a result file holds no machine's paths
+    pstats.Stats(profiler, stream=text).strip_dirs().sort_stats("tottime").print_stats(top)
     return [line for line in text.getvalue().splitlines() if line.strip()]
 
 
