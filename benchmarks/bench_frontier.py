@@ -40,7 +40,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import default_out, header, write
+from common import default_out, header, require_gpu, write
 from frontier import arms as arm_table  # .SCRIPT read at call time: a test points it at a fake
 from frontier.arms import (
     ARMS,
@@ -193,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     # Logs beside an explicit --out (gpu_check.sh archives $OUT/*.log), else in
     # the ignored out/ folder rather than benchmarks/results/.
     log_dir = args.log_dir or (out.parent if args.out else ROOT / "out")
+    if not (args.dry_run or args.report_only):  # the two modes that read no GPU
+        require_gpu("frontier")
     total_mib = _total_mib() if opts and not args.report_only and not args.dry_run else None
 
     if args.dry_run:

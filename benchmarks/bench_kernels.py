@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from common import CudaTimer, default_out, figure, gbps, header, write
+from common import CudaTimer, default_out, figure, gbps, header, require_gpu, write
 
 from megatron_paging import kernels
 from megatron_paging.config import DEFAULT_MAX_CTAS
@@ -326,9 +326,7 @@ def main(argv: list[str] | None = None) -> int:
                    else [REGIMES[int(i)] for i in args.regimes.split(",")])
     except (ValueError, IndexError):
         parser.error(f"--regimes: indices 0..{len(REGIMES) - 1}, got {args.regimes!r}")
-    if not torch.cuda.is_available():
-        print("error: the kernel benchmark needs a CUDA device")
-        return 2
+    require_gpu("kernels")
     import triton
 
     mcore = load_mcore()

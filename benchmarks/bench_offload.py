@@ -25,7 +25,16 @@ import statistics
 from pathlib import Path
 
 import torch
-from common import CudaTimer, default_out, figure, gbps, header, print_table, write
+from common import (
+    CudaTimer,
+    default_out,
+    figure,
+    gbps,
+    header,
+    print_table,
+    require_gpu,
+    write,
+)
 
 from megatron_paging import kernels
 from megatron_paging.config import PagingConfig
@@ -282,9 +291,7 @@ def main(argv=None) -> int:
     parser.add_argument("--gemm-ctas", type=int, nargs="+", default=[2, 4, 8, 16, 132],
                         help="grids of the SM kernel beside the GEMM, both directions")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_offload: needs a CUDA device")
-        return 2
+    require_gpu("offload")
     t = Transfers()
     t.check()
     timer = CudaTimer(reps=10)

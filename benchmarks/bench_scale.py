@@ -27,7 +27,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, header, print_table  # noqa: E402
+from common import default_out, header, print_table, require_gpu  # noqa: E402
+from portable import dumps  # noqa: E402
 from scale_layouts import (  # noqa: E402
     ARMS,
     CAPACITY_FACTORS,
@@ -179,9 +180,12 @@ def main(argv=None) -> int:
                         help="seconds; arms that would start after it are left for a later call")
     parser.add_argument("--arm-timeout", type=float, default=300.0,
                         help="seconds one arm may run before it counts as failed")
-    parser.add_argument("--out", type=Path, default=RESULTS / "scale_h200.json",
-                        help="result file; arms already in it are not run again")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="result file; arms already in it are not run again (default: "
+                        "benchmarks/results/scale_<gpu>.json)")
     args = parser.parse_args(argv)
+    require_gpu("scale")
+    args.out = args.out or default_out("scale")
     started = time.perf_counter()
     result = json.loads(args.out.read_text()) if args.out.exists() else {
         **header("scale"), "peers": "emulated (--fake-process-group)", "runs": []}
@@ -192,6 +196,7 @@ def main(argv=None) -> int:
     todo = [run for run in plan_runs(args.layouts, args.arms, args.capacity_factors,
                                       args.all_ranks)
             if (run[0].name, run[1], run[2], run[3]) not in done]
+    failed = False
     for index, (layout, rank, arm, factor) in enumerate(todo, 1):
         elapsed = time.perf_counter() - started
         if elapsed > args.time_budget:
@@ -202,10 +207,11 @@ def main(argv=None) -> int:
               f"{arm} cf {factor:g} ({elapsed:.0f} s)", flush=True)
         record = run_arm(layout, rank, arm, factor, tmp, args.arm_timeout)
         print(f"    {record['status']} in {record['wall_s']} s", flush=True)
+        failed = failed or record["status"] == "failed"
         result["runs"].append(record)
         result["summary"] = summarize(result["runs"])
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({**result, **header("scale")}, indent=1) + "\n")
+        args.out.write_text(dumps({**result, **header("scale")}))
     rows = result.get("summary", [])
     print_table(
         ["layout", "rank", "arm", "cf", "status", "peak MiB", "fb MiB", "x unpaged", "step x",
@@ -217,7 +223,7 @@ def main(argv=None) -> int:
         floats=".3g",
     )
     print("step times are compute only (collectives emulated)", flush=True)
-    return 0
+    return 1 if failed else 0  # an out-of-memory arm is a result; a failed one is not
 
 
 if __name__ == "__main__":

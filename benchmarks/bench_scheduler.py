@@ -34,7 +34,17 @@ import warnings
 from pathlib import Path
 
 import torch
-from common import GcTime, default_out, figure, gpu_busy, header, host_profile, spread, write
+from common import (
+    GcTime,
+    default_out,
+    figure,
+    gpu_busy,
+    header,
+    host_profile,
+    require_gpu,
+    spread,
+    write,
+)
 
 from megatron_paging.config import KERNEL_BACKENDS, PagingConfig
 from megatron_paging.engine import PagingEngine
@@ -116,8 +126,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="only these arms (and unpaged, the control)")
     parser.add_argument("--no-profile", action="store_true", help="skip the GPU-busy profile")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_scheduler needs a CUDA device")
+    require_gpu("scheduler")
 
     dtype, device = torch.bfloat16, torch.device("cuda")
     ops, num_chunks, schedule_name = schedule(args.pp, args.vpp, args.microbatches)

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from bench_frontier import parse_env
-from common import default_out, header, write
+from common import default_out, header, require_gpu, write
 from frontier.arms import ARMS, CONTROL, FRONTIER_ITERS, SIZES, WARMUP_ITERS
 from frontier.logs import parity
 from frontier.plan import Runner, estimate_run_s, fits
@@ -127,6 +127,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     env = parse_env(args.env)
+    require_gpu("step-ratio")  # after every argument error, which needs no GPU to be said
     out = args.out or default_out("step_ratio")
     current = header("step_ratio")
     runner = Runner(out.parent, args.run_timeout_s, {"gpu": current["gpu"],

@@ -22,7 +22,16 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
-from common import CudaTimer, default_out, figure, gbps, header, print_table, write
+from common import (
+    CudaTimer,
+    default_out,
+    figure,
+    gbps,
+    header,
+    print_table,
+    require_gpu,
+    write,
+)
 
 from megatron_paging.kernels import weighted_swiglu
 from megatron_paging.mcore.expert_activation import TorchActivation
@@ -111,8 +120,7 @@ def main(argv=None) -> int:
                         "benchmarks/results/weighted_swiglu_<gpu>.json)")
     parser.add_argument("--reps", type=int, default=20, help="timed calls per arm and direction")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_weighted_swiglu needs a CUDA GPU")
+    require_gpu("weighted-swiglu")
     timer = CudaTimer(reps=args.reps)
     results = [measure(rows, cols, timer) for rows, cols in SHAPES]
     print_table(["shape", "arm", "fwd ms", "fwd GB/s", "bwd ms", "bwd GB/s", "fwd tmp MiB",

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import datetime
 import gc
-import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from portable import dumps
 
 from megatron_paging.env import git_commit
 from megatron_paging.tools.kernel_timeline import idle_gaps, summarize, timeline_record
@@ -82,6 +83,16 @@ def header(benchmark: str, **extra) -> dict:
     }
 
 
+def require_gpu(benchmark: str) -> None:
+    """Exit 2 with one line where no CUDA device is visible, before anything runs or is
+    written: every number a benchmark records is a GPU's, and a file written without one (named
+    for no GPU, its arms all failed) would read as a result."""
+    if not torch.cuda.is_available():
+        print(f"error: the {benchmark} benchmark needs a CUDA GPU and none is visible (nothing "
+              "run, nothing written)", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
+
 def default_out(benchmark: str) -> Path:
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
     return RESULTS / f"{benchmark}_{gpu.replace(' ', '_').lower()}.json"
@@ -90,7 +101,7 @@ def default_out(benchmark: str) -> Path:
 def write(result: dict, out: Path, plot: Callable[[object], None] | None = None) -> None:
     """``result`` as JSON at ``out``; ``plot(axes_factory)`` draws the PNG beside it."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out.write_text(dumps(result, indent=2))
     written = [str(out)]
     if plot is not None:
         png = out.with_suffix(".png")
@@ -182,9 +193,10 @@ def host_profile(step: Callable[[], object], top: int = 25) -> list[str]:
     step()
     profiler.disable()
     text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    # file names without their folders: a result file holds no machine's paths
+    pstats.Stats(profiler, stream=text).strip_dirs().sort_stats("tottime").print_stats(top)
     return [line for line in text.getvalue().splitlines() if line.strip()]
 
 
 __all__ = ["CudaTimer", "GcTime", "RESULTS", "default_out", "figure", "gbps", "gpu_busy", "header",
-           "host_profile", "print_table", "spread", "write"]
+           "host_profile", "print_table", "require_gpu", "spread", "write"]

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import subprocess
 import sys
@@ -36,6 +35,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from portable import dumps  # noqa: E402
 from scale_layouts import LAYOUTS  # noqa: E402
 
 if TYPE_CHECKING:
@@ -244,7 +244,7 @@ def main(argv=None) -> int:
         "seconds": round(time.perf_counter() - started, 1),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    args.out.write_text(dumps(result))
     print(f"wrote {args.out} ({result['seconds']} s)")
     return 0
 

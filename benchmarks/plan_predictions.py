@@ -29,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_scale import TRAIN_ITERS, plan_runs  # noqa: E402
+from portable import dumps  # noqa: E402
 from scale_layouts import ARMS, CAPACITY_FACTORS, LAYOUTS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -186,7 +187,7 @@ def main(argv=None) -> int:
         result = json.loads(args.out.read_text())
         layout = LAYOUTS["deepseek_v3"]
         result["cli_timing"] = time_cli(layout, layout.ranks[0], 2.0, args.cli_runs or 3)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        args.out.write_text(dumps(result))
         print(json.dumps(result["cli_timing"], indent=1))
         return 0
 
@@ -224,7 +225,7 @@ def main(argv=None) -> int:
     if any("plan_arm_expected" in e for e in entries):
         print("* the plan derives another arm from this line than PLAN_ARM expects")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    args.out.write_text(dumps(result))
     print(f"wrote {args.out} ({len(entries)} entries, {time.perf_counter() - started:.0f} s)")
     return 0
 

@@ -16,6 +16,8 @@ import argparse
 import json
 from pathlib import Path
 
+from portable import dumps
+
 from megatron_paging.tools.kernel_timeline import load, summarize
 
 MODEL = (
@@ -141,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
             mode: memory_breakdown(args.run_dir / f"mcore_{mode}.log") for mode in summary
         },
     }
-    args.json.write_text(json.dumps(result, indent=1) + "\n")
+    args.json.write_text(dumps(result))
     print(json.dumps(result["targets"], indent=1))
     if args.png:
         import matplotlib

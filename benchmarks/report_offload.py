@@ -15,6 +15,8 @@ import json
 import statistics
 from pathlib import Path
 
+from portable import dumps
+
 EXPERT_MODULES = ("experts", "both")
 
 
@@ -150,7 +152,7 @@ def main(argv=None) -> int:
             "arms": {m: arm_stats(run, m) for m in run["summary"]},
             "ours_vs_mcore": compare(run),
         })
-    args.json.write_text(json.dumps(result, indent=1) + "\n")
+    args.json.write_text(dumps(result))
     for entry in result["runs"]:
         print(f"{entry['label']} ({entry['commit']}, {entry['steps']} steps)")
         for m, s in entry["arms"].items():

@@ -16,6 +16,8 @@ import json
 import sys
 from pathlib import Path
 
+from portable import dumps
+
 from megatron_paging.plan.validate import QUANTITIES, Comparison
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -140,7 +142,7 @@ def main(argv=None) -> int:
     print(format_rows(result))
     out = args.out or RESULTS / f"plan_vs_{args.measured.name}"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    out.write_text(dumps(result))
     print(f"wrote {out}")
     return 0
 

@@ -1,5 +1,7 @@
-"""The example's start-up checks, before Megatron starts: a GPU, the paging flags, the benchmark
-controls. A refusal is one ``error: ...`` line on stderr and exit status 2.
+"""The example's start-up checks, before Megatron starts: the interpreter, the launch
+variables (``NPROC``, ``WORLD_SIZE``, ``RANK``), the flags (Megatron's parser and
+``validate_args``, the paging flags), the benchmark controls, a GPU. A refusal is one
+``error: ...`` line on stderr and exit status 2.
 
 ``examples/run_pretrain_1gpu.sh`` runs ``python examples/preflight.py <the example's flags>``
 before ``torchrun`` (so a refusal is the last line printed, not buried under torchrun's report);
@@ -22,6 +24,9 @@ Benchmark controls: environment variables read only by ``examples/`` and ``bench
 
 from __future__ import annotations
 
+import copy
+import difflib
+import functools
 import os
 import sys
 from dataclasses import dataclass
@@ -78,13 +83,121 @@ def bench_controls(environ=None) -> BenchControls:
     return controls
 
 
-def parse_args():
-    """Megatron's own parser with the paging flags (no validation, no argument dump)."""
-    from megatron.training.arguments import parse_args as megatron_parse_args
+# The example's args_defaults for Megatron's validate_args (pretrain_gpt_moe_paged.py).
+EXAMPLE_DEFAULTS = {"tokenizer_type": "NullTokenizer"}
+UNRECOGNIZED = "unrecognized arguments: "
 
+
+def _one_line_error(parser, message: str):
+    """argparse's error path without the usage: Megatron's usage is ~700 lines, and the one line
+    that matters would be the last of them."""
+    if message.startswith(UNRECOGNIZED):
+        words = message.removeprefix(UNRECOGNIZED).split()
+        flags = [w.split("=", 1)[0] for w in words if w.startswith("--")]
+        if flags:
+            message = f"unknown flag{'s' if len(flags) > 1 else ''} {', '.join(flags)}"
+            close = difflib.get_close_matches(flags[0], parser._option_string_actions, n=1)
+            if close and close[0].startswith(flags[0]):
+                message += f" (flags are not abbreviated: did you mean {close[0]}?)"
+            elif close:
+                message += f" (did you mean {close[0]}?)"
+        else:
+            message = f"unexpected argument{'s' if len(words) > 1 else ''} {' '.join(words)}"
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def _provider(parser):
     from megatron_paging.mcore.flags import add_paging_args
 
-    return megatron_parse_args(extra_args_provider=add_paging_args)
+    parser = add_paging_args(parser)
+    parser.error = functools.partial(_one_line_error, parser)
+    return parser
+
+
+def parse_args():
+    """Megatron's own parser with the paging flags (no validation, no argument dump); a bad flag
+    is one ``error:`` line and exit status 2."""
+    from megatron.training.arguments import parse_args as megatron_parse_args
+
+    return megatron_parse_args(extra_args_provider=_provider)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The job's size as the launch variables give it."""
+
+    world: int  # WORLD_SIZE, else the processes torchrun starts (NPROC)
+    world_from: str  # the variable it came from
+    rank: int | None  # RANK
+    local: int  # processes on this node: LOCAL_WORLD_SIZE (in a torchrun worker), else NPROC
+
+
+def _env_int(environ, name: str, minimum: int) -> int | None:
+    text = environ.get(name)
+    if text is None or text == "":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {text!r}")
+    return value
+
+
+def launch_layout(environ) -> Layout:
+    """The launch variables as integers; read before Megatron's parser, which converts
+    WORLD_SIZE and RANK with a bare ``int()``."""
+    nproc = _env_int(environ, "NPROC", 1)
+    world = _env_int(environ, "WORLD_SIZE", 1)
+    rank = _env_int(environ, "RANK", 0)
+    local = _env_int(environ, "LOCAL_WORLD_SIZE", 1) or nproc or 1
+    if world is None:
+        return Layout(nproc or 1, "NPROC", rank, local)
+    return Layout(world, "WORLD_SIZE", rank, local)
+
+
+def check_layout(args, layout: Layout, environ) -> None:
+    """The job's layout against the flags, then Megatron's own ``validate_args`` on a copy, as
+    every rank would run it after torchrun started them."""
+    from megatron_paging.mcore.validation import validate
+
+    fake = bool(getattr(args, "fake_process_group", False))
+    if (not fake and "WORLD_SIZE" in environ and "LOCAL_WORLD_SIZE" not in environ
+            and layout.world != layout.local):
+        # torchrun sets every worker's WORLD_SIZE to NPROC: the variable would be ignored
+        raise ValueError(
+            f"WORLD_SIZE={layout.world} but torchrun starts NPROC={layout.local} process(es): "
+            "WORLD_SIZE sets the emulated job of --fake-process-group only (docs/scale.md); "
+            "unset it"
+        )
+    if layout.rank is not None and layout.rank >= layout.world:
+        raise ValueError(f"RANK={layout.rank} is not a rank of a {layout.world}-rank job "
+                         f"({layout.world_from}={layout.world}): 0 <= RANK < {layout.world}")
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    # Megatron's validate_args checks the dense grid; the expert grid only fails later, inside
+    # initialize_model_parallel on every rank.
+    grids = {
+        "TP x PP x CP": {"--tensor-model-parallel-size": tp, "--pipeline-model-parallel-size": pp,
+                         "--context-parallel-size": getattr(args, "context_parallel_size", 1)},
+        "expert TP x EP x PP": {
+            "--expert-tensor-parallel-size": getattr(args, "expert_tensor_parallel_size", None)
+            or tp,
+            "--expert-model-parallel-size": getattr(args, "expert_model_parallel_size", 1),
+            "--pipeline-model-parallel-size": pp},
+    }
+    for label, sizes in grids.items():
+        product = 1
+        for size in sizes.values():
+            product *= size
+        if layout.world % product:
+            shown = ", ".join(f"{flag} {size}" for flag, size in sizes.items() if size > 1)
+            raise ValueError(f"{layout.world_from}={layout.world} is not divisible by {label} = "
+                             f"{product} ({shown})")
+    trial = copy.deepcopy(args)
+    trial.world_size, trial.rank = layout.world, layout.rank or 0
+    validate(trial, EXAMPLE_DEFAULTS)
 
 
 # Megatron flags that shape a model this example's provider does not build (it builds the local
@@ -120,12 +233,17 @@ def check_model_flags(args) -> None:
 
 def check(args=None, environ=None):
     """``(args, PagingConfig, BenchControls)`` of this run; exit 2 with one line if refused."""
+    environ = os.environ if environ is None else environ
+    try:
+        layout = launch_layout(environ)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    args = parse_args() if args is None else args  # --help prints and exits here
     import torch
 
     from megatron_paging.mcore.flags import paging_config
 
-    environ = os.environ if environ is None else environ
-    args = parse_args() if args is None else args  # --help prints and exits here
     try:
         controls = bench_controls(environ)
         config = paging_config(args, environ, mcore_manager=controls.mcore_manager)
@@ -143,24 +261,41 @@ def check(args=None, environ=None):
                 "--fake-process-group emulates one rank of a larger job: set WORLD_SIZE (and "
                 "RANK) to the layout's (docs/scale.md)"
             )
-        local = int(environ.get("LOCAL_WORLD_SIZE") or environ.get("NPROC") or 1)
+        check_layout(args, layout, environ)
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if gpus == 0:
             raise ValueError(
                 "no CUDA GPU is visible: Megatron's pretrain() needs one per process "
                 "(`make test` runs the CPU tests)"
             )
-        if gpus < local:
-            raise ValueError(f"{local} processes per node but {gpus} GPU(s) visible (NPROC)")
+        if gpus < layout.local:
+            raise ValueError(f"{layout.local} processes per node but {gpus} GPU(s) visible "
+                             "(NPROC)")
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     return args, config, controls
 
 
+def check_interpreter() -> None:
+    """Exit 2 with one line where this interpreter lacks torch or Megatron-Core (a clone before
+    set-up, where ``python3`` is the system's)."""
+    import importlib.util
+
+    missing = [name for name, module in (("torch", "torch"), ("megatron-core", "megatron"))
+               if importlib.util.find_spec(module) is None]
+    if missing:
+        print(f"error: {sys.executable} has no {' or '.join(missing)}: run `make demo` first "
+              "(it creates .venv, which this script then uses), or set PYTHON= to an "
+              "interpreter that has them", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
+
 if __name__ == "__main__":
     import logging
     import warnings
+
+    check_interpreter()
 
     # Megatron's import-time warnings (no Transformer Engine, no apex) say nothing about the
     # flags; the example's own run prints them.

@@ -39,7 +39,7 @@ from megatron.training.argument_utils import (
 )
 from megatron.training.arguments import parse_and_validate_args
 from megatron.training.utils import is_first_or_last_pipeline_stage
-from preflight import check  # beside this script (its sys.path[0])
+from preflight import EXAMPLE_DEFAULTS, check  # beside this script (its sys.path[0])
 from step_probe import PROBE, observe_training_steps
 
 from megatron_paging.mcore import install
@@ -174,7 +174,7 @@ def main() -> None:
     api = install(**options)
     with offload_args_lift():  # Megatron's TE-only offloading assertion, where it does not apply
         args = parse_and_validate_args(
-            extra_args_provider=add_paging_args, args_defaults={"tokenizer_type": "NullTokenizer"}
+            extra_args_provider=add_paging_args, args_defaults=EXAMPLE_DEFAULTS
         )
     PROBE.peers = options.get("peers")
     recorder = start_recording(args)

@@ -19,6 +19,10 @@ if [ -z "${PYTHON:-}" ]; then
 fi
 NPROC=${NPROC:-1}
 PAGED=${PAGED:-1}
+case $PAGED in
+  0 | 1) ;;
+  *) echo "error: PAGED must be 1 (paged) or 0 (the unpaged control), got '$PAGED'" >&2; exit 2 ;;
+esac
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 
@@ -54,8 +58,9 @@ if [ "${DRY_RUN:-0}" = 1 ]; then  # print the example's arguments, one per line
   printf '%s\n' "${ARGS[@]}"
   exit 0
 fi
-# A GPU, the paging flags and the benchmark controls, checked before torchrun starts anything:
-# a refusal is one "error:" line (the last one printed) and exit status 2.
+# The interpreter, NPROC / WORLD_SIZE / RANK, the flags (Megatron's parser and validate_args),
+# the benchmark controls and a GPU, checked before torchrun starts anything: a refusal is one
+# "error:" line (the last one printed) and exit status 2.
 NPROC=$NPROC "$PYTHON" examples/preflight.py "${ARGS[@]}" || exit $?
 case " ${ARGS[*]} " in
   *" --fake-process-group "*)

@@ -26,6 +26,14 @@ EPILOG = "Run 'megatron-paging COMMAND --help' for the options of a command."
 Handler = Callable[[argparse.Namespace], int]
 
 
+class _Parser(argparse.ArgumentParser):
+    """A bad argument is one line on stderr and exit status 2: the usage above it would bury it
+    (the demo's is 17 lines)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} ('{self.prog} --help' lists the options)\n")
+
+
 @dataclass(frozen=True)
 class Command:
     name: str
@@ -161,8 +169,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The command line; ``only``: configure that subcommand's arguments alone (the others
     are listed but not configured: the demo's flags import Megatron, which 'info' must not
     need)."""
-    parser = argparse.ArgumentParser(prog="megatron-paging", description=DESCRIPTION,
-                                     epilog=EPILOG)
+    parser = _Parser(prog="megatron-paging", description=DESCRIPTION, epilog=EPILOG)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
                         help="print the version of megatron-paging and exit")
     sub = parser.add_subparsers(dest="command", required=True, title="commands",
@@ -179,7 +186,11 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     chosen = next((a for a in argv if not a.startswith("-")), "")
-    args = build_parser(only=chosen).parse_args(argv)
+    parser = build_parser(only=chosen)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said by the subcommand's parser, which owns the options
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        commands.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     return args.func(args)
 
 

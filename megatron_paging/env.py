@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata
+import logging
 import os
 import platform
 from pathlib import Path
@@ -82,6 +84,27 @@ def _max_ctas_shown() -> str:
     except ConfigError as error:
         return f"invalid: {os.environ.get(MAX_CTAS_ENV)!r} ({error.problem})"
     return f"{DEFAULT_MAX_CTAS} (default)" if value is None else str(value)
+
+
+CUDA_NOTICE_LOGGER = "torch.utils.cpp_extension"
+CUDA_NOTICE = "No CUDA runtime is found"
+
+
+def _not_the_cuda_notice(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith(CUDA_NOTICE)
+
+
+@contextlib.contextmanager
+def without_cuda_runtime_notice():
+    """Importing ``torch.utils.cpp_extension`` (Megatron-Core does, at import) logs "No CUDA
+    runtime is found" on a machine without a GPU, though nothing is compiled: that one record
+    is dropped; every other record of that logger, and every other logger, is untouched."""
+    logger = logging.getLogger(CUDA_NOTICE_LOGGER)
+    logger.addFilter(_not_the_cuda_notice)
+    try:
+        yield
+    finally:
+        logger.removeFilter(_not_the_cuda_notice)
 
 
 def git_commit() -> str:

@@ -69,7 +69,11 @@ applied() {  # all patches reverse-apply cleanly = already applied
 case $action in
   apply)
     if applied; then echo "already applied in $SITE"; exit 0; fi
-    for p in "${PATCHES[@]}"; do patch -p1 -d "$SITE" --dry-run -s -f <"$p" >/dev/null; done
+    # Every patch is tried first, so a failing one leaves the sources untouched.
+    for p in "${PATCHES[@]}"; do
+      patch -p1 -d "$SITE" --dry-run -s -f <"$p" >/dev/null \
+        || { echo "apply_patches.sh: does not apply: $(basename "$p") (nothing changed in $SITE)" >&2; exit 1; }
+    done
     for p in "${PATCHES[@]}"; do patch -p1 -d "$SITE" -s -f --no-backup-if-mismatch <"$p"; done
     echo "applied ${#PATCHES[@]} patches in $SITE" ;;
   check)

@@ -40,7 +40,8 @@ FAKE_BASE_ARGV = (
 
 def install_fake_example(tmp_path: Path, source: str, monkeypatch) -> Path:
     """Point the frontier's example script at a bash wrapper running the Python ``source``
-    (``BASE`` in it: :data:`FAKE_BASE_ARGV`); returns the wrapper."""
+    (``BASE`` in it: :data:`FAKE_BASE_ARGV`), and let the loaded drivers run without a GPU;
+    returns the wrapper."""
     import textwrap
 
     fake = tmp_path / "fake_example.py"
@@ -53,4 +54,8 @@ def install_fake_example(tmp_path: Path, source: str, monkeypatch) -> Path:
     from frontier import arms as frontier_arms
 
     monkeypatch.setattr(frontier_arms, "SCRIPT", script)  # script_argv and Runner.run read it
+    # The fake needs no GPU: the drivers' refusal without one is lifted for it.
+    for name in ("bench_frontier", "bench_step_ratio"):
+        if name in sys.modules:
+            monkeypatch.setattr(sys.modules[name], "require_gpu", lambda benchmark: None)
     return script

@@ -103,3 +103,20 @@ def test_every_layout_flag_is_a_megatron_flag():
             args = parser.parse_args([*layout.flags(0), *arm_flags])
             assert args.fake_process_group and args.use_distributed_optimizer
         assert json.dumps(layout.env(layout.ranks[0]))
+
+
+def test_a_failed_arm_fails_the_call(tmp_path, monkeypatch):
+    """Out of memory is a result; an arm that failed is not, and the call says so."""
+    monkeypatch.setattr(bench_scale, "require_gpu", lambda benchmark: None)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(bench_scale.subprocess, "run", lambda cmd, **kw: (
+        subprocess.CompletedProcess(cmd, 1, "", "error: something else")))
+    out = tmp_path / "scale.json"
+    argv = ["--layouts", "qwen3_235b", "--arms", "unpaged", "--capacity-factors", "2.0",
+            "--out", str(out)]
+    assert bench_scale.main(argv) == 1
+    assert [r["status"] for r in json.loads(out.read_text())["runs"]] == ["failed", "failed"]
+    monkeypatch.setattr(bench_scale.subprocess, "run", lambda cmd, **kw: (
+        subprocess.CompletedProcess(cmd, 1, "", "torch.OutOfMemoryError: CUDA out of memory")))
+    out.unlink()
+    assert bench_scale.main(argv) == 0

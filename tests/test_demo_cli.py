@@ -268,7 +268,7 @@ def demo_parser() -> argparse.ArgumentParser:
 
 def test_paging_flags_are_the_megatron_flags():
     """One field, one flag: the demo's paging options are Megatron's launch-line flags, built
-    from the same dataclass (only the pool defaults differ: a tiny model)."""
+    from the same dataclass."""
     demo = demo_parser()
     megatron = flags.add_paging_args(argparse.ArgumentParser())
     shown = [f"--{name.replace('_', '-')}" for name in demo_cli.PAGING_FIELDS]
@@ -277,7 +277,55 @@ def test_paging_flags_are_the_megatron_flags():
         assert (ours.dest, ours.type, ours.choices, ours.help) == (
             theirs.dest, theirs.type, theirs.choices, theirs.help)
     assert set(demo_cli.PAGING_FIELDS) <= {f.name for f in dataclasses.fields(PagingArgs)}
-    assert demo.get_default("moe_paged_stash_page_size") == 16
+
+
+def test_demo_defaults_are_the_launch_lines():
+    """What `megatron-paging demo` shows is what examples/run_pretrain_1gpu.sh runs: every
+    paging flag, the capacity factor and top-k default to the launch line's values (those it
+    does not name, to Megatron's parser defaults)."""
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "examples" / "run_pretrain_1gpu.sh"
+    env = {**os.environ, "DRY_RUN": "1", "PYTHON": sys.executable}
+    line = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env,
+                          check=True).stdout.split()
+    megatron = flags.add_paging_args(argparse.ArgumentParser())
+    demo = demo_parser()
+
+    def launched(flag):
+        if flag in line:
+            action = megatron._option_string_actions[flag]
+            if action.nargs == 0:
+                return True
+            return (action.type or str)(line[line.index(flag) + 1])
+        return megatron.get_default(megatron._option_string_actions[flag].dest)
+
+    shared = [f"--{name.replace('_', '-')}" for name in demo_cli.PAGING_FIELDS]
+    shared += list(demo_cli.POOL_FLAGS)
+    for flag in shared:
+        dest = demo._option_string_actions[flag].dest
+        assert demo.get_default(dest) == launched(flag), flag
+    renamed = {"--capacity-factor": "--moe-expert-rank-capacity-factor",
+               "--topk": "--moe-router-topk"}
+    for ours, theirs in renamed.items():
+        default = demo.get_default(demo._option_string_actions[ours].dest)
+        assert default == type(default)(line[line.index(theirs) + 1]), ours
+    assert demo.get_default("moe_paged_stash_page_size") == 64
+
+
+@pytest.mark.parametrize("argv", [["--bogus"], ["--steps", "abc"], ["--schedule", "gpipe"]])
+def test_a_bad_demo_flag_is_one_line(argv, capsys):
+    """The help's promise: bad flags, exit 2, one line on stderr (no usage)."""
+    from megatron_paging.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", *argv])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert captured.out == "" and len(lines) == 1 and "usage:" not in captured.err
+    assert lines[0].startswith("megatron-paging demo: error:") and argv[0] in lines[0]
 
 
 def test_help_is_plain_text_and_every_option_has_help():

@@ -1,5 +1,7 @@
-"""The example's benchmark controls (examples/preflight.py): read from MEGATRON_PAGING_BENCH_*
-variables, defaults are what a user runs, and a bad value is one error naming the variable."""
+"""The example's start-up checks (examples/preflight.py, run by examples/run_pretrain_1gpu.sh):
+the benchmark controls (MEGATRON_PAGING_BENCH_* variables, defaults are what a user runs), the
+launch line's flags, PAGED, the interpreter and the layout (NPROC, WORLD_SIZE, RANK, Megatron's
+validate_args). Every refusal is one error line naming the flag or variable, exit status 2."""
 
 from __future__ import annotations
 
@@ -42,3 +44,186 @@ def test_a_bad_value_names_its_variable(environ, named):
     with pytest.raises(ValueError) as error:
         bench_controls(environ)
     assert named in str(error.value) and "\n" not in str(error.value)
+
+
+# --- the launch line: one "error:" line naming the flag or variable, exit status 2 ------------
+
+ROOT = Path(__file__).resolve().parent.parent
+LAUNCH = ROOT / "examples" / "run_pretrain_1gpu.sh"
+LAYOUT_VARIABLES = ("NPROC", "WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE", "PAGED", "PYTHON")
+
+
+def _launch(*argv, python=sys.executable, script=LAUNCH, **env):
+    import os
+    import subprocess
+
+    environ = {k: v for k, v in os.environ.items() if k not in LAYOUT_VARIABLES}
+    if python is not None:
+        environ["PYTHON"] = python
+    environ.update(env)
+    return subprocess.run(["bash", str(script), *argv], capture_output=True, text=True,
+                          env=environ, timeout=120)
+
+
+def _one_error_line(stderr: str, *named: str) -> str:
+    errors = [line for line in stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1, stderr[-3000:]
+    assert errors[0].startswith("error: ") and stderr.strip().splitlines()[-1] == errors[0]
+    assert "Traceback" not in stderr and "usage:" not in stderr
+    assert all(name in errors[0] for name in named), errors[0]
+    return errors[0]
+
+
+def test_a_bad_choice_on_the_launch_line_is_one_line_without_usage():
+    result = _launch("--paging-overflow-policy", "bogus")
+    assert result.returncode == 2
+    _one_error_line(result.stderr, "--paging-overflow-policy", "bogus")
+
+
+@pytest.fixture
+def megatron_argv(monkeypatch):
+    """Megatron's parser reads sys.argv and WORLD_SIZE / RANK: set both for one parse."""
+    pytest.importorskip("megatron.training")
+    for name in LAYOUT_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
+    def use(*argv, **env):
+        monkeypatch.setattr(sys, "argv", ["preflight.py", *argv])
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+
+    return use
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--paging-prefetch-distance", "abc"], ("--paging-prefetch-distance", "abc")),
+        # a prefix of --paging-prefetch-distance: unknown (Megatron's parser never abbreviates)
+        (["--paging-prefetch", "2"], ("--paging-prefetch", "unknown")),
+        (["--paging-overflow", "rerun"], ("--paging-overflow", "unknown")),
+        (["--bogus-flag"], ("--bogus-flag", "unknown")),
+    ],
+)
+def test_a_bad_flag_is_one_line_naming_it(argv, named, megatron_argv, capsys):
+    import preflight
+
+    megatron_argv(*argv)
+    with pytest.raises(SystemExit) as done:
+        preflight.parse_args()
+    assert done.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    _one_error_line(err, *named)
+
+
+def test_what_megatron_accepts_is_unchanged(megatron_argv, capsys):
+    import preflight
+
+    line = _launch(DRY_RUN="1").stdout.split()
+    megatron_argv(*line)
+    args = preflight.parse_args()
+    assert args.paging_overflow_policy == "rerun" and args.moe_paged_stash_page_size == 64
+    megatron_argv("--help")
+    with pytest.raises(SystemExit) as done:
+        preflight.parse_args()
+    assert done.value.code == 0 and "--paging-prefetch-distance" in capsys.readouterr().out
+
+
+def test_paged_accepts_only_0_or_1():
+    for value in ("yes", "2", "true"):
+        result = _launch(PAGED=value)
+        assert result.returncode == 2, value
+        _one_error_line(result.stderr, "PAGED")
+    assert "--moe-paged-stash" not in _launch(PAGED="0", DRY_RUN="1").stdout.split()
+    assert "--moe-paged-stash" in _launch(PAGED="1", DRY_RUN="1").stdout.split()
+
+
+def test_launching_before_set_up_says_to_run_make_demo(tmp_path):
+    """A clone without .venv whose python3 has no torch: one line, no ModuleNotFoundError."""
+    import shutil
+
+    clone = tmp_path / "clone"
+    (clone / "examples").mkdir(parents=True)
+    for name in ("run_pretrain_1gpu.sh", "preflight.py"):
+        shutil.copy(ROOT / "examples" / name, clone / "examples" / name)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    python3 = bin_dir / "python3"  # this interpreter without its site-packages: no torch
+    python3.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S "$@"\n')
+    python3.chmod(0o755)
+    import os
+
+    result = _launch(python=None, script=clone / "examples" / "run_pretrain_1gpu.sh",
+                     PATH=f"{bin_dir}:{os.environ['PATH']}")
+    assert result.returncode == 2
+    _one_error_line(result.stderr, "make demo")
+
+
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        ({"WORLD_SIZE": "abc"}, "WORLD_SIZE"),
+        ({"NPROC": "abc"}, "NPROC"),
+        ({"NPROC": "0"}, "NPROC"),
+        ({"RANK": "-1"}, "RANK"),
+        ({"LOCAL_WORLD_SIZE": "x"}, "LOCAL_WORLD_SIZE"),
+    ],
+)
+def test_a_bad_launch_variable_is_one_line_naming_it(env, named):
+    from preflight import launch_layout
+
+    with pytest.raises(ValueError) as error:
+        launch_layout(env)
+    assert named in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_bad_launch_variable_on_the_launch_line():
+    result = _launch(WORLD_SIZE="abc")
+    assert result.returncode == 2
+    _one_error_line(result.stderr, "WORLD_SIZE")
+
+
+FAKE_LINE = ("--fake-process-group", "--pipeline-model-parallel-size", "2",
+             "--expert-model-parallel-size", "4", "--global-batch-size", "16")
+
+
+@pytest.mark.parametrize(
+    ("env", "extra", "named"),
+    [
+        # the fake group's emulated job: PP 2 does not divide 15 ranks
+        ({"WORLD_SIZE": "15", "RANK": "1"}, FAKE_LINE, ("WORLD_SIZE=15", "pipeline")),
+        ({"WORLD_SIZE": "16", "RANK": "99"}, FAKE_LINE, ("RANK=99",)),
+        # EP 4 x PP 2 does not divide 12 ranks (Megatron's validate_args lets it through)
+        ({"WORLD_SIZE": "12", "RANK": "1"}, FAKE_LINE, ("WORLD_SIZE=12", "expert")),
+        # torchrun would replace WORLD_SIZE by NPROC: the variable would be ignored
+        ({"WORLD_SIZE": "15"}, (), ("WORLD_SIZE=15", "NPROC")),
+        ({"NPROC": "2", "RANK": "2"}, (), ("RANK=2",)),
+        ({"NPROC": "2"}, ("--expert-model-parallel-size", "4"), ("NPROC=2", "expert")),
+        # global batch 8 over 3 data-parallel ranks: Megatron's own validate_args refuses it
+        ({"NPROC": "3"}, (), ("validate_args",)),
+    ],
+)
+def test_the_layout_is_validated_before_megatron_starts(env, extra, named, megatron_argv,
+                                                        capsys):
+    import preflight
+
+    line = _launch(DRY_RUN="1").stdout.split()
+    megatron_argv(*line, *extra, **env)
+    with pytest.raises(SystemExit) as done:
+        preflight.check(environ=env)
+    assert done.value.code == 2
+    _one_error_line(capsys.readouterr().err, *named)
+
+
+@pytest.mark.parametrize("env", [{"WORLD_SIZE": "16", "RANK": "8"}, {"WORLD_SIZE": "8"}])
+def test_a_valid_layout_passes(env, megatron_argv, capsys):
+    import preflight
+
+    line = _launch(DRY_RUN="1").stdout.split()
+    megatron_argv(*line, *FAKE_LINE, **env)
+    try:
+        preflight.check(environ=env)
+    except SystemExit:
+        # without a GPU the last check refuses; nothing before it did
+        assert "no CUDA GPU" in _one_error_line(capsys.readouterr().err)

@@ -108,3 +108,18 @@ def test_bad_usage_is_refused(vendored, tmp_path):
     assert no_site.returncode == 2 and "has no megatron/ directory" in no_site.stderr
     unknown = run("frobnicate", str(vendored))
     assert unknown.returncode == 2 and "usage:" in unknown.stderr
+
+
+def test_apply_names_the_patch_that_does_not_apply(tmp_path):
+    installed = Path(megatron_core.__file__).resolve().parent.parent.parent  # holds megatron/
+    for rel in PATCHED_FILES:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(installed / rel, tmp_path / rel)
+    broken = tmp_path / "megatron/core/pipeline_parallel/schedules.py"
+    broken.write_text("")  # no hunk of schedules.patch finds its context
+    before = {rel: (tmp_path / rel).read_bytes() for rel in PATCHED_FILES}
+    result = subprocess.run(["bash", str(SCRIPT), "apply", str(tmp_path)],
+                            capture_output=True, text=True, timeout=60)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode != 0 and len(lines) == 1 and "schedules.patch" in lines[0]
+    assert {rel: (tmp_path / rel).read_bytes() for rel in PATCHED_FILES} == before

@@ -130,13 +130,10 @@ def test_one_line_errors(extra, message):
 
 
 def test_megatron_validation_error_is_one_line():
-    line = [a for a in EXAMPLE_LINE]
-    i = line.index("--max-position-embeddings")
-    del line[i:i + 2]
-    line[line.index("--position-embedding-type") + 1] = "learned_absolute"
+    # the global batch of 8 over 3 data-parallel ranks
     with pytest.raises(adapter.PlanError, match="Megatron's validate_args") as error:
         with adapter.quiet():
-            adapter.parse_megatron(line, world_size=1)
+            adapter.parse_megatron(list(EXAMPLE_LINE), world_size=3)
     assert "\n" not in str(error.value)
 
 
@@ -192,7 +189,7 @@ def test_deepseek_v3_at_2048_ranks():
     assert json.loads(out.getvalue())["world"] == 2048
 
 
-def test_dense_model_has_no_expert_memory_and_no_pool_advice():
+def _dense_line() -> list[str]:
     line = list(EXAMPLE_LINE)
     moe_flags = {"--num-experts": 1, "--moe-router-topk": 1, "--moe-ffn-hidden-size": 1,
                  "--moe-router-load-balancing-type": 1, "--moe-aux-loss-coeff": 1,
@@ -201,7 +198,78 @@ def test_dense_model_has_no_expert_memory_and_no_pool_advice():
     for flag, values in moe_flags.items():
         i = line.index(flag)
         del line[i:i + 1 + values]
-    plan = adapter.plan_from_argv(line, world_size=1, steps=50)
-    assert plan.pools is None
-    assert plan.arms["unpaged"].peak == plan.arms["paged"].peak
-    assert plan.arms["unpaged"].experts == plan.arms["unpaged"].router == 0
+    return line
+
+
+def test_a_dense_model_is_refused_in_one_line():
+    """Every arm of a dense model would be the same: refused rather than eight equal rows."""
+    with pytest.raises(adapter.PlanError, match="--num-experts") as error:
+        adapter.plan_from_argv(_dense_line(), world_size=1, steps=50)
+    assert "\n" not in str(error.value)
+
+
+def _cli_refusal(capsys, *argv) -> str:
+    from megatron_paging.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["plan", *argv])
+    assert done.value.code == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert captured.out == "" and len(lines) == 1, captured.err
+    assert lines[0].startswith("megatron-paging plan: error: ")
+    return lines[0]
+
+
+def test_cli_without_megatron_flags_says_which_are_needed(capsys):
+    line = _cli_refusal(capsys)
+    assert "usage:" in line and all(flag in line for flag in adapter.REQUIRED_FLAGS)
+
+
+def test_cli_names_the_missing_flags(capsys):
+    from megatron_paging.cli import main
+
+    assert main(["plan", "--num-layers", "2", "--num-experts", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--hidden-size" in err[0] and "AssertionError" not in err[0]
+
+
+def test_cli_refuses_a_bad_plot_path_before_planning(capsys, tmp_path):
+    line = _cli_refusal(capsys, "--plot", str(tmp_path / "missing" / "out.png"), *EXAMPLE_LINE)
+    assert "--plot" in line and "does not exist" in line
+    assert "--plot" in _cli_refusal(capsys, "--plot", str(tmp_path / "out.pdf"), *EXAMPLE_LINE)
+
+
+def test_cli_names_a_bad_world_size_variable(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "abc")
+    assert "WORLD_SIZE" in _cli_refusal(capsys, *EXAMPLE_LINE)
+
+
+def test_only_the_cuda_runtime_notice_is_dropped(caplog):
+    import logging
+
+    from megatron_paging.env import CUDA_NOTICE_LOGGER, without_cuda_runtime_notice
+
+    logger = logging.getLogger(CUDA_NOTICE_LOGGER)
+    with caplog.at_level(logging.WARNING, logger=CUDA_NOTICE_LOGGER):
+        with without_cuda_runtime_notice():
+            logger.warning("No CUDA runtime is found, using CUDA_HOME='/usr/local'")
+            logger.warning("a real problem")
+        logger.warning("No CUDA runtime is found, again")
+    assert [r.getMessage() for r in caplog.records] == ["a real problem",
+                                                         "No CUDA runtime is found, again"]
+
+
+def test_cli_plan_prints_no_import_notices():
+    """A fresh process: torch's "No CUDA runtime is found" is logged at the first import only."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "megatron_paging.cli", "plan", "--mc-steps", "50",
+         "--format", "json", *EXAMPLE_LINE, *PAGING_LINE],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "No CUDA runtime" not in result.stderr
+    assert [line.split(":")[0] for line in result.stderr.strip().splitlines()] == [
+        "megatron-paging plan"]

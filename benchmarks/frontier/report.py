@@ -3,13 +3,13 @@ table with the targets, and the PNG."""
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from common import figure
+from portable import dumps
 
 from .arms import ARMS, COMMON_FLAGS, SIZES, WARMUP_ITERS, expert_bytes, model_config
 from .logs import FB_PEAK, STEP_PEAK, removed_runs, summarize
@@ -82,7 +82,7 @@ def save(result: dict, out: Path) -> None:
     """The JSON, written atomically (a run killed mid-write leaves the previous file)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    tmp.write_text(dumps(result))
     os.replace(tmp, out)
 
 

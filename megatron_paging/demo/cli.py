@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import copy
 import math
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from megatron_paging.demo.quiet import quiet_megatron
 from megatron_paging.demo.report import format_header, format_row, pool_line, write_plot
 from megatron_paging.demo.training import ControlRun, PagedRun, StepData
 from megatron_paging.demo.verdict import DemoResult
+from megatron_paging.paths import png_path
 
 with quiet_megatron():
     from megatron_paging.mcore.flags import (
@@ -36,11 +36,12 @@ with quiet_megatron():
 DEFAULT_PLOT = "megatron_paging_demo.png"
 # The PagingArgs flags that mean something for TinyMoE (no fc1 recompute, no offloading).
 PAGING_FIELDS = ("paging_overflow_policy", "paging_prefetch_distance", "paging_hold_last_slot")
-# Megatron-Core's pool flags, with the demo's defaults (a tiny model: small pages).
+# Megatron-Core's pool flags with the launch line's defaults (examples/run_pretrain_1gpu.sh), so
+# that what the demo shows is what a launch runs.
 POOL_FLAGS = {
-    "--moe-paged-stash-page-size": dict(default=16, metavar="ROWS"),
-    "--moe-paged-stash-buffer-size-factor-cuda": dict(default=1.1, metavar="FACTOR"),
-    "--moe-paged-stash-buffer-size-factor-cpu": dict(default=0.0, metavar="FACTOR"),
+    "--moe-paged-stash-page-size": dict(metavar="ROWS"),
+    "--moe-paged-stash-buffer-size-factor-cuda": dict(metavar="FACTOR"),
+    "--moe-paged-stash-buffer-size-factor-cpu": dict(metavar="FACTOR"),
 }
 
 DESCRIPTION = """\
@@ -142,7 +143,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--topk", type=positive, default=2, help="experts each token is routed to")
     add("--capacity-factor", type=_positive_float, default=1.5,
         help="static expert capacity = factor x tokens x topk / experts (rows past it drop)")
-    add("--seq", type=positive, default=128, help="tokens per sequence")
+    # 256: enough routed rows per expert that 64-row pages hold less than the capacity buffers
+    add("--seq", type=positive, default=256, help="tokens per sequence")
     add("--batch", type=positive, default=2, help="sequences per microbatch")
     add("--seed", type=int, default=0, help="seed of the weights, the data and the neighbours")
     add("--plot", default=DEFAULT_PLOT,
@@ -181,17 +183,7 @@ def paging_config(args: argparse.Namespace, backend: str) -> PagingConfig:
 
 def plot_path(requested: str) -> Path:
     """``--plot`` as the file that will be written, checked before any training runs."""
-    path = Path(requested).expanduser()
-    if not path.suffix:
-        path = path.with_suffix(".png")
-    if path.suffix.lower() != ".png":
-        raise ValueError(f"--plot must name a .png file, got {requested!r}")
-    path = path.resolve()
-    if not path.parent.is_dir():
-        raise ValueError(f"--plot: directory {path.parent} does not exist")
-    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise ValueError(f"--plot: {path} is not writable")
-    return path
+    return png_path(requested, "--plot")
 
 
 @dataclass(frozen=True)

@@ -25,20 +25,42 @@ import sys
 import warnings
 from types import SimpleNamespace
 
+from megatron_paging.env import without_cuda_runtime_notice
 from megatron_paging.plan import shapes as S
 from megatron_paging.plan.arms import PagingSettings
 from megatron_paging.plan.model import PlanInputs, StageInputs
 
 IMPLEMENTATION_ENV = "MEGATRON_PAGING_BENCH_IMPLEMENTATION"  # examples/preflight.py's control
-# validate_args asks the device's architecture (TP or CP > 1, grouped GEMM); without a GPU the
-# plan answers for the one it was validated on, an H200 (sm90).
-TARGET_CAPABILITY = (9, 0)
 EXPERT_OFFLOAD = {"expert_fc1", "moe_act"}
 MODELED_RECOMPUTE = {"moe", "core_attn"}
 
 
+# What the plan needs of a launch line (Megatron requires some; its refusal of a missing one is
+# a bare AssertionError, and the rest the plan reads).
+REQUIRED_FLAGS = ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length",
+                  "--max-position-embeddings", "--num-experts", "--vocab-size")
+EXAMPLE = "$(DRY_RUN=1 bash examples/run_pretrain_1gpu.sh)"
+
+
 class PlanError(ValueError):
     """One line: what in the launch line the plan cannot use, naming the flag."""
+
+
+def _dest(flag: str) -> str:
+    return flag.removeprefix("--").replace("-", "_")
+
+
+def check_required(args) -> None:
+    """The launch line names every flag of :data:`REQUIRED_FLAGS`, and is an MoE model."""
+    missing = [flag for flag in REQUIRED_FLAGS
+               if flag != "--num-experts" and getattr(args, _dest(flag), None) is None]
+    if missing:
+        raise PlanError(f"the launch line lacks {', '.join(missing)}; usage: megatron-paging "
+                        f"plan [OPTIONS] MEGATRON_FLAGS, with at least {' '.join(REQUIRED_FLAGS)}"
+                        f" (e.g. megatron-paging plan {EXAMPLE})")
+    if not args.num_experts:
+        raise PlanError("no --num-experts: a dense model has no expert activations, so every "
+                        "arm would be the same; the plan compares ways to hold an MoE's")
 
 
 @contextlib.contextmanager
@@ -63,13 +85,12 @@ def _environment(world_size: int | None, rank: int | None, argv: list[str]):
 
 def parse_megatron(argv: list[str], world_size: int | None = None, rank: int | None = None):
     """Megatron's parsed and validated ``args`` for ``argv``; PlanError (one line) otherwise."""
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), without_cuda_runtime_notice():
         warnings.simplefilter("ignore")  # TE/apex-missing notices at import
         from megatron.training import arguments
 
         from megatron_paging.mcore.flags import add_paging_args, paging_config
-        from megatron_paging.mcore.offload_shims import lifted_validate_args
-        from megatron_paging.mcore.peers import _fake_group_validation
+        from megatron_paging.mcore.validation import validate
 
     err = io.StringIO()
     with _environment(world_size, rank, argv):
@@ -80,17 +101,11 @@ def parse_megatron(argv: list[str], world_size: int | None = None, rank: int | N
             lines = [line for line in err.getvalue().splitlines() if line.strip()]
             message = lines[-1].split("error: ", 1)[-1] if lines else "bad arguments"
             raise PlanError(message) from None
-        # the example's own lifts: the static dispatcher under a fake group, offloading on the
-        # local spec (megatron_paging/mcore/offload_shims.py)
-        validate = _fake_group_validation(lifted_validate_args(arguments.validate_args))
+        check_required(args)
         try:
-            with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings(), \
-                    _target_device(arguments):
-                warnings.simplefilter("ignore")
-                validate(args)
-        except (AssertionError, ValueError, RuntimeError, TypeError) as error:
-            message = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
-            raise PlanError(f"Megatron's validate_args: {message}") from None
+            validate(args)
+        except ValueError as error:
+            raise PlanError(str(error)) from None
     try:
         paging_config(args, environ={}, cuda_available=True,
                       te_available=importlib.util.find_spec("transformer_engine") is not None)
@@ -159,23 +174,6 @@ def parallel(args) -> S.Parallel:
 
 
 @contextlib.contextmanager
-def _target_device(arguments):
-    """validate_args's device queries answered as :data:`TARGET_CAPABILITY` where no GPU is."""
-    import torch
-
-    if torch.cuda.is_available():
-        yield
-        return
-    saved = arguments.get_device_arch_version, torch.cuda.get_device_capability
-    arguments.get_device_arch_version = lambda: TARGET_CAPABILITY[0]
-    torch.cuda.get_device_capability = lambda *_, **__: TARGET_CAPABILITY
-    try:
-        yield
-    finally:
-        arguments.get_device_arch_version, torch.cuda.get_device_capability = saved
-
-
-@contextlib.contextmanager
 def quiet():
     """Megatron's import-time warnings and INFO logs (the layout it parsed, the rank it could not
     find) are not the plan's output."""
@@ -183,7 +181,7 @@ def quiet():
     level = logger.level
     logger.setLevel(logging.WARNING)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), without_cuda_runtime_notice():
             warnings.simplefilter("ignore")
             yield
     finally:
@@ -346,5 +344,6 @@ def plan_from_argv(argv: list[str], world_size: int | None = None, rank: int | N
     return build_plan(inputs, **build)
 
 
-__all__ = ["PlanError", "as_launched", "model_shape", "parallel", "parse_megatron",
-           "plan_from_argv", "plan_inputs", "rank_positions", "stage_chunks", "stage_ops"]
+__all__ = ["REQUIRED_FLAGS", "PlanError", "as_launched", "check_required", "model_shape",
+           "parallel", "parse_megatron", "plan_from_argv", "plan_inputs", "rank_positions",
+           "stage_chunks", "stage_ops"]

@@ -4,9 +4,13 @@ other argument goes to Megatron's parser unchanged (docs/plan.md)."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import time
+from pathlib import Path
+
+from megatron_paging.paths import png_path
 
 DESCRIPTION = (
     "Predict each arm's per-rank memory (unpaged, paged, Megatron-Core's manager, recompute, "
@@ -53,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--format", choices=("table", "json"), default="table",
                         help="output: a table in MiB (default) or JSON (MiB, keys *_mib)")
     parser.add_argument("--plot", metavar="PATH", default=None,
-                        help="also write the arms as stacked bars to this PNG")
+                        help="also write the arms as stacked bars to this PNG (checked before "
+                        "the plan runs; '.png' is added to a name without one)")
     parser.add_argument("--target-rate", type=_rate, nargs="+", default=[1e-2, 1e-3, 1e-4],
                         metavar="RATE",
                         help="overflow rates per step to size the pools for (default: "
@@ -68,15 +73,45 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _world_size(options, parser) -> int:
+    if options.world_size:
+        return options.world_size
+    text = os.environ.get("WORLD_SIZE", "1")
+    try:
+        return _positive_int(text)
+    except (ValueError, argparse.ArgumentTypeError):
+        parser.error(f"WORLD_SIZE must be a positive integer, got {text!r} (or pass "
+                     "--world-size)")
+
+
+def _checked_plot(options, parser) -> Path | None:
+    """--plot, refused before the plan runs rather than after it."""
+    if options.plot is None:
+        return None
+    try:
+        path = png_path(options.plot, "--plot")
+    except ValueError as error:
+        parser.error(str(error))
+    if importlib.util.find_spec("matplotlib") is None:
+        parser.error("--plot needs matplotlib (pip install matplotlib)")
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     options, megatron_argv = parser.parse_known_args(argv)
+    from megatron_paging.plan.adapter import EXAMPLE, REQUIRED_FLAGS, PlanError, plan_from_argv
+
+    if not megatron_argv:
+        parser.error(f"usage: megatron-paging plan [OPTIONS] MEGATRON_FLAGS: give the launch "
+                     f"line's flags, at least {' '.join(REQUIRED_FLAGS)} (e.g. megatron-paging "
+                     f"plan {EXAMPLE}; --help lists the OPTIONS)")
+    world = _world_size(options, parser)
+    plot_to = _checked_plot(options, parser)
     start = time.perf_counter()
-    from megatron_paging.plan.adapter import PlanError, plan_from_argv
     from megatron_paging.plan.report import format_table, plot, to_json
 
-    world = options.world_size or int(os.environ.get("WORLD_SIZE", "1"))
     try:
         plan = plan_from_argv(megatron_argv, world_size=world, rank=options.rank,
                               rates=tuple(options.target_rate), steps=options.mc_steps,
@@ -85,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"megatron-paging plan: error: {error}", file=sys.stderr)
         return 2
     print(to_json(plan) if options.format == "json" else format_table(plan))
-    if options.plot:
-        plot(plan, options.plot)
+    if plot_to is not None:
+        plot(plan, str(plot_to))
     print(f"megatron-paging plan: {time.perf_counter() - start:.2f} s (model "
           f"{plan.model_seconds:.2f} s)", file=sys.stderr)
     return 0
