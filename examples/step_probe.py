@@ -30,10 +30,9 @@ MEMORY_ENV = "MEGATRON_PAGING_BENCH_MEMORY_ITER"
 # Verification: count the CUDA kernels of these iterations (comma-separated, e.g. "6,7"), so a
 # run can show that every replay of a captured CUDA graph launches the same work.
 KERNEL_COUNT_ENV = "MEGATRON_PAGING_BENCH_KERNEL_COUNT_ITERS"
-# Verification: drop the update of these iterations (comma-separated) through the step runner's
-# own skip path, as if a dispatcher had gone over budget, so an unpaged control can match a paged
-# run whose overflowing steps 'skip' or 'grow' dropped (run it with --paging-overflow-policy
-# skip). Megatron-paging's runner only.
+# Verification: drop the update of these iterations (comma-separated): the torch optimizers'
+# step is not called, as 'skip' and 'grow' drop an overflowing step's update, so an unpaged
+# control can match a paged run whose steps they dropped.
 DROP_ENV = "MEGATRON_PAGING_BENCH_DROP_ITERS"
 # Diagnostics: write the profiled iteration's kernel timeline (every kernel's stream, start and
 # duration) to this JSON file (+ rank); read it with
@@ -275,22 +274,25 @@ DROPPED_ITERATIONS = iterations_from_env(DROP_ENV)
 
 
 def drop_updates(runner, probe: StepProbe, iterations: tuple[int, ...]) -> None:
-    """``MEGATRON_PAGING_BENCH_DROP_ITERS``: the runner's reduced flags of these iterations say
-    a dispatcher went over budget, so its policy drops their updates (verification only)."""
-    from megatron_paging.overflow import OVER_BUDGET
+    """``MEGATRON_PAGING_BENCH_DROP_ITERS``: the torch optimizers inside the runner's Megatron
+    optimizer do not step in these iterations (parameters and optimizer state stay; Megatron's
+    own bookkeeping runs as for a step that 'skip' dropped). Verification only."""
+    optimizer = runner.optimizer
+    chained = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    torch_optimizers = [getattr(inner, "optimizer", None) for inner in chained]
+    if not torch_optimizers or not all(isinstance(o, torch.optim.Optimizer)
+                                       for o in torch_optimizers):
+        raise SystemExit(f"error: {DROP_ENV}: no torch optimizer found inside Megatron's")
 
-    if not hasattr(runner, "_reduce_flags"):
-        raise SystemExit(f"error: {DROP_ENV} needs megatron-paging's step runner "
-                         "(not MEGATRON_PAGING_BENCH_IMPLEMENTATION=mcore)")
-    reduce_flags = runner._reduce_flags
+    for torch_optimizer in torch_optimizers:
+        step = torch_optimizer.step
 
-    def reduced():
-        flags = reduce_flags()
-        if probe.iteration in iterations:
-            flags[OVER_BUDGET] += 1
-        return flags
+        def maybe_step(*args, _step=step, **kwargs):
+            if probe.iteration in iterations:
+                return None
+            return _step(*args, **kwargs)
 
-    runner._reduce_flags = reduced
+        torch_optimizer.step = maybe_step
 
 
 def observe_training_steps(probe: StepProbe) -> None:
