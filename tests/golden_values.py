@@ -109,6 +109,9 @@ def run(layout: GoldenLayout, workdir: Path, paged: bool = True, timeout: float 
                 grads.append(second)
             else:
                 losses.append(first)
+    if not grads:
+        raise RuntimeError(f"{layout.name}: the run logged no gradient checksum (no training "
+                           "step ran):\n" + log[-3000:])
     reports = REPORT.findall(log)
     report = dict(kv.split("=", 1) for kv in reports[-1].split()) if reports else {}
     return {

@@ -36,12 +36,14 @@ MLA = (
 )  # fmt: skip
 
 
-def _pair(tmp_path, env, extra=()):
+def _pair(tmp_path, env, extra=(), paged_extra=()):
     unpaged, log_u = _train(tmp_path / "u", paged=False, extra=(*LAYOUT, *extra), env_extra=env)
-    paged, log_p = _train(tmp_path / "p", paged=True, extra=(*LAYOUT, *extra), env_extra=env)
+    paged, log_p = _train(tmp_path / "p", paged=True, extra=(*LAYOUT, *extra, *paged_extra),
+                          env_extra=env)
     for log in (log_u, log_p):
         assert "emulated" in _report(log)["peers"]
-    assert _report(log_p)["paging_mode"] == "paged"
+    assert float(_report(log_p)["pool_cuda_mib"]) > 0  # calibrated, then paged through pools
+    assert len(paged.grads) == 4
     return unpaged, paged, log_p
 
 
@@ -71,7 +73,7 @@ def test_emulated_first_stage_1f1b_pages_bitwise(tmp_path):
 def test_emulated_forced_overflow_rerun_is_bitwise_equal_to_unpaged(tmp_path, stage):
     """A pool far too small: every paged step after calibration overflows and is rerun
     unpaged; losses and gradients are the unpaged run's, bit for bit."""
-    unpaged, paged, log = _pair(tmp_path, stage, (POOL, "0.3", POLICY, "rerun"))
+    unpaged, paged, log = _pair(tmp_path, stage, paged_extra=(POOL, "0.3", POLICY, "rerun"))
     assert _actions(log) == {"ok": 1, "rerun": 3}
     assert paged == unpaged and paged.grads == unpaged.grads
 
@@ -110,9 +112,22 @@ def test_emulated_last_stage_interleaved_mla_pages_bitwise_and_repeats(tmp_path)
     assert strip and strip == strip_again
 
 
-def test_emulated_combined_1f1b_pages_bitwise(tmp_path):
-    """Megatron-Core's combined 1F1B (EP all-to-all overlapped with compute) on the emulated
-    rank: the paging scheduler's multiplexed forward/backward sources under Megatron."""
-    extra = (*INTERLEAVED, "--overlap-moe-expert-parallel-comm")
-    unpaged, paged, _ = _pair(tmp_path, STAGE_1, extra)
-    assert paged == unpaged and paged.grads == unpaged.grads
+def test_emulated_combined_1f1b_is_refused_in_one_line(tmp_path):
+    """Megatron-Core's combined 1F1B (EP all-to-all overlapped with compute) fails with an
+    illegal memory access in its backward with the static dispatcher, unpaged too: refused at
+    start-up, one line naming the flag, exit status 2."""
+    import os
+    import subprocess
+    import sys
+
+    from test_example_pretrain import ROOT, SMALL
+
+    extra = (*LAYOUT, *INTERLEAVED, "--overlap-moe-expert-parallel-comm")
+    for paged in ("0", "1"):
+        result = subprocess.run(
+            ["bash", str(ROOT / "examples" / "run_pretrain_1gpu.sh"), *SMALL, *extra], cwd=ROOT,
+            env={**os.environ, **STAGE_1, "PAGED": paged, "PYTHON": sys.executable},
+            capture_output=True, text=True, timeout=300)
+        last = result.stderr.strip().splitlines()[-1]
+        assert result.returncode == 2 and "Traceback" not in result.stderr
+        assert last.startswith("error: --overlap-moe-expert-parallel-comm")

@@ -37,7 +37,7 @@ GRAPHS = (
 )  # fmt: skip
 EAGER_LONG = ("--no-check-for-nan-in-loss-and-grad", "--train-iters", str(GRAPH_STEPS))
 CAPTURE_LINE = "Capture CUDA graph for training"
-REPORT = re.compile(r"paging-example rank 0: (.*)")
+REPORT = re.compile(r"paging-example rank \d+: (.*)")
 KERNELS = re.compile(r"paging-example kernels iteration=(\d+) count=(\d+)")
 PORT_TAKEN = re.compile(r"DistNetworkError: The server socket has failed to listen.*EADDRINUSE")
 

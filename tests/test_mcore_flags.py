@@ -188,6 +188,8 @@ OFFLOAD = ["--fine-grained-activation-offloading", "--paging-offload-backend", "
          "--delay-wgrad-compute needs Transformer Engine"),
         (BASE + ["--num-experts", "8", "--delay-wgrad-compute"], {},
          "--delay-wgrad-compute needs Transformer Engine"),
+        (BASE + ["--num-experts", "8", "--overlap-moe-expert-parallel-comm"], {},
+         "--overlap-moe-expert-parallel-comm is not supported yet"),
         (BASE + ["--num-experts", "8", "--fake-process-group", "--paging-emulated-load",
                  "zipf:1"], {},
          "--paging-emulated-load 'zipf:1': expected lognormal:<skew> or a path to a .json"),
