@@ -10,8 +10,9 @@ run is compared against it, the way Megatron's functional tests keep golden valu
     python tests/golden_values.py check [LAYOUT ...]     # exit 1 on a mismatch, 0 when equal
     python tests/golden_values.py update [LAYOUT ...]    # write new golden files
 
-Exact values hold for one kind of GPU (kernels and their order may differ on another): a check
-on a GPU other than the golden file's is refused with the two names, and the GPU test skips.
+Exact values hold for one kind of GPU (kernels and their order may differ on another), so each
+GPU kind has its own file, ``tests/golden/<layout>.<gpu>.json``; on a GPU without one the check
+is refused and the GPU test skips, naming the command that makes it.
 """
 
 from __future__ import annotations
@@ -148,18 +149,23 @@ def compare(golden: dict, fresh: dict, tolerance: float = PEAK_TOLERANCE) -> lis
     return problems
 
 
-def golden_path(name: str) -> Path:
-    return GOLDEN_DIR / f"{name}.json"
+def gpu_slug(gpu: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", gpu.lower()).strip("_")
+
+
+def golden_path(name: str, gpu: str) -> Path:
+    return GOLDEN_DIR / f"{name}.{gpu_slug(gpu)}.json"
 
 
 def check(name: str, workdir: Path) -> list[str]:
-    """A fresh run of layout ``name`` against its golden file."""
-    golden = json.loads(golden_path(name).read_text())
-    fresh = run(LAYOUTS[name], workdir)
-    if fresh["gpu"] != golden["gpu"]:
-        raise RuntimeError(f"{name}: golden values were made on {golden['gpu']}, this GPU is "
-                           f"{fresh['gpu']}: exact values do not carry across GPUs")
-    return compare(golden, fresh)
+    """A fresh run of layout ``name`` against its golden file for this GPU."""
+    import torch
+
+    path = golden_path(name, torch.cuda.get_device_name())
+    if not path.exists():
+        raise RuntimeError(f"{name}: no golden values for this GPU ({path.name}): "
+                           f"python tests/golden_values.py update {name}")
+    return compare(json.loads(path.read_text()), run(LAYOUTS[name], workdir))
 
 
 def update(name: str, workdir: Path) -> Path:
@@ -175,7 +181,7 @@ def update(name: str, workdir: Path) -> Path:
     commit = os.environ.get("GIT_COMMIT") or subprocess.run(
         ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     fresh.update(date=datetime.date.today().isoformat(), commit=commit or "unknown")
-    path = golden_path(name)
+    path = golden_path(name, fresh["gpu"])
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(fresh, indent=1) + "\n")
     return path

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from golden_values import LAYOUTS, compare, golden_path, run
+from golden_values import GOLDEN_DIR, LAYOUTS, compare, golden_path, run
 
 GOLDEN = {"losses": ["0x1.0p+1", "0x1.8p+0"], "grad_checksums": ["0x1.2p-3"],
           "step_peak_mib": {"1": 1000.0, "2": 1200.0}, "fb_peak_mib": {"1": 900.0, "2": 1100.0}}
@@ -35,25 +35,23 @@ def test_a_difference_is_named(changes, field):
     assert len(problems) == 1 and problems[0].startswith(field)
 
 
-def test_every_golden_file_names_a_layout_and_its_gpu():
-    for name in LAYOUTS:
-        path = golden_path(name)
-        if path.exists():
-            golden = json.loads(path.read_text())
-            assert golden["layout"] == name and golden["gpu"] and golden["commit"]
-            assert golden["losses"] or golden["grad_checksums"]
+def test_every_golden_file_names_its_layout_and_gpu():
+    files = sorted(GOLDEN_DIR.glob("*.json"))
+    assert files
+    for path in files:
+        golden = json.loads(path.read_text())
+        assert golden["layout"] in LAYOUTS and golden["commit"]
+        assert path == golden_path(golden["layout"], golden["gpu"])
+        assert golden["grad_checksums"] and golden["step_peak_mib"]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_emulated_rank_matches_its_golden_values(tmp_path, name):
-    path = golden_path(name)
+    path = golden_path(name, torch.cuda.get_device_name())
     if not path.exists():
-        pytest.skip(f"no golden file {path.name} yet: python tests/golden_values.py update {name}")
-    golden = json.loads(path.read_text())
-    if golden["gpu"] != torch.cuda.get_device_name():
-        pytest.skip(f"golden values made on {golden['gpu']}, this GPU is "
-                    f"{torch.cuda.get_device_name()}")
+        pytest.skip(f"no golden values for this GPU ({path.name}): "
+                    f"python tests/golden_values.py update {name}")
     fresh = run(LAYOUTS[name], tmp_path)
-    assert compare(golden, fresh) == []
+    assert compare(json.loads(path.read_text()), fresh) == []
