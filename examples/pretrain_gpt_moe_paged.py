@@ -177,6 +177,11 @@ def main() -> None:
             extra_args_provider=add_paging_args, args_defaults=EXAMPLE_DEFAULTS
         )
     PROBE.peers = options.get("peers")
+    if args.fake_process_group:
+        # EMULATED: the data-loader flags rank 0 broadcasts. The fake group leaves them as this
+        # rank set them, so a middle pipeline stage (no data loader of its own) would never train.
+        args.do_train = (args.train_iters or 0) > 0
+        args.do_valid = args.do_test = (args.eval_iters or 0) > 0
     recorder = start_recording(args)
     observe_training_steps(PROBE)
     use_prebuilt_dataset_helpers()
