@@ -59,19 +59,27 @@ def planned_pool_factor(argv: list[str], layout, rank: int) -> float:
     return plan.pools.rows[0].cuda_factor
 
 
+def arm_argv(layout, rank: int, arm: str, capacity_factor: float
+             ) -> tuple[list[str], float | None]:
+    """The Megatron flags one arm launches the example with, and the planned pool factor it
+    adds to a paged arm (None for the others)."""
+    flags = ARMS[arm][0]
+    argv = [*layout.flags(rank), "--moe-expert-rank-capacity-factor", str(capacity_factor),
+            "--train-iters", str(TRAIN_ITERS), *flags]
+    if "--moe-paged-stash" not in flags or POOL_FLAG in flags:
+        return argv, None
+    pool_factor = planned_pool_factor(argv, layout, rank)
+    return [*argv, POOL_FLAG, f"{pool_factor:.3f}"], pool_factor
+
+
 def run_arm(layout, rank: int, arm: str, capacity_factor: float, tmp: Path, timeout: float
             ) -> dict:
     """One run of the example; the parsed report (or why it did not finish)."""
-    flags, env = ARMS[arm]
+    env = ARMS[arm][1]
     log_path = tmp / f"{layout.name}_{rank}_{arm}_{capacity_factor:g}"
     for stale in tmp.glob(f"{log_path.name}.rank*"):
         stale.unlink()
-    argv = [*layout.flags(rank), "--moe-expert-rank-capacity-factor", str(capacity_factor),
-            "--train-iters", str(TRAIN_ITERS), *flags]
-    pool_factor = None
-    if "--moe-paged-stash" in flags and POOL_FLAG not in flags:
-        pool_factor = planned_pool_factor(argv, layout, rank)
-        argv += [POOL_FLAG, f"{pool_factor:.3f}"]
+    argv, pool_factor = arm_argv(layout, rank, arm, capacity_factor)
     run_env = {**os.environ, **layout.env(rank), **env, "PAGED": "0",
                "MEGATRON_PAGING_BENCH_LOSS_LOG": str(log_path), "PYTHON": sys.executable}
     started = time.perf_counter()

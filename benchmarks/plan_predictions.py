@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_scale import TRAIN_ITERS, plan_runs  # noqa: E402
+from bench_scale import arm_argv, plan_runs  # noqa: E402
 from portable import dumps  # noqa: E402
 from scale_layouts import ARMS, CAPACITY_FACTORS, LAYOUTS  # noqa: E402
 
@@ -41,15 +41,15 @@ DEVICE = "none (CPU prediction, made before any GPU validation run)"
 # paged_offload_experts (its paged_offload arm is the dense modules' offload).
 PLAN_ARM = {"unpaged": "unpaged", "paged": "paged", "mcore_manager": "mcore",
             "recompute": "recompute", "mcore_offload": "offload",
-            "paged_offload": "paged_offload_experts", "paged_recompute_fc1": "paged_recompute_fc1"}
+            "paged_offload": "paged_offload_experts", "paged_recompute_fc1": "paged_recompute_fc1",
+            "unpaged_deterministic": "unpaged", "paged_deterministic": "paged"}
 MODEL_SECONDS = re.compile(r"megatron-paging plan: ([\d.]+) s \(model ([\d.]+) s\)")
 
 
 def bench_argv(layout, rank: int, arm: str, capacity_factor: float) -> list[str]:
     """The Megatron flags ``bench_scale.run_arm`` launches the example with (a test holds the
     two equal)."""
-    return [*layout.flags(rank), "--moe-expert-rank-capacity-factor", str(capacity_factor),
-            "--train-iters", str(TRAIN_ITERS), *ARMS[arm][0]]
+    return arm_argv(layout, rank, arm, capacity_factor)[0]
 
 
 @contextlib.contextmanager
