@@ -5,6 +5,8 @@ step."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from mcore_fixtures import installed, model_parallel, moe_config  # noqa: F401
@@ -42,14 +44,11 @@ def test_mla_block_builds_with_sdpa_and_trains(model_parallel, installed, backen
     config = _mla_config()
     spec = get_gpt_moe_paged_block_spec(config, normalization="RMSNorm")
     if backend != "auto":
-        layers = [
-            type(layer)(**{**vars(layer), "submodules": type(layer.submodules)(**{
-                **vars(layer.submodules),
-                "self_attention": with_core_attention(layer.submodules.self_attention,
-                                                      sdpa_backend=backend)})})
-            for layer in spec.layer_specs
-        ]
-        spec = type(spec)(**{**vars(spec), "layer_specs": layers})
+        layers = [replace(layer, submodules=replace(
+            layer.submodules, self_attention=with_core_attention(
+                layer.submodules.self_attention, sdpa_backend=backend)))
+            for layer in spec.layer_specs]
+        spec = replace(spec, layer_specs=layers)
     if not torch.cuda.is_available():  # MLA's rotary embedding asks CUDA for its device
         monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
     torch.manual_seed(0)
