@@ -99,15 +99,10 @@ def run_arm(layout, rank: int, arm: str, capacity_factor: float, tmp: Path, time
         record["status"] = "out of memory" if OOM.search(log) else "failed"
         record["log_tail"] = log[-3000:]
         return record
-    reports = REPORT.findall(log)
-    fields = dict(kv.split("=", 1) for kv in reports[-1].split()) if reports else {}
+    fields = read_report(log)
     times = {int(i): float(ms) for i, ms in ITERATION.findall(log)}
     steady = [ms for i, ms in times.items() if i >= 3]
-    losses, grads = [], []
-    for rank_file in sorted(tmp.glob(f"{log_path.name}.rank*")):
-        for line in rank_file.read_text().splitlines():
-            first, second = line.split()
-            (grads if first == "grad" else losses).append(second if first == "grad" else first)
+    losses, grads = read_loss_log(log_path)
     record.update(
         status="ok",
         report=fields,
@@ -118,6 +113,26 @@ def run_arm(layout, rank: int, arm: str, capacity_factor: float, tmp: Path, time
         grad_checksums=grads,
     )
     return record
+
+
+def read_report(log: str) -> dict[str, str]:
+    """The example's last report line as key=value fields (empty if it printed none)."""
+    reports = REPORT.findall(log)
+    return dict(kv.split("=", 1) for kv in reports[-1].split()) if reports else {}
+
+
+def read_loss_log(loss_log: Path) -> tuple[list[str], list[str]]:
+    """Every microbatch loss and every step's gradient checksum (hex) that the example wrote to
+    ``MEGATRON_PAGING_BENCH_LOSS_LOG`` (one file per rank)."""
+    losses, grads = [], []
+    for rank_file in sorted(loss_log.parent.glob(f"{loss_log.name}.rank*")):
+        for line in rank_file.read_text().splitlines():
+            first, second = line.split()
+            if first == "grad":
+                grads.append(second)
+            else:
+                losses.append(first)
+    return losses, grads
 
 
 def key(record: dict) -> tuple:

@@ -29,11 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_scale import read_loss_log, read_report  # noqa: E402
+
 GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
 PEAK_TOLERANCE = 0.01
 STEP_MEMORY = re.compile(
     r"step-memory iteration=(\d+) peak_allocated_mib=([\d.]+) fb_peak_allocated_mib=([\d.]+)")
-REPORT = re.compile(r"paging-example rank \d+: (.*)")
 
 SMALL = (
     "--hidden-size 256 --num-attention-heads 4 --ffn-hidden-size 512 --moe-ffn-hidden-size 256 "
@@ -102,19 +104,11 @@ def run(layout: GoldenLayout, workdir: Path, paged: bool = True, timeout: float 
     if result.returncode != 0:
         raise RuntimeError(f"{layout.name}: the run failed (exit {result.returncode}):\n"
                            + log[-3000:])
-    losses, grads = [], []
-    for rank_file in sorted(workdir.glob(f"{loss_log.name}.rank*")):
-        for line in rank_file.read_text().splitlines():
-            first, second = line.split()
-            if first == "grad":
-                grads.append(second)
-            else:
-                losses.append(first)
+    losses, grads = read_loss_log(loss_log)
     if not grads:
         raise RuntimeError(f"{layout.name}: the run logged no gradient checksum (no training "
                            "step ran):\n" + log[-3000:])
-    reports = REPORT.findall(log)
-    report = dict(kv.split("=", 1) for kv in reports[-1].split()) if reports else {}
+    report = read_report(log)
     return {
         "layout": layout.name, "about": layout.about, "flags": list(layout.flags),
         "env": layout.env(), "losses": losses, "grad_checksums": grads,
