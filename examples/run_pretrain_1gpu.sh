@@ -24,6 +24,10 @@ case $PAGED in
   *) echo "error: PAGED must be 1 (paged) or 0 (the unpaged control), got '$PAGED'" >&2; exit 2 ;;
 esac
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
+# torch 2.11's Inductor fails an assertion ("256 v.s. 64") fusing the split reductions of
+# Megatron-Core's compiled functions at DeepSeek-V3's MLA and router sizes (mix-order reduction;
+# pytorch/pytorch#177419). Off unless the caller says otherwise.
+export TORCHINDUCTOR_MIX_ORDER_REDUCTION=${TORCHINDUCTOR_MIX_ORDER_REDUCTION:-0}
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 
 MODEL=(
