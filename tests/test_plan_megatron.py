@@ -14,8 +14,8 @@ import pytest
 pytest.importorskip("megatron.training")
 
 from megatron_paging.plan import adapter  # noqa: E402
+from megatron_paging.plan.liveness import max_in_flight, one_f_one_b_ops  # noqa: E402
 from megatron_paging.plan.measured import EXAMPLE_LINE, PAGING_LINE  # noqa: E402
-from megatron_paging.plan.schedule import max_in_flight, one_f_one_b_ops  # noqa: E402
 
 DEEPSEEK_V3 = (
     "--num-layers 61 --hidden-size 7168 --ffn-hidden-size 18432 --num-attention-heads 128 "

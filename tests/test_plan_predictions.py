@@ -19,8 +19,8 @@ import report_plan  # noqa: E402
 from scale_layouts import LAYOUTS, Layout  # noqa: E402
 
 from megatron_paging.plan import shapes as S  # noqa: E402
+from megatron_paging.plan.liveness import one_f_one_b_ops, record_schedule  # noqa: E402
 from megatron_paging.plan.pools import step_needs  # noqa: E402
-from megatron_paging.plan.schedule import one_f_one_b_ops, record_schedule  # noqa: E402
 from megatron_paging.tools.peer_load import TRACE_FORMAT, TraceLoad  # noqa: E402
 
 # 4 ranks: PP 2 x DP 2, EP 2; 4 layers (the first dense), 4 experts top-2

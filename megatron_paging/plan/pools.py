@@ -75,7 +75,7 @@ class LoadModel:
     """What the Monte-Carlo needs about the routing of this rank's MoE layers.
 
     ``alive``: bool ``[moments, records]``, which records are in flight at each schedule moment
-    (:func:`megatron_paging.plan.schedule.record_schedule`); None: all at one moment."""
+    (:func:`megatron_paging.plan.liveness.record_schedule`); None: all at one moment."""
 
     route: RouteShape  # tokens per peer, top-k, experts, EP size, this EP rank
     block: int  # rows one peer may send this rank (the static budget's per-pair block)
