@@ -95,7 +95,7 @@ def trace_needs(trace: dict, block: int, page: int, schedule: RecordSchedule) ->
 def configs() -> list[dict]:
     """The one-GPU example (its paging line) and each layout's largest-memory rank, paged at
     capacity factor 2."""
-    from megatron_paging.plan.measured import EXAMPLE_LINE, PAGING_LINE
+    from plan_measured import EXAMPLE_LINE, PAGING_LINE
 
     out = [{"name": "one_gpu_example", "argv": [*EXAMPLE_LINE, *PAGING_LINE], "world_size": 1,
             "rank": 0}]

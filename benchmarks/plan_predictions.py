@@ -138,15 +138,16 @@ def time_cli(layout, rank: int, capacity_factor: float, repeats: int) -> dict:
 
 
 def constants() -> dict:
+    from plan_measured import FIT_ARM, FIT_SIZE
+
     from megatron_paging.plan import CONSTANTS
     from megatron_paging.plan import shapes as S
-    from megatron_paging.plan.measured import FIT_ARM, FIT_SIZE
 
     return {
         "workspace_mib": CONSTANTS.workspace_mib,
         "fitted_on": f"{FIT_SIZE}:{FIT_ARM} = the one-GPU example "
                      "(examples/run_pretrain_1gpu.sh), unpaged arm, measured on an H200 "
-                     "(megatron_paging/plan/measured.py); no other config was fitted",
+                     "(benchmarks/plan_measured.py); no other config was fitted",
         "counted_not_fitted": {"ROUTER_FP32_TENSORS": S.ROUTER_FP32_TENSORS,
                                "UNFUSED_ACT_BYTES": S.UNFUSED_ACT_BYTES},
         "frozen": True,
@@ -211,7 +212,7 @@ def main(argv=None) -> int:
                 "makes (its default set), from the exact launch line it gives the example; "
                 "peak = torch.cuda.max_memory_allocated over a steady step",
         "constants": constants(),
-        "validated_on": "one-GPU configs only (python -m megatron_paging.plan.validate); these "
+        "validated_on": "one-GPU configs only (python benchmarks/plan_validation.py); these "
                         "layouts have not run on a GPU",
         "entries": entries,
     }

@@ -16,9 +16,8 @@ import json
 import sys
 from pathlib import Path
 
+from plan_validation import QUANTITIES, Comparison
 from portable import dumps
-
-from megatron_paging.plan.validate import QUANTITIES, Comparison
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PREDICTIONS = RESULTS / "plan_predictions_frontier.json"

@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import io
 import json
+import sys
 import time
 from contextlib import redirect_stdout
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("megatron.training")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from plan_measured import EXAMPLE_LINE, PAGING_LINE  # noqa: E402
 
 from megatron_paging.plan import adapter  # noqa: E402
 from megatron_paging.plan.liveness import max_in_flight, one_f_one_b_ops  # noqa: E402
-from megatron_paging.plan.measured import EXAMPLE_LINE, PAGING_LINE  # noqa: E402
 
 DEEPSEEK_V3 = (
     "--num-layers 61 --hidden-size 7168 --ffn-hidden-size 18432 --num-attention-heads 128 "

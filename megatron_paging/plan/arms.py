@@ -25,7 +25,8 @@ MIB = 2**20
 
 @dataclass(frozen=True)
 class Constants:
-    """The model's only fitted number (docs/plan.md "Constants"; validate.fit_workspace).
+    """The model's only fitted number (docs/plan.md "Constants"; refit by
+    benchmarks/plan_validation.py: fit_workspace).
 
     workspace_mib: memory every moment of the step holds beyond tensors the model names
     (cuBLAS/cuBLASLt workspaces, RNG states, the step's small tensors). Fitted on the one-GPU

@@ -86,7 +86,7 @@ class Record:
         return self.arm in PERSISTENT_POOL or self.commit in PERSISTENT_COMMITS
 
     def as_measured(self) -> dict:
-        """The record in the form :func:`megatron_paging.plan.validate.compare` reads."""
+        """The record in the form ``plan_validation.compare`` reads."""
         keys = ("steady_peak_allocated_mib", "steady_fb_peak_allocated_mib", "param_mib",
                 "grad_mib", "optimizer_state_mib", "pool_cuda_mib")
         return {key: getattr(self, key) for key in keys}

@@ -1,13 +1,13 @@
 """Predicted against measured memory: :func:`compare` for one measured record and a plan, the
-historical H200 runs (:mod:`.measured`) replayed through the plan, and the fit of the model's
-one constant.
+historical H200 runs (``plan_measured.py``) replayed through the plan, and the fit of the model's
+one constant (``megatron_paging.plan.CONSTANTS``).
 
 A measured record is what the example prints per arm (examples/pretrain_gpt_moe_paged.py, or a
 benchmark summary of it): ``{arm: {"steady_peak_allocated_mib": ..., "steady_fb_peak_allocated_mib":
 ..., "param_mib": ..., "grad_mib": ..., "optimizer_state_mib": ..., "pool_cuda_mib": ...}}``;
 values may be strings, missing quantities are skipped.
 
-``python -m megatron_paging.plan.validate`` prints the historical comparison and the fit.
+``python benchmarks/plan_validation.py`` prints the historical comparison and the fit.
 """
 
 from __future__ import annotations
@@ -16,14 +16,15 @@ import dataclasses
 import sys
 from dataclasses import dataclass
 
-from megatron_paging.plan.arms import ARMS, CONSTANTS, MIB, ArmSpec, Constants, evaluate
-from megatron_paging.plan.measured import (
+from plan_measured import (
     ARM_OF,
     FIT_ARM,
     FIT_SIZE,
     RECORDS,
     line_for,
 )
+
+from megatron_paging.plan.arms import ARMS, CONSTANTS, MIB, ArmSpec, Constants, evaluate
 
 QUANTITIES = (
     ("peak", "steady_peak_allocated_mib"),
