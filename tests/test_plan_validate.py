@@ -34,10 +34,10 @@ def test_compare_by_hand():
     assert rows["pool_device"].relative_error == pytest.approx(0.25)
 
 
-def test_compare_maps_benchmark_arm_names():
+def test_compare_reads_a_variant_as_its_plan_arm():
     mcore = dataclasses.replace(MEMORY, arm="mcore")
-    rows = compare({"mcore_manager": {"param_mib": 100}}, {"mcore": mcore})
-    assert [(c.arm, c.quantity, c.relative_error) for c in rows] == [("mcore_manager",
+    rows = compare({"mcore.persistent": {"param_mib": 100}}, {"mcore": mcore})
+    assert [(c.arm, c.quantity, c.relative_error) for c in rows] == [("mcore.persistent",
                                                                        "params", 0.0)]
     with pytest.raises(ValueError, match="'recompute' is not in the plan"):
         compare({"recompute": {"param_mib": 1}}, {"mcore": mcore})
