@@ -84,13 +84,13 @@ class Case:
         self.pool.reset()
         self.pool.flags.reset()
 
-    def stash(self, path="cuda", max_ctas=DEFAULT_MAX_CTAS):
+    def stash(self, path="cuda", max_ctas=None):
         kernels.stash(self.src, self.record, self.pool, backend=path, max_ctas=max_ctas)
 
-    def reload(self, path="cuda", max_ctas=DEFAULT_MAX_CTAS):
+    def reload(self, path="cuda", max_ctas=None):
         kernels.reload(self.dst, self.record, self.pool, backend=path, max_ctas=max_ctas)
 
-    def reset_and_stash(self, path="cuda", max_ctas=DEFAULT_MAX_CTAS):
+    def reset_and_stash(self, path="cuda", max_ctas=None):
         self.reset()
         self.stash(path, max_ctas)
 
