@@ -36,7 +36,7 @@ ms = (1200.0 if mcore else 1005.0 if paged else 1000.0) + (300 if "moe" in mods 
 ms *= seq / 2048
 fb = 8000.0 + act
 # The optimizer step's transient (2000) and a pool that lives through it set the step peak where
-# the activations are small, as on the H200 (frontier_h200.json).
+# the activations are small.
 pool = 250.0 if paged else 0.0
 steady = max(fb, 8000.0 + 2000.0 + pool)
 fraction = os.environ.get("MEGATRON_PAGING_BENCH_MEMORY_FRACTION")

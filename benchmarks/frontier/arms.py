@@ -30,7 +30,7 @@ MEMORY_FRACTION_ENV = BENCH_ENV_PREFIX + "MEMORY_FRACTION"  # the budget search'
 MIB = 2**20
 WARMUP_ITERS = 3  # dropped: 1 calibrates, 2 sizes the pools and Adam's state, 3 settles
 FRONTIER_ITERS = 12  # -> 9 timed iterations per arm
-BUDGET_ITERS = 7  # -> 4 timed iterations per budget candidate (2 gave time/token spreads of ~10%)
+BUDGET_ITERS = 7  # -> 4 timed iterations per budget candidate (2 left time per token noisy)
 COMMON_FLAGS = ("--deterministic-mode",)  # every arm, every run
 
 
@@ -152,8 +152,8 @@ class Size:
 #   layers (1.34 GB live) against ~0.7 GB of other per-layer activations and ~0.8 GB of logits
 #   (4096 x 32000, bf16 + fp32): the experts dominate the activation memory. Peak ~31 GB of the
 #   H200's 141 GB. Step: 32768 tokens x ~1.8 GFLOP/token (6 x 268M active parameters + causal
-#   attention) = ~59 TFLOP, ~0.2 s of GPU time at 300 TFLOP/s; the example is host-bound (about
-#   1 s per step at the small size), so 12 iterations take well under a minute after start-up.
+#   attention) = ~59 TFLOP, ~0.2 s of GPU time at 300 TFLOP/s; the eager example's host issue
+#   takes longer than that (host-bound), so 12 iterations are short next to start-up.
 # expert_heavy_cap2 (not run by default): expert_heavy with capacity factor 2.0, the headroom a
 #   static capacity needs for EP imbalance; there paging's saving is 1 - 1.1/2 of the expert
 #   activations instead of 1 - 1.1/1.5.
@@ -164,9 +164,9 @@ class Size:
 #   top-8, moe-ffn 3072, seq 8192: experts 32 x (1024 x 6144 + 3072 x 1024) = 302M per layer ->
 #   ~2.5B parameters -> ~40 GB of state; 65536 tokens per step x ~4.8 GFLOP/token (6 x 670M
 #   active parameters + causal attention at 8192) = ~315 TFLOP, ~1 s of GPU time at 300 TFLOP/s,
-#   so device work reaches the host's ~1 s, and recompute's extra MoE forward (2 x 604M x 65536 =
-#   ~79 TFLOP) adds ~25%. Expert activations: 98304 capacity rows x 7168 bf16 columns = 1.4 GB
-#   per layer, 11.3 GB over 8 layers.
+#   so device work reaches the host's issue time, and recompute's extra MoE forward
+#   (2 x 604M x 65536 = ~79 TFLOP) adds ~25%. Expert activations: 98304 capacity rows x 7168
+#   bf16 columns = 1.4 GB per layer, 11.3 GB over 8 layers.
 SIZES: dict[str, Size] = {
     s.name: s
     for s in (
@@ -186,7 +186,8 @@ SIZES: dict[str, Size] = {
              "MoE compute dominates the step: 32 experts top-8, moe-ffn 3072, seq 8192"),
     )
 }  # fmt: skip
-DEFAULT_SIZES = ("moe_compute",)  # the unpaged run reserves ~64 GiB: an 80 GB GPU
+# Its unpaged run needs an 80 GB GPU (peak_reserved_mib: results/frontier_moe_compute_h200.json).
+DEFAULT_SIZES = ("moe_compute",)
 # What a call runs without --arms: the control, paging, its alternatives, the tightest fc1 arm.
 DEFAULT_ARMS = ("unpaged", "paged", "mcore", "recompute", "unpaged.recompute_fc1",
                 "paged_recompute_fc1.tight", "offload",

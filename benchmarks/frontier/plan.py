@@ -22,7 +22,7 @@ from .task import Task, arm_task
 if TYPE_CHECKING:
     from .budget import BudgetOptions
 
-DEFAULT_RUN_S = 150.0  # estimate for a run when nothing has run yet (start-up ~40-60 s + steps)
+DEFAULT_RUN_S = 150.0  # estimate for a run when nothing has run yet (start-up and steps)
 ESTIMATE_MARGIN = 1.15
 
 

@@ -29,7 +29,7 @@ from megatron_paging.tools.peer_load import LognormalLoad, RouteShape, TraceLoad
 MIN_EXCEEDANCES = 10
 STEP_CHUNK = 512  # steps simulated at once (bounds the Monte-Carlo's memory)
 # Per-peer route counts are exact binomial draws up to this many per chunk of steps, their
-# normal approximation above it (numpy's binomial costs ~10x a normal draw).
+# normal approximation above it (numpy's binomial draw costs several normal ones).
 EXACT_DRAWS = 1 << 21
 
 
