@@ -140,6 +140,20 @@ def test_megatron_validation_error_is_one_line():
     assert "\n" not in str(error.value)
 
 
+def test_parsing_leaves_the_process_as_it_was():
+    """Megatron's validation of --deterministic-mode sets environment variables and torch's
+    deterministic mode; planning the line takes neither with it."""
+    import os
+
+    import torch
+
+    assert "--deterministic-mode" in EXAMPLE_LINE
+    environ, mode = dict(os.environ), torch.are_deterministic_algorithms_enabled()
+    with adapter.quiet():
+        adapter.parse_megatron([*EXAMPLE_LINE, *PAGING_LINE], world_size=1, rank=0)
+    assert dict(os.environ) == environ and torch.are_deterministic_algorithms_enabled() == mode
+
+
 def test_cli_plan_subcommand(capsys):
     from megatron_paging.cli import main
 
