@@ -84,13 +84,13 @@ class Case:
         self.pool.reset()
         self.pool.flags.reset()
 
-    def stash(self, path="cuda", max_ctas=DEFAULT_MAX_CTAS):
+    def stash(self, path="cuda", max_ctas=None):
         kernels.stash(self.src, self.record, self.pool, backend=path, max_ctas=max_ctas)
 
-    def reload(self, path="cuda", max_ctas=DEFAULT_MAX_CTAS):
+    def reload(self, path="cuda", max_ctas=None):
         kernels.reload(self.dst, self.record, self.pool, backend=path, max_ctas=max_ctas)
 
-    def reset_and_stash(self, path="cuda", max_ctas=DEFAULT_MAX_CTAS):
+    def reset_and_stash(self, path="cuda", max_ctas=None):
         self.reset()
         self.stash(path, max_ctas)
 
@@ -281,7 +281,7 @@ def plot(rows: list[dict], sweep: list[dict], png: Path) -> None:
         bars.bar([x + i * width for x in range(len(rows))], values, width, label=label)
     bars.set_xticks([x + 0.4 - width / 2 for x in range(len(rows))])
     bars.set_xticklabels([row["regime"] for row in rows], rotation=15, ha="right", fontsize=7)
-    bars.set_yscale("log")  # host spill runs ~40x below the device-memory regimes
+    bars.set_yscale("log")  # host spill runs far below the device-memory regimes
     bars.set_ylabel("GB/s (read + written), log scale")
     bars.set_title(f"paging kernels on {torch.cuda.get_device_name()}", fontsize=9)
     bars.legend(fontsize=7)

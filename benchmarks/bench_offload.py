@@ -30,6 +30,7 @@ from common import (
     default_out,
     figure,
     gbps,
+    grid_bound_arg,
     header,
     print_table,
     require_gpu,
@@ -37,7 +38,7 @@ from common import (
 )
 
 from megatron_paging import kernels
-from megatron_paging.config import PagingConfig
+from megatron_paging.config import DEFAULT_MAX_CTAS, PagingConfig
 from megatron_paging.offload import HostArena, OffloadPools
 from megatron_paging.pool import PagePool, PagePools
 from megatron_paging.record import PageRecord
@@ -82,7 +83,7 @@ class Transfers:
     def rows_in(self, max_ctas):
         self.kernel.copy(True, self.rows_dst, self.record, self.pool, max_ctas)
 
-    def reset_and_rows_out(self, max_ctas=2048):
+    def reset_and_rows_out(self, max_ctas=DEFAULT_MAX_CTAS):
         self.reset()
         self.rows_out(max_ctas)
 
@@ -99,7 +100,7 @@ class Transfers:
 
     def check(self):
         self.reset_and_rows_out()
-        self.rows_in(2048)
+        self.rows_in(DEFAULT_MAX_CTAS)
         self.dense_out()
         self.dense_in()
         torch.cuda.synchronize()
@@ -126,8 +127,8 @@ class PrefixPath:
                                prefix_arena=HostArena(prefix_rows * row_bytes, dev))
         defaults = PagingConfig()
         self.grids = (defaults.offload_d2h_max_ctas, defaults.offload_h2d_max_ctas)
-        self.runtime = RuntimeTransfers(None, self.kernel, None, None, offload, None, 2048,
-                                        self.grids)
+        self.runtime = RuntimeTransfers(None, self.kernel, None, None, offload, None,
+                                        defaults.grid_bound, self.grids)
         live = torch.tensor([live_rows], dtype=torch.int64, device=dev)
         prefix, rest_rows, rest_live = self.runtime.split_prefix(capacity, row_bytes, live)
         assert prefix == prefix_rows, (prefix, prefix_rows)
@@ -285,10 +286,11 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON path, PNG beside it (default: "
                         "benchmarks/results/offload_<gpu>.json)")
-    parser.add_argument("--ctas", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 132, 2048],
+    parser.add_argument("--ctas", type=grid_bound_arg, nargs="+",
+                        default=[1, 2, 4, 8, 16, 32, 132, 2048],
                         help="grids of the live-row kernels measured alone (must include the "
                         "runtime's 4 and 8)")
-    parser.add_argument("--gemm-ctas", type=int, nargs="+", default=[2, 4, 8, 16, 132],
+    parser.add_argument("--gemm-ctas", type=grid_bound_arg, nargs="+", default=[2, 4, 8, 16, 132],
                         help="grids of the SM kernel beside the GEMM, both directions")
     args = parser.parse_args(argv)
     require_gpu("offload")

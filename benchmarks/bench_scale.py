@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from arm_names import NAMING, NAMING_KEY, current_name, named_by_plan  # noqa: E402
 from common import default_out, header, print_table, require_gpu  # noqa: E402
 from portable import dumps  # noqa: E402
 from scale_layouts import (  # noqa: E402
@@ -63,7 +64,7 @@ def arm_argv(layout, rank: int, arm: str, capacity_factor: float
              ) -> tuple[list[str], float | None]:
     """The Megatron flags one arm launches the example with, and the planned pool factor it
     adds to a paged arm (None for the others)."""
-    flags = ARMS[arm][0]
+    flags = ARMS[arm].flags
     argv = [*layout.flags(rank), "--moe-expert-rank-capacity-factor", str(capacity_factor),
             "--train-iters", str(TRAIN_ITERS), *flags]
     if "--moe-paged-stash" not in flags or POOL_FLAG in flags:
@@ -75,7 +76,7 @@ def arm_argv(layout, rank: int, arm: str, capacity_factor: float
 def run_arm(layout, rank: int, arm: str, capacity_factor: float, tmp: Path, timeout: float
             ) -> dict:
     """One run of the example; the parsed report (or why it did not finish)."""
-    env = ARMS[arm][1]
+    env = ARMS[arm].env
     log_path = tmp / f"{layout.name}_{rank}_{arm}_{capacity_factor:g}"
     for stale in tmp.glob(f"{log_path.name}.rank*"):
         stale.unlink()
@@ -133,6 +134,21 @@ def read_loss_log(loss_log: Path) -> tuple[list[str], list[str]]:
             else:
                 losses.append(first)
     return losses, grads
+
+
+def scale_header() -> dict:
+    return header("scale", **{NAMING_KEY: NAMING})
+
+
+def load_result(path: Path) -> dict:
+    """The result file so far (a new one when there is none); the arms of a file written under
+    the old arm names renamed."""
+    if not path.exists():
+        return {**scale_header(), "peers": "emulated (--fake-process-group)", "runs": []}
+    result = json.loads(path.read_text())
+    if not named_by_plan(result):
+        result["runs"] = [{**r, "arm": current_name(r["arm"], "scale")} for r in result["runs"]]
+    return result
 
 
 def key(record: dict) -> tuple:
@@ -210,8 +226,7 @@ def main(argv=None) -> int:
     require_gpu("scale")
     args.out = args.out or default_out("scale")
     started = time.perf_counter()
-    result = json.loads(args.out.read_text()) if args.out.exists() else {
-        **header("scale"), "peers": "emulated (--fake-process-group)", "runs": []}
+    result = load_result(args.out)
     done = {key(r) for r in result["runs"] if r["status"] in ("ok", "out of memory")}
     result["runs"] = [r for r in result["runs"] if key(r) in done]
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / "bench_scale"
@@ -234,7 +249,7 @@ def main(argv=None) -> int:
         result["runs"].append(record)
         result["summary"] = summarize(result["runs"])
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(dumps({**result, **header("scale")}))
+        args.out.write_text(dumps({**result, **scale_header()}))
     rows = result.get("summary", [])
     print_table(
         ["layout", "rank", "arm", "cf", "status", "peak MiB", "fb MiB", "x unpaged", "step x",

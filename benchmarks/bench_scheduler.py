@@ -6,11 +6,12 @@ through the runtime every driver uses (:class:`~megatron_paging.engine.PagingEng
 :class:`~megatron_paging.paging.PagingContext`). All arms use the same capacity, weights and
 inputs; the paged arms must reproduce the unpaged gradients bit for bit.
 
-    python benchmarks/bench_scheduler.py [--out out/scheduler.json] [--arms paged paged_hold]
+    python benchmarks/bench_scheduler.py [--out out/scheduler.json] [--arms paged paged.hold]
 
-Arms: ``paged`` (the paging stream beside the compute), ``paged_ctas_<n>`` (the copy kernels'
-grid bounded to n CTAs, ``--paging-ctas``), ``paged_no_overlap`` (stash and reload on the compute
-stream) and ``paged_hold`` (the last layer before each backward is never copied). They run
+Arms (named as benchmarks/arm_names.py says): ``paged`` (the paging stream beside the compute),
+``paged.ctas_<n>`` (the copy kernels' grid bounded to n CTAs, ``--paging-ctas``),
+``paged.no_overlap`` (stash and reload on the compute stream) and ``paged.hold`` (the last layer
+before each backward is never copied). They run
 interleaved in ``--rounds`` rounds (rotated order), so that machine drift or an arm's position
 shows as a round-to-round difference; ``overhead_percent_vs_unpaged_same_round`` compares each
 arm with the control of its own round.
@@ -34,6 +35,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from arm_names import NAMING, NAMING_KEY, arm_name, plan_arm_of
 from common import (
     GcTime,
     default_out,
@@ -54,6 +56,7 @@ from megatron_paging.streams import CudaStreamBackend
 from megatron_paging.tools.pipeline_sim import parameter_grads, run_schedule, synthetic_chunks
 
 PAGE_SIZE = 64
+NO_OVERLAP = arm_name("paged", "no_overlap")  # stash and reload on the compute stream
 KERNEL_BACKEND_ENV = "MEGATRON_PAGING_BENCH_KERNEL_BACKEND"  # default of --kernel-backend
 
 
@@ -161,10 +164,10 @@ def main(argv: list[str] | None = None) -> None:
 
     arms = {"unpaged": lambda: PagingContext(None), "paged": paged()}
     for ctas in args.paging_ctas:
-        arms[f"paged_ctas_{ctas}"] = paged(max_ctas=ctas)
-    arms["paged_no_overlap"] = paged(overlap=False)
+        arms[arm_name("paged", f"ctas_{ctas}")] = paged(max_ctas=ctas)
+    arms[NO_OVERLAP] = paged(overlap=False)
     # The newest slot waits for the next commit: no copy at the forward/backward turn.
-    arms["paged_hold"] = paged(hold_last_slot=True)
+    arms[arm_name("paged", "hold")] = paged(hold_last_slot=True)
     if args.arms:
         unknown = sorted(set(args.arms) - set(arms))
         if unknown:
@@ -271,10 +274,11 @@ def main(argv: list[str] | None = None) -> None:
     paired = {k: paired_overhead(v["step_ms_per_round"], results["unpaged"]["step_ms_per_round"])
               for k, v in results.items()}
     unpaged_repeatable = bitwise.pop("unpaged")  # the reference step was unpaged too
-    best = min((k for k in results if k.startswith("paged") and k != "paged_no_overlap"),
+    best = min((k for k in results if plan_arm_of(k) == "paged" and k != NO_OVERLAP),
                key=lambda k: results[k]["step_ms_median"])
     report = header(
         "scheduler",
+        **{NAMING_KEY: NAMING},
         kernel_backend=args.kernel_backend,
         schedule=schedule_name,
         settings=vars(args) | {"out": str(args.out), "dtype": "bfloat16", "page_size": PAGE_SIZE},
@@ -300,7 +304,7 @@ def main(argv: list[str] | None = None) -> None:
         fig = figure(7, 3.8)
         ax = fig.add_subplot()
         names = list(results)
-        colors = ["grey" if n == "unpaged" else "C3" if n == "paged_no_overlap" else "C0"
+        colors = ["grey" if n == "unpaged" else "C3" if n == NO_OVERLAP else "C0"
                   for n in names]
         ax.bar(names, [results[n]["step_ms_median"] for n in names], color=colors)
         if all("gpu_busy_ms" in results[n] for n in names):

@@ -8,7 +8,7 @@ always runs right after start-up, and every arm's ratio is taken against the con
 round. Over the rounds: ``PASS`` when every round is at or below ``--limit``, ``MISS`` when every
 round is above, ``UNRESOLVED`` otherwise.
 
-    python benchmarks/bench_step_ratio.py --size moe_compute --arms paged,mcore_manager \\
+    python benchmarks/bench_step_ratio.py --size moe_compute --arms paged,mcore \\
         --rounds 2 --env CUDA_DEVICE_MAX_CONNECTIONS=32 --time-budget-s 540 \\
         --out out/step_ratio.json
 
@@ -26,9 +26,10 @@ import sys
 import time
 from pathlib import Path
 
+from arm_names import NAMING, NAMING_KEY
 from bench_frontier import parse_env
 from common import default_out, header, require_gpu, write
-from frontier.arms import ARMS, CONTROL, FRONTIER_ITERS, SIZES, WARMUP_ITERS
+from frontier.arms import ARMS, CONTROL, FRONTIER_ITERS, NAME_WIDTH, SIZES, WARMUP_ITERS
 from frontier.logs import parity
 from frontier.plan import Runner, estimate_run_s, fits
 from frontier.task import arm_task
@@ -70,13 +71,15 @@ def summarize_rounds(rounds: list[dict], arms: list[str], limit: float) -> dict:
 def table(result: dict) -> list[str]:
     lines = [f"step ratio vs {CONTROL}: {result['size']}, {result['gpu']}, commit "
              f"{result['commit']}, {len(result['rounds'])} round(s)",
-             f"{'arm':28s} {'rounds':>6s} {'median':>8s} {'min':>8s} {'max':>8s}  verdict"]
+             f"{'arm':{NAME_WIDTH}s} {'rounds':>6s} {'median':>8s} {'min':>8s} {'max':>8s}  "
+             "verdict"]
     for arm, s in result["summary"].items():
         if not s["ratios"]:
-            lines.append(f"{arm:28s} {0:6d} {'-':>8s} {'-':>8s} {'-':>8s}  NOT RUN")
+            lines.append(f"{arm:{NAME_WIDTH}s} {0:6d} {'-':>8s} {'-':>8s} {'-':>8s}  NOT RUN")
             continue
-        lines.append(f"{arm:28s} {len(s['ratios']):6d} {s['median']:8.4f} {s['min']:8.4f} "
-                     f"{s['max']:8.4f}  {s['verdict']} (<= {s['limit']}; bitwise every round: "
+        lines.append(f"{arm:{NAME_WIDTH}s} {len(s['ratios']):6d} {s['median']:8.4f} "
+                     f"{s['min']:8.4f} {s['max']:8.4f}  {s['verdict']} (<= {s['limit']}; "
+                     "bitwise every round: "
                      f"{'yes' if s['bitwise_equal_every_round'] else 'NO'})")
     for i, r in enumerate(result["rounds"]):
         steps = ", ".join(f"{arm} {run['step_ms']['median']:.1f}" if run.get("step_ms")
@@ -129,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     env = parse_env(args.env)
     require_gpu("step-ratio")  # after every argument error, which needs no GPU to be said
     out = args.out or default_out("step_ratio")
-    current = header("step_ratio")
+    current = header("step_ratio", **{NAMING_KEY: NAMING})
     runner = Runner(out.parent, args.run_timeout_s, {"gpu": current["gpu"],
                                                      "commit": current["commit"]})
     deadline = time.monotonic() + args.time_budget_s if args.time_budget_s else None

@@ -8,6 +8,7 @@ anywhere can be traced to its run.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import gc
 import statistics
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 from portable import dumps
 
+from megatron_paging.config import kernel_grid_bound
 from megatron_paging.env import git_commit
 from megatron_paging.tools.kernel_timeline import idle_gaps, summarize, timeline_record
 
@@ -27,6 +29,15 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def gbps(nbytes: int, ms: float) -> float:
     return nbytes / (ms * 1e-3) / 1e9
+
+
+def grid_bound_arg(text: str) -> int:
+    """An argparse ``type`` for a kernel grid bound given on a benchmark's command line, for the
+    benchmarks that launch the kernels' raw ``copy`` (the check is the config's)."""
+    try:
+        return kernel_grid_bound(int(text))
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 class CudaTimer:

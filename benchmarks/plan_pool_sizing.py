@@ -39,7 +39,7 @@ from portable import dumps  # noqa: E402
 from scale_layouts import LAYOUTS  # noqa: E402
 
 if TYPE_CHECKING:
-    from megatron_paging.plan.schedule import RecordSchedule
+    from megatron_paging.plan.liveness import RecordSchedule
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -95,7 +95,7 @@ def trace_needs(trace: dict, block: int, page: int, schedule: RecordSchedule) ->
 def configs() -> list[dict]:
     """The one-GPU example (its paging line) and each layout's largest-memory rank, paged at
     capacity factor 2."""
-    from megatron_paging.plan.measured import EXAMPLE_LINE, PAGING_LINE
+    from plan_measured import EXAMPLE_LINE, PAGING_LINE
 
     out = [{"name": "one_gpu_example", "argv": [*EXAMPLE_LINE, *PAGING_LINE], "world_size": 1,
             "rank": 0}]
@@ -114,9 +114,9 @@ def check(config: dict, design_rate: float, steps: int, seed: int, trace_path: s
     from megatron_paging.plan import shapes as S
     from megatron_paging.plan.adapter import parse_megatron, plan_inputs, quiet
     from megatron_paging.plan.arms import hint_rows, pool_keys
+    from megatron_paging.plan.liveness import record_schedule
     from megatron_paging.plan.model import build_plan
     from megatron_paging.plan.pools import our_pool_bytes, page_rows
-    from megatron_paging.plan.schedule import record_schedule
     from megatron_paging.tools.peer_load import LognormalLoad, RouteShape, TraceLoad, parse_load
 
     with quiet():

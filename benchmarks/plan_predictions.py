@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from arm_names import NAMING, NAMING_KEY  # noqa: E402
 from bench_scale import arm_argv, plan_runs  # noqa: E402
 from portable import dumps  # noqa: E402
 from scale_layouts import ARMS, CAPACITY_FACTORS, LAYOUTS  # noqa: E402
@@ -35,14 +36,6 @@ from scale_layouts import ARMS, CAPACITY_FACTORS, LAYOUTS  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
 DEVICE = "none (CPU prediction, made before any GPU validation run)"
-# The benchmark's arm -> the plan's arm that line should run (the plan derives it from the flags;
-# a disagreement is recorded per entry). The benchmark's paged_offload offloads the experts'
-# expert_fc1 moe_act through the paged backend beside the paged stash: the plan's
-# paged_offload_experts (its paged_offload arm is the dense modules' offload).
-PLAN_ARM = {"unpaged": "unpaged", "paged": "paged", "mcore_manager": "mcore",
-            "recompute": "recompute", "mcore_offload": "offload",
-            "paged_offload": "paged_offload_experts", "paged_recompute_fc1": "paged_recompute_fc1",
-            "unpaged_deterministic": "unpaged", "paged_deterministic": "paged"}
 MODEL_SECONDS = re.compile(r"megatron-paging plan: ([\d.]+) s \(model ([\d.]+) s\)")
 
 
@@ -72,7 +65,7 @@ def predict(layout, rank: int, arm: str, capacity_factor: float) -> dict:
     from megatron_paging.plan.report import to_dict
 
     argv = bench_argv(layout, rank, arm, capacity_factor)
-    env = dict(ARMS[arm][1])
+    env = dict(ARMS[arm].env)
     with _env(env):
         plan = plan_from_argv(argv, world_size=layout.world_size, rank=rank)
     planned = to_dict(plan)
@@ -85,8 +78,9 @@ def predict(layout, rank: int, arm: str, capacity_factor: float) -> dict:
         "max_in_flight": plan.max_in_flight, "microbatches": plan.microbatches,
         "schedule": plan.schedule, "model_seconds": round(plan.model_seconds, 3),
     }
-    if plan.as_launched != PLAN_ARM[arm]:
-        entry["plan_arm_expected"] = PLAN_ARM[arm]
+    # The plan derives the arm from the line; the benchmark's name says which it should be.
+    if plan.as_launched != ARMS[arm].plan_arm:
+        entry["plan_arm_expected"] = ARMS[arm].plan_arm
     if plan.pools is not None and memory.get("pool_device_mib"):
         entry["pool"] = {"line_factor": plan.pools.line_factor,
                          "line_overflow_rate": plan.pools.line_rate,
@@ -138,15 +132,16 @@ def time_cli(layout, rank: int, capacity_factor: float, repeats: int) -> dict:
 
 
 def constants() -> dict:
+    from plan_measured import FIT_ARM, FIT_SIZE
+
     from megatron_paging.plan import CONSTANTS
     from megatron_paging.plan import shapes as S
-    from megatron_paging.plan.measured import FIT_ARM, FIT_SIZE
 
     return {
         "workspace_mib": CONSTANTS.workspace_mib,
         "fitted_on": f"{FIT_SIZE}:{FIT_ARM} = the one-GPU example "
                      "(examples/run_pretrain_1gpu.sh), unpaged arm, measured on an H200 "
-                     "(megatron_paging/plan/measured.py); no other config was fitted",
+                     "(benchmarks/plan_measured.py); no other config was fitted",
         "counted_not_fitted": {"ROUTER_FP32_TENSORS": S.ROUTER_FP32_TENSORS,
                                "UNFUSED_ACT_BYTES": S.UNFUSED_ACT_BYTES},
         "frozen": True,
@@ -164,7 +159,7 @@ def git_commit() -> str:
 def fmt_row(entry: dict) -> str:
     p = entry["predicted"]
     return (f"{entry['layout']:<12}{entry['rank']:>6}{entry['stage']:>4} "
-            f"{entry['arm']:<20}{entry['capacity_factor']:>4g}{p['peak_mib']:>11.1f}"
+            f"{entry['arm']:<22}{entry['capacity_factor']:>4g}{p['peak_mib']:>11.1f}"
             f"{p['fb_peak_mib']:>11.1f}{p['step_peak_mib']:>10.1f}{p['pool_device_mib']:>10.1f}"
             f"{p['host_offload_mib']:>10.1f}")
 
@@ -194,7 +189,7 @@ def main(argv=None) -> int:
     runs = list(plan_runs(args.layouts, args.arms, args.capacity_factors, args.all_ranks))
     started = time.perf_counter()
     entries = []
-    print(f"{'layout':<12}{'rank':>6}{'stg':>4} {'arm':<20}{'cf':>4}{'peak MiB':>11}"
+    print(f"{'layout':<12}{'rank':>6}{'stg':>4} {'arm':<22}{'cf':>4}{'peak MiB':>11}"
           f"{'fb MiB':>11}{'opt MiB':>10}{'pool MiB':>10}{'host MiB':>10}", flush=True)
     for index, (layout, rank, arm, factor) in enumerate(runs, 1):
         entry = predict(layout, rank, arm, factor)
@@ -204,6 +199,7 @@ def main(argv=None) -> int:
               f"{flag}", flush=True)
     result = {
         "benchmark": "plan_predictions",
+        NAMING_KEY: NAMING,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "commit": git_commit(),
         "device": DEVICE,
@@ -211,7 +207,7 @@ def main(argv=None) -> int:
                 "makes (its default set), from the exact launch line it gives the example; "
                 "peak = torch.cuda.max_memory_allocated over a steady step",
         "constants": constants(),
-        "validated_on": "one-GPU configs only (python -m megatron_paging.plan.validate); these "
+        "validated_on": "one-GPU configs only (python benchmarks/plan_validation.py); these "
                         "layouts have not run on a GPU",
         "entries": entries,
     }
@@ -223,7 +219,7 @@ def main(argv=None) -> int:
         print(f"CLI: first {t['first_wall_s']} s, median {t['median_wall_s']} s wall; model "
               f"median {t['median_model_s']} s (nproc {t['machine']['nproc']})", flush=True)
     if any("plan_arm_expected" in e for e in entries):
-        print("* the plan derives another arm from this line than PLAN_ARM expects")
+        print("* the plan derives another arm from this line than the arm's name says")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(dumps(result))
     print(f"wrote {args.out} ({len(entries)} entries, {time.perf_counter() - started:.0f} s)")

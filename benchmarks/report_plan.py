@@ -16,9 +16,9 @@ import json
 import sys
 from pathlib import Path
 
+from arm_names import NAMING, NAMING_KEY, current_name, named_by_plan
+from plan_validation import QUANTITIES, Comparison
 from portable import dumps
-
-from megatron_paging.plan.validate import QUANTITIES, Comparison
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PREDICTIONS = RESULTS / "plan_predictions_frontier.json"
@@ -82,18 +82,29 @@ def per_arm(rows: list[dict]) -> dict:
     return out
 
 
+def scale_records(data: dict, field: str) -> list[dict]:
+    """``data[field]`` (a scale-benchmark file's runs or a prediction file's entries), the arms of
+    a file written under the old arm names renamed."""
+    records = data.get(field, [])
+    if named_by_plan(data):
+        return records
+    return [{**r, "arm": current_name(r["arm"], "scale")} for r in records]
+
+
 def compare_files(predictions: dict, measured: dict) -> dict:
-    by_key = {key(e): e for e in predictions["entries"]}
+    by_key = {key(e): e for e in scale_records(predictions, "entries")}
+    runs = scale_records(measured, "runs")
     rows, unpredicted = [], []
-    for run in measured.get("runs", []):
+    for run in runs:
         prediction = by_key.get(key(run))
         if prediction is None:
             unpredicted.append(list(key(run)))
             continue
         rows.append(pair(prediction, run))
-    measured_keys = {key(r) for r in measured.get("runs", [])}
+    measured_keys = {key(r) for r in runs}
     return {
         "benchmark": "plan_vs_measured",
+        NAMING_KEY: NAMING,
         "predictions": {"commit": predictions.get("commit"), "date": predictions.get("date"),
                         "constants": predictions.get("constants")},
         "measured": {"commit": measured.get("commit"), "date": measured.get("date"),
@@ -106,10 +117,10 @@ def compare_files(predictions: dict, measured: dict) -> dict:
 
 
 def format_rows(result: dict) -> str:
-    lines = [f"{'layout':<12}{'rank':>6} {'arm':<20}{'cf':>4}{'pred peak':>11}{'meas peak':>11}"
+    lines = [f"{'layout':<12}{'rank':>6} {'arm':<22}{'cf':>4}{'pred peak':>11}{'meas peak':>11}"
              f"{'rel':>8}{'pred fb':>11}{'meas fb':>11}{'rel':>8}"]
     for r in result["runs"]:
-        head = f"{r['layout']:<12}{r['rank']:>6} {r['arm']:<20}{r['capacity_factor']:>4g}"
+        head = f"{r['layout']:<12}{r['rank']:>6} {r['arm']:<22}{r['capacity_factor']:>4g}"
         if r["status"] != "ok":
             lines.append(f"{head}{r['predicted_peak_mib']:>11.1f}  ({r['status']})")
             continue
@@ -126,7 +137,7 @@ def format_rows(result: dict) -> str:
         peak = s.get("peak_relative_error")
         text = (f"peak rel. error {100 * peak['min']:+.2f}..{100 * peak['max']:+.2f} % "
                 f"(mean |e| {100 * peak['mean_abs']:.2f} %)" if peak else "no finished run")
-        lines.append(f"{arm:<20}{s['runs']} run(s), {s['not_ok']} not finished: {text}")
+        lines.append(f"{arm:<22}{s['runs']} run(s), {s['not_ok']} not finished: {text}")
     return "\n".join(lines)
 
 

@@ -20,7 +20,9 @@ reaches its steady state (the microbatches in flight at the peak do not depend o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from arm_names import arm_name
 
 COMMON = (
     "--seq-length 4096 --max-position-embeddings 4096 --micro-batch-size 1 "
@@ -93,24 +95,36 @@ QWEN3_235B = Layout(
 
 LAYOUTS = {layout.name: layout for layout in (DEEPSEEK_V3, QWEN3_235B)}
 
-# Arms: name -> (extra flags, extra env). Capacity factor 2 runs all; 1.5 and 3 the first two.
-ARMS = {
-    "unpaged": ((), {}),
-    "paged": (("--moe-paged-stash",), {}),
-    "mcore_manager": (("--moe-paged-stash",), {"MEGATRON_PAGING_BENCH_IMPLEMENTATION": "mcore"}),
-    "recompute": (("--recompute-granularity", "selective", "--recompute-modules", "moe"), {}),
-    "mcore_offload": (("--fine-grained-activation-offloading", "--offload-modules", "expert_fc1",
-                       "moe_act", "--paging-offload-backend", "mcore"), {}),
-    "paged_offload": (("--moe-paged-stash", "--fine-grained-activation-offloading",
-                       "--offload-modules", "expert_fc1", "moe_act",
-                       "--paging-offload-backend", "paged"), {}),
-    "paged_recompute_fc1": (("--moe-paged-stash", "--paging-recompute-expert-fc1"), {}),
+
+@dataclass(frozen=True)
+class Arm:
+    plan_arm: str  # the plan's arm this run is (megatron_paging.plan.arms)
+    variant: str  # what the run changes beside the plan's arm ("" for none)
+    flags: tuple[str, ...]
+    env: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return arm_name(self.plan_arm, self.variant)
+
+
+EXPERT_OFFLOAD = ("--fine-grained-activation-offloading", "--offload-modules", "expert_fc1",
+                  "moe_act", "--paging-offload-backend")
+# Named as benchmarks/arm_names.py says. Capacity factor 2 runs all; 1.5 and 3 the first two.
+ARMS = {a.name: a for a in (
+    Arm("unpaged", "", ()),
+    Arm("paged", "", ("--moe-paged-stash",)),
+    Arm("mcore", "", ("--moe-paged-stash",), {"MEGATRON_PAGING_BENCH_IMPLEMENTATION": "mcore"}),
+    Arm("recompute", "", ("--recompute-granularity", "selective", "--recompute-modules", "moe")),
+    Arm("offload", "", (*EXPERT_OFFLOAD, "mcore")),
+    Arm("paged_offload_experts", "", ("--moe-paged-stash", *EXPERT_OFFLOAD, "paged")),
+    Arm("paged_recompute_fc1", "", ("--moe-paged-stash", "--paging-recompute-expert-fc1")),
     # The parity pair: deterministic kernels, so paged and unpaged can be compared bit for bit
     # (the arms above run as users launch them, where atomics make two runs of one arm differ).
-    "unpaged_deterministic": (("--deterministic-mode",), {}),
-    "paged_deterministic": (("--moe-paged-stash", "--deterministic-mode"), {}),
-}
-PARITY_PAIR = ("unpaged_deterministic", "paged_deterministic")
+    Arm("unpaged", "deterministic", ("--deterministic-mode",)),
+    Arm("paged", "deterministic", ("--moe-paged-stash", "--deterministic-mode")),
+)}
+PARITY_PAIR = ("unpaged.deterministic", "paged.deterministic")
 CAPACITY_FACTORS = {2.0: tuple(ARMS), 1.5: ("unpaged", "paged"), 3.0: ("unpaged", "paged")}
 # Paged arms get the device pool factor that `megatron-paging plan` gives for this overflow rate
 # (a rerun costs about one step, so 1e-2 costs about 1% of the step time on average).

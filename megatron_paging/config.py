@@ -26,6 +26,7 @@ from typing import Literal, get_args
 
 MAX_CTAS_ENV = "MEGATRON_PAGING_MAX_CTAS"
 DEFAULT_MAX_CTAS = 2048
+MAX_GRID_BOUND = 2**31 - 1  # the kernels take the bound as a C int
 
 OverflowPolicyName = Literal["rerun", "skip", "grow"]
 OffloadBackendName = Literal["mcore", "paged"]
@@ -70,22 +71,35 @@ def _choice(field: str, value, choices: tuple[str, ...]) -> None:
         raise ConfigError(field, f"must be one of {', '.join(choices)}; got {value!r}")
 
 
+def check_grid_bound(field: str, value) -> int:
+    """``value`` if it is a kernel grid bound (a positive int that fits the kernels' C int), else
+    ConfigError naming ``field``. The one check of a bound: the kernels trust it."""
+    if positive_int(field, value) > MAX_GRID_BOUND:
+        raise ConfigError(field, f"must be at most {MAX_GRID_BOUND}, got {value!r}")
+    return value
+
+
+def kernel_grid_bound(max_ctas: int | None, field: str = "max_ctas") -> int:
+    """The copy kernels' grid bound: ``max_ctas`` checked, or :data:`DEFAULT_MAX_CTAS` for None
+    (the one default). The config's ``max_ctas`` and direct kernel calls both come here."""
+    return DEFAULT_MAX_CTAS if max_ctas is None else check_grid_bound(field, max_ctas)
+
+
 def max_ctas_from_env(environ: Mapping[str, str] | None = None) -> int | None:
-    """``MEGATRON_PAGING_MAX_CTAS`` as a positive int, None when unset; ConfigError if bad."""
+    """``MEGATRON_PAGING_MAX_CTAS`` as a grid bound (:func:`kernel_grid_bound`), None when unset;
+    ConfigError naming the variable and its text if it is not one."""
     environ = os.environ if environ is None else environ
     raw = environ.get(MAX_CTAS_ENV)
     if raw is None:
         return None
     try:
-        value = int(raw.strip())
-    except ValueError:
-        value = 0
-    if value <= 0:
+        return kernel_grid_bound(int(raw.strip()), MAX_CTAS_ENV)
+    except ValueError:  # not an integer, or not a grid bound (ConfigError)
         raise ConfigError(
             MAX_CTAS_ENV,
-            f"must be a positive integer (it bounds the copy kernels' grid), got {raw!r}",
-        )
-    return value
+            f"must be a positive integer of at most {MAX_GRID_BOUND} (it bounds the copy "
+            f"kernels' grid), got {raw!r}",
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -191,8 +205,7 @@ class PagingConfig:
         if _number("cuda_factor", self.cuda_factor) == 0:
             raise ConfigError("cuda_factor", "must be non-zero (it sizes the device page tier)")
         _number("host_factor", self.host_factor)
-        if self.max_ctas is not None:
-            positive_int("max_ctas", self.max_ctas)
+        kernel_grid_bound(self.max_ctas)
         _choice("overflow_policy", self.overflow_policy, OVERFLOW_POLICIES)
         non_negative_int("prefetch_distance", self.prefetch_distance)
         for name in ("overlap", "hold_last_slot"):
@@ -210,8 +223,8 @@ class PagingConfig:
         _choice("pool_residency", self.pool_residency, POOL_RESIDENCIES)
         _choice("kernel_backend", self.kernel_backend, KERNEL_BACKENDS)
         non_negative_int("stash_in_flight", self.stash_in_flight)
-        positive_int("offload_d2h_max_ctas", self.offload_d2h_max_ctas)
-        positive_int("offload_h2d_max_ctas", self.offload_h2d_max_ctas)
+        check_grid_bound("offload_d2h_max_ctas", self.offload_d2h_max_ctas)
+        check_grid_bound("offload_h2d_max_ctas", self.offload_h2d_max_ctas)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **fields) -> "PagingConfig":
@@ -236,7 +249,7 @@ class PagingConfig:
     @property
     def grid_bound(self) -> int:
         """The grid bound the copy kernels use."""
-        return DEFAULT_MAX_CTAS if self.max_ctas is None else self.max_ctas
+        return kernel_grid_bound(self.max_ctas)
 
 
 _CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(PagingConfig))
@@ -246,11 +259,14 @@ __all__ = [
     "DEFAULT_MAX_CTAS",
     "KERNEL_BACKENDS",
     "MAX_CTAS_ENV",
+    "MAX_GRID_BOUND",
     "OFFLOAD_BACKENDS",
     "OVERFLOW_POLICIES",
     "POOL_RESIDENCIES",
     "PagingArgs",
     "PagingConfig",
+    "check_grid_bound",
+    "kernel_grid_bound",
     "max_ctas_from_env",
     "non_negative_int",
     "positive_int",

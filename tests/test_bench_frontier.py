@@ -53,37 +53,37 @@ def _cfg(**over):
 
 def test_arm_table_and_flags():
     assert [a for a, arm in ARMS.items() if arm.exact] == [
-        "paged", "paged_hold", "mcore_manager", "mcore_offload", "paged_offload",
-        "paged_stash_plus_offload", "unpaged_recompute_fc1", "paged_recompute_fc1",
-        "paged_recompute_fc1_hold", "paged_recompute_fc1_tight", "paged_recompute_fc1_spill",
-        "paged_offload_recompute_fc1"]
-    assert not ARMS["unpaged"].paged and not ARMS["recompute_moe"].paged
-    assert ARMS["paged_recompute_core_attn"].paged
+        "paged", "paged.hold", "mcore", "offload", "paged_offload_experts.no_stash",
+        "paged_offload", "unpaged.recompute_fc1", "paged_recompute_fc1",
+        "paged_recompute_fc1.hold", "paged_recompute_fc1.tight", "paged_recompute_fc1.spill",
+        "paged_offload_experts.recompute_fc1_no_stash"]
+    assert not ARMS["unpaged"].paged and not ARMS["recompute"].paged
+    assert ARMS["paged.recompute_core_attn"].paged
     assert set(DEFAULT_ARMS) <= set(ARMS) and DEFAULT_ARMS[0] == "unpaged"
     # Benchmark controls are environment variables, never flags of the library.
-    assert ARMS["mcore_manager"].env == {IMPLEMENTATION_ENV: "mcore"}
-    assert ARMS["mcore_manager"].flags == ()
-    assert {a for a, arm in ARMS.items() if arm.env} == {"mcore_manager"}
+    assert ARMS["mcore"].env == {IMPLEMENTATION_ENV: "mcore"}
+    assert ARMS["mcore"].flags == ()
+    assert {a for a, arm in ARMS.items() if arm.env} == {"mcore"}
     assert not any(flag.startswith("--paging-") and flag not in (
         "--paging-hold-last-slot", "--paging-recompute-expert-fc1", "--paging-offload-backend")
         for arm in ARMS.values() for flag in arm.flags)
     assert set(PAGED_FAMILY) <= set(ARMS) and set(RECOMPUTE_INFORMATIONAL) <= set(ARMS)
     # the pool arms' factors win over the script's 1.10 (argparse: the last value)
-    tight = resolve_flags(script_argv(frontier_extra("moe_compute", "paged_recompute_fc1_tight"),
+    tight = resolve_flags(script_argv(frontier_extra("moe_compute", "paged_recompute_fc1.tight"),
                                       paged=True))
     assert tight["--moe-paged-stash-buffer-size-factor-cuda"] == ["1.0"]
     assert "--paging-hold-last-slot" in tight
-    spill = resolve_flags(script_argv(frontier_extra("moe_compute", "paged_recompute_fc1_spill"),
+    spill = resolve_flags(script_argv(frontier_extra("moe_compute", "paged_recompute_fc1.spill"),
                                       paged=True))
     assert spill["--moe-paged-stash-buffer-size-factor-cuda"] == ["0.72"]
     assert spill["--moe-paged-stash-buffer-size-factor-cpu"] == ["0.3"]
-    assert "paged_recompute_fc1_spill" in RECOMPUTE_INFORMATIONAL
-    assert "paged_recompute_fc1_spill" not in PAGED_FAMILY
-    assert ARMS["unpaged_unfused"].flags == ("--no-bias-swiglu-fusion",)
-    assert ARMS["paged_hold"].paged and ARMS["paged_hold"].exact
+    assert "paged_recompute_fc1.spill" in RECOMPUTE_INFORMATIONAL
+    assert "paged_recompute_fc1.spill" not in PAGED_FAMILY
+    assert ARMS["unpaged.unfused"].flags == ("--no-bias-swiglu-fusion",)
+    assert ARMS["paged.hold"].paged and ARMS["paged.hold"].exact
     # layernorm recompute needs TE in Megatron-Core 0.19.2: no arm asks for it.
     assert not any("layernorm" in arm.flags for arm in ARMS.values())
-    extra = frontier_extra("expert_heavy", "recompute_moe", iters=7)
+    extra = frontier_extra("expert_heavy", "recompute", iters=7)
     assert extra[-3:] == ["--deterministic-mode", "--train-iters", "7"]
     flags = resolve_flags(extra)
     assert flags["--recompute-modules"] == ["moe"]
@@ -94,7 +94,7 @@ def test_arm_table_and_flags():
 
 
 def test_script_argv_is_what_the_example_gets():
-    paged = script_argv(frontier_extra("expert_heavy", "mcore_manager"), paged=True)
+    paged = script_argv(frontier_extra("expert_heavy", "mcore"), paged=True)
     cfg = model_config(paged)
     assert (cfg["seq_length"], cfg["num_experts"], cfg["moe_router_topk"]) == (4096, 32, 4)
     assert cfg["moe_ffn_hidden_size"] == 2048 and cfg["capacity_factor"] == 1.5
@@ -103,7 +103,7 @@ def test_script_argv_is_what_the_example_gets():
     assert "--paging-implementation" not in resolve_flags(paged)  # an env var now
     unpaged = model_config(script_argv(frontier_extra("small", "unpaged"), paged=False))
     assert not unpaged["paged"] and unpaged["seq_length"] == 2048
-    recompute = script_argv(frontier_extra("small", "paged_recompute_core_attn"), paged=True)
+    recompute = script_argv(frontier_extra("small", "paged.recompute_core_attn"), paged=True)
     assert model_config(recompute)["recompute_modules"] == ["core_attn"]
     assert resolve_flags(recompute)["--recompute-granularity"] == ["selective"]
 
@@ -113,8 +113,8 @@ def test_tasks_carry_the_arms_controls_and_the_calls_env():
                            env={"CUDA_DEVICE_MAX_CONNECTIONS": "32"})
     assert len(tasks) == len(ARMS) and tasks[0].key == "small:unpaged"
     by_arm = {t.arm: t for t in tasks}
-    assert by_arm["mcore_manager"].env == {IMPLEMENTATION_ENV: "mcore",
-                                           "CUDA_DEVICE_MAX_CONNECTIONS": "32"}
+    assert by_arm["mcore"].env == {IMPLEMENTATION_ENV: "mcore",
+                                   "CUDA_DEVICE_MAX_CONNECTIONS": "32"}
     assert by_arm["paged"].env == {"CUDA_DEVICE_MAX_CONNECTIONS": "32"}
 
 
@@ -246,47 +246,48 @@ def test_targets_pass_and_miss_from_numbers():
     rows = {
         "unpaged": _row(1000.0, 4000.0),
         "paged": _row(1005.0, 3500.0, parity=eq),
-        "mcore_manager": _row(1200.0, 3500.0, parity={"bitwise_equal": False}),
-        "recompute_moe": _row(1300.0, 2200.0),
-        "paged_recompute_core_attn": _row(1080.0, 2100.0),
-        "paged_offload": _row(1000.0, 2000.0, parity=eq),
+        "mcore": _row(1200.0, 3500.0, parity={"bitwise_equal": False}),
+        "recompute": _row(1300.0, 2200.0),
+        "paged.recompute_core_attn": _row(1080.0, 2100.0),
+        "paged_offload_experts.no_stash": _row(1000.0, 2000.0, parity=eq),
     }
     t = evaluate_targets({"moe_compute": rows})["moe_compute"]
-    rec = t["paged_1.2x_faster_than_recompute_moe_at_le_its_activation"]
+    rec = t["paged_1.2x_faster_than_recompute_at_le_its_activation"]
     assert rec["per_arm"]["paged"]["met"] is False  # faster, but more activation memory
     assert rec["per_arm"]["paged"]["activation_le_recompute"] is False
-    assert rec["per_arm"]["paged_recompute_core_attn"]["met"] is True  # 1.204x at 2100 MiB
+    assert rec["per_arm"]["paged.recompute_core_attn"]["met"] is True  # 1.204x at 2100 MiB
     assert rec["status"] == "PASS" and rec["required"]
     # Our offloading arm is computed the same way beside the verdict, never in it.
-    assert set(rec["per_arm"]) == {"paged", "paged_recompute_core_attn"}
-    off = rec["informational_per_arm"]["paged_offload"]
-    assert off["speedup_vs_recompute_moe"] == pytest.approx(1.3) and off["met"] is True
+    assert set(rec["per_arm"]) == {"paged", "paged.recompute_core_attn"}
+    off = rec["informational_per_arm"]["paged_offload_experts.no_stash"]
+    assert off["speedup_vs_recompute"] == pytest.approx(1.3) and off["met"] is True
     assert off["activation_mib"] == 2000.0 and off["recompute_activation_mib"] == 2200.0
     assert "not the strict target" in rec["informational_note"]
     lines = report_table({"gpu": None, "commit": "x", "summary": {"moe_compute": rows},
                           "budget": {"outcomes": {}}, "remaining": [],
                           "targets": {"moe_compute": t}})
     info = [line for line in lines if "informational, not the strict target" in line]
-    assert len(info) == 1 and "[paged_offload: 1.30x, act 2000 vs 2200 MiB: meets]" in info[0]
+    assert len(info) == 1
+    assert "[paged_offload_experts.no_stash: 1.30x, act 2000 vs 2200 MiB: meets]" in info[0]
     verdict = [line for line in lines if "paged_1.2x_faster" in line]
     assert len(verdict) == 1 and verdict[0].startswith("  moe_compute: paged_1.2x")
     assert ": PASS [paged: " in verdict[0] and "MiB: misses]" in verdict[0]
-    assert "[paged_recompute_core_attn: 1.20x, act 2100 vs 2200 MiB: meets]" in verdict[0]
-    assert any(line.startswith("moe_compute        paged_recompute_core_attn ") for line in lines)
+    assert "[paged.recompute_core_attn: 1.20x, act 2100 vs 2200 MiB: meets]" in verdict[0]
+    assert any(line.startswith("moe_compute        paged.recompute_core_attn ") for line in lines)
     assert not any("* = from the step peak" in line for line in lines)
-    rows["recompute_moe"]["activation_source"] = "steady_peak_allocated_mib"  # an older record
+    rows["recompute"]["activation_source"] = "steady_peak_allocated_mib"  # an older record
     lines = report_table({"gpu": None, "commit": "x", "summary": {"moe_compute": rows},
                           "budget": {"outcomes": {}}, "remaining": [],
                           "targets": {"moe_compute": t}})
-    assert any(line.startswith("moe_compute        recompute_moe ") and "2200.0*" in line
+    assert any(line.startswith("moe_compute        recompute ") and "2200.0*" in line
                for line in lines)
     assert any("* = from the step peak" in line for line in lines)
-    del rows["recompute_moe"]["activation_source"]
-    rows_off = {k: v for k, v in rows.items() if k != "paged_recompute_core_attn"}
+    del rows["recompute"]["activation_source"]
+    rows_off = {k: v for k, v in rows.items() if k != "paged.recompute_core_attn"}
     rec_off = evaluate_targets({"moe_compute": rows_off})["moe_compute"][
-        "paged_1.2x_faster_than_recompute_moe_at_le_its_activation"]
-    assert rec_off["status"] == "MISS" and rec_off["informational_per_arm"]["paged_offload"][
-        "met"]  # a passing informational arm does not pass the target
+        "paged_1.2x_faster_than_recompute_at_le_its_activation"]
+    assert rec_off["status"] == "MISS"  # a passing informational arm does not pass the target
+    assert rec_off["informational_per_arm"]["paged_offload_experts.no_stash"]["met"]
     act = t["paged_activation_le_1.1x_live_plus_one_layer"]
     assert act["bound_mib"] == pytest.approx(1648.0)
     assert act["met"] is False and act["status"] == "MISS"  # 3500 MiB of all activations
@@ -296,18 +297,18 @@ def test_targets_pass_and_miss_from_numbers():
     over = t["paged_step_le_1.01x_unpaged"]
     assert over["ratio"] == pytest.approx(1.005) and over["status"] == "PASS"
     assert over["within_noise"] is True  # 0.5% from the limit, 2% of spread
-    assert t["paged_step_le_0.9x_mcore_manager"]["status"] == "PASS"
+    assert t["paged_step_le_0.9x_mcore"]["status"] == "PASS"
     assert t["bitwise_parity_of_exact_arms"]["status"] == "MISS"
     assert t["paged_step_peak_le_unpaged_step_peak"] == {
         "status": "NOT RUN", "met": None, "informational": True}  # rows without step peaks
     # Slower paging misses; a missing arm is NOT RUN, not a pass.
     rows["paged"] = _row(1100.0, 3500.0, spread=0.001, parity=eq)
-    del rows["mcore_manager"]
+    del rows["mcore"]
     t = evaluate_targets({"small": rows})["small"]
     assert t["paged_step_le_1.01x_unpaged"]["status"] == "MISS"
     assert not t["paged_step_le_1.01x_unpaged"]["within_noise"]
-    assert t["paged_step_le_0.9x_mcore_manager"]["status"] == "NOT RUN"
-    assert not t["paged_1.2x_faster_than_recompute_moe_at_le_its_activation"]["required"]
+    assert t["paged_step_le_0.9x_mcore"]["status"] == "NOT RUN"
+    assert not t["paged_1.2x_faster_than_recompute_at_le_its_activation"]["required"]
     assert evaluate_targets({"small": {}})["small"][
         "paged_activation_le_1.1x_live_plus_one_layer"]["status"] == "NOT RUN"
 
@@ -318,18 +319,18 @@ def test_step_ratios_across_device_calls_are_no_verdict():
     rows = {
         "unpaged": _row(2015.0, 4000.0, call=1),
         "paged": _row(2023.2, 3500.0, call=0),  # 1.004x "unpaged" of another call
-        "paged_hold": _row(2078.1, 3500.0, call=1),
-        "recompute_moe": _row(2600.0, 3600.0, call=1),
+        "paged.hold": _row(2078.1, 3500.0, call=1),
+        "recompute": _row(2600.0, 3600.0, call=1),
     }
     t = evaluate_targets({"moe_compute": rows})["moe_compute"]
     step = t["paged_step_le_1.01x_unpaged"]
     assert step["status"] == "NOT COMPARABLE" and step["met"] is None
     assert step["ratio"] == pytest.approx(2023.2 / 2015.0)
     assert "different device calls (0, 1)" in step["reason"]
-    same = step["same_model_per_arm"]["paged_hold"]  # one call: a verdict
+    same = step["same_model_per_arm"]["paged.hold"]  # one call: a verdict
     assert same["status"] == "MISS" and same["ratio"] == pytest.approx(2078.1 / 2015.0)
-    rec = t["paged_1.2x_faster_than_recompute_moe_at_le_its_activation"]["per_arm"]
-    assert set(rec) == {"paged_hold"}  # paged ran in the other call
+    rec = t["paged_1.2x_faster_than_recompute_at_le_its_activation"]["per_arm"]
+    assert set(rec) == {"paged.hold"}  # paged ran in the other call
     lines = report_table({"gpu": None, "commit": "x", "summary": {"moe_compute": rows},
                           "budget": {"outcomes": {}}, "remaining": [],
                           "targets": {"moe_compute": t}})
@@ -352,50 +353,50 @@ def test_same_model_step_ratios_sit_beside_the_strict_verdict():
     rows = {
         "unpaged": _row(1000.0, 4000.0, spread=0.002),
         "paged": _row(1030.0, 3500.0, spread=0.002),
-        "unpaged_recompute_fc1": _row(1020.0, 3000.0, spread=0.002),
-        "paged_recompute_fc1_tight": _row(1025.0, 2500.0, spread=0.002),
+        "unpaged.recompute_fc1": _row(1020.0, 3000.0, spread=0.002),
+        "paged_recompute_fc1.tight": _row(1025.0, 2500.0, spread=0.002),
         "paged_recompute_fc1": _row(1040.0, 2800.0, spread=0.002),
-        "paged_hold": _row(1031.0, 3300.0, spread=0.002),
+        "paged.hold": _row(1031.0, 3300.0, spread=0.002),
     }
     step = evaluate_targets({"moe_compute": rows})["moe_compute"]["paged_step_le_1.01x_unpaged"]
     assert step["status"] == "MISS" and step["ratio"] == pytest.approx(1.03)
     same = step["same_model_per_arm"]
     # Each paged arm against the unpaged arm of its own model; "paged" is the verdict itself.
-    assert set(same) == {"paged_recompute_fc1_tight", "paged_recompute_fc1", "paged_hold"}
-    tight = same["paged_recompute_fc1_tight"]
-    assert tight["unpaged_arm"] == "unpaged_recompute_fc1" and tight["status"] == "PASS"
+    assert set(same) == {"paged_recompute_fc1.tight", "paged_recompute_fc1", "paged.hold"}
+    tight = same["paged_recompute_fc1.tight"]
+    assert tight["unpaged_arm"] == "unpaged.recompute_fc1" and tight["status"] == "PASS"
     assert tight["ratio"] == pytest.approx(1025.0 / 1020.0)
     assert same["paged_recompute_fc1"]["status"] == "MISS"  # 1.0196x
-    assert same["paged_hold"]["unpaged_arm"] == "unpaged" and same["paged_hold"]["met"] is False
+    assert same["paged.hold"]["unpaged_arm"] == "unpaged" and same["paged.hold"]["met"] is False
     lines = report_table({"gpu": None, "commit": "x", "summary": {"moe_compute": rows},
                           "budget": {"outcomes": {}}, "remaining": [],
                           "targets": {"moe_compute": evaluate_targets(
                               {"moe_compute": rows})["moe_compute"]}})
     assert any(line.startswith("  moe_compute: paged_step_le_1.01x_unpaged: MISS")
                for line in lines)
-    assert ("  moe_compute:   informational, same model: [paged_recompute_fc1_tight vs "
-            "unpaged_recompute_fc1: 1.005x]: PASS") in lines
+    assert ("  moe_compute:   informational, same model: [paged_recompute_fc1.tight vs "
+            "unpaged.recompute_fc1: 1.005x]: PASS") in lines
     # The activation bound, per arm: the non-expert part from the unpaged arm of its model.
     act = evaluate_targets({"moe_compute": rows})["moe_compute"][
         "paged_activation_le_1.1x_live_plus_one_layer"]
     assert act["status"] == "MISS"  # the verdict still reads paged: 3500 MiB of activation
     shares = act["same_model_per_arm"]
-    assert set(shares) == {"paged_recompute_fc1_tight", "paged_recompute_fc1", "paged_hold"}
-    tight = shares["paged_recompute_fc1_tight"]
+    assert set(shares) == {"paged_recompute_fc1.tight", "paged_recompute_fc1", "paged.hold"}
+    tight = shares["paged_recompute_fc1.tight"]
     assert tight["non_expert_activation_mib"] == pytest.approx(3000.0 - 1920.0)
     assert tight["expert_activation_mib"] == pytest.approx(2500.0 - 1080.0)
     assert tight["bound_mib"] == pytest.approx(1648.0) and tight["status"] == "PASS"
     assert shares["paged_recompute_fc1"]["status"] == "MISS"  # 1720 > 1648
-    assert shares["paged_hold"]["expert_activation_mib"] == pytest.approx(3300.0 - 2080.0)
+    assert shares["paged.hold"]["expert_activation_mib"] == pytest.approx(3300.0 - 2080.0)
     assert ("  moe_compute:   informational, same model: [paged_recompute_fc1: expert share "
-            "1720 MiB vs bound 1648 MiB (non-expert from unpaged_recompute_fc1)]: MISS") in lines
+            "1720 MiB vs bound 1648 MiB (non-expert from unpaged.recompute_fc1)]: MISS") in lines
     # Without the same-model control the pair is left out, not passed.
-    del rows["unpaged_recompute_fc1"]
+    del rows["unpaged.recompute_fc1"]
     targets = evaluate_targets({"moe_compute": rows})["moe_compute"]
     step = targets["paged_step_le_1.01x_unpaged"]
-    assert set(step["same_model_per_arm"]) == {"paged_hold"}
+    assert set(step["same_model_per_arm"]) == {"paged.hold"}
     assert set(targets["paged_activation_le_1.1x_live_plus_one_layer"][
-        "same_model_per_arm"]) == {"paged_hold"}
+        "same_model_per_arm"]) == {"paged.hold"}
 
 
 def test_step_peak_target_is_informational():

@@ -130,7 +130,7 @@ def test_budget_driver_resumes_and_stops_on_errors():
     assert budget_records(runs, plain, "unpaged") == []
     assert "PYTORCH_CUDA_ALLOC_CONF" not in budget_env(plain, "unpaged", 0.25)
     # An arm's benchmark controls reach its candidates too.
-    assert budget_env(plain, "mcore_manager", 0.25)[IMPLEMENTATION_ENV] == "mcore"
+    assert budget_env(plain, "mcore", 0.25)[IMPLEMENTATION_ENV] == "mcore"
     queues = {"CUDA_DEVICE_MAX_CONNECTIONS": "32"}  # the call's --env reaches them as well
     assert budget_env(plain, "paged", 0.25, queues)["CUDA_DEVICE_MAX_CONNECTIONS"] == "32"
     assert out["unpaged"]["concluded"] and out["paged"]["concluded"]
@@ -164,9 +164,9 @@ def test_budget_driver_resumes_and_stops_on_errors():
 def test_budget_probe_times_each_arm_at_the_controls_longest_length():
     """After its search, an arm runs once more at the control's longest length (its own
     candidates rarely land there), which the target reads as the equal-length comparison."""
-    opts = BudgetOptions(arms=("unpaged", "paged", "recompute_moe"), max_runs=4,
+    opts = BudgetOptions(arms=("unpaged", "paged", "recompute"), max_runs=4,
                          resolution=512, unit=512)
-    limits = {"unpaged": 7424, "paged": 7936, "recompute_moe": 12288}
+    limits = {"unpaged": 7424, "paged": 7936, "recompute": 12288}
     # paged is slower per token only where it runs at the cap (the allocator's retries)
     def step_ms(arm, seq):
         return seq * 8 * (40.0 if seq > limits["unpaged"] and arm == "paged" else 30.0) / 1e3
@@ -189,8 +189,8 @@ def test_budget_probe_times_each_arm_at_the_controls_longest_length():
     out = {arm: budget_outcome(budget_records(runs, opts, arm), opts) for arm in opts.arms}
     control_max = out["unpaged"]["max_seq"]
     assert control_max == 7168  # 4096, 8192 OOM, 6144, 7168 (4 runs)
-    assert out["paged"]["max_seq"] == 7680 and out["recompute_moe"]["max_seq"] == 12288
-    for arm in ("paged", "recompute_moe"):
+    assert out["paged"]["max_seq"] == 7680 and out["recompute"]["max_seq"] == 12288
+    for arm in ("paged", "recompute"):
         assert str(control_max) in out[arm]["candidates"]  # the probe ran
         assert out[arm]["time_per_token_us_by_seq"][str(control_max)] == pytest.approx(30.0)
         assert probe_task(opts, runs, arm, 0.25) is None  # and only once
@@ -214,22 +214,22 @@ def test_selection_resume_and_retry():
     runs = {"small:paged": {"extra": extra, "status": "ok"},
             "small:unpaged": {"extra": frontier_extra("small", "unpaged", 12),
                               "status": "error"},
-            "small:recompute_moe": {"extra": ["--train-iters", "3"], "status": "ok"}}
-    arms = ["unpaged", "paged", "recompute_moe"]
+            "small:recompute": {"extra": ["--train-iters", "3"], "status": "ok"}}
+    arms = ["unpaged", "paged", "recompute"]
     keys = [t.key for t in frontier_tasks(["small"], arms, None, runs, 12)]
-    assert keys == ["small:recompute_moe"]  # other flags: runs again; failed: kept
+    assert keys == ["small:recompute"]  # other flags: runs again; failed: kept
     keys = [t.key for t in frontier_tasks(["small"], arms, None, runs, 12, True)]
-    assert keys == ["small:unpaged", "small:recompute_moe"]  # control first
-    only = parse_only("small:recompute_moe,expert_heavy:unpaged")
+    assert keys == ["small:unpaged", "small:recompute"]  # control first
+    only = parse_only("small:recompute,expert_heavy:unpaged")
     keys = [t.key for t in frontier_tasks([], [], only, {}, 12)]
-    assert keys == ["small:recompute_moe", "expert_heavy:unpaged"]
+    assert keys == ["small:recompute", "expert_heavy:unpaged"]
     with pytest.raises(ValueError, match="size:arm"):
         parse_only("small-paged")
     with pytest.raises(ValueError, match="size:arm"):
         parse_only("tiny:paged")
     tasks = frontier_tasks(["small"], arms, None, {}, 12)
     left = remaining(tasks, runs, {}, None)
-    assert left[0].startswith("small:unpaged (error") and "small:recompute_moe" in left
+    assert left[0].startswith("small:unpaged (error") and "small:recompute" in left
     assert "small:paged" not in left
 
 
@@ -239,7 +239,7 @@ def test_time_budget_estimate():
     history = [
         {"size": "small", "arm": "unpaged", "wall_s": 100.0, "train_iters": 12,
          "step_ms": {"median": 1000.0}, "seq": 2048},
-        {"size": "small", "arm": "recompute_moe", "wall_s": 110.0, "train_iters": 12,
+        {"size": "small", "arm": "recompute", "wall_s": 110.0, "train_iters": 12,
          "step_ms": {"median": 1500.0}, "seq": 2048},
     ]
     # start-up: the worst of 100 - 12 and 110 - 18 = 92 s; this arm's step, else the worst.

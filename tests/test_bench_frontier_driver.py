@@ -36,7 +36,7 @@ ms = (1200.0 if mcore else 1005.0 if paged else 1000.0) + (300 if "moe" in mods 
 ms *= seq / 2048
 fb = 8000.0 + act
 # The optimizer step's transient (2000) and a pool that lives through it set the step peak where
-# the activations are small, as on the H200 (frontier_h200.json).
+# the activations are small.
 pool = 250.0 if paged else 0.0
 steady = max(fb, 8000.0 + 2000.0 + pool)
 fraction = os.environ.get("MEGATRON_PAGING_BENCH_MEMORY_FRACTION")
@@ -68,7 +68,7 @@ def fake_example(tmp_path, monkeypatch):
 
 def test_driver_end_to_end_resume_and_time_budget(fake_example, capsys):
     out = fake_example / "res" / "frontier.json"
-    common = ["--out", str(out), "--sizes", "small", "--arms", "unpaged,paged,recompute_moe",
+    common = ["--out", str(out), "--sizes", "small", "--arms", "unpaged,paged,recompute",
               "--iters", "5", "--budget-arms", "unpaged,paged", "--budget-size", "small",
               "--budget-gib", "12", "--budget-max-runs", "3",
               "--budget-unit", "512", "--budget-resolution", "512"]
@@ -80,14 +80,14 @@ def test_driver_end_to_end_resume_and_time_budget(fake_example, capsys):
     # Call 2: the frontier only, resumed from call 1's file.
     assert bf.main([*common, "--resume", "--budget", "no"]) == 0
     data = json.loads(out.read_text())
-    assert set(data["runs"]) == {"small:unpaged", "small:paged", "small:recompute_moe"}
+    assert set(data["runs"]) == {"small:unpaged", "small:paged", "small:recompute"}
     paged = data["runs"]["small:paged"]
     assert paged["status"] == "ok" and paged["timed_iterations"] == 2
     assert paged["step_ms"]["median"] == pytest.approx(1005.0)
     assert paged["activation_mib"] == pytest.approx(2800.0)
     assert paged["activation_source"] == "steady_fb_peak_allocated_mib"
-    # recompute_moe's step peak is the optimizer's (10000); its activations are the fb peak's.
-    rec = data["runs"]["small:recompute_moe"]
+    # recompute's step peak is the optimizer's (10000); its activations are the fb peak's.
+    rec = data["runs"]["small:recompute"]
     assert rec["memory"]["steady_peak_allocated_mib"] == pytest.approx(10000.0)
     assert rec["activation_mib"] == pytest.approx(1500.0)
     assert paged["argv"][-3:] == ["--deterministic-mode", "--train-iters", "5"]
@@ -96,7 +96,7 @@ def test_driver_end_to_end_resume_and_time_budget(fake_example, capsys):
     assert data["commit"] and data["date"] and len(data["calls"]) == 2
     summary = data["summary"]["small"]
     assert summary["paged"]["parity"]["bitwise_equal"] is True
-    assert summary["recompute_moe"]["parity"]["bitwise_equal"] is False
+    assert summary["recompute"]["parity"]["bitwise_equal"] is False
     assert summary["paged"]["paged_as_asked"] and summary["unpaged"]["paged_as_asked"]
     # A paged arm whose engine never paged is flagged, not silently a second control.
     runs = dict(data["runs"])
@@ -110,7 +110,7 @@ def test_driver_end_to_end_resume_and_time_budget(fake_example, capsys):
     assert peak["status"] == "PASS" and peak["informational"]
     assert (peak["paged_step_peak_mib"], peak["unpaged_step_peak_mib"]) == (10800.0, 11000.0)
 
-    assert targets["paged_1.2x_faster_than_recompute_moe_at_le_its_activation"][
+    assert targets["paged_1.2x_faster_than_recompute_at_le_its_activation"][
         "status"] == "MISS"  # 1.29x faster but 2800 > 1500 MiB
     assert out.with_suffix(".png").exists()
     # Call 3: the budget only; the frontier runs are not repeated.
@@ -133,22 +133,22 @@ def test_driver_end_to_end_resume_and_time_budget(fake_example, capsys):
     # Report only: nothing runs, the table comes back from the file. The file may hold a removed
     # arm's run and splits written under the old definition (step peak - state).
     data = json.loads(out.read_text())
-    old = dict(data["runs"]["small:recompute_moe"])
+    old = dict(data["runs"]["small:recompute"])
     old.update(key="small:paged_recompute_attn_norm", arm="paged_recompute_attn_norm",
                status="error", memory={}, activation_mib=None, step_ms=None)
     data["runs"][old["key"]] = old
-    data["runs"]["small:recompute_moe"]["activation_mib"] = 2000.0  # stale: step-based
-    data["runs"]["small:recompute_moe"].pop("activation_source")
+    data["runs"]["small:recompute"]["activation_mib"] = 2000.0  # stale: step-based
+    data["runs"]["small:recompute"].pop("activation_source")
     out.write_text(json.dumps(data))
     capsys.readouterr()
     assert bf.main(["--out", str(out), "--resume", "--report-only", "--sizes", "small",
-                    "--arms", "unpaged,paged,recompute_moe", "--iters", "5", "--budget",
+                    "--arms", "unpaged,paged,recompute", "--iters", "5", "--budget",
                     "no"]) == 0
     printed = capsys.readouterr().out
     data = json.loads(out.read_text())
     assert len(data["calls"]) == 3  # report-only adds no call
-    assert data["runs"]["small:recompute_moe"]["activation_mib"] == pytest.approx(1500.0)
-    assert data["summary"]["small"]["recompute_moe"]["activation_mib"] == pytest.approx(1500.0)
+    assert data["runs"]["small:recompute"]["activation_mib"] == pytest.approx(1500.0)
+    assert data["summary"]["small"]["recompute"]["activation_mib"] == pytest.approx(1500.0)
     assert "paged_recompute_attn_norm" not in data["summary"]["small"]
     assert data["removed_arms"]["small:paged_recompute_attn_norm"]["status"] == "error"
     assert "removed arm, not reported: small:paged_recompute_attn_norm (error)" in printed
@@ -206,7 +206,7 @@ def test_rerun_runs_a_done_arm_again_and_refuses_what_the_call_does_not_run(fake
     assert again["status"] == "ok" and again["step_ms"]["median"] == pytest.approx(1005.0)
     assert data["runs"]["small:unpaged"]["status"] == "ok"
     assert "--rerun" in data["calls"][-1]["argv"]
-    for bad, words in (("small:recompute_moe", "--rerun: small:recompute_moe not among the arms"),
+    for bad, words in (("small:recompute", "--rerun: small:recompute not among the arms"),
                        ("small-paged", "--rerun: 'small-paged' is not size:arm")):
         with pytest.raises(SystemExit, match=words):
             bf.main([*common, "--resume", "--rerun", bad])
@@ -216,21 +216,21 @@ def test_rerun_runs_a_done_arm_again_and_refuses_what_the_call_does_not_run(fake
 
 def test_env_option_reaches_every_run_and_its_record(fake_example, monkeypatch):
     out = fake_example / "res" / "frontier_conn8.json"
-    common = ["--out", str(out), "--sizes", "small", "--arms", "unpaged,paged,mcore_manager",
+    common = ["--out", str(out), "--sizes", "small", "--arms", "unpaged,paged,mcore",
               "--iters", "5", "--budget", "no"]
     # A control in the caller's environment reaches no run: each arm sets its own.
     monkeypatch.setenv(IMPLEMENTATION_ENV, "mcore")
     assert bf.main([*common, "--env", "CUDA_DEVICE_MAX_CONNECTIONS=8"]) == 0
     data = json.loads(out.read_text())
-    for key in ("small:unpaged", "small:paged", "small:mcore_manager"):
+    for key in ("small:unpaged", "small:paged", "small:mcore"):
         run = data["runs"][key]
         assert run["env"]["CUDA_DEVICE_MAX_CONNECTIONS"] == "8"
         log = (out.parent / f"{run['log']}.log").read_text().splitlines()[0]
         assert log.startswith("# ") and "CUDA_DEVICE_MAX_CONNECTIONS=8 " in log
-    assert data["runs"]["small:mcore_manager"]["env"][IMPLEMENTATION_ENV] == "mcore"
+    assert data["runs"]["small:mcore"]["env"][IMPLEMENTATION_ENV] == "mcore"
     assert IMPLEMENTATION_ENV not in data["runs"]["small:paged"]["env"]
     steps = {arm: row["step_ms"] for arm, row in data["summary"]["small"].items()}
-    assert steps == {"unpaged": 1000.0, "paged": 1005.0, "mcore_manager": 1200.0}
+    assert steps == {"unpaged": 1000.0, "paged": 1005.0, "mcore": 1200.0}
     # Resuming needs the environment the file's runs ran under (here: nothing left to run);
     # re-rendering the report runs nothing, so it needs none.
     assert bf.main([*common, "--env", "CUDA_DEVICE_MAX_CONNECTIONS=8", "--resume"]) == 0

@@ -77,10 +77,10 @@ def test_summary_compares_each_arm_with_unpaged():
     rows = bench_scale.summarize([rec("unpaged", 100.0, 10.0, ["a"]),
                                   rec("paged", 60.0, 10.2, ["c"]),
                                   rec("recompute", 50.0, 13.0, ["b"]),
-                                  rec("unpaged_deterministic", 100.0, 11.0, ["d"]),
-                                  rec("paged_deterministic", 60.0, 11.0, ["d"]),
-                                  rec("unpaged_deterministic", 100.0, 11.0, ["e"]) | {"rank": 1},
-                                  rec("paged_deterministic", 60.0, 11.0, ["f"]) | {"rank": 1}])
+                                  rec("unpaged.deterministic", 100.0, 11.0, ["d"]),
+                                  rec("paged.deterministic", 60.0, 11.0, ["d"]),
+                                  rec("unpaged.deterministic", 100.0, 11.0, ["e"]) | {"rank": 1},
+                                  rec("paged.deterministic", 60.0, 11.0, ["f"]) | {"rank": 1}])
     paged, recompute = rows[1], rows[2]
     assert paged["peak_vs_unpaged"] == pytest.approx(0.6)
     assert paged["step_vs_unpaged"] == pytest.approx(1.02)
@@ -99,8 +99,8 @@ def test_every_layout_flag_is_a_megatron_flag():
 
     parser = add_paging_args(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
     for layout in LAYOUTS.values():
-        for arm_flags, _ in bench_scale.ARMS.values():
-            args = parser.parse_args([*layout.flags(0), *arm_flags])
+        for arm in bench_scale.ARMS.values():
+            args = parser.parse_args([*layout.flags(0), *arm.flags])
             assert args.fake_process_group and args.use_distributed_optimizer
         assert json.dumps(layout.env(layout.ranks[0]))
 

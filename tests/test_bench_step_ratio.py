@@ -53,12 +53,12 @@ def fake_example(tmp_path, monkeypatch):
 
 def test_rounds_cancel_the_drift_that_one_pass_would_report(fake_example, capsys):
     out = fake_example / "res" / "step_ratio.json"
-    argv = ["--size", "small", "--arms", "paged,mcore_manager", "--rounds", "2", "--iters", "5",
+    argv = ["--size", "small", "--arms", "paged,mcore", "--rounds", "2", "--iters", "5",
             "--out", str(out), "--env", "CUDA_DEVICE_MAX_CONNECTIONS=32"]
     assert sr.main(argv) == 0
     data = json.loads(out.read_text())
     assert [r["order"] for r in data["rounds"]] == [
-        ["unpaged", "paged", "mcore_manager"], ["mcore_manager", "paged", "unpaged"]]
+        ["unpaged", "paged", "mcore"], ["mcore", "paged", "unpaged"]]
     assert all(r["complete"] for r in data["rounds"]) and data["commit"] and data["date"]
     paged = data["summary"]["paged"]
     # One pass in a fixed order would read paged at 1.005 x 1.03; the two rounds read it once
@@ -67,12 +67,12 @@ def test_rounds_cancel_the_drift_that_one_pass_would_report(fake_example, capsys
     assert paged["median"] == pytest.approx(1.005 * (1.03 + 1 / 1.03) / 2, rel=1e-3)
     assert paged["verdict"] == "UNRESOLVED"  # 1.035 above 1.01, 0.976 below: one call can't say
     assert paged["bitwise_equal_every_round"] and paged["parity_required"]
-    manager = data["summary"]["mcore_manager"]
+    manager = data["summary"]["mcore"]
     assert manager["ratios"] == pytest.approx([1.05 * 1.03**2, 1.05 / 1.03**2], rel=1e-3)
     assert manager["bitwise_equal_every_round"] is False
     runs = data["rounds"][0]["runs"]
     assert runs["paged"]["env"]["CUDA_DEVICE_MAX_CONNECTIONS"] == "32"
-    assert runs["mcore_manager"]["env"]["MEGATRON_PAGING_BENCH_IMPLEMENTATION"] == "mcore"
+    assert runs["mcore"]["env"]["MEGATRON_PAGING_BENCH_IMPLEMENTATION"] == "mcore"
     assert "MEGATRON_PAGING_BENCH_IMPLEMENTATION" not in runs["paged"]["env"]
     assert "--moe-paged-stash" in runs["paged"]["argv"]
     printed = capsys.readouterr().out

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_paging import kernels
-from megatron_paging.config import DEFAULT_MAX_CTAS
+from megatron_paging.config import DEFAULT_MAX_CTAS, ConfigError
 from megatron_paging.kernels import REGISTRY, KernelBackend, prepare, resolve_backend
 from megatron_paging.pool import PagePool, PagePools
 from megatron_paging.record import PageRecord
@@ -141,6 +141,17 @@ def test_module_functions_refuse_before_touching_anything(op):
             op(source(), record, pool, backend=backend)
     assert pool.free_pages() == (4, 2) and record.page_record.tolist() == [0, 0, 0]
     assert pool.flags.read() == {"overflow": False, "host_spill": False, "invalid_live": False}
+
+
+@pytest.mark.parametrize("op", [kernels.stash, kernels.reload, REGISTRY["reference"].stash,
+                                REGISTRY["reference"].reload])
+def test_a_bad_grid_bound_is_refused_before_any_copy(op):
+    pool, record = small_pool(), small_record()
+    for bad in (0, -1, 2.5, True, "64", 2**31):
+        with pytest.raises(ConfigError) as excinfo:
+            op(source(), record, pool, max_ctas=bad)
+        assert excinfo.value.field == "max_ctas"
+    assert pool.free_pages() == (4, 2) and record.page_record.tolist() == [0, 0, 0]
 
 
 def test_backend_methods_pass_the_direction_and_the_default_grid(spy):

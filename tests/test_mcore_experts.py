@@ -268,8 +268,8 @@ def test_reloaded_tensors_are_freed_when_their_backward_ran(installed, model_par
 
 def test_stashed_buffers_are_freed_before_their_backward(installed, model_parallel, monkeypatch):  # noqa: F811
     """Forward side of the above: once microbatch 1's stash is retired (at microbatch 2's commit)
-    nothing holds its capacity buffers — they live in pages until the reload. Holding them (as a
-    saved tensor's mark did until 61defed) would make paging cost the pool on top of them."""
+    nothing holds its capacity buffers — they live in pages until the reload. Holding them (a
+    mark on the saved tensor could) would make paging cost the pool on top of them."""
     import gc
     import weakref
 

@@ -144,8 +144,7 @@ OFFLOAD = ["--fine-grained-activation-offloading", "--paging-offload-backend", "
                                "paged", "--paging-offload-host-factor", "0.5"], {},
          "--paging-offload-host-factor must be >= 1, got 0.5"),
         (BASE, {"MEGATRON_PAGING_MAX_CTAS": "lots"},
-         "MEGATRON_PAGING_MAX_CTAS must be a positive integer (it bounds the copy kernels' "
-         "grid), got 'lots'"),
+         "MEGATRON_PAGING_MAX_CTAS must be a positive integer"),
         (BASE + ["--cuda-graph-impl", "local"], {},
          "--cuda-graph-impl local cannot be combined with --moe-paged-stash"),
         (["--paging-offload-backend", "paged"], {},

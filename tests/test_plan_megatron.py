@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import io
 import json
+import sys
 import time
 from contextlib import redirect_stdout
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("megatron.training")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from plan_measured import EXAMPLE_LINE, PAGING_LINE  # noqa: E402
 
 from megatron_paging.plan import adapter  # noqa: E402
-from megatron_paging.plan.measured import EXAMPLE_LINE, PAGING_LINE  # noqa: E402
-from megatron_paging.plan.schedule import max_in_flight, one_f_one_b_ops  # noqa: E402
+from megatron_paging.plan.liveness import max_in_flight, one_f_one_b_ops  # noqa: E402
 
 DEEPSEEK_V3 = (
     "--num-layers 61 --hidden-size 7168 --ffn-hidden-size 18432 --num-attention-heads 128 "
@@ -135,6 +138,20 @@ def test_megatron_validation_error_is_one_line():
         with adapter.quiet():
             adapter.parse_megatron(list(EXAMPLE_LINE), world_size=3)
     assert "\n" not in str(error.value)
+
+
+def test_parsing_leaves_the_process_as_it_was():
+    """Megatron's validation of --deterministic-mode sets environment variables and torch's
+    deterministic mode; planning the line takes neither with it."""
+    import os
+
+    import torch
+
+    assert "--deterministic-mode" in EXAMPLE_LINE
+    environ, mode = dict(os.environ), torch.are_deterministic_algorithms_enabled()
+    with adapter.quiet():
+        adapter.parse_megatron([*EXAMPLE_LINE, *PAGING_LINE], world_size=1, rank=0)
+    assert dict(os.environ) == environ and torch.are_deterministic_algorithms_enabled() == mode
 
 
 def test_cli_plan_subcommand(capsys):

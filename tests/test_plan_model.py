@@ -9,10 +9,10 @@ import pytest
 
 from megatron_paging.plan import shapes as S
 from megatron_paging.plan.arms import ARMS, Constants, PagingSettings, arm, evaluate
+from megatron_paging.plan.liveness import one_f_one_b_ops
 from megatron_paging.plan.model import PlanInputs, StageInputs, build_plan
 from megatron_paging.plan.pools import PoolKey, mcore_pool_bytes, our_pool_bytes
 from megatron_paging.plan.report import format_table, to_dict, to_json
-from megatron_paging.plan.schedule import one_f_one_b_ops
 
 # hidden 8, 2 heads of 4, 4 tokens, 4 experts top-2, moe-ffn 6 (fc1 12 columns), capacity 1.5
 TINY = S.ModelShape(hidden=8, heads=2, query_groups=2, kv_channels=4, ffn=16, vocab=32, seq=4,

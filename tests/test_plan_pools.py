@@ -93,8 +93,8 @@ def _brute_force_needs(chunks, ops, live, records, page):
 @pytest.mark.parametrize("ep", [4, 1024])  # exact binomial draws; their normal limit
 def test_step_need_is_the_most_any_schedule_moment_holds(ep):
     from megatron_paging.plan import shapes as S
+    from megatron_paging.plan.liveness import one_f_one_b_ops, record_schedule
     from megatron_paging.plan.pools import _lognormal_live, page_rows
-    from megatron_paging.plan.schedule import one_f_one_b_ops, record_schedule
 
     chunks = (S.Chunk(0, (S.Layer(1, False), S.Layer(2, True), S.Layer(3, True))),)
     ops = one_f_one_b_ops(3, 0, 6)  # 3 microbatches in flight at the peak, 6 per step

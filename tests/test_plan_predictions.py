@@ -19,8 +19,8 @@ import report_plan  # noqa: E402
 from scale_layouts import LAYOUTS, Layout  # noqa: E402
 
 from megatron_paging.plan import shapes as S  # noqa: E402
+from megatron_paging.plan.liveness import one_f_one_b_ops, record_schedule  # noqa: E402
 from megatron_paging.plan.pools import step_needs  # noqa: E402
-from megatron_paging.plan.schedule import one_f_one_b_ops, record_schedule  # noqa: E402
 from megatron_paging.tools.peer_load import TRACE_FORMAT, TraceLoad  # noqa: E402
 
 # 4 ranks: PP 2 x DP 2, EP 2; 4 layers (the first dense), 4 experts top-2
@@ -46,7 +46,7 @@ def test_the_predicted_line_is_the_one_bench_scale_launches(tmp_path, monkeypatc
 
     monkeypatch.setattr(bench_scale.subprocess, "run", fake_run)
     layout = LAYOUTS["deepseek_v3"]
-    for arm in ("unpaged", "mcore_offload", "paged_recompute_fc1"):
+    for arm in ("unpaged", "offload", "paged_recompute_fc1"):
         bench_scale.run_arm(layout, 256, arm, 1.5, tmp_path, timeout=1)
         assert seen["argv"] == plan_predictions.bench_argv(layout, 256, arm, 1.5)
 
@@ -58,7 +58,7 @@ def test_predictions_on_a_tiny_layout_write_every_field(tmp_path, monkeypatch):
     monkeypatch.setitem(LAYOUTS, "tiny", TINY)
     out = tmp_path / "pred.json"
     assert plan_predictions.main(["--layouts", "tiny", "--arms", "unpaged", "paged",
-                                  "mcore_manager", "--capacity-factors", "2.0",
+                                  "mcore", "--capacity-factors", "2.0",
                                   "--cli-runs", "0", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["device"].startswith("none (CPU prediction")
@@ -67,12 +67,13 @@ def test_predictions_on_a_tiny_layout_write_every_field(tmp_path, monkeypatch):
     assert "one-GPU example" in result["constants"]["fitted_on"]
     runs = [(e["rank"], e["arm"]) for e in result["entries"]]
     assert runs == [(0, "unpaged"), (2, "unpaged"), (0, "paged"), (2, "paged"),
-                    (0, "mcore_manager")]
+                    (0, "mcore")]
     for entry in result["entries"]:
         p = entry["predicted"]
         assert entry["flags"] == plan_predictions.bench_argv(TINY, entry["rank"], entry["arm"],
                                                              2.0)
-        assert entry["plan_arm"] == plan_predictions.PLAN_ARM[entry["arm"]]
+        assert entry["plan_arm"] == entry["arm"]  # no variant among them: the plan's own arm
+        assert "plan_arm_expected" not in entry
         assert entry["stage"] == entry["rank"] // 2
         for part in ("params", "grads", "optimizer", "attention", "residual", "router",
                      "dispatch", "experts", "pool_device", "pool_host", "fb_peak",

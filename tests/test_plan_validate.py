@@ -4,11 +4,15 @@ the one-GPU example (the constant's fit) and of two larger one-GPU sizes (printe
 from __future__ import annotations
 
 import dataclasses
+import sys
+from pathlib import Path
 
 import pytest
 
-from megatron_paging.plan.arms import CONSTANTS, MIB, ArmMemory
-from megatron_paging.plan.validate import compare, format_comparisons
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from plan_validation import compare, format_comparisons  # noqa: E402
+
+from megatron_paging.plan.arms import CONSTANTS, MIB, ArmMemory  # noqa: E402
 
 MEMORY = ArmMemory(
     arm="paged", params=100 * MIB, grads=200 * MIB, optimizer=600 * MIB, embedding_loss=0,
@@ -30,10 +34,10 @@ def test_compare_by_hand():
     assert rows["pool_device"].relative_error == pytest.approx(0.25)
 
 
-def test_compare_maps_benchmark_arm_names():
+def test_compare_reads_a_variant_as_its_plan_arm():
     mcore = dataclasses.replace(MEMORY, arm="mcore")
-    rows = compare({"mcore_manager": {"param_mib": 100}}, {"mcore": mcore})
-    assert [(c.arm, c.quantity, c.relative_error) for c in rows] == [("mcore_manager",
+    rows = compare({"mcore.persistent": {"param_mib": 100}}, {"mcore": mcore})
+    assert [(c.arm, c.quantity, c.relative_error) for c in rows] == [("mcore.persistent",
                                                                        "params", 0.0)]
     with pytest.raises(ValueError, match="'recompute' is not in the plan"):
         compare({"recompute": {"param_mib": 1}}, {"mcore": mcore})
@@ -44,7 +48,7 @@ megatron = pytest.importorskip("megatron.training")
 
 @pytest.fixture(scope="module")
 def history():
-    from megatron_paging.plan.validate import historical
+    from plan_validation import historical
 
     results = historical()
     print("\n" + format_comparisons(results))
@@ -76,6 +80,6 @@ def test_other_sizes_reported(history):
 
 
 def test_frozen_constant_is_the_fit():
-    from megatron_paging.plan.validate import fit_workspace
+    from plan_validation import fit_workspace
 
     assert fit_workspace() == pytest.approx(CONSTANTS.workspace_mib, abs=0.05)

@@ -139,10 +139,9 @@ def test_gpu_paging_overlaps_compute():
     compute stream; the paging interval must intersect the GEMM interval (it started before the
     GEMMs ended and ended after they started). Speed is the benchmark's business, not asserted.
 
-    The copies run on a bounded grid (8 CTAs, ~230 GB/s: ~0.8 ms per record) so the paging queue
-    outlasts the host's issue of the eight commits. On a full grid each stash finished before a
-    loaded host issued the next commit, and the two intervals only touched (seen with five test
-    processes sharing the H200 host).
+    The copies run on a bounded grid (8 CTAs) so the paging queue outlasts the host's issue of
+    the eight commits: on a full grid each stash can finish before a loaded host issues the next
+    commit, and the two intervals would only touch.
     """
     needs_cuda_kernels()
     records, rows, width = 8, 16384, 4096
@@ -230,7 +229,7 @@ def test_gpu_host_lead_is_bounded_by_max_inflight_stashes():
         pools.reset()
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
-        for _ in range(10):  # ~15 ms of GEMMs: every stash below queues behind them
+        for _ in range(10):  # GEMMs long enough that every stash below queues behind them
             torch.mm(a, a, out=out)
         handles, tracked, extra = [], [], []
         torch.cuda.set_sync_debug_mode("error")  # the bound never waits on the host

@@ -363,8 +363,8 @@ class FakeExtension:
             self.layouts.append(args) or ("layout", len(self.layouts)), ""
         )
 
-    def copy(self, *args):
-        self.calls.append(args)
+    def copy(self, **arguments):
+        self.calls.append(tuple(arguments.values()))
         return ""
 
 

@@ -1,5 +1,6 @@
 """The frontier's arms and model sizes, the flags and environment each run adds to the example
-script, and the memory arithmetic computed from a run's flags (live expert bytes, sizing)."""
+script, and the memory arithmetic computed from a run's flags (live expert bytes, sizing). Arms
+are named as benchmarks/arm_names.py says: the plan's arm, then the variant."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from arm_names import arm_name
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "run_pretrain_1gpu.sh"
@@ -27,94 +30,104 @@ MEMORY_FRACTION_ENV = BENCH_ENV_PREFIX + "MEMORY_FRACTION"  # the budget search'
 MIB = 2**20
 WARMUP_ITERS = 3  # dropped: 1 calibrates, 2 sizes the pools and Adam's state, 3 settles
 FRONTIER_ITERS = 12  # -> 9 timed iterations per arm
-BUDGET_ITERS = 7  # -> 4 timed iterations per budget candidate (2 gave time/token spreads of ~10%)
+BUDGET_ITERS = 7  # -> 4 timed iterations per budget candidate (2 left time per token noisy)
 COMMON_FLAGS = ("--deterministic-mode",)  # every arm, every run
 
 
 @dataclass(frozen=True)
 class Arm:
-    name: str
+    plan_arm: str  # the plan's arm this run is (megatron_paging.plan.arms)
+    variant: str  # what the run changes beside the plan's arm ("" for none)
     paged: bool  # PAGED=1: the example script adds --moe-paged-stash and its pool flags
     flags: tuple[str, ...]
     exact: bool  # must reproduce the unpaged control bit for bit
     description: str
     env: dict = field(default_factory=dict)  # benchmark controls of the run
 
+    @property
+    def name(self) -> str:
+        return arm_name(self.plan_arm, self.variant)
+
 
 ARMS: dict[str, Arm] = {
     a.name: a
     for a in (
-        Arm("unpaged", False, (), False, "control: no paging, same static capacity"),
-        Arm("unpaged_unfused", False, (UNFUSED,), False,
+        Arm("unpaged", "", False, (), False, "control: no paging, same static capacity"),
+        Arm("unpaged", "unfused", False, (UNFUSED,), False,
             "the control with Megatron-Core's unfused activation expression instead of the "
             "fused weighted SwiGLU (Megatron's default bias_swiglu_fusion)"),
-        Arm("paged", True, (), True, "--moe-paged-stash through megatron-paging"),
-        Arm("paged_hold", True, ("--paging-hold-last-slot",), True,
+        Arm("paged", "", True, (), True, "--moe-paged-stash through megatron-paging"),
+        Arm("paged", "hold", True, ("--paging-hold-last-slot",), True,
             "paged; the last layer before each backward is never copied and the pool is a "
             "layer smaller"),
-        Arm("mcore_manager", True, (), True,
+        Arm("mcore", "", True, (), True,
             "--moe-paged-stash through Megatron-Core 0.19.2's own manager and Triton kernels",
             {IMPLEMENTATION_ENV: "mcore"}),
-        Arm("recompute_moe", False,
+        Arm("recompute", "", False,
             ("--recompute-granularity", "selective", "--recompute-modules", "moe"), False,
             "unpaged; recompute the whole MoE layer in backward"),
         # core_attn only: layernorm recompute goes through CheckpointWithoutOutput, which needs
         # TE in Megatron-Core 0.19.2 (the example refuses it without TE).
-        Arm("paged_recompute_core_attn", True,
+        Arm("paged", "recompute_core_attn", True,
             ("--recompute-granularity", "selective", "--recompute-modules", "core_attn"), False,
             "paged + selective recompute of core attention"),
         # Fine-grained activation offloading of the expert modules. Ours moves live rows, by the
         # copy engine when CUDA_DEVICE_MAX_CONNECTIONS > 1 (--env), else by SM kernels.
-        Arm("mcore_offload", False,
+        Arm("offload", "", False,
             (*OFFLOAD, "expert_fc1", "moe_act", OFFLOAD_BACKEND, "mcore"), True,
             "Megatron-Core's fine-grained offloading of the expert modules (unpaged)"),
-        Arm("paged_offload", False,
+        Arm("paged_offload_experts", "no_stash", False,
             (*OFFLOAD, "expert_fc1", "moe_act", OFFLOAD_BACKEND, "paged"), True,
-            "our offloading backend for the expert modules (live rows only)"),
-        Arm("paged_stash_plus_offload", True,
+            "our offloading backend for the expert modules (live rows only), without the "
+            "paged stash"),
+        Arm("paged_offload", "", True,
             (*OFFLOAD, "attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm",
              OFFLOAD_BACKEND, "paged"), True,
             "experts paged on the device, dense modules offloaded through our backend"),
         # The experts save only x and recompute fc1 in backward (--paging-recompute-expert-fc1):
         # what paging or offloading moves per layer shrinks from hidden + fc1 columns to hidden.
-        Arm("unpaged_recompute_fc1", False, (RECOMPUTE_FC1,), True,
+        Arm("unpaged", "recompute_fc1", False, (RECOMPUTE_FC1,), True,
             "unpaged; the experts save x only and recompute fc1 (what paging x adds to)"),
-        Arm("paged_recompute_fc1", True, (RECOMPUTE_FC1,), True,
+        Arm("paged_recompute_fc1", "", True, (RECOMPUTE_FC1,), True,
             "paged; the experts save x only (one pool) and recompute fc1 in backward"),
-        Arm("paged_recompute_fc1_hold", True, (RECOMPUTE_FC1, "--paging-hold-last-slot"), True,
-            "paged_recompute_fc1 with the last layer before each backward never copied"),
-        Arm("paged_recompute_fc1_tight", True,
+        Arm("paged_recompute_fc1", "hold", True, (RECOMPUTE_FC1, "--paging-hold-last-slot"),
+            True, "paged_recompute_fc1 with the last layer before each backward never copied"),
+        Arm("paged_recompute_fc1", "tight", True,
             (RECOMPUTE_FC1, "--paging-hold-last-slot", CUDA_FACTOR, "1.0"), True,
-            "paged_recompute_fc1_hold with the device tier at the calibrated peak, no headroom "
+            "paged_recompute_fc1.hold with the device tier at the calibrated peak, no headroom "
             "(CUDA factor 1.0: at EP = 1 every routed row is live, so the count never changes)"),
-        Arm("paged_recompute_fc1_spill", True,
+        Arm("paged_recompute_fc1", "spill", True,
             (RECOMPUTE_FC1, "--paging-hold-last-slot", CUDA_FACTOR, "0.72", CPU_FACTOR, "0.3"),
             True,
-            "paged_recompute_fc1_hold with a device tier of 5 of the 7 paged layers' rows and a "
+            "paged_recompute_fc1.hold with a device tier of 5 of the 7 paged layers' rows and a "
             "pinned-host tier for the rest (the layers stashed last spill)"),
-        Arm("paged_offload_recompute_fc1", False,
+        Arm("paged_offload_experts", "recompute_fc1_no_stash", False,
             (*OFFLOAD, "expert_fc1", OFFLOAD_BACKEND, "paged", RECOMPUTE_FC1), True,
-            "our offloading of expert_fc1 alone: the experts save x only and recompute fc1"),
+            "our offloading of expert_fc1 alone, without the paged stash: the experts save x "
+            "only and recompute fc1"),
     )
 }  # fmt: skip
-# The control every other arm is compared with, and the arms that page (recompute target).
-CONTROL = "unpaged"
-PAGED_FAMILY = ("paged", "paged_hold", "paged_recompute_core_attn", "paged_recompute_fc1",
-                "paged_recompute_fc1_hold", "paged_recompute_fc1_tight")
+NAME_WIDTH = max(len(name) for name in ARMS)  # printed tables' arm column
+# The control every other arm is compared with, the arm the recompute target is read against,
+# and the arms that page (held to that target).
+CONTROL, RECOMPUTE = "unpaged", "recompute"
+PAGED_FAMILY = ("paged", "paged.hold", "paged.recompute_core_attn", "paged_recompute_fc1",
+                "paged_recompute_fc1.hold", "paged_recompute_fc1.tight")
 # Shown beside the recompute target, not part of its verdict: the offload arms (and the spill
 # arm, for two of its layers) move live expert rows to the pinned host tier rather than keeping
 # them on the device, a different trade; the unpaged fc1 recompute pages nothing (it shows what
 # the fc1 recompute alone buys).
-RECOMPUTE_INFORMATIONAL = ("paged_offload", "paged_offload_recompute_fc1",
-                           "paged_recompute_fc1_spill", "unpaged_recompute_fc1")
+RECOMPUTE_INFORMATIONAL = ("paged_offload_experts.no_stash",
+                           "paged_offload_experts.recompute_fc1_no_stash",
+                           "paged_recompute_fc1.spill", "unpaged.recompute_fc1")
 # The unpaged arm that runs the same model as each paged arm other than ``paged`` (whose is the
 # control, in the verdicts themselves): paging's own cost is read against it, beside them.
 SAME_MODEL_UNPAGED = {
-    "paged_hold": CONTROL,
-    "paged_recompute_fc1": "unpaged_recompute_fc1",
-    "paged_recompute_fc1_hold": "unpaged_recompute_fc1",
-    "paged_recompute_fc1_tight": "unpaged_recompute_fc1",
-    "paged_recompute_fc1_spill": "unpaged_recompute_fc1",
+    "paged.hold": CONTROL,
+    "paged_recompute_fc1": "unpaged.recompute_fc1",
+    "paged_recompute_fc1.hold": "unpaged.recompute_fc1",
+    "paged_recompute_fc1.tight": "unpaged.recompute_fc1",
+    "paged_recompute_fc1.spill": "unpaged.recompute_fc1",
 }
 
 
@@ -139,8 +152,8 @@ class Size:
 #   layers (1.34 GB live) against ~0.7 GB of other per-layer activations and ~0.8 GB of logits
 #   (4096 x 32000, bf16 + fp32): the experts dominate the activation memory. Peak ~31 GB of the
 #   H200's 141 GB. Step: 32768 tokens x ~1.8 GFLOP/token (6 x 268M active parameters + causal
-#   attention) = ~59 TFLOP, ~0.2 s of GPU time at 300 TFLOP/s; the example is host-bound (about
-#   1 s per step at the small size), so 12 iterations take well under a minute after start-up.
+#   attention) = ~59 TFLOP, ~0.2 s of GPU time at 300 TFLOP/s; the eager example's host issue
+#   takes longer than that (host-bound), so 12 iterations are short next to start-up.
 # expert_heavy_cap2 (not run by default): expert_heavy with capacity factor 2.0, the headroom a
 #   static capacity needs for EP imbalance; there paging's saving is 1 - 1.1/2 of the expert
 #   activations instead of 1 - 1.1/1.5.
@@ -151,9 +164,9 @@ class Size:
 #   top-8, moe-ffn 3072, seq 8192: experts 32 x (1024 x 6144 + 3072 x 1024) = 302M per layer ->
 #   ~2.5B parameters -> ~40 GB of state; 65536 tokens per step x ~4.8 GFLOP/token (6 x 670M
 #   active parameters + causal attention at 8192) = ~315 TFLOP, ~1 s of GPU time at 300 TFLOP/s,
-#   so device work reaches the host's ~1 s, and recompute's extra MoE forward (2 x 604M x 65536 =
-#   ~79 TFLOP) adds ~25%. Expert activations: 98304 capacity rows x 7168 bf16 columns = 1.4 GB
-#   per layer, 11.3 GB over 8 layers.
+#   so device work reaches the host's issue time, and recompute's extra MoE forward
+#   (2 x 604M x 65536 = ~79 TFLOP) adds ~25%. Expert activations: 98304 capacity rows x 7168
+#   bf16 columns = 1.4 GB per layer, 11.3 GB over 8 layers.
 SIZES: dict[str, Size] = {
     s.name: s
     for s in (
@@ -173,12 +186,14 @@ SIZES: dict[str, Size] = {
              "MoE compute dominates the step: 32 experts top-8, moe-ffn 3072, seq 8192"),
     )
 }  # fmt: skip
-DEFAULT_SIZES = ("moe_compute",)  # the unpaged run reserves ~64 GiB: an 80 GB GPU
+# Its unpaged run needs an 80 GB GPU (peak_reserved_mib: results/frontier_moe_compute_h200.json).
+DEFAULT_SIZES = ("moe_compute",)
 # What a call runs without --arms: the control, paging, its alternatives, the tightest fc1 arm.
-DEFAULT_ARMS = ("unpaged", "paged", "mcore_manager", "recompute_moe", "unpaged_recompute_fc1",
-                "paged_recompute_fc1_tight", "mcore_offload", "paged_offload_recompute_fc1")
+DEFAULT_ARMS = ("unpaged", "paged", "mcore", "recompute", "unpaged.recompute_fc1",
+                "paged_recompute_fc1.tight", "offload",
+                "paged_offload_experts.recompute_fc1_no_stash")
 TARGET_SIZE = "moe_compute"  # where the recompute target is required
-DEFAULT_BUDGET_ARMS = ("unpaged", "paged", "recompute_moe")
+DEFAULT_BUDGET_ARMS = ("unpaged", "paged", "recompute")
 
 
 def frontier_extra(size: str, arm: str, iters: int = FRONTIER_ITERS) -> list[str]:

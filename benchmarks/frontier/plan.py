@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from arm_names import current_name, named_by_plan
+
 from . import arms as arm_table  # .SCRIPT read per run: a test points it at a fake
 from .arms import ARMS, BENCH_ENV_PREFIX, CONTROL, LOSS_LOG_ENV, ROOT, SIZES, script_argv
 from .logs import make_record, read_losses, refresh_memory_split
@@ -20,7 +22,7 @@ from .task import Task, arm_task
 if TYPE_CHECKING:
     from .budget import BudgetOptions
 
-DEFAULT_RUN_S = 150.0  # estimate for a run when nothing has run yet (start-up ~40-60 s + steps)
+DEFAULT_RUN_S = 150.0  # estimate for a run when nothing has run yet (start-up and steps)
 ESTIMATE_MARGIN = 1.15
 
 
@@ -92,13 +94,26 @@ def fits(now: float, deadline: float | None, estimate_s: float) -> bool:
 
 def load_runs(path: Path | None) -> tuple[dict, list]:
     """(runs, calls) of an earlier call's file (empty when there is none), the runs' memory split
-    recomputed under the current definition."""
+    recomputed under the current definition and, in a file of the old arm names, the arms
+    renamed."""
     if path is None or not path.exists():
         return {}, []
     data = json.loads(path.read_text())
     if data.get("benchmark") != "frontier":
         raise ValueError(f"{path} is not a frontier result (benchmark={data.get('benchmark')!r})")
-    return refresh_memory_split(dict(data.get("runs", {}))), list(data.get("calls", []))
+    runs = dict(data.get("runs", {}))
+    if not named_by_plan(data):
+        runs = dict(_renamed(key, run) for key, run in runs.items())
+    return refresh_memory_split(runs), list(data.get("calls", []))
+
+
+def _renamed(key: str, run: dict) -> tuple[str, dict]:
+    """A run of a file written under the old arm names, with its arm's current name (in its
+    key too: ``size:arm``, ``budget:size:arm:...``)."""
+    arm = current_name(run["arm"], "frontier")
+    parts = key.split(":")
+    parts[1 if run.get("kind") == "arm" else 2] = arm  # Task.key's layout
+    return ":".join(parts), {**run, "arm": arm}
 
 
 def provenance(runs: dict, current: dict) -> dict:

@@ -8,10 +8,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from arm_names import NAMING, NAMING_KEY
 from common import figure
 from portable import dumps
 
-from .arms import ARMS, COMMON_FLAGS, SIZES, WARMUP_ITERS, expert_bytes, model_config
+from .arms import ARMS, COMMON_FLAGS, NAME_WIDTH, SIZES, WARMUP_ITERS, expert_bytes, model_config
 from .logs import FB_PEAK, STEP_PEAK, removed_runs, summarize
 from .plan import provenance
 from .targets import _ok, _status, evaluate_targets
@@ -22,14 +23,14 @@ if TYPE_CHECKING:
 
 # One colour per arm, by name (a new arm keeps the others' colours in old plots' order).
 ARM_COLORS = {
-    "unpaged": "grey", "paged": "tab:blue", "paged_hold": "tab:olive",
-    "mcore_manager": "tab:orange", "recompute_moe": "tab:red",
-    "paged_recompute_core_attn": "tab:cyan", "mcore_offload": "tab:brown",
-    "paged_offload": "tab:purple", "paged_stash_plus_offload": "tab:green",
-    "unpaged_recompute_fc1": "dimgrey", "paged_recompute_fc1": "navy",
-    "paged_offload_recompute_fc1": "darkviolet", "paged_recompute_fc1_hold": "teal",
-    "paged_recompute_fc1_tight": "darkgreen", "paged_recompute_fc1_spill": "goldenrod",
-    "unpaged_unfused": "silver",
+    "unpaged": "grey", "paged": "tab:blue", "paged.hold": "tab:olive",
+    "mcore": "tab:orange", "recompute": "tab:red",
+    "paged.recompute_core_attn": "tab:cyan", "offload": "tab:brown",
+    "paged_offload_experts.no_stash": "tab:purple", "paged_offload": "tab:green",
+    "unpaged.recompute_fc1": "dimgrey", "paged_recompute_fc1": "navy",
+    "paged_offload_experts.recompute_fc1_no_stash": "darkviolet",
+    "paged_recompute_fc1.hold": "teal", "paged_recompute_fc1.tight": "darkgreen",
+    "paged_recompute_fc1.spill": "goldenrod", "unpaged.unfused": "silver",
 }
 
 
@@ -46,12 +47,14 @@ def build_result(current: dict, settings: dict, runs: dict, calls: list,
             entry["expert_bytes"] = expert_bytes(entry["config"])
         sizes[name] = entry
     arms = {
-        name: {"flags": list(a.flags), "env": dict(a.env), "paged": a.paged, "exact": a.exact,
+        name: {"plan_arm": a.plan_arm, "variant": a.variant, "flags": list(a.flags),
+               "env": dict(a.env), "paged": a.paged, "exact": a.exact,
                "description": a.description}
         for name, a in ARMS.items()
     }
     result = {
         "benchmark": "frontier",
+        NAMING_KEY: NAMING,
         **provenance(runs, current),
         "this_call": current,
         "settings": settings,
@@ -92,7 +95,7 @@ def _fmt(value, spec: str = ".1f", none: str = "-") -> str:
 
 def table(result: dict) -> list[str]:
     lines = [f"frontier: {result.get('gpu') or 'no GPU'}, commit {result.get('commit')}"]
-    head = (f"{'size':<18} {'arm':<26} {'status':<7} {'step ms':>8} {'spread':>7} "
+    head = (f"{'size':<18} {'arm':<{NAME_WIDTH}} {'status':<7} {'step ms':>8} {'spread':>7} "
             f"{'peak MiB':>9} {'fb MiB':>9} {'act MiB':>9} {'rsv MiB':>9} {'live MiB':>9} "
             f"{'bitwise':>8}")
     lines += [head, "-" * len(head)]
@@ -109,7 +112,7 @@ def table(result: dict) -> list[str]:
             if row.get("activation_source") == STEP_PEAK:
                 act, fallback = act + "*", True
             lines.append(
-                f"{size:<18} {arm:<26} {status:<7} {_fmt(row['step_ms']):>8} "
+                f"{size:<18} {arm:<{NAME_WIDTH}} {status:<7} {_fmt(row['step_ms']):>8} "
                 f"{_fmt(spread * 100 if spread is not None else None, '.1f') + '%':>7} "
                 f"{_fmt(row.get(STEP_PEAK)):>9} {_fmt(row.get(FB_PEAK)):>9} "
                 f"{act:>9} {_fmt(row.get('peak_reserved_mib')):>9} "
@@ -128,7 +131,7 @@ def table(result: dict) -> list[str]:
                      f"run, PYTORCH_CUDA_ALLOC_CONF {alloc}")
         for arm, o in outcomes.items():
             lines.append(
-                f"  {arm:<26} max seq {_fmt(o['max_seq'], 'd'):>6}  tokens/s "
+                f"  {arm:<{NAME_WIDTH}} max seq {_fmt(o['max_seq'], 'd'):>6}  tokens/s "
                 f"{_fmt(o['tokens_per_s'], '.0f'):>8}  "
                 f"us/token {_fmt(o['time_per_token_us'], '.2f')}  alloc retries "
                 f"{_fmt(o.get('steady_alloc_retries'), '.0f')}"
@@ -196,7 +199,7 @@ def table(result: dict) -> list[str]:
 
 def _vs_recompute(arm: str, v: dict) -> str:
     # Each arm says whether it meets the target itself: a PASS needs only one of them.
-    return (f" [{arm}: {v['speedup_vs_recompute_moe']:.2f}x, act {v['activation_mib']:.0f} vs "
+    return (f" [{arm}: {v['speedup_vs_recompute']:.2f}x, act {v['activation_mib']:.0f} vs "
             f"{v['recompute_activation_mib']:.0f} MiB: {'meets' if v['met'] else 'misses'}]")
 
 

@@ -12,7 +12,9 @@ backend         what moves the bytes                                            
 
 All backends have the same semantics byte for byte (see :mod:`.reference`). Adding one is a
 module with a ``copy(reload, tensor, record, pool, max_ctas)`` function plus one
-:class:`KernelBackend` line in :data:`REGISTRY`.
+:class:`KernelBackend` line in :data:`REGISTRY`. A grid bound is checked and defaulted where it
+enters: here for direct calls (``stash``, ``reload``), in the config for the runtime's, both by
+:func:`megatron_paging.config.kernel_grid_bound`; ``copy`` takes a checked one.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_paging.config import DEFAULT_MAX_CTAS
+from megatron_paging.config import kernel_grid_bound
 from megatron_paging.kernels import reference
 from megatron_paging.pool import PagePool
 from megatron_paging.record import PageRecord
@@ -55,13 +57,13 @@ class KernelBackend:
     # Per-pool set-up that must happen outside a CUDA-graph capture (None: nothing to do).
     prepare_pool: Callable[[PagePool], None] | None = None
 
-    def stash(self, src, record, pool, max_ctas: int = DEFAULT_MAX_CTAS) -> None:
+    def stash(self, src, record, pool, max_ctas: int | None = None) -> None:
         """Copy the live rows of ``src`` into pages of ``pool``; fill ``record``. No host sync."""
-        self.copy(False, src, record, pool, max_ctas)
+        self.copy(False, src, record, pool, kernel_grid_bound(max_ctas))
 
-    def reload(self, dst, record, pool, max_ctas: int = DEFAULT_MAX_CTAS) -> None:
+    def reload(self, dst, record, pool, max_ctas: int | None = None) -> None:
         """Copy a stashed record's live rows back into ``dst``; recycle its pages. No sync."""
-        self.copy(True, dst, record, pool, max_ctas)
+        self.copy(True, dst, record, pool, kernel_grid_bound(max_ctas))
 
 
 REGISTRY: dict[str, KernelBackend] = {
@@ -96,17 +98,13 @@ def resolve_backend(name: str, device: torch.device) -> KernelBackend:
 def stash(src, record: PageRecord, pool: PagePool, backend: str = "auto",
           max_ctas: int | None = None) -> None:
     """Copy the live rows of ``src`` into pages of ``pool``; fill ``record``. No host sync."""
-    resolve_backend(backend, pool.device).copy(
-        False, src, record, pool, DEFAULT_MAX_CTAS if max_ctas is None else max_ctas
-    )
+    resolve_backend(backend, pool.device).stash(src, record, pool, max_ctas)
 
 
 def reload(dst, record: PageRecord, pool: PagePool, backend: str = "auto",
            max_ctas: int | None = None) -> None:
     """Copy a stashed record's live rows back into ``dst``; recycle its pages. No host sync."""
-    resolve_backend(backend, pool.device).copy(
-        True, dst, record, pool, DEFAULT_MAX_CTAS if max_ctas is None else max_ctas
-    )
+    resolve_backend(backend, pool.device).reload(dst, record, pool, max_ctas)
 
 
 def prepare(pools, backend: str = "auto") -> None:

@@ -123,15 +123,18 @@ def choose_path(tensor: torch.Tensor, record: PageRecord, requested: str = "auto
 
 def copy(reload: bool, tensor, record: PageRecord, pool: PagePool, max_ctas: int,
          path: str = "auto") -> None:
-    """One stash (``reload=False``) or reload of ``record`` through ``pool`` (one launch)."""
+    """One stash (``reload=False``) or reload of ``record`` through ``pool`` (one launch);
+    ``max_ctas`` as :func:`megatron_paging.config.kernel_grid_bound` checked it."""
     check_args(tensor, record, pool, "reload destination" if reload else "stash source")
-    if isinstance(max_ctas, bool) or not isinstance(max_ctas, int) or max_ctas <= 0:
-        raise ValueError(f"max_ctas must be a positive integer, got {max_ctas!r}")
     # The user buffer goes as it is (any dtype): the extension checks its byte size. It returns
-    # its problem instead of raising (no C++ exception crosses the extension).
-    problem = library().copy(reload, tensor, pool_handle(pool), layout_handle(record.layout),
-                             record.live_rows, record.page_record, record.spilled_to_host,
-                             record.state, choose_path(tensor, record, path), max_ctas)
+    # its problem instead of raising (no C++ exception crosses the extension). Keywords: the
+    # binding's argument names are checked at every call, there is no order to keep in step.
+    problem = library().copy(
+        reload=reload, user=tensor, pool=pool_handle(pool), layout=layout_handle(record.layout),
+        live_rows=record.live_rows, page_record=record.page_record,
+        spilled_to_host=record.spilled_to_host, record_state=record.state,
+        path=choose_path(tensor, record, path), max_ctas=max_ctas,
+    )
     if problem:
         raise RuntimeError(problem)
 

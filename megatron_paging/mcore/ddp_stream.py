@@ -8,8 +8,8 @@ autograd then records that stream on every weight gradient it hands over from th
 stream (``record_stream``, and the warning "The AccumulateGrad node's stream does not match the
 stream of the node that produced the incoming gradient"). A gradient dropped by DDP's hook is
 then reusable only once the GPU has passed that point, so the memory of every weight gradient
-the host has run ahead of stays allocated: on the H200 example at the ``moe_compute`` size, 2304
-MiB of expert weight gradients at the forward-backward peak.
+the host has run ahead of stays allocated, expert weight gradients included, at the
+forward-backward peak.
 
 :func:`on_training_stream` wraps Megatron's ``wrap_model_chunks_with_ddp`` so the wrappers (and
 their accumulators) are made on the default stream, where the eager training steps run, except

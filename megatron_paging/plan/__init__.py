@@ -2,10 +2,10 @@
 launch, and the page pools sized for a target overflow rate (docs/plan.md).
 
 Pure Python but for :mod:`.adapter`, which reads a Megatron launch line through Megatron's own
-parser and functions: :mod:`.shapes` (tensor shapes), :mod:`.schedule` (what is alive op by
+parser and functions: :mod:`.shapes` (tensor shapes), :mod:`.liveness` (what is alive op by
 op), :mod:`.arms` (one arm on one rank), :mod:`.pools` (pool sizes and the Monte-Carlo),
-:mod:`.model` (the plan of one rank), :mod:`.report` (table, JSON, PNG), :mod:`.validate`
-(prediction against measured records).
+:mod:`.model` (the plan of one rank), :mod:`.report` (table, JSON, PNG). Prediction against
+measured runs lives with the benchmarks (benchmarks/plan_validation.py).
 """
 
 from megatron_paging.plan.arms import ARMS, CONSTANTS, ArmMemory

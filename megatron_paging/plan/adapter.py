@@ -65,9 +65,14 @@ def check_required(args) -> None:
 
 @contextlib.contextmanager
 def _environment(world_size: int | None, rank: int | None, argv: list[str]):
-    """WORLD_SIZE / RANK / sys.argv as Megatron's parser reads them, restored afterwards."""
-    saved = {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK")}
-    saved_argv = sys.argv
+    """WORLD_SIZE / RANK / sys.argv as Megatron's parser reads them. Afterwards the process is as
+    it was: Megatron's validation of ``--deterministic-mode`` also sets environment variables
+    and torch's deterministic-algorithms mode, which planning a line must not leave behind."""
+    import torch
+
+    saved_env, saved_argv = dict(os.environ), sys.argv
+    deterministic = (torch.are_deterministic_algorithms_enabled(),
+                     torch.is_deterministic_algorithms_warn_only_enabled())
     if world_size is not None:
         os.environ["WORLD_SIZE"] = str(world_size)
     os.environ["RANK"] = str(rank if rank is not None else 0)
@@ -76,11 +81,10 @@ def _environment(world_size: int | None, rank: int | None, argv: list[str]):
         yield
     finally:
         sys.argv = saved_argv
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        for key in set(os.environ) - set(saved_env):
+            del os.environ[key]
+        os.environ.update(saved_env)
+        torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
 
 
 def parse_megatron(argv: list[str], world_size: int | None = None, rank: int | None = None):

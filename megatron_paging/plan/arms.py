@@ -4,7 +4,7 @@ activations alive at the forward-backward's peak by part, the pools, and the opt
 Peak means ``torch.cuda.max_memory_allocated`` over a steady step: the larger of
 
 * the forward-backward peak: static state + the saved activations of every chunk-microbatch
-  alive at a schedule moment (:mod:`.schedule`) + the working set of the op running there (the
+  alive at a schedule moment (:mod:`.liveness`) + the working set of the op running there (the
   loss, or one layer's backward) + what the arm keeps resident (pools, one layer's capacity
   buffers) + :data:`CONSTANTS` ``.workspace_mib``;
 * the optimizer step: static state + Adam's one fp32 temporary the size of its largest
@@ -17,15 +17,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_paging.plan import shapes as S
+from megatron_paging.plan.liveness import moments
 from megatron_paging.plan.pools import PoolKey, mcore_pool_bytes, our_pool_bytes
-from megatron_paging.plan.schedule import moments
 
 MIB = 2**20
 
 
 @dataclass(frozen=True)
 class Constants:
-    """The model's only fitted number (docs/plan.md "Constants"; validate.fit_workspace).
+    """The model's only fitted number (docs/plan.md "Constants"; refit by
+    benchmarks/plan_validation.py: fit_workspace).
 
     workspace_mib: memory every moment of the step holds beyond tensors the model names
     (cuBLAS/cuBLASLt workspaces, RNG states, the step's small tensors). Fitted on the one-GPU

@@ -25,6 +25,7 @@ from megatron_paging.plan.arms import (
     hint_rows,
     pool_keys,
 )
+from megatron_paging.plan.liveness import max_in_flight, record_schedule
 from megatron_paging.plan.pools import (
     FactorAdvice,
     LoadModel,
@@ -34,7 +35,6 @@ from megatron_paging.plan.pools import (
     page_rows,
     simulate,
 )
-from megatron_paging.plan.schedule import max_in_flight, record_schedule
 from megatron_paging.schedule import Op
 from megatron_paging.tools.peer_load import RouteShape, parse_load
 

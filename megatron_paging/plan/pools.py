@@ -29,7 +29,7 @@ from megatron_paging.tools.peer_load import LognormalLoad, RouteShape, TraceLoad
 MIN_EXCEEDANCES = 10
 STEP_CHUNK = 512  # steps simulated at once (bounds the Monte-Carlo's memory)
 # Per-peer route counts are exact binomial draws up to this many per chunk of steps, their
-# normal approximation above it (numpy's binomial costs ~10x a normal draw).
+# normal approximation above it (numpy's binomial draw costs several normal ones).
 EXACT_DRAWS = 1 << 21
 
 
@@ -75,7 +75,7 @@ class LoadModel:
     """What the Monte-Carlo needs about the routing of this rank's MoE layers.
 
     ``alive``: bool ``[moments, records]``, which records are in flight at each schedule moment
-    (:func:`megatron_paging.plan.schedule.record_schedule`); None: all at one moment."""
+    (:func:`megatron_paging.plan.liveness.record_schedule`); None: all at one moment."""
 
     route: RouteShape  # tokens per peer, top-k, experts, EP size, this EP rank
     block: int  # rows one peer may send this rank (the static budget's per-pair block)

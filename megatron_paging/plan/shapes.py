@@ -22,8 +22,8 @@ BF16 = 2
 FP32 = 4
 # The router and its load-balancing loss keep this many fp32 [tokens, experts] tensors per MoE
 # layer (logits, scores, probs, routing map, aux-loss scores, top-k values and their
-# compiled-kernel buffers): 7.2 MiB per layer at tokens x experts = 8192 x 32 in the allocator
-# memory trace of the moe_compute frontier size, i.e. 7 x 4 B.
+# compiled-kernel buffers), counted per layer in an allocator memory trace of the moe_compute
+# frontier size (megatron_paging.tools.memory_trace).
 ROUTER_FP32_TENSORS = 7
 # The unfused weighted activation (--no-bias-swiglu-fusion, Megatron-Core's torch expression)
 # has at its backward's peak, per C x ffn element: dinter, silu(gate), the linear half plus its

@@ -74,11 +74,11 @@ struct CopyLaunch {
   int64_t* record_state;       // [1]: kRecordEmpty / kRecordStashed / kRecordReloaded
   PoolView pool;
   LayoutView layout;
-  int max_ctas;                // grid bound; never bounds capacity or copied rows
+  int max_ctas;                // grid bound, checked in Python; never bounds the copied rows
 };
 
 // Enqueue one launch on `stream`. Returns the CUDA error of the launch (cudaSuccess on success);
-// cudaErrorInvalidValue for a table with no or too many segments or a non-positive max_ctas.
+// cudaErrorInvalidValue for a table with no or too many segments.
 cudaError_t launch_copy(const CopyLaunch& launch, cudaStream_t stream);
 
 // The two paths (launch_copy dispatches on launch.path).

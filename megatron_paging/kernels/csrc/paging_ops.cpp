@@ -242,8 +242,6 @@ std::string copy(bool reload, const at::Tensor& user, const Pool& pool, const La
                  page_record.numel(), " slots, the segments need ", layout.max_slots);
   PAGING_REQUIRE(spilled_to_host.numel() == 1, "spilled_to_host must hold 1 entry");
   PAGING_REQUIRE(record_state.numel() == 1, "record_state must hold 1 entry");
-  PAGING_REQUIRE(max_ctas > 0 && max_ctas <= INT32_MAX, "max_ctas must be a positive int32, got ",
-                 max_ctas);
   PAGING_REQUIRE(path == static_cast<int64_t>(CopyPath::kTile) ||
                      path == static_cast<int64_t>(CopyPath::kBulk),
                  "path must be 0 (tile) or 1 (bulk), got ", path);
@@ -313,6 +311,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("max_ctas"));
   m.def("bulk_supported", [](int device) { return megatron_paging::bulk_supported(device); },
         "Whether the bulk path runs on CUDA device `device` (sm90+, enough shared memory).");
-  m.def("max_segments", []() { return megatron_paging::kMaxSegments; });
+  // The values the Python side mirrors (cuda_ops.py, record.py, pool.py): a test compares them.
+  m.def("constants", []() {
+    pybind11::dict out;
+    out["tile"] = static_cast<int>(megatron_paging::CopyPath::kTile);
+    out["bulk"] = static_cast<int>(megatron_paging::CopyPath::kBulk);
+    out["record_empty"] = megatron_paging::kRecordEmpty;
+    out["record_stashed"] = megatron_paging::kRecordStashed;
+    out["record_reloaded"] = megatron_paging::kRecordReloaded;
+    out["invalid_live_count"] = megatron_paging::kInvalidLiveCount;
+    out["invalid_reload"] = megatron_paging::kInvalidReload;
+    out["max_segments"] = megatron_paging::kMaxSegments;
+    return out;
+  });
   megatron_paging::register_weighted_swiglu(m);
 }

@@ -76,7 +76,7 @@ cudaError_t launch_tile(const CopyLaunch& launch, cudaStream_t stream) {
 
 cudaError_t launch_copy(const CopyLaunch& launch, cudaStream_t stream) {
   const int segments = launch.layout.num_segments;
-  if (segments < 1 || segments > kMaxSegments || launch.max_ctas < 1) {
+  if (segments < 1 || segments > kMaxSegments) {
     return cudaErrorInvalidValue;
   }
   if (launch.path == CopyPath::kTile) return launch_tile(launch, stream);

@@ -1,8 +1,9 @@
 """Measured H200 memory of the one-GPU example (examples/run_pretrain_1gpu.sh) and two larger
 one-GPU sizes, kept here as data: the validation set of the plan's model.
 
-Each :class:`Record` is one run: the size, the arm (as the benchmark named it), the commit that
-ran it, its result file, and what examples/step_probe.py reported. ``small`` is the example's
+Each :class:`Record` is one run: the size, the arm (named as benchmarks/arm_names.py says; its
+result file may carry the old name, arm_names.OLD_NAMES), the commit that ran it, its result
+file, and what examples/step_probe.py reported. ``small`` is the example's
 own model; ``expert_heavy`` and ``moe_compute`` are the frontier benchmark's sizes
 (benchmarks/frontier/arms.py). Runs of code without the fused expert activation ran it as
 Megatron-Core's unfused torch expression, which the current code runs under
@@ -38,25 +39,15 @@ SIZES = {
     "moe_compute": ("--num-experts 32 --moe-router-topk 8 --moe-ffn-hidden-size 3072 "
                     "--seq-length 8192 --max-position-embeddings 8192").split(),
 }
-# Arms of the benchmarks -> (plan arm, the flags that arm's pools or model need beyond the
-# size's line).
-ARM_OF = {
-    "unpaged": ("unpaged", ()),
-    "paged": ("paged", ()),
-    "mcore_manager": ("mcore", ()),
-    "recompute_moe": ("recompute", ()),
-    "mcore_offload": ("offload", ()),
-    "paged_stash_plus_offload": ("paged_offload", ()),
-    "paged_persistent": ("paged", ()),  # the pool kept across steps: PERSISTENT_POOL
-    "paged_recompute_fc1": ("paged_recompute_fc1", ()),
-    "paged_recompute_fc1_tight": ("paged_recompute_fc1", (
-        "--paging-hold-last-slot", "--moe-paged-stash-buffer-size-factor-cuda", "1.0")),
-    "unpaged_unfused": ("unpaged", ("--no-bias-swiglu-fusion",)),
-    "unpaged_recompute_fc1": ("unpaged_recompute_fc1", ()),
+# Flags a variant's runs added to the size's line beyond what the plan's arm models.
+VARIANT_FLAGS = {
+    "paged_recompute_fc1.tight": ("--paging-hold-last-slot",
+                                  "--moe-paged-stash-buffer-size-factor-cuda", "1.0"),
+    "unpaged.unfused": ("--no-bias-swiglu-fusion",),
 }
-# Runs whose device pages stayed allocated across steps: the paged_persistent arm, and every
+# Runs whose device pages stayed allocated across steps: the paged.persistent arm, and every
 # paged run of code that still kept the device tier between eager steps (PERSISTENT_COMMITS).
-PERSISTENT_POOL = {"paged_persistent"}
+PERSISTENT_POOL = {"paged.persistent"}
 PERSISTENT_COMMITS = {"7b2a615"}
 # Commits of code without the fused weighted SwiGLU: the unfused expression ran.
 UNFUSED_COMMITS = {"60d7032", "ca915e0", "7b2a615", "ca36af7", "08f6a80"}
@@ -86,7 +77,7 @@ class Record:
         return self.arm in PERSISTENT_POOL or self.commit in PERSISTENT_COMMITS
 
     def as_measured(self) -> dict:
-        """The record in the form :func:`megatron_paging.plan.validate.compare` reads."""
+        """The record in the form ``plan_validation.compare`` reads."""
         keys = ("steady_peak_allocated_mib", "steady_fb_peak_allocated_mib", "param_mib",
                 "grad_mib", "optimizer_state_mib", "pool_cuda_mib")
         return {key: getattr(self, key) for key in keys}
@@ -104,40 +95,40 @@ FS = "frontier_moe_compute_fused_swiglu_h200.json"
 RECORDS = _records([
     ("small", "unpaged", "60d7032", F, (10222.4, 9727.2, 957.3, 1914.6, 5743.7, 0.0)),
     ("small", "paged", "60d7032", F, (10222.5, 9687.7, 957.3, 1914.6, 5743.7, 211.5)),
-    ("small", "mcore_manager", "60d7032", F, (10435.0, 9687.7, 957.3, 1914.6, 5743.7, 211.5)),
-    ("small", "recompute_moe", "60d7032", F, (10287.4, 9437.7, 957.3, 1914.6, 5743.7, 0.0)),
-    ("small", "mcore_offload", "ca915e0", F, (10222.4, 9475.2, 957.3, 1914.6, 5743.7, 0.0)),
-    ("small", "paged_stash_plus_offload", "ca915e0", F,
+    ("small", "mcore", "60d7032", F, (10435.0, 9687.7, 957.3, 1914.6, 5743.7, 211.5)),
+    ("small", "recompute", "60d7032", F, (10287.4, 9437.7, 957.3, 1914.6, 5743.7, 0.0)),
+    ("small", "offload", "ca915e0", F, (10222.4, 9475.2, 957.3, 1914.6, 5743.7, 0.0)),
+    ("small", "paged_offload", "ca915e0", F,
      (10222.5, 9434.7, 957.3, 1914.6, 5743.7, 211.5)),
-    ("small", "paged_persistent", "ca36af7", F, (10435.0, 9687.7, 957.3, 1914.6, 5743.7, 211.5)),
+    ("small", "paged.persistent", "ca36af7", F, (10435.0, 9687.7, 957.3, 1914.6, 5743.7, 211.5)),
     ("expert_heavy", "unpaged", "60d7032", F, (35579.2, 33420.7, 3261.5, 6523.1, 19569.2, 0.0)),
     ("expert_heavy", "paged", "60d7032", F, (35579.3, 33149.0, 3261.5, 6523.1, 19569.2, 1408.1)),
-    ("expert_heavy", "mcore_manager", "60d7032", F,
+    ("expert_heavy", "mcore", "60d7032", F,
      (36987.4, 33148.5, 3261.5, 6523.1, 19569.2, 1408.1)),
-    ("expert_heavy", "recompute_moe", "60d7032", F,
+    ("expert_heavy", "recompute", "60d7032", F,
      (35707.2, 31750.7, 3261.5, 6523.1, 19569.2, 0.0)),
-    ("expert_heavy", "mcore_offload", "7b2a615", F,
+    ("expert_heavy", "offload", "7b2a615", F,
      (35579.2, 31740.7, 3261.5, 6523.1, 19569.2, 0.0)),
-    ("expert_heavy", "paged_stash_plus_offload", "7b2a615", F,
+    ("expert_heavy", "paged_offload", "7b2a615", F,
      (36987.4, 32644.5, 3261.5, 6523.1, 19569.2, 1408.1)),
-    ("expert_heavy", "paged_persistent", "ca36af7", F,
+    ("expert_heavy", "paged.persistent", "ca36af7", F,
      (36987.4, 33149.0, 3261.5, 6523.1, 19569.2, 1408.1)),
     ("moe_compute", "unpaged", "ca14794", MC, (57632.0, 57632.0, 4797.5, 9595.1, 28785.2, 0.0)),
     ("moe_compute", "paged", "ca14794", MC, (56111.0, 56111.0, 4797.5, 9595.1, 28785.2, 7885.5)),
-    ("moe_compute", "mcore_manager", "ca14794", MC,
+    ("moe_compute", "mcore", "ca14794", MC,
      (60395.3, 56111.0, 4797.5, 9595.1, 28785.2, 7885.5)),
-    ("moe_compute", "recompute_moe", "5e0b255", PP,
+    ("moe_compute", "recompute", "5e0b255", PP,
      (52764.5, 48243.3, 4797.5, 9595.1, 28785.2, 0.0)),
-    ("moe_compute", "paged_recompute_fc1_tight", "5e0b255", PP,
+    ("moe_compute", "paged_recompute_fc1.tight", "5e0b255", PP,
      (52508.6, 47968.2, 4797.5, 9595.1, 28785.2, 896.0)),
     ("moe_compute", "paged_recompute_fc1", "0145ba5", FS,
      (52508.7, 48784.3, 4797.5, 9595.1, 28785.2, 1126.5)),
-    ("moe_compute", "unpaged_unfused", "0145ba5", FS,
+    ("moe_compute", "unpaged.unfused", "0145ba5", FS,
      (62625.1, 62625.1, 4797.5, 9595.1, 28785.2, 0.0)),
-    ("moe_compute", "unpaged_recompute_fc1", "bc61800",
+    ("moe_compute", "unpaged.recompute_fc1", "bc61800",
      "frontier_moe_compute_same_model_h200.json",
      (52508.5, 48416.0, 4797.5, 9595.1, 28785.2, 0.0)),
-    ("moe_compute", "mcore_offload", "08f6a80", "frontier_moe_compute_conn32_h200.json",
+    ("moe_compute", "offload", "08f6a80", "frontier_moe_compute_conn32_h200.json",
      (53408.6, 53408.6, 4797.5, 9595.1, 28785.2, 0.0)),
 ])
 
@@ -145,10 +136,11 @@ RECORDS = _records([
 def line_for(record: Record) -> list[str]:
     """The launch line that plans ``record``: the example, the size, the arm's pool or model
     flags, and the code era's activation."""
-    extra = ARM_OF[record.arm][1]
+    extra = VARIANT_FLAGS.get(record.arm, ())
     code = CODE_FLAGS if record.old_code and "--no-bias-swiglu-fusion" not in extra else ()
     return [*EXAMPLE_LINE, *PAGING_LINE, *SIZES[record.size], *extra, *code]
 
 
-__all__ = ["ARM_OF", "CODE_FLAGS", "EXAMPLE_LINE", "FIT_ARM", "FIT_SIZE", "PAGING_LINE",
-           "PERSISTENT_COMMITS", "PERSISTENT_POOL", "RECORDS", "Record", "SIZES", "line_for"]
+__all__ = ["CODE_FLAGS", "EXAMPLE_LINE", "FIT_ARM", "FIT_SIZE", "PAGING_LINE",
+           "PERSISTENT_COMMITS", "PERSISTENT_POOL", "RECORDS", "Record", "SIZES", "VARIANT_FLAGS",
+           "line_for"]

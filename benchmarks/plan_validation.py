@@ -1,13 +1,13 @@
 """Predicted against measured memory: :func:`compare` for one measured record and a plan, the
-historical H200 runs (:mod:`.measured`) replayed through the plan, and the fit of the model's
-one constant.
+historical H200 runs (``plan_measured.py``) replayed through the plan, and the fit of the model's
+one constant (``megatron_paging.plan.CONSTANTS``).
 
 A measured record is what the example prints per arm (examples/pretrain_gpt_moe_paged.py, or a
 benchmark summary of it): ``{arm: {"steady_peak_allocated_mib": ..., "steady_fb_peak_allocated_mib":
 ..., "param_mib": ..., "grad_mib": ..., "optimizer_state_mib": ..., "pool_cuda_mib": ...}}``;
 values may be strings, missing quantities are skipped.
 
-``python -m megatron_paging.plan.validate`` prints the historical comparison and the fit.
+``python benchmarks/plan_validation.py`` prints the historical comparison and the fit.
 """
 
 from __future__ import annotations
@@ -16,14 +16,10 @@ import dataclasses
 import sys
 from dataclasses import dataclass
 
-from megatron_paging.plan.arms import ARMS, CONSTANTS, MIB, ArmSpec, Constants, evaluate
-from megatron_paging.plan.measured import (
-    ARM_OF,
-    FIT_ARM,
-    FIT_SIZE,
-    RECORDS,
-    line_for,
-)
+from arm_names import plan_arm_of
+from plan_measured import FIT_ARM, FIT_SIZE, RECORDS, line_for
+
+from megatron_paging.plan.arms import CONSTANTS, MIB, ArmSpec, Constants, arm, evaluate
 
 QUANTITIES = (
     ("peak", "steady_peak_allocated_mib"),
@@ -33,11 +29,11 @@ QUANTITIES = (
     ("optimizer", "optimizer_state_mib"),
     ("pool_device", "pool_cuda_mib"),
 )
-# Benchmark arm names -> plan arms.
-ALIASES = {name: arm for name, (arm, _) in ARM_OF.items()}
-# Arms the benchmarks ran that are not among the plan's arms, for validation only.
-EXTRA_ARMS = (ArmSpec("unpaged_recompute_fc1", "--paging-recompute-expert-fc1",
-                      "unpaged experts that keep only x", recompute_fc1=True),)
+# Variants the plan's arm does not model as they ran, for validation only.
+VARIANT_SPECS = {spec.name: spec for spec in (
+    ArmSpec("unpaged.recompute_fc1", "--paging-recompute-expert-fc1",
+            "unpaged experts that keep only x", recompute_fc1=True),
+)}
 
 
 @dataclass(frozen=True)
@@ -61,27 +57,26 @@ class Comparison:
 
 def compare(record: dict, plan) -> list[Comparison]:
     """Predicted vs measured for every arm of ``record`` the plan has (``plan``: a Plan or a
-    mapping of arm name -> ArmMemory); benchmark arm names are mapped (``mcore_manager`` ->
-    ``mcore``, ...)."""
+    mapping of arm name -> ArmMemory); a variant the plan lacks is read as its plan arm
+    (``mcore.x`` -> ``mcore``)."""
     arms = plan.arms if hasattr(plan, "arms") else plan
     out = []
     for name, measured in record.items():
-        arm = arms.get(ALIASES.get(name, name))
-        if arm is None:
+        memory = arms.get(name) or arms.get(plan_arm_of(name))
+        if memory is None:
             raise ValueError(f"measured arm {name!r} is not in the plan (arms: "
                              f"{', '.join(arms)})")
         for field, key in QUANTITIES:
             if measured.get(key) in (None, ""):
                 continue
-            out.append(Comparison(name, field, getattr(arm, field) / MIB, float(measured[key])))
+            out.append(Comparison(name, field, getattr(memory, field) / MIB,
+                                  float(measured[key])))
     return out
 
 
 def _spec(name: str) -> ArmSpec:
-    for spec in (*ARMS, *EXTRA_ARMS):
-        if spec.name == name:
-            return spec
-    raise ValueError(f"no arm {name!r}")
+    """The arm the plan evaluates for a run of arm ``name``."""
+    return VARIANT_SPECS.get(name) or arm(plan_arm_of(name))
 
 
 def historical(records=RECORDS, constants: Constants = CONSTANTS):
@@ -102,9 +97,8 @@ def historical(records=RECORDS, constants: Constants = CONSTANTS):
             paging = dataclasses.replace(paging, persistent_pool=True)
         stage = inputs.stages[0]
         memory = evaluate(inputs.model, inputs.parallel, stage.chunks, stage.ops, 0,
-                          _spec(ALIASES[record.arm]), paging, constants)
-        out.append((record, compare({record.arm: record.as_measured()},
-                                    {ALIASES[record.arm]: memory})))
+                          _spec(record.arm), paging, constants)
+        out.append((record, compare({record.arm: record.as_measured()}, {record.arm: memory})))
     return out
 
 
@@ -136,7 +130,7 @@ def main() -> int:
     return 0
 
 
-__all__ = ["ALIASES", "Comparison", "EXTRA_ARMS", "QUANTITIES", "compare", "fit_workspace",
+__all__ = ["Comparison", "QUANTITIES", "VARIANT_SPECS", "compare", "fit_workspace",
            "format_comparisons", "historical"]
 
 if __name__ == "__main__":
