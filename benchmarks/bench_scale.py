@@ -43,6 +43,8 @@ REPORT = re.compile(r"paging-example rank \d+: (.*)")
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?elapsed time per iteration \(ms\): ([\d.]+)")
 STEP_MEMORY = re.compile(r"step-memory iteration=(\d+) peak_allocated_mib=([\d.]+)")
 OOM = re.compile(r"CUDA out of memory|OutOfMemoryError")
+# What a failed arm's post-mortem needs besides the traceback: how far it got and what paging did
+PROGRESS = re.compile(r"iteration\s+\d+/|step-memory |overflow at |paging[:-]|OutOfMemoryError")
 TRAIN_ITERS = 5  # step 1 calibrates, 2 allocates lazily; 3-5 are the steady state
 
 
@@ -99,6 +101,8 @@ def run_arm(layout, rank: int, arm: str, capacity_factor: float, tmp: Path, time
     if returncode != 0:
         record["status"] = "out of memory" if OOM.search(log) else "failed"
         record["log_tail"] = log[-3000:]
+        record["progress"] = [line.strip()[:300] for line in log.splitlines()
+                              if PROGRESS.search(line) and "File " not in line][-60:]
         return record
     fields = read_report(log)
     times = {int(i): float(ms) for i, ms in ITERATION.findall(log)}

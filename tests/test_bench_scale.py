@@ -60,10 +60,17 @@ def test_an_arm_is_read_from_the_examples_output(tmp_path, monkeypatch):
 
 
 def test_out_of_memory_is_recorded_not_raised(tmp_path, monkeypatch):
+    progress = ["step-memory iteration=1 peak_allocated_mib=86654.1",
+                "paging: overflow at rank 0 step 2 layer 1 microbatch 4"]
+    # the traceback after the progress lines pushes them out of the log's tail
+    log = "\n".join([*progress, *["  File \"x.py\", line 1, in f"] * 400,
+                     "torch.OutOfMemoryError: CUDA out of memory"])
     monkeypatch.setattr(bench_scale.subprocess, "run", lambda cmd, **kw: (
-        subprocess.CompletedProcess(cmd, 1, "", "torch.OutOfMemoryError: CUDA out of memory")))
+        subprocess.CompletedProcess(cmd, 1, "", log)))
     record = bench_scale.run_arm(LAYOUTS["qwen3_235b"], 0, "unpaged", 2.0, tmp_path, 10)
     assert record["status"] == "out of memory" and "log_tail" in record
+    assert progress[0] not in record["log_tail"]
+    assert record["progress"] == [*progress, "torch.OutOfMemoryError: CUDA out of memory"]
 
 
 def test_summary_compares_each_arm_with_unpaged():
