@@ -5,8 +5,8 @@ moved), :mod:`.kernels` (stash / reload), :mod:`.scheduler` (when and on which s
 Everything that knows Megatron-Core lives in :mod:`megatron_paging.mcore`.
 """
 
-from megatron_paging.pool import PagePool, PagePools, PagingFlags
-from megatron_paging.record import PageRecord
+from megatron_paging.pages.pool import PagePool, PagePools, PagingFlags
+from megatron_paging.pages.record import PageRecord
 from megatron_paging.version import SUPPORTED_MEGATRON_CORE, __version__
 
 __all__ = [

@@ -34,15 +34,19 @@ from dataclasses import dataclass
 import torch
 
 from megatron_paging.config import PagingConfig
-from megatron_paging.optimizer_skip import DeviceSkip, device_resident_steps, uses_found_inf
-from megatron_paging.overflow import (
+from megatron_paging.overflow.monitor import (
     DemandSource,
     OverflowMonitor,
     OverflowPolicy,
     StepFlags,
     skip_flag,
 )
-from megatron_paging.pool import PagingFlags
+from megatron_paging.overflow.optimizer_skip import (
+    DeviceSkip,
+    device_resident_steps,
+    uses_found_inf,
+)
+from megatron_paging.pages.pool import PagingFlags
 
 # rerun(flags of the attempt) repeats the step's forward-backward without paging (same data,
 # same random draws) and returns the rerun's reduced flags.
@@ -79,7 +83,7 @@ class StepRunner:
         policy: an :class:`OverflowPolicy`, a config or a policy name.
         grow: enlarges the device page tiers by a factor (the 'grow' policy).
         optimizers: the torch optimizers of the run. 'skip' and 'grow' route their ``step``
-            through :class:`~megatron_paging.optimizer_skip.DeviceSkip`: with a device flag
+            through :class:`~megatron_paging.overflow.optimizer_skip.DeviceSkip`: with a device flag
             when every one is fused (no host read, no copy), else with the decision read on
             the host after forward-backward; 'rerun' leaves them as built, since it repairs
             the step before the optimizer sees it.

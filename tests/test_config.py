@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from megatron_paging import kernels, overflow
+from megatron_paging import kernels
 from megatron_paging.cli import main as cli_main
 from megatron_paging.config import (
     DEFAULT_MAX_CTAS,
@@ -27,6 +27,7 @@ from megatron_paging.config import (
     non_negative_int,
     positive_int,
 )
+from megatron_paging.overflow import monitor as overflow
 
 NAN, INF = math.nan, math.inf
 # Every PagingConfig field -> values it must refuse, and the words its error must contain.
@@ -293,8 +294,9 @@ def _run(value: str, *args: str, cwd=None) -> subprocess.CompletedProcess:
 IMPORTS = "\n".join([
     "import megatron_paging, megatron_paging.kernels, megatron_paging.kernels.cuda_ops",
     "import megatron_paging.kernels.reference, megatron_paging.kernels.build",
-    "import megatron_paging.config, megatron_paging.engine, megatron_paging.paging",
-    "import megatron_paging.scheduler, megatron_paging.calibration, megatron_paging.env",
+    "import megatron_paging.config, megatron_paging.env, megatron_paging.runtime.engine",
+    "import megatron_paging.runtime.context, megatron_paging.runtime.scheduler",
+    "import megatron_paging.runtime.calibration",
     "import megatron_paging.cli, megatron_paging.demo.cli",
     "from megatron_paging.cli import main",
     "raise SystemExit(main(['info']))",

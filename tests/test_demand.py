@@ -20,14 +20,15 @@ from offload_helpers import _step as offload_step
 from op_counter import OpCounter
 from test_demo_cli import CUDA_FACTOR, POLICY, actions, run_cli
 
-from megatron_paging import demand, kernels
+from megatron_paging import kernels
 from megatron_paging.config import PagingConfig
-from megatron_paging.demand import GROW_HEADROOM, StashSource, grown_pages, needed_factor
-from megatron_paging.engine import PagingEngine
-from megatron_paging.overflow import OverflowMonitor
-from megatron_paging.pool import PagePools
-from megatron_paging.record import PageRecord
-from megatron_paging.streams import CpuStreamBackend
+from megatron_paging.overflow import demand
+from megatron_paging.overflow.demand import GROW_HEADROOM, StashSource, grown_pages, needed_factor
+from megatron_paging.overflow.monitor import OverflowMonitor
+from megatron_paging.pages.pool import PagePools
+from megatron_paging.pages.record import PageRecord
+from megatron_paging.runtime.engine import PagingEngine
+from megatron_paging.runtime.streams import CpuStreamBackend
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 

@@ -23,9 +23,9 @@ from test_scheduler_gpu import (
     paged_context,
 )
 
-from megatron_paging import demand
-from megatron_paging.pool import PagePools
-from megatron_paging.record import PageRecord
+from megatron_paging.overflow import demand
+from megatron_paging.pages.pool import PagePools
+from megatron_paging.pages.record import PageRecord
 
 
 def cuda_pools() -> PagePools:

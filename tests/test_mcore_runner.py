@@ -22,8 +22,8 @@ pytest.importorskip("megatron.core")
 from megatron_paging.config import PagingConfig  # noqa: E402
 from megatron_paging.kernels import reload, stash  # noqa: E402
 from megatron_paging.mcore.runner import PagedStashRunner  # noqa: E402
-from megatron_paging.pool import PagePools  # noqa: E402
-from megatron_paging.record import PageRecord  # noqa: E402
+from megatron_paging.pages.pool import PagePools  # noqa: E402
+from megatron_paging.pages.record import PageRecord  # noqa: E402
 
 HIDDEN, CAPACITY, PAGE, MICROBATCHES = 8, 16, 4, 4
 ROW_BYTES = HIDDEN * 4
@@ -260,7 +260,7 @@ def test_skip_policy_with_a_fused_optimizer_drops_the_step_on_device_and_counts_
 def test_skip_policy_with_an_unfused_optimizer_reads_first_and_never_steps(optimizer, monkeypatch):
     """No device skip for it: that would keep a copy of every stepped tensor during the step
     (memory an overflowing step must not need); the flags are read before the optimizer."""
-    import megatron_paging.optimizer_skip as optimizer_skip
+    import megatron_paging.overflow.optimizer_skip as optimizer_skip
 
     run = Run("skip", ROOMY, optimizer=optimizer)
     assert not run.runner.steps.reads_deferred

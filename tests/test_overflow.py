@@ -20,11 +20,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from cases import OPTIMIZERS
 
-from megatron_paging.calibration import Calibrator
 from megatron_paging.config import OVERFLOW_POLICIES, ConfigError, PagingConfig
 from megatron_paging.kernels import reload, stash
-from megatron_paging.optimizer_skip import step_unless
-from megatron_paging.overflow import (
+from megatron_paging.overflow.monitor import (
     GROWTH_FACTOR,
     OVER_BUDGET_ADVICE,
     POLICIES,
@@ -39,8 +37,10 @@ from megatron_paging.overflow import (
     pack_flags,
     skip_flag,
 )
-from megatron_paging.pool import PagePools, PagingFlags
-from megatron_paging.record import PageRecord
+from megatron_paging.overflow.optimizer_skip import step_unless
+from megatron_paging.pages.pool import PagePools, PagingFlags
+from megatron_paging.pages.record import PageRecord
+from megatron_paging.runtime.calibration import Calibrator
 from megatron_paging.step_runner import StepRunner
 
 HIDDEN, OUT, CAPACITY, PAGE = 8, 3, 24, 4

@@ -3,9 +3,9 @@ finishes).
 
 * :class:`ControlRun` — the unpaged control: ``PagingContext(None)`` every step.
 * :class:`PagedRun` — the runtime every driver uses: a
-  :class:`~megatron_paging.engine.PagingEngine` (step 1 calibrates; later steps page through
+  :class:`~megatron_paging.runtime.engine.PagingEngine` (step 1 calibrates; later steps page through
   pools sized by the buffer-size factors x the calibrated peak) under one
-  :class:`~megatron_paging.paging.PagingContext`, and a
+  :class:`~megatron_paging.runtime.context.PagingContext`, and a
   :class:`~megatron_paging.step_runner.StepRunner` for overflowing steps, as in the Megatron
   runner.
 
@@ -29,13 +29,13 @@ from megatron_paging.demo.accounting import (
     unpaged_held,
 )
 from megatron_paging.demo.model import StageChunk
-from megatron_paging.engine import PagingEngine
-from megatron_paging.overflow import OverflowMonitor, StepFlags
-from megatron_paging.paging import PagingContext
-from megatron_paging.pool import PagePools
-from megatron_paging.schedule import Op
+from megatron_paging.overflow.monitor import OverflowMonitor, StepFlags
+from megatron_paging.pages.pool import PagePools
+from megatron_paging.runtime.context import PagingContext
+from megatron_paging.runtime.engine import PagingEngine
+from megatron_paging.runtime.pipeline_ops import Op
+from megatron_paging.runtime.streams import CpuStreamBackend, CudaStreamBackend
 from megatron_paging.step_runner import StepRunner
-from megatron_paging.streams import CpuStreamBackend, CudaStreamBackend
 from megatron_paging.tools.pipeline_sim import Key, LayerEvent, SyntheticNeighbours, run_step
 
 LEARNING_RATE = 1e-2

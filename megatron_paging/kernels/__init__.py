@@ -24,8 +24,8 @@ import torch
 
 from megatron_paging.config import DEFAULT_MAX_CTAS
 from megatron_paging.kernels import reference
-from megatron_paging.pool import PagePool
-from megatron_paging.record import PageRecord
+from megatron_paging.pages.pool import PagePool
+from megatron_paging.pages.record import PageRecord
 
 
 def _reference_copy(reload, tensor, record, pool, max_ctas):

@@ -48,7 +48,7 @@ from megatron.core.utils import get_attr_wrapped_model, log_single_rank
 
 from megatron_paging.config import PagingConfig
 from megatron_paging.mcore import graphs
-from megatron_paging.overflow import OverflowMonitor, OverflowPolicy, StepFlags
+from megatron_paging.overflow.monitor import OverflowMonitor, OverflowPolicy, StepFlags
 from megatron_paging.step_runner import StepRunner
 
 logger = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ region)::
 A policy says *when* the host may read (``reads_before_optimizer``: the rerun policy must
 replace the gradients before the optimizer consumes them, as Megatron-Core does; the others
 read after the step, which was already dropped on device through
-:mod:`megatron_paging.optimizer_skip`) and *what* to do with a step to discard
+:mod:`megatron_paging.overflow.optimizer_skip`) and *what* to do with a step to discard
 (:meth:`OverflowPolicy.on_discard`), through the driver's :class:`StepControl`. A new policy is
 one class here, listed in :data:`POLICIES`, and one name in
 :data:`megatron_paging.config.OVERFLOW_POLICIES` (the flag's choices).
@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_paging.config import PagingConfig
-from megatron_paging.demand import OverflowReport
-from megatron_paging.pool import PagingFlags
+from megatron_paging.overflow.demand import OverflowReport
+from megatron_paging.pages.pool import PagingFlags
 
 logger = logging.getLogger(__name__)
 

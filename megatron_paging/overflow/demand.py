@@ -8,7 +8,7 @@ after the copy) a few in-place device ops keep:
 * per pool, the pages its records need in flight, ``ceil(live / page_size)`` per segment from
   each record's own live counts, whether or not the pool had room (a reload gives back what its
   stash added), and their peak;
-* per pool group (the pools sharing one :class:`~megatron_paging.pool.PagingFlags`), how many
+* per pool group (the pools sharing one :class:`~megatron_paging.pages.pool.PagingFlags`), how many
   stashes ran with the sticky overflow flag set. The host logs every stash's source (chunk,
   layer, microbatch, pool) as it queues it, so the first overflowing stash is the log's entry
   that many from its end.
