@@ -1,43 +1,55 @@
-"""Deferred overflow handling: one flag reduction per step, one host read, a policy object.
+"""Overflow handling around a driver's training steps, in one place for every driver.
 
-Drivers (the demo, the Megatron runner) reach it through
-:class:`megatron_paging.step_runner.StepRunner`, which also owns the optimizer's device skip and
-the rerun's checks. Where this sits in a training step (never inside a CUDA-graph-captured
-region)::
+The demo's paged run and the Megatron runner (:mod:`megatron_paging.mcore.runner`) both hand
+their steps to one :class:`OverflowMonitor`; they supply only what is theirs (how to run a
+forward-backward again without paging, how to grow the pools, where the flags come from).
+Where it sits in a training step (never inside a CUDA-graph-captured region)::
 
-    forward-backward (may be graph-captured; stashes set sticky flags and count their page
-                       demand on device, demand.py)
-    OverflowMonitor.reduce()   pack local flags (and this rank's demand counts behind them),
-                               ONE all_reduce of the flags, no host read
-    optimizer step             dropped on device when the policy skips and the flags say so
-    OverflowMonitor.read()     the one host read of the reduced flags and the counts
-    OverflowMonitor.decide()   log (one line per overflowing pool group of this rank: where,
-                               rows needed vs held, the factor that fits), count, and let the
-                               policy act on a step to discard
+    forward-backward                    the driver's, paged (may be graph-captured): stashes set
+                                        sticky flags and count their page demand on the device
+                                        (demand.py)
+    reduce(paging flags, over budget)   pack the local flags, this rank's demand counts behind
+                                        them: the step's ONE all_reduce, no host read
+    after_forward_backward(reduced, rerun)
+                                        a policy that reads before the optimizer ('rerun') reads
+                                        them now and may repeat the step unpaged; 'skip' and
+                                        'grow' read them now too unless every optimizer is fused
+                                        (see below)
+    optimizer.step()                    the driver's; dropped when the step is discarded
+                                        (optimizer_skip.DeviceSkip)
+    settle()                            the deferred read of 'skip' / 'grow' with fused
+                                        optimizers: after the optimizer step, when the driver
+                                        likes (the Megatron runner: when the next step starts)
 
-A policy says *when* the host may read (``reads_before_optimizer``: the rerun policy must
-replace the gradients before the optimizer consumes them, as Megatron-Core does; the others
-read after the step, which was already dropped on device through
-:mod:`megatron_paging.overflow.optimizer_skip`) and *what* to do with a step to discard
-(:meth:`OverflowPolicy.on_discard`), through the driver's :class:`StepControl`. A new policy is
-one class here, listed in :data:`POLICIES`, and one name in
-:data:`megatron_paging.config.OVERFLOW_POLICIES` (the flag's choices).
+A read logs (one line per overflowing pool group of this rank: where, rows needed vs held, the
+factor that fits), counts, and lets the policy (:mod:`megatron_paging.overflow.policy`) act on a
+step to discard.
+
+Why 'skip' and 'grow' read early with a non-fused optimizer: dropping its step on the device
+without a host read means stepping and then blending the old values back, which keeps a copy of
+every stepped parameter and optimizer state tensor during the step: an overflowing step would
+then need more memory than a pool large enough not to overflow. Fused torch optimizers take
+the flag as ``found_inf`` and need no copy, so with them the read stays deferred.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import ClassVar, Protocol
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from megatron_paging.config import PagingConfig
 from megatron_paging.overflow.demand import OverflowReport
-from megatron_paging.pages.pool import PagingFlags
+from megatron_paging.overflow.optimizer_skip import (
+    DeviceSkip,
+    device_resident_steps,
+    uses_found_inf,
+)
+from megatron_paging.overflow.policy import OverflowPolicy, StepControl, StepFlags
 
 logger = logging.getLogger(__name__)
 
@@ -48,41 +60,22 @@ SPILL_ADVICE = (
 OVER_BUDGET_ADVICE = (
     "the step is discarded; a larger --moe-expert-rank-capacity-factor raises the budget"
 )
-# How much ``grow`` enlarges a tier whose step's need was not counted (demand.grown_pages).
-GROWTH_FACTOR = 1.5
 
 # Slots of the packed flag tensor: one all_reduce moves all of them.
 OVERFLOW, HOST_SPILL, INVALID_LIVE, OVER_BUDGET = range(4)
 NUM_FLAGS = 4
 
-
-@dataclass(frozen=True)
-class StepFlags:
-    """Per-flag count of ranks that raised it during one step (after the all_reduce), and this
-    rank's own demand counts (demand.py; not reduced, not compared)."""
-
-    overflow_ranks: int = 0
-    host_spill_ranks: int = 0
-    invalid_live_ranks: int = 0
-    over_budget_ranks: int = 0
-    demand: tuple[int, ...] = field(default=(), compare=False, repr=False)
-
-    @property
-    def discard(self) -> bool:
-        """The step's gradients are wrong: its optimizer update must not be applied."""
-        return bool(self.overflow_ranks or self.invalid_live_ranks or self.over_budget_ranks)
+# rerun(flags of the attempt) repeats the step's forward-backward without paging (same data,
+# same random draws) and returns the rerun's reduced flags.
+Rerun = Callable[[StepFlags], torch.Tensor]
 
 
-class StepControl(Protocol):
-    """What a training driver lets a policy do about the step it just ran."""
+class DeviceFlags(Protocol):
+    """A step's sticky paging flags (``PagingFlags``, or a driver's stand-in): ``values`` is
+    int ``[3]`` (overflow, host spill, invalid live) on ``device``."""
 
-    def rerun_unpaged(self) -> None:
-        """Repeat the step's forward-backward without paging (same data, same random draws),
-        before the optimizer step."""
-
-    def grow_pools(self, factor: float) -> None:
-        """Enlarge the pools for the next step: each tier that fell short to what the step
-        needed (demand.py), by ``factor`` where that was not counted."""
+    values: torch.Tensor
+    device: torch.device
 
 
 class DemandSource(Protocol):
@@ -96,99 +89,14 @@ class DemandSource(Protocol):
         """This rank's reports for the host values of :meth:`demand_values`."""
 
 
-class OverflowPolicy:
-    """Base class: what happens after a step whose flags say it must be discarded."""
-
-    name: ClassVar[str]
-    reads_before_optimizer: ClassVar[bool]
-
-    def outcome(self, report: OverflowReport | None) -> str:
-        """What happens to the step, for the overflow line (``report``: this rank's)."""
-        return "step discarded"
-
-    @classmethod
-    def from_config(cls, config: PagingConfig) -> OverflowPolicy:
-        return cls()
-
-    def on_discard(self, flags: StepFlags, step: StepControl) -> str:
-        """Act on a step to discard; returns the action taken ('rerun', 'skip', 'grow')."""
-        raise NotImplementedError
-
-
-class RerunPolicy(OverflowPolicy):
-    """Megatron-Core's behaviour: repeat the step without paging before the optimizer step."""
-
-    name = "rerun"
-    reads_before_optimizer = True
-
-    def outcome(self, report: OverflowReport | None) -> str:
-        return "step re-run unpaged"
-
-    def on_discard(self, flags: StepFlags, step: StepControl) -> str:
-        step.rerun_unpaged()
-        return "rerun"
-
-
-class SkipPolicy(OverflowPolicy):
-    """Drop the step, like a loss-scale overflow (already done on the device)."""
-
-    name = "skip"
-    reads_before_optimizer = False
-
-    def outcome(self, report: OverflowReport | None) -> str:
-        return "update skipped"
-
-    def on_discard(self, flags: StepFlags, step: StepControl) -> str:
-        return "skip"
-
-
-class GrowPolicy(OverflowPolicy):
-    """Drop the step, then size each tier that overflowed for the next one from what the step
-    needed (demand.grown_pages); ``growth_factor`` only where nothing was counted. A dispatcher
-    over its budget is not fixed by larger pools: that step is only skipped."""
-
-    name = "grow"
-    reads_before_optimizer = False
-
-    def __init__(self, growth_factor: float = GROWTH_FACTOR):
-        self.growth_factor = growth_factor
-
-    def outcome(self, report: OverflowReport | None) -> str:
-        if report is None:
-            return "update skipped, pools grow"
-        return f"update skipped, the {report.tier} tier grows to {report.grown_rows:,} rows"
-
-    def on_discard(self, flags: StepFlags, step: StepControl) -> str:
-        if not flags.overflow_ranks:
-            return "skip"
-        step.grow_pools(self.growth_factor)
-        return "grow"
-
-
-POLICIES: dict[str, type[OverflowPolicy]] = {
-    cls.name: cls for cls in (RerunPolicy, SkipPolicy, GrowPolicy)
-}
-
-
-def make_policy(config: PagingConfig | str) -> OverflowPolicy:
-    """The policy ``config.overflow_policy`` names (a bare name: with default options)."""
-    if isinstance(config, str):
-        config = PagingConfig(overflow_policy=config)
-    return POLICIES[config.overflow_policy].from_config(config)
-
-
 def pack_flags(
-    paging_flags: PagingFlags | None,
+    paging_flags: DeviceFlags | None,
     over_budget: Iterable[torch.Tensor | None] = (),
     device: torch.device | str | None = None,
     demand: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The local flags as one int64 device tensor: ``[4]`` (see OVERFLOW..OVER_BUDGET), then
-    ``demand`` (this rank's demand counts, demand.pack) if given. No sync.
-
-    ``paging_flags`` is a :class:`PagingFlags` or anything with its ``values`` (int ``[3]``:
-    overflow, host spill, invalid live) and ``device``.
-    """
+    ``demand`` (this rank's demand counts, demand.pack) if given. No sync."""
     if device is None:
         device = paging_flags.device if paging_flags is not None else "cpu"
     extra = 0 if demand is None else demand.numel()
@@ -208,26 +116,83 @@ def skip_flag(reduced: torch.Tensor) -> torch.Tensor:
     return (reduced[OVERFLOW] + reduced[INVALID_LIVE] + reduced[OVER_BUDGET]) > 0
 
 
+@dataclass(frozen=True)
+class Decision:
+    """What the policy did about one step, and the flags it saw."""
+
+    action: str  # 'ok', 'rerun', 'skip', 'grow' (or a new policy's own)
+    flags: StepFlags
+
+
+@dataclass(frozen=True)
+class _Control:
+    """The :class:`~megatron_paging.overflow.policy.StepControl` a policy acts through."""
+
+    rerun: Callable[[], None]
+    grow: Callable[[float], None]
+
+    def rerun_unpaged(self) -> None:
+        self.rerun()
+
+    def grow_pools(self, factor: float) -> None:
+        self.grow(factor)
+
+
 class OverflowMonitor:
-    """Reduce flags once per step across ranks, read them once, log, count, apply the policy.
+    """One driver's overflow handling: flags reduced once per step across ranks, the optimizer's
+    device skip, one host read, the policy's decision (before the optimizer step or deferred),
+    the rerun's checks, the log and the counts.
 
     Args:
-        policy: an :class:`OverflowPolicy`, or a config or policy name for :func:`make_policy`.
-        group: process group of the all_reduce (default: the world, if initialized).
+        policy: the run's policy (``PagingConfig.overflow_policy``).
+        grow: enlarges the pools by a factor, for a policy that grows them.
+        optimizers: the torch optimizers of the run. A policy that reads after the optimizer
+            ('skip', 'grow') routes their ``step`` through
+            :class:`~megatron_paging.overflow.optimizer_skip.DeviceSkip`: with a device flag when
+            every one is fused (no host read, no copy), else with the decision read on the host
+            after forward-backward; 'rerun' leaves them as built, since it repairs the step
+            before the optimizer sees it.
+        group: process group of the flag all_reduce (default: the world, if initialized).
         demand: this rank's page demand (a :class:`DemandSource`, the ``PagingEngine``): its
             counts ride behind the flags, and each report of a step that overflowed here
             becomes one line and one entry of :attr:`overflow_records`.
     """
 
-    def __init__(self, policy: OverflowPolicy | PagingConfig | str = "rerun", group=None,
-                 demand: DemandSource | None = None):
-        self.policy = policy if isinstance(policy, OverflowPolicy) else make_policy(policy)
+    def __init__(
+        self,
+        policy: OverflowPolicy,
+        *,
+        grow: Callable[[float], None] | None = None,
+        optimizers: Sequence[torch.optim.Optimizer] = (),
+        group=None,
+        demand: DemandSource | None = None,
+    ):
+        if not isinstance(policy, OverflowPolicy):
+            raise TypeError(
+                f"policy must be an OverflowPolicy (PagingConfig builds it from the flag's "
+                f"name), got {policy!r}"
+            )
+        self.policy = policy
+        self.grow = grow
         self.group = group
         self.demand = demand
         self.overflow_records: list[dict] = []  # one per report, as JSON-ready dicts
         self.steps = 0
         self.actions: Counter[str] = Counter()  # 'ok', 'rerun', 'skip', 'grow' per step
         self.spill_steps = 0
+        # the last step's skip: a device flag (deferred read) or the host's decision
+        self.skip: torch.Tensor | bool | None = None
+        self._pending: torch.Tensor | None = None  # reduced flags awaiting settle()
+        self.device_skips: list[DeviceSkip] = []
+        self.steps_made_device_resident = False
+        deferred = not policy.reads_before_optimizer
+        # deferred on the device only where the optimizers take the flag without a copy
+        self.reads_deferred = deferred and all(uses_found_inf(o) for o in optimizers)
+        if deferred:
+            for optimizer in optimizers:
+                if self.reads_deferred:
+                    self.steps_made_device_resident |= device_resident_steps(optimizer)
+                self.device_skips.append(DeviceSkip(optimizer, lambda: self.skip))
 
     @property
     def rerun_steps(self) -> int:
@@ -242,9 +207,10 @@ class OverflowMonitor:
     def grown_steps(self) -> int:
         return self.actions["grow"]
 
+    # -- one step ----------------------------------------------------------------------------
     def reduce(
         self,
-        paging_flags: PagingFlags | None,
+        paging_flags: DeviceFlags | None,
         over_budget: Iterable[torch.Tensor | None] = (),
         device: torch.device | str | None = None,
     ) -> torch.Tensor:
@@ -256,6 +222,42 @@ class OverflowMonitor:
             dist.all_reduce(packed[:NUM_FLAGS], op=dist.ReduceOp.SUM, group=self.group)
         return packed
 
+    def after_forward_backward(self, reduced: torch.Tensor, rerun: Rerun) -> Decision | None:
+        """Act on a training step's reduced flags before its optimizer step.
+
+        They become the optimizer's skip flag. A policy that reads before the optimizer reads
+        them now and decides (its rerun goes through :meth:`rerun`); the others keep them for
+        :meth:`settle` and None is returned.
+        """
+        self.skip = skip_flag(reduced)
+        if self.reads_deferred:
+            self._pending = reduced
+            return None
+        flags = self.read(reduced)
+        if self.policy.reads_before_optimizer:
+            return self._decide(flags, lambda: self.rerun(rerun, flags))
+        decision = self._decide(flags, self._too_late_to_rerun)
+        self.skip = flags.discard  # known on the host: the optimizer step is not called
+        return decision
+
+    def settle(self) -> Decision | None:
+        """The deferred read and decision of the last step (None if none is pending)."""
+        if self._pending is None:
+            return None
+        reduced, self._pending = self._pending, None
+        return self._decide(self.read(reduced), self._too_late_to_rerun)
+
+    def rerun(self, run_unpaged: Rerun, flags: StepFlags, training: bool = True) -> None:
+        """Repeat a step without paging; a training step's optimizer then follows the rerun's
+        flags, which must be clean (an evaluation leaves the training step's skip flag)."""
+        reduced = run_unpaged(flags)
+        if training:
+            self.skip = skip_flag(reduced)
+        still = self.read(reduced)
+        if still.discard:
+            raise RuntimeError(f"paging: the step rerun without paging still raised {still}")
+
+    # -- the read and the decision -------------------------------------------------------------
     def read(self, reduced: torch.Tensor) -> StepFlags:
         """The host read of a reduced flag tensor and the counts behind it (one copy;
         synchronizes: call it after the step)."""
@@ -263,7 +265,8 @@ class OverflowMonitor:
         return StepFlags(*values[:NUM_FLAGS], demand=tuple(values[NUM_FLAGS:]))
 
     def decide(self, flags: StepFlags, step: StepControl) -> str:
-        """Log what happened, let the policy act on a step to discard; returns the action."""
+        """Log what happened, let the policy act on a step to discard through ``step``; returns
+        the action."""
         self.steps += 1
         if flags.invalid_live_ranks:
             raise ValueError(
@@ -310,18 +313,30 @@ class OverflowMonitor:
                 self.policy.name, self.policy.outcome(None),
             )
 
+    def _decide(self, flags: StepFlags, rerun: Callable[[], None]) -> Decision:
+        return Decision(self.decide(flags, _Control(rerun, self._grow)), flags)
+
+    def _grow(self, factor: float) -> None:
+        if self.grow is None:
+            raise RuntimeError(
+                f"paging: policy {self.policy.name!r} grows the pools, but the driver gave the "
+                "OverflowMonitor no grow"
+            )
+        self.grow(factor)
+
+    def _too_late_to_rerun(self) -> None:
+        raise RuntimeError(
+            f"paging: policy {self.policy.name!r} reads its flags after the optimizer step, "
+            "too late to rerun the step (a rerunning policy sets reads_before_optimizer)"
+        )
+
 
 __all__ = [
-    "POLICIES",
+    "Decision",
     "DemandSource",
-    "GrowPolicy",
+    "DeviceFlags",
     "OverflowMonitor",
-    "OverflowPolicy",
-    "RerunPolicy",
-    "SkipPolicy",
-    "StepControl",
-    "StepFlags",
-    "make_policy",
+    "Rerun",
     "pack_flags",
     "skip_flag",
 ]

@@ -76,7 +76,7 @@ class PagingFlags:
 
     * ``overflow``: a stash found no tier with room for its whole record (or saw an invalid live
       count). Sticky: once set, later stashes and reloads copy nothing and leave every freelist
-      unchanged, so the step's results are garbage and must be discarded (see ``overflow.py``).
+      unchanged, so the step's results are garbage and must be discarded (see ``overflow/``).
     * ``host_spill``: at least one record was stashed to the pinned host tier.
     * ``invalid_live``: a kernel refused bad input, one bit per kind, so that
       ``raise_if_invalid`` can name it once the host reads flags (any bit means the step must be

@@ -265,10 +265,11 @@ def replay_rows(row_events, prefix_rows, page_size: int) -> tuple[dict[int, int]
 class OffloadCalibrator:
     """The calibration step's parker for offloaded records.
 
-    Rows records are parked by a :class:`Calibrator` (compact live
-    prefixes) and logged here with their buffer shape (the pools' peaks and the copy engine's
-    prefixes come from that log); whole records are kept as they are while an unbounded
-    :class:`ArenaAllocator` replays their ranges to find the arena's high-water mark.
+    Rows records are parked by a :class:`Calibrator` (compact live prefixes) and logged here
+    with their buffer shape (the pools' peaks and the copy engine's prefixes come from that log);
+    whole records are kept as they are while an unbounded
+    :class:`~megatron_paging.pages.offload.ArenaAllocator` replays their ranges to find the
+    arena's high-water mark.
     """
 
     def __init__(self):

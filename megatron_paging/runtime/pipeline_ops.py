@@ -1,4 +1,4 @@
-"""The schedule-op vocabulary: one pipeline rank's compute ops, their checks, and the driver.
+"""One pipeline rank's compute ops (F, B, W), their checks, and the driver that runs them.
 
 An op list (from Megatron-Core's own schedule generators through
 :mod:`megatron_paging.mcore.op_order`, or PyTorch's DualPipeV) says in which order a rank runs

@@ -1,5 +1,6 @@
-"""The schedule-op vocabulary: check_ops' errors, drive_ops' execution order (overlapped F+B
-pairs, prefetch offers, W ops), and the real generators' orders passing the checks."""
+"""One rank's compute ops (runtime/pipeline_ops.py): check_ops' errors, drive_ops' execution
+order (overlapped F+B pairs, prefetch offers, W ops), and the real generators' orders passing the
+checks."""
 
 from __future__ import annotations
 
