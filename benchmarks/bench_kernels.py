@@ -24,8 +24,8 @@ from common import CudaTimer, default_out, figure, gbps, header, require_gpu, wr
 from megatron_paging import kernels
 from megatron_paging.config import DEFAULT_MAX_CTAS
 from megatron_paging.kernels import cuda_ops
-from megatron_paging.pool import PagePool
-from megatron_paging.record import PageRecord
+from megatron_paging.pages.pool import PagePool
+from megatron_paging.pages.record import PageRecord
 
 PAGE_SIZE = 64
 PATHS = ("tile", "bulk", "cuda")  # "cuda": the dispatch rule's choice

@@ -2,7 +2,7 @@
 megatron-paging, alone and beside a GEMM.
 
 * whole tensors (the dense modules): one DMA ``copy_`` into / out of a pinned arena range — the
-  path :mod:`megatron_paging.offload` uses;
+  path :mod:`megatron_paging.pages.offload` uses;
 * live rows (the experts) by the page-tile kernels into / out of a host-only pool's pinned tier,
   GB/s against the kernels' grid (``--ctas``; the runtime uses 4 CTAs for D2H and 8 for H2D);
 * live rows with the copy engine's prefix (what the runtime does when
@@ -39,11 +39,11 @@ from common import (
 
 from megatron_paging import kernels
 from megatron_paging.config import DEFAULT_MAX_CTAS, PagingConfig
-from megatron_paging.offload import HostArena, OffloadPools
-from megatron_paging.pool import PagePool, PagePools
-from megatron_paging.record import PageRecord
-from megatron_paging.transfers import PagedHandle
-from megatron_paging.transfers import Transfers as RuntimeTransfers
+from megatron_paging.pages.offload import HostArena, OffloadPools
+from megatron_paging.pages.pool import PagePool, PagePools
+from megatron_paging.pages.record import PageRecord
+from megatron_paging.runtime.transfers import PagedHandle
+from megatron_paging.runtime.transfers import Transfers as RuntimeTransfers
 
 PAGE_SIZE = 64
 HIDDEN = 7168

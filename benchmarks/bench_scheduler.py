@@ -2,9 +2,9 @@
 vs paged without overlap.
 
 One pipeline rank's schedule (Megatron-Core interleaved 1F1B) runs in one process on one GPU,
-through the runtime every driver uses (:class:`~megatron_paging.engine.PagingEngine` +
-:class:`~megatron_paging.paging.PagingContext`). All arms use the same capacity, weights and
-inputs; the paged arms must reproduce the unpaged gradients bit for bit.
+through the runtime every driver uses (:class:`~megatron_paging.runtime.engine.PagingEngine` +
+:class:`~megatron_paging.runtime.context.PagingContext`). All arms use the same capacity, weights
+and inputs; the paged arms must reproduce the unpaged gradients bit for bit.
 
     python benchmarks/bench_scheduler.py [--out out/scheduler.json] [--arms paged paged.hold]
 
@@ -49,10 +49,10 @@ from common import (
 )
 
 from megatron_paging.config import KERNEL_BACKENDS, PagingConfig
-from megatron_paging.engine import PagingEngine
-from megatron_paging.paging import PagingContext
-from megatron_paging.pool import PagePools
-from megatron_paging.streams import CudaStreamBackend
+from megatron_paging.pages.pool import PagePools
+from megatron_paging.runtime.context import PagingContext
+from megatron_paging.runtime.engine import PagingEngine
+from megatron_paging.runtime.streams import CudaStreamBackend
 from megatron_paging.tools.pipeline_sim import parameter_grads, run_schedule, synthetic_chunks
 
 PAGE_SIZE = 64
@@ -63,7 +63,7 @@ KERNEL_BACKEND_ENV = "MEGATRON_PAGING_BENCH_KERNEL_BACKEND"  # default of --kern
 def schedule(pp: int, vpp: int, microbatches: int):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        from megatron_paging.mcore.schedules import interleaved_one_f_one_b
+        from megatron_paging.mcore.op_order import interleaved_one_f_one_b
     ops = interleaved_one_f_one_b(pp, vpp, 0, microbatches)
     return ops, vpp, f"megatron interleaved 1F1B pp={pp} vpp={vpp} rank=0"
 

@@ -44,7 +44,7 @@ from step_probe import PROBE, observe_training_steps
 
 from megatron_paging.mcore import install
 from megatron_paging.mcore.flags import add_paging_args, install_options
-from megatron_paging.mcore.offload_shims import offload_args_lift
+from megatron_paging.mcore.offloading.shims import offload_args_lift
 from megatron_paging.mcore.specs import get_gpt_moe_paged_block_spec
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")

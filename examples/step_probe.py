@@ -153,8 +153,8 @@ class StepProbe:
     def _update_dropped(self) -> bool:
         """Whether the step runner drops this step's update (an overflowing step under 'skip' or
         'grow', whose gradients were computed from pages that were never written)."""
-        steps = getattr(self.runner, "steps", None)
-        skip = getattr(steps, "skip", None)
+        monitor = getattr(self.runner, "monitor", None)
+        skip = getattr(monitor, "skip", None)
         return skip is not None and bool(skip)
 
     def close_step(self) -> None:

@@ -24,6 +24,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from megatron_paging.overflow.policy import POLICIES, OverflowPolicy, RerunPolicy
+
 MAX_CTAS_ENV = "MEGATRON_PAGING_MAX_CTAS"
 DEFAULT_MAX_CTAS = 2048
 MAX_GRID_BOUND = 2**31 - 1  # the kernels take the bound as a C int
@@ -159,8 +161,11 @@ class PagingConfig:
     host_factor: pinned host tier, same convention; 0 = no host tier
         (``--moe-paged-stash-buffer-size-factor-cpu``).
     max_ctas: grid bound of the copy kernels (None: ``MEGATRON_PAGING_MAX_CTAS``, else 2048).
-    overflow_policy, prefetch_distance, hold_last_slot, offload_host_factor: the flags of the
-        same names (:class:`PagingArgs`).
+    overflow_policy: what a step whose pages overflowed does, as an :class:`OverflowPolicy`
+        (:mod:`megatron_paging.overflow.policy`); :meth:`from_args` builds it from the name
+        ``--paging-overflow-policy`` gives.
+    prefetch_distance, hold_last_slot, offload_host_factor: the flags of the same names
+        (:class:`PagingArgs`).
     offload_dma_prefix: the first rows of an offloaded live-row buffer that the copy engine moves
         (one DMA copy), as a fraction of the smallest live count calibration saw for that buffer
         shape; the kernels move the live rows past it. The Megatron adapter sets 1 when
@@ -187,7 +192,7 @@ class PagingConfig:
     cuda_factor: float = 1.10
     host_factor: float = 0.0
     max_ctas: int | None = None
-    overflow_policy: str = "rerun"
+    overflow_policy: OverflowPolicy = RerunPolicy()
     prefetch_distance: int = 1
     hold_last_slot: bool = False
     offload_host_factor: float = 1.25
@@ -206,7 +211,12 @@ class PagingConfig:
             raise ConfigError("cuda_factor", "must be non-zero (it sizes the device page tier)")
         _number("host_factor", self.host_factor)
         kernel_grid_bound(self.max_ctas)
-        _choice("overflow_policy", self.overflow_policy, OVERFLOW_POLICIES)
+        if not isinstance(self.overflow_policy, OverflowPolicy):
+            raise ConfigError(
+                "overflow_policy",
+                f"must be an OverflowPolicy (from_args builds it from a name), got "
+                f"{self.overflow_policy!r}",
+            )
         non_negative_int("prefetch_distance", self.prefetch_distance)
         for name in ("overlap", "hold_last_slot"):
             if not isinstance(getattr(self, name), bool):
@@ -235,11 +245,13 @@ class PagingConfig:
 
     @classmethod
     def from_args(cls, args: PagingArgs, **fields) -> "PagingConfig":
-        """A config with the flags of ``args`` (``paging_<name>`` -> ``<name>``) and ``fields``."""
+        """A config with the flags of ``args`` (``paging_<name>`` -> ``<name>``; the overflow
+        policy's name becomes its :class:`OverflowPolicy`) and ``fields``."""
         for flag in dataclasses.fields(PagingArgs):
             name = flag.name.removeprefix("paging_")
-            if name in _CONFIG_FIELDS:
-                fields.setdefault(name, getattr(args, flag.name))
+            if name in _CONFIG_FIELDS and name not in fields:
+                value = getattr(args, flag.name)
+                fields[name] = _policy_named(value) if name == "overflow_policy" else value
         return cls(**fields)
 
     def replace(self, **changes) -> "PagingConfig":
@@ -250,6 +262,11 @@ class PagingConfig:
     def grid_bound(self) -> int:
         """The grid bound the copy kernels use."""
         return kernel_grid_bound(self.max_ctas)
+
+
+def _policy_named(name: str) -> OverflowPolicy:
+    _choice("overflow_policy", name, OVERFLOW_POLICIES)
+    return POLICIES[name]()
 
 
 _CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(PagingConfig))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megatron_paging.streams import CpuStreamBackend
+from megatron_paging.runtime.streams import CpuStreamBackend
 
 
 class CapturingBackend(CpuStreamBackend):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-# (schedule, options) for megatron_paging.mcore.schedules: every pipeline shape the scheduler
+# (schedule, options) for megatron_paging.mcore.op_order: every pipeline shape the scheduler
 # and the schedule vocabulary are checked on.
 SCHEDULE_CASES = [
     ("1f1b", dict(pp=1, rank=0, microbatches=3)),

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from megatron_paging import kernels
-from megatron_paging.pool import PagePool
-from megatron_paging.record import PageRecord
+from megatron_paging.pages.pool import PagePool
+from megatron_paging.pages.record import PageRecord
 
 CUDA = torch.cuda.is_available()
 needs_sm90 = pytest.mark.skipif(

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from megatron_paging.config import PagingConfig
-from megatron_paging.engine import PagingEngine
-from megatron_paging.paging import PagingContext
+from megatron_paging.runtime.context import PagingContext
+from megatron_paging.runtime.engine import PagingEngine
 
 PAGE = 4
 HIDDEN = 8

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from model_ring import DEVICE, HOST, ModelPool, ModelRecord
 
 from megatron_paging import kernels
-from megatron_paging.pool import PagePool, PagingFlags
-from megatron_paging.record import PageRecord
+from megatron_paging.pages.pool import PagePool, PagingFlags
+from megatron_paging.pages.record import PageRecord
 
 DTYPES = [
     torch.float8_e4m3fn,

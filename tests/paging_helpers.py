@@ -7,10 +7,10 @@ from __future__ import annotations
 import torch
 
 from megatron_paging.config import PagingConfig
-from megatron_paging.engine import PagingEngine
-from megatron_paging.paging import PagingContext
-from megatron_paging.pool import PagePools
-from megatron_paging.streams import CpuStreamBackend
+from megatron_paging.pages.pool import PagePools
+from megatron_paging.runtime.context import PagingContext
+from megatron_paging.runtime.engine import PagingEngine
+from megatron_paging.runtime.streams import CpuStreamBackend
 
 ROWS, WIDTH, PAGE = 16, 8, 4
 ROW_BYTES, PAGES = WIDTH * 4, 16 * ROWS // PAGE

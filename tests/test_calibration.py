@@ -12,11 +12,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from megatron_paging.calibration import Calibrator
 from megatron_paging.config import ConfigError, PagingConfig
 from megatron_paging.kernels import reload, stash
-from megatron_paging.pool import ceil_div
-from megatron_paging.record import PageRecord
+from megatron_paging.pages.pool import ceil_div
+from megatron_paging.pages.record import PageRecord
+from megatron_paging.runtime.calibration import Calibrator
 
 
 def make_record(capacity, row_bytes, page_size, live, segments=None, avg_rows=None):
@@ -303,7 +303,7 @@ def test_size_pools_sizes_every_key_and_logs_once(caplog):
     for row_bytes, live in ((8, 5), (16, 9)):
         record = make_record(16, row_bytes, 4, [live])
         calibrator.park(torch.zeros(16, row_bytes, dtype=torch.uint8), record)
-    with caplog.at_level(logging.INFO, logger="megatron_paging.calibration"):
+    with caplog.at_level(logging.INFO, logger="megatron_paging.runtime.calibration"):
         pools = calibrator.size_pools(config(4, 1.5, 0.5))
     (record,) = caplog.records  # one record for all keys, on one line
     assert "\n" not in record.getMessage()

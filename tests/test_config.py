@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from megatron_paging import kernels, overflow
+from megatron_paging import kernels
 from megatron_paging.cli import main as cli_main
 from megatron_paging.config import (
     DEFAULT_MAX_CTAS,
@@ -29,6 +29,7 @@ from megatron_paging.config import (
     non_negative_int,
     positive_int,
 )
+from megatron_paging.overflow.policy import POLICIES, GrowPolicy, RerunPolicy, SkipPolicy
 
 NAN, INF = math.nan, math.inf
 # Every PagingConfig field -> values it must refuse, and the words its error must contain.
@@ -40,7 +41,7 @@ BAD = {
     "max_ctas": ([0, -4, 2.0, True, "64"], "must be a positive integer"),
     "prefetch_distance": ([-1, 1.0, True, None, "1"], "must be a non-negative integer"),
     "overlap": ([1, 0, None, "yes"], "must be True or False"),
-    "overflow_policy": (["abort", "RERUN", "", None], "must be one of"),
+    "overflow_policy": (["rerun", "abort", None, GrowPolicy], "must be an OverflowPolicy"),
     "offload_host_factor": ([NAN, INF, True, "1.25", None], "must be a finite number"),
     "offload_d2h_max_ctas": ([0, -1, 4.0, True, None], "must be a positive integer"),
     "offload_h2d_max_ctas": ([0, -1, 8.0, True, None], "must be a positive integer"),
@@ -59,7 +60,7 @@ GOOD = {
     "max_ctas": [None, 1, 2**20, MAX_GRID_BOUND],
     "prefetch_distance": [0, 7],
     "overlap": [True, False],
-    "overflow_policy": ["rerun", "skip", "grow"],
+    "overflow_policy": [RerunPolicy(), SkipPolicy(), GrowPolicy(growth_factor=2.0)],
     "offload_host_factor": [1, 1.0, 3.5],
     "offload_d2h_max_ctas": [1, 132, MAX_GRID_BOUND],
     "offload_h2d_max_ctas": [1, 132, MAX_GRID_BOUND],
@@ -129,7 +130,7 @@ def test_defaults_are_megatron_cores():
     config = PagingConfig()
     assert (config.page_size, config.cuda_factor, config.host_factor) == (64, 1.10, 0.0)
     assert (config.kernel_backend, config.max_ctas, config.overflow_policy) == (
-        "auto", None, "rerun")
+        "auto", None, RerunPolicy())
     assert (config.prefetch_distance, config.overlap, config.hold_last_slot) == (1, True, False)
 
 
@@ -229,7 +230,7 @@ def test_from_args_takes_every_flag_that_is_a_config_field():
                       paging_recompute_expert_fc1=True, paging_offload_backend="paged")
     config = PagingConfig.from_args(args, page_size=32)
     assert (config.overflow_policy, config.prefetch_distance, config.hold_last_slot) == (
-        "grow", 3, True)
+        GrowPolicy(), 3, True)
     assert (config.offload_host_factor, config.page_size) == (2.0, 32)
     # model and install options are not the engine's: they stay in PagingArgs
     names = {f.name for f in dataclasses.fields(PagingConfig)}
@@ -241,6 +242,8 @@ def test_from_args_validates_and_names_the_config_field():
     with pytest.raises(ConfigError) as excinfo:
         PagingConfig.from_args(PagingArgs(paging_prefetch_distance=-1))
     assert excinfo.value.field == "prefetch_distance"
+    with pytest.raises(ConfigError, match="overflow_policy must be one of rerun, skip, grow"):
+        PagingConfig.from_args(PagingArgs(paging_overflow_policy="abort"))
 
 
 def test_every_flag_is_named_paging():
@@ -279,7 +282,7 @@ def test_kernel_grid_bound_defaults_and_names_the_field():
 
 def test_choices_match_the_registries():
     assert set(KERNEL_BACKENDS) == {"auto", *kernels.REGISTRY}
-    assert set(OVERFLOW_POLICIES) == set(overflow.POLICIES) == {"rerun", "skip", "grow"}
+    assert set(OVERFLOW_POLICIES) == set(POLICIES) == {"rerun", "skip", "grow"}
 
 
 # ----------------------------------------------------------------------------- environment
@@ -295,8 +298,9 @@ def _run(value: str, *args: str, cwd=None) -> subprocess.CompletedProcess:
 IMPORTS = "\n".join([
     "import megatron_paging, megatron_paging.kernels, megatron_paging.kernels.cuda_ops",
     "import megatron_paging.kernels.reference, megatron_paging.kernels.build",
-    "import megatron_paging.config, megatron_paging.engine, megatron_paging.paging",
-    "import megatron_paging.scheduler, megatron_paging.calibration, megatron_paging.env",
+    "import megatron_paging.config, megatron_paging.env, megatron_paging.runtime.engine",
+    "import megatron_paging.runtime.context, megatron_paging.runtime.scheduler",
+    "import megatron_paging.runtime.calibration",
     "import megatron_paging.cli, megatron_paging.demo.cli",
     "from megatron_paging.cli import main",
     "raise SystemExit(main(['info']))",

@@ -1,4 +1,4 @@
-"""The step's page demand, counted on the device (megatron_paging/demand.py), and the one overflow
+"""The step's page demand, counted on the device (overflow/demand.py), and the one overflow
 line built from it: pages needed in flight (past the first overflow too) and their peak, the
 first overflowing stash's layer and microbatch, the factor that would have fitted and the flag,
 for every policy; 'grow' sizes the next pool from the same number.
@@ -20,14 +20,16 @@ from offload_helpers import _step as offload_step
 from op_counter import OpCounter
 from test_demo_cli import CUDA_FACTOR, POLICY, actions, run_cli
 
-from megatron_paging import demand, kernels
+from megatron_paging import kernels
 from megatron_paging.config import PagingConfig
-from megatron_paging.demand import GROW_HEADROOM, StashSource, grown_pages, needed_factor
-from megatron_paging.engine import PagingEngine
-from megatron_paging.overflow import OverflowMonitor
-from megatron_paging.pool import PagePools
-from megatron_paging.record import PageRecord
-from megatron_paging.streams import CpuStreamBackend
+from megatron_paging.overflow import demand
+from megatron_paging.overflow.demand import GROW_HEADROOM, StashSource, grown_pages, needed_factor
+from megatron_paging.overflow.monitor import OverflowMonitor
+from megatron_paging.overflow.policy import POLICIES, GrowPolicy, SkipPolicy
+from megatron_paging.pages.pool import PagePools
+from megatron_paging.pages.record import PageRecord
+from megatron_paging.runtime.engine import PagingEngine
+from megatron_paging.runtime.streams import CpuStreamBackend
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
@@ -211,15 +213,15 @@ class Control:
 
 
 def decide(engine, monitor):
-    """The step's one reduction and read, and the decision (what a StepRunner does)."""
+    """The step's one reduction and read, and the decision (what OverflowMonitor.settle does)."""
     flags = monitor.read(monitor.reduce(engine.flags))
     return flags, monitor.decide(flags, Control(engine))
 
 
 @pytest.mark.parametrize("policy", ["rerun", "skip", "grow"])
 def test_the_line_names_where_what_and_the_flag_for_every_policy(policy, caplog):
-    engine = calibrated_engine(overflow_policy=policy)
-    monitor = OverflowMonitor(engine.config, demand=engine)
+    engine = calibrated_engine(overflow_policy=POLICIES[policy]())
+    monitor = OverflowMonitor(engine.config.overflow_policy, demand=engine)
     run_step(engine, OVERFLOW_LIVE)
     with caplog.at_level(logging.INFO, logger="megatron_paging.overflow"):
         flags, action = decide(engine, monitor)
@@ -245,10 +247,10 @@ def test_the_line_names_where_what_and_the_flag_for_every_policy(policy, caplog)
 
 
 def test_with_a_host_tier_the_factor_leaves_the_host_tier_as_it_is():
-    engine = calibrated_engine(overflow_policy="skip", host_factor=0.5)  # 12 rows: 3 pages
+    engine = calibrated_engine(overflow_policy=SkipPolicy(), host_factor=0.5)  # 12 rows: 3 pages
     (pool,) = engine.pools
     assert (pool.num_cuda_pages, pool.num_host_pages) == (HELD_PAGES, 3)
-    monitor = OverflowMonitor(engine.config, demand=engine)
+    monitor = OverflowMonitor(engine.config.overflow_policy, demand=engine)
     run_step(engine, OVERFLOW_LIVE)  # the fourth stash finds neither tier with 4 pages free
     decide(engine, monitor)
     (record,) = monitor.overflow_records
@@ -277,8 +279,8 @@ def test_offload_pools_name_their_own_flag():
 
 
 def test_grow_sizes_the_next_pool_from_the_need_and_it_fits(caplog):
-    engine = calibrated_engine(overflow_policy="grow")
-    monitor = OverflowMonitor(engine.config, demand=engine)
+    engine = calibrated_engine(overflow_policy=GrowPolicy())
+    monitor = OverflowMonitor(engine.config.overflow_policy, demand=engine)
     run_step(engine, OVERFLOW_LIVE)
     assert decide(engine, monitor)[1] == "grow"
     (pool,) = engine.pools
@@ -293,16 +295,16 @@ def test_grow_sizes_the_next_pool_from_the_need_and_it_fits(caplog):
 
 
 def test_the_factor_calibration_would_use_fits_and_no_overflow_no_line(caplog):
-    engine = calibrated_engine(overflow_policy="skip")
-    monitor = OverflowMonitor(engine.config, demand=engine)
+    engine = calibrated_engine(overflow_policy=SkipPolicy())
+    monitor = OverflowMonitor(engine.config.overflow_policy, demand=engine)
     run_step(engine, OVERFLOW_LIVE)
     decide(engine, monitor)
-    sized = calibrated_engine(overflow_policy="skip")  # what the line says to set, then
+    sized = calibrated_engine(overflow_policy=SkipPolicy())  # what the line says to set, then
     sized.configure(sized.config.replace(cuda_factor=FITTING_FACTOR))
     sized.release_pools()
     run_step(sized, CALIBRATION_LIVE)
     assert next(iter(sized.pools)).num_cuda_pages == PEAK_PAGES
-    monitor = OverflowMonitor(sized.config, demand=sized)
+    monitor = OverflowMonitor(sized.config.overflow_policy, demand=sized)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="megatron_paging.overflow"):
         run_step(sized, OVERFLOW_LIVE)

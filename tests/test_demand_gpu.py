@@ -1,4 +1,4 @@
-"""The step's page demand on a GPU (megatron_paging/demand.py; the CPU tests are in
+"""The step's page demand on a GPU (megatron_paging/overflow/demand.py; the CPU tests are in
 test_demand.py): the ``tile`` and ``bulk`` CUDA paths count what the reference counts with no
 host sync (``torch.cuda.set_sync_debug_mode("error")``) and under CUDA-graph capture and replay;
 a captured engine step whose replays overflow reports the first stash past the pool and the
@@ -23,9 +23,9 @@ from test_scheduler_gpu import (
     paged_context,
 )
 
-from megatron_paging import demand
-from megatron_paging.pool import PagePools
-from megatron_paging.record import PageRecord
+from megatron_paging.overflow import demand
+from megatron_paging.pages.pool import PagePools
+from megatron_paging.pages.record import PageRecord
 
 
 def cuda_pools() -> PagePools:

@@ -13,10 +13,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from megatron_paging import kernels, optimizer_skip
+from megatron_paging import kernels
 from megatron_paging.cli import build_parser
 from megatron_paging.config import PagingArgs
-from megatron_paging.demand import GROW_HEADROOM
 from megatron_paging.demo import cli as demo_cli
 from megatron_paging.demo import training
 from megatron_paging.demo.layout import stage_indices
@@ -24,6 +23,8 @@ from megatron_paging.demo.training import StepOutcome
 from megatron_paging.demo.verdict import compare
 from megatron_paging.kernels import KernelBackend
 from megatron_paging.mcore import flags
+from megatron_paging.overflow import optimizer_skip
+from megatron_paging.overflow.demand import GROW_HEADROOM
 
 CUDA_FACTOR = "--moe-paged-stash-buffer-size-factor-cuda"
 CPU_FACTOR = "--moe-paged-stash-buffer-size-factor-cpu"

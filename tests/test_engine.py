@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from megatron_paging.config import ConfigError, PagingConfig
-from megatron_paging.engine import CALIBRATE, OFF, PAGED, CaptureError, PagingEngine
-from megatron_paging.paging import PagingContext
-from megatron_paging.pool import PagePools
-from megatron_paging.streams import COMPUTE, PAGING, CpuStreamBackend
+from megatron_paging.pages.pool import PagePools
+from megatron_paging.runtime.context import PagingContext
+from megatron_paging.runtime.engine import CALIBRATE, OFF, PAGED, CaptureError, PagingEngine
+from megatron_paging.runtime.streams import COMPUTE, PAGING, CpuStreamBackend
 from megatron_paging.tools.pipeline_sim import parameter_grads, run_schedule, synthetic_chunks
 
 ROWS, WIDTH, PAGE = 16, 8, 4
@@ -101,7 +101,7 @@ def test_paged_begin_step_resets_rings_and_flags_in_place(caplog):
     assert engine.mode == PAGED  # pools given: no calibration
     one_record(engine, reload=False)  # its pages stay taken
     pools.flags.overflow.fill_(1)
-    with caplog.at_level(logging.WARNING, logger="megatron_paging.engine"):
+    with caplog.at_level(logging.WARNING, logger="megatron_paging.runtime.engine"):
         assert engine.end_step() == 1
     assert engine.unreloaded_records == 1  # counted, and reported by one warning
     assert [r.levelno for r in caplog.records] == [logging.WARNING]
@@ -202,7 +202,7 @@ def test_a_calibration_that_died_is_discarded_and_repeated():
 
 def test_grow_release_pools_and_replayed_steps(caplog):
     engine = PagingEngine(cfg())
-    with caplog.at_level(logging.INFO, logger="megatron_paging.engine"):
+    with caplog.at_level(logging.INFO, logger="megatron_paging.runtime.engine"):
         engine.grow(2.0)  # no pools yet: nothing to grow, said once
     assert engine.pools is None and engine.offload_pools is None and len(caplog.records) == 1
     engine.note_replayed_step()  # a replayed graph that paged nothing (no pools): no flags
@@ -407,8 +407,8 @@ def test_begin_step_refuses_a_capture_while_the_previous_step_is_open(host_reads
 def dualpipev_ops():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        from megatron_paging.mcore import schedules
-    return schedules.dualpipev(pp=2, rank=1, microbatches=5)  # overlapped F+B pairs, W ops
+        from megatron_paging.mcore import op_order
+    return op_order.dualpipev(pp=2, rank=1, microbatches=5)  # overlapped F+B pairs, W ops
 
 
 def test_a_captured_paged_step_reads_nothing_and_waits_only_on_captured_events(host_reads):

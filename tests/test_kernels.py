@@ -10,8 +10,8 @@ import torch
 from megatron_paging import kernels
 from megatron_paging.config import DEFAULT_MAX_CTAS, ConfigError
 from megatron_paging.kernels import REGISTRY, KernelBackend, prepare, resolve_backend
-from megatron_paging.pool import PagePool, PagePools
-from megatron_paging.record import PageRecord
+from megatron_paging.pages.pool import PagePool, PagePools
+from megatron_paging.pages.record import PageRecord
 
 ROW_BYTES, PAGE_SIZE, ROWS = 8, 4, 10
 CHOICES = ("auto", "reference", "cuda", "tile", "bulk")

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from megatron_paging.kernels import build, cuda_ops
-from megatron_paging.pool import INVALID_LIVE_COUNT, INVALID_RELOAD, PagePool
-from megatron_paging.record import (
+from megatron_paging.pages.pool import INVALID_LIVE_COUNT, INVALID_RELOAD, PagePool
+from megatron_paging.pages.record import (
     RECORD_EMPTY,
     RECORD_RELOADED,
     RECORD_STASHED,

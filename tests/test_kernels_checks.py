@@ -10,8 +10,8 @@ from op_counter import OpCounter
 
 from megatron_paging import kernels
 from megatron_paging.kernels.checks import as_rows, check_args
-from megatron_paging.pool import PagePool
-from megatron_paging.record import PageRecord
+from megatron_paging.pages.pool import PagePool
+from megatron_paging.pages.record import PageRecord
 
 ROW_BYTES, PAGE_SIZE, ROWS = 8, 4, 10
 WHAT = ["stash source", "reload destination"]

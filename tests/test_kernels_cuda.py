@@ -32,8 +32,8 @@ from cuda_twin import (
 
 from megatron_paging import kernels
 from megatron_paging.kernels import cuda_ops
-from megatron_paging.pool import PagePool
-from megatron_paging.record import PageRecord
+from megatron_paging.pages.pool import PagePool
+from megatron_paging.pages.record import PageRecord
 
 
 @on_gpu

@@ -46,8 +46,8 @@ from paging_harness import (
 )
 
 from megatron_paging import kernels
-from megatron_paging.pool import PagePool, PagePools
-from megatron_paging.record import PageRecord
+from megatron_paging.pages.pool import PagePool, PagePools
+from megatron_paging.pages.record import PageRecord
 
 
 @settings(max_examples=4000)

@@ -28,8 +28,8 @@ from cuda_twin import (
 )
 
 from megatron_paging import kernels
-from megatron_paging.pool import INVALID_LIVE_COUNT, INVALID_RELOAD, PagePool
-from megatron_paging.record import (
+from megatron_paging.pages.pool import INVALID_LIVE_COUNT, INVALID_RELOAD, PagePool
+from megatron_paging.pages.record import (
     RECORD_EMPTY,
     RECORD_RELOADED,
     RECORD_STASHED,

@@ -240,7 +240,7 @@ def _calibrated_paged_layer(api, seed: int):
 def test_reloaded_tensors_are_freed_when_their_backward_ran(installed, model_parallel, monkeypatch):  # noqa: F811
     import weakref
 
-    from megatron_paging.saved import Saved
+    from megatron_paging.runtime.saved import Saved
 
     api = installed
     layer, config = _calibrated_paged_layer(api, seed=2)

@@ -14,6 +14,7 @@ import dataclasses  # noqa: E402
 
 from megatron_paging.config import PagingArgs, PagingConfig  # noqa: E402
 from megatron_paging.mcore import flag_checks, flags  # noqa: E402
+from megatron_paging.overflow.policy import GrowPolicy  # noqa: E402
 
 BASE = [
     "--moe-paged-stash",
@@ -98,7 +99,7 @@ def test_our_flags_parse(parser):
     # Megatron-Core's sign convention: a negative factor sizes from the measured peak.
     assert config == PagingConfig(
         page_size=32, cuda_factor=-1.25, host_factor=0.5, max_ctas=512, prefetch_distance=2,
-        overflow_policy="grow", hold_last_slot=True, pool_residency="step",
+        overflow_policy=GrowPolicy(), hold_last_slot=True, pool_residency="step",
     )
     assert flags.install_options(args, config) == dict(replace_paged_stash=True, config=config)
 

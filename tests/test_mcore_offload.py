@@ -18,7 +18,7 @@ from mcore_fixtures import model_parallel, moe_config  # noqa: E402, F401
 
 from megatron_paging.config import PagingConfig  # noqa: E402
 from megatron_paging.mcore import flags  # noqa: E402
-from megatron_paging.mcore.offload_plan import GroupLog, plan_from_log  # noqa: E402
+from megatron_paging.mcore.offloading.groups import GroupLog, plan_from_log  # noqa: E402
 
 DENSE = ["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm"]
 EXPERTS = ["expert_fc1", "moe_act"]
@@ -27,10 +27,10 @@ PAGE = 4
 
 @pytest.fixture(scope="module")
 def offload_installed():
-    from megatron_paging.engine import PagingEngine
     from megatron_paging.mcore.api import MCorePagingAPI
     from megatron_paging.mcore.installer import PagingInstaller
-    from megatron_paging.streams import CpuStreamBackend
+    from megatron_paging.runtime.engine import PagingEngine
+    from megatron_paging.runtime.streams import CpuStreamBackend
 
     installer = PagingInstaller()
     config = PagingConfig(page_size=PAGE, kernel_backend="reference")
@@ -187,7 +187,7 @@ def engine_log(api):
 
 def test_groups_the_plan_keeps_stay_on_the_device(offload_installed, model_parallel, cpu_router,  # noqa: F811
                                                   monkeypatch):
-    from megatron_paging.sources import SourceLifetimes
+    from megatron_paging.runtime.sources import SourceLifetimes
 
     _, api = offload_installed
     api.engine.release_pools()
@@ -209,7 +209,7 @@ def test_groups_the_plan_keeps_stay_on_the_device(offload_installed, model_paral
 
 def test_a_kept_group_above_offloaded_ones_prefetches_them(offload_installed, model_parallel,  # noqa: F811
                                                           cpu_router, monkeypatch):
-    from megatron_paging.scheduler import PagingScheduler
+    from megatron_paging.runtime.scheduler import PagingScheduler
 
     _, api = offload_installed
     api.engine.release_pools()
@@ -390,7 +390,7 @@ def test_delta_keeps_bytes_per_pipeline_rank_in_backward_order():
 
 # ---------------------------------------------------------------------------- views
 def test_views_come_back_with_their_strides():
-    from megatron_paging.saved import StridedView, packable, span
+    from megatron_paging.runtime.saved import StridedView, packable, span
 
     base = torch.arange(2 * 3 * 12, dtype=torch.float32).reshape(2, 3, 12)
     permuted = base.transpose(0, 1)  # dense: the run it spans is its own storage
@@ -413,7 +413,7 @@ def test_views_come_back_with_their_strides():
 
 # ---------------------------------------------------------------------------- the lifts
 def test_validate_args_lift_skips_only_the_te_assertion(monkeypatch):
-    from megatron_paging.mcore import offload_shims
+    from megatron_paging.mcore.offloading import shims as offload_shims
 
     seen = []
 
@@ -435,14 +435,14 @@ def test_validate_args_lift_skips_only_the_te_assertion(monkeypatch):
 
 
 def test_affinity_pinning_tolerates_missing_nvml(caplog):
-    from megatron_paging.mcore import offload_shims
+    from megatron_paging.mcore.offloading import shims as offload_shims
 
     cause = "Please install cuda-python to enable GPU affinity setting"
 
     def pin():
         raise RuntimeError(cause)
 
-    with caplog.at_level("INFO", logger="megatron_paging.mcore.offload_shims"):
+    with caplog.at_level("INFO", logger="megatron_paging.mcore.offloading.shims"):
         assert offload_shims.tolerant_affinity(pin)() is None  # goes on without pinning
         assert offload_shims.tolerant_affinity(lambda: "pinned")() == "pinned"
     # one record, for the failed pinning only, carrying its cause
@@ -453,8 +453,8 @@ def test_affinity_pinning_tolerates_missing_nvml(caplog):
 def test_mcore_backend_without_te_gets_the_fake_cpu_offload_switch():
     from megatron.core.extensions import transformer_engine as te_ext
 
-    from megatron_paging.mcore import offload_shims
     from megatron_paging.mcore.installer import PagingInstaller
+    from megatron_paging.mcore.offloading import shims as offload_shims
 
     if offload_shims.te_available():
         pytest.skip("Transformer Engine is installed: Megatron-Core's offloading needs no fake")
@@ -497,7 +497,7 @@ def test_under_capture_forced_releases_wait_for_the_copy_and_stay_bitwise(
     """Megatron's ``forced_released_tensors`` inside a (simulated) capture: not freed at the
     commit (no ``record_stream`` there) but handed to the source lifetimes, which free them after
     the compute stream's wait; the step stays bitwise equal to the one without offloading."""
-    from megatron_paging.sources import SourceLifetimes
+    from megatron_paging.runtime.sources import SourceLifetimes
 
     _, api = offload_installed
     api.engine.release_pools()

@@ -19,11 +19,12 @@ import torch.nn.functional as F
 
 pytest.importorskip("megatron.core")
 
-from megatron_paging.config import PagingConfig  # noqa: E402
+from megatron_paging.config import PagingArgs, PagingConfig  # noqa: E402
 from megatron_paging.kernels import reload, stash  # noqa: E402
 from megatron_paging.mcore.runner import PagedStashRunner  # noqa: E402
-from megatron_paging.pool import PagePools  # noqa: E402
-from megatron_paging.record import PageRecord  # noqa: E402
+from megatron_paging.overflow.policy import RerunPolicy  # noqa: E402
+from megatron_paging.pages.pool import PagePools  # noqa: E402
+from megatron_paging.pages.record import PageRecord  # noqa: E402
 
 HIDDEN, CAPACITY, PAGE, MICROBATCHES = 8, 16, 4, 4
 ROW_BYTES = HIDDEN * 4
@@ -77,7 +78,8 @@ class Engine:
     """The part of PagingEngine the runner uses: config (the policy), pools, flags, grow."""
 
     def __init__(self, cuda_rows, policy):
-        self.config = PagingConfig(page_size=PAGE, overflow_policy=policy)
+        self.config = PagingConfig.from_args(PagingArgs(paging_overflow_policy=policy),
+                                             page_size=PAGE)
         self.pools = PagePools(PAGE)
         self.pools.add(ROW_BYTES, cuda_rows)
         self.paged = False
@@ -238,32 +240,33 @@ def test_paged_without_overflow_matches_control_and_recycles_pages():
         pool = paged.paging.engine.pools[ROW_BYTES]
         assert pool.free_pages() == (pool.num_cuda_pages, 0)  # every page back in the ring
     paged.runner.finish()
-    assert paged.runner.skipped_steps == 0 and paged.calls == [True] * 3
+    assert paged.runner.monitor.skipped_steps == 0 and paged.calls == [True] * 3
     assert_equal_states(paged.state(), control.state())
 
 
 def test_skip_policy_with_a_fused_optimizer_drops_the_step_on_device_and_counts_it_later():
     run = Run("skip", ROOMY, optimizer="adamw-fused")
-    assert run.runner.steps.reads_deferred
+    assert run.runner.monitor.reads_deferred
     run.train_step(0)
     before = run.state()
     run.paging.engine.pools = Run("skip", TINY).paging.engine.pools
     run.train_step(1)
     assert_equal_states(run.state(), before)  # optimizer.step() was a device no-op
-    assert run.runner.skipped_steps == 0  # not read yet: deferred
-    assert sum(ds.host_reads for ds in run.runner.steps.device_skips) == 1  # only the first step's
+    assert run.runner.monitor.skipped_steps == 0  # not read yet: deferred
+    # only the first step read on the host
+    assert sum(ds.host_reads for ds in run.runner.monitor.device_skips) == 1
     run.runner.finish()
-    assert run.runner.skipped_steps == 1 and run.calls == [True, True]
+    assert run.runner.monitor.skipped_steps == 1 and run.calls == [True, True]
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_skip_policy_with_an_unfused_optimizer_reads_first_and_never_steps(optimizer, monkeypatch):
     """No device skip for it: that would keep a copy of every stepped tensor during the step
     (memory an overflowing step must not need); the flags are read before the optimizer."""
-    import megatron_paging.optimizer_skip as optimizer_skip
+    import megatron_paging.overflow.optimizer_skip as optimizer_skip
 
     run = Run("skip", ROOMY, optimizer=optimizer)
-    assert not run.runner.steps.reads_deferred
+    assert not run.runner.monitor.reads_deferred
     run.train_step(0)
     before = run.state()
     blends = []
@@ -271,10 +274,10 @@ def test_skip_policy_with_an_unfused_optimizer_reads_first_and_never_steps(optim
     run.paging.engine.pools = Run("skip", TINY).paging.engine.pools
     run.train_step(1)
     assert_equal_states(run.state(), before)  # the step was not taken
-    assert run.runner.skipped_steps == 1  # read before the optimizer
+    assert run.runner.monitor.skipped_steps == 1  # read before the optimizer
     assert blends == []  # no stepped-then-blended copy
     run.runner.finish()
-    assert run.runner.skipped_steps == 1 and run.calls == [True, True]
+    assert run.runner.monitor.skipped_steps == 1 and run.calls == [True, True]
 
 
 def test_grow_policy_enlarges_pools_for_the_next_step():
@@ -330,8 +333,13 @@ def test_runner_rejects_bad_calls():
         run.runner(1)
     with pytest.raises(TypeError, match="num_microbatches"):
         run.runner(model=[run.chunk], data_iterator=None, seq_length=1, forward_only=False)
-    with pytest.raises(ValueError, match="overflow_policy must be one of"):
-        PagedStashRunner(run.config, False, [run.chunk], None, None, policy="retry")
+
+
+def test_runner_takes_the_policy_object_of_the_engine_config():
+    run = Run("grow", ROOMY)
+    assert run.runner.monitor.policy is run.paging.engine.config.overflow_policy
+    unpaged = PagedStashRunner(run.config, False, [run.chunk], None, None)
+    assert unpaged.monitor.policy == RerunPolicy()  # Megatron-Core's behaviour
 
 
 @pytest.mark.parametrize("policy", ["skip", "grow"])
@@ -340,7 +348,7 @@ def test_deferred_policies_skip_only_the_over_budget_step(policy):
     for step in range(4):
         run.train_step(step, over_budget_step=1)
     run.runner.finish()
-    assert run.runner.skipped_steps == 1 and run.runner.monitor.steps == 4
+    assert run.runner.monitor.skipped_steps == 1 and run.runner.monitor.steps == 4
     dispatcher = run.chunk.decoder.layers[0].mlp.token_dispatcher
     assert not dispatcher.check_over_budget().any()  # cleared after the step's reduce
     assert run.runner.monitor.grown_steps == 0  # an over-budget step is not fixed by growing
@@ -363,15 +371,15 @@ def test_evaluation_is_not_a_training_step(policy):
     control.train_step(0)
     run.train_step(0)
     run.runner.finish()
-    skip, steps = run.runner.steps.skip, run.runner.monitor.steps
+    skip, steps = run.runner.monitor.skip, run.runner.monitor.steps
     grads = run.chunk.weight.grad.clone()
     calls = len(run.calls)
 
     # The static budget dropped tokens: the eval reruns unbudgeted and reports good losses.
     assert evaluate(run, 1, over_budget_step=1) == evaluate(control, 1)
     assert run.calls[calls:] == [True, False] and run.config.moe_paged_stash
-    assert run.runner.steps.skip is skip and run.runner.monitor.steps == steps
-    assert run.runner.monitor.rerun_steps == 0 and run.runner.skipped_steps == 0
+    assert run.runner.monitor.skip is skip and run.runner.monitor.steps == steps
+    assert run.runner.monitor.rerun_steps == 0 and run.runner.monitor.skipped_steps == 0
     assert run.runner.eval_reruns == 1
     assert torch.equal(run.chunk.weight.grad, grads)  # an eval rerun keeps the step's grads
     dispatcher = run.chunk.decoder.layers[0].mlp.token_dispatcher

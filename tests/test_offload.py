@@ -13,10 +13,11 @@ from capture import CapturingBackend
 from offload_helpers import HIDDEN, PAGE, _context, _cuda_kernels_or_skip, _OffloadStep, _step
 
 from megatron_paging.config import PagingConfig
-from megatron_paging.engine import CALIBRATE, PAGED, PagingEngine
-from megatron_paging.offload import ARENA_ALIGN, ArenaAllocator, HostArena, OffloadCalibrator
-from megatron_paging.paging import PagingContext
-from megatron_paging.streams import COMPUTE, PAGING, CpuStreamBackend
+from megatron_paging.pages.offload import ARENA_ALIGN, ArenaAllocator, HostArena
+from megatron_paging.runtime.calibration import OffloadCalibrator
+from megatron_paging.runtime.context import PagingContext
+from megatron_paging.runtime.engine import CALIBRATE, PAGED, PagingEngine
+from megatron_paging.runtime.streams import COMPUTE, PAGING, CpuStreamBackend
 
 
 # ------------------------------------------------------------------------- the arena allocator
@@ -166,7 +167,7 @@ def test_offload_group_keys_must_be_tuples_and_layer_slots_do_not_nest():
 
 def test_offload_calibrator_sizes_host_tiers_by_the_factor():
     calibrator = OffloadCalibrator()
-    from megatron_paging.record import RecordLayout
+    from megatron_paging.pages.record import RecordLayout
 
     layout = RecordLayout.new(32, HIDDEN * 4, PAGE)
     parked = [calibrator.park(torch.randn(32, HIDDEN), layout.new_record(torch.tensor([n])))

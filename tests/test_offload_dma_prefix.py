@@ -11,17 +11,17 @@ import torch
 from offload_helpers import HIDDEN, PAGE, _context, _cuda_kernels_or_skip, _OffloadStep, _step
 
 from megatron_paging.config import PagingConfig
-from megatron_paging.engine import PagingEngine
-from megatron_paging.offload import (
-    ARENA_ALIGN,
+from megatron_paging.pages.offload import ARENA_ALIGN
+from megatron_paging.pages.record import RecordLayout
+from megatron_paging.runtime.calibration import (
     OffloadCalibrator,
     RowEvent,
     dma_prefix_rows,
     replay_rows,
 )
-from megatron_paging.paging import PagingContext
-from megatron_paging.record import RecordLayout
-from megatron_paging.streams import PAGING, CpuStreamBackend
+from megatron_paging.runtime.context import PagingContext
+from megatron_paging.runtime.engine import PagingEngine
+from megatron_paging.runtime.streams import PAGING, CpuStreamBackend
 
 CAPACITY, ROW_BYTES = 16, HIDDEN * 4  # _step's live-row buffer: 16 rows of 8 float32
 

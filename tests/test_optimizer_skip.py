@@ -7,9 +7,9 @@ import pytest
 import torch
 from cases import OPTIMIZERS
 
-from megatron_paging.optimizer_skip import DeviceSkip, device_resident_steps, step_unless
-from megatron_paging.overflow import pack_flags, skip_flag
-from megatron_paging.pool import PagingFlags
+from megatron_paging.overflow.monitor import pack_flags, skip_flag
+from megatron_paging.overflow.optimizer_skip import DeviceSkip, device_resident_steps, step_unless
+from megatron_paging.pages.pool import PagingFlags
 
 SKIP, STEP = torch.ones(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
 

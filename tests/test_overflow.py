@@ -20,28 +20,28 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from cases import OPTIMIZERS
 
-from megatron_paging.calibration import Calibrator
-from megatron_paging.config import OVERFLOW_POLICIES, ConfigError, PagingConfig
+from megatron_paging.config import OVERFLOW_POLICIES, ConfigError, PagingArgs, PagingConfig
 from megatron_paging.kernels import reload, stash
-from megatron_paging.optimizer_skip import step_unless
-from megatron_paging.overflow import (
-    GROWTH_FACTOR,
+from megatron_paging.overflow.monitor import (
     OVER_BUDGET_ADVICE,
-    POLICIES,
     SPILL_ADVICE,
-    GrowPolicy,
     OverflowMonitor,
+    pack_flags,
+    skip_flag,
+)
+from megatron_paging.overflow.optimizer_skip import step_unless
+from megatron_paging.overflow.policy import (
+    GROWTH_FACTOR,
+    POLICIES,
+    GrowPolicy,
     OverflowPolicy,
     RerunPolicy,
     SkipPolicy,
     StepFlags,
-    make_policy,
-    pack_flags,
-    skip_flag,
 )
-from megatron_paging.pool import PagePools, PagingFlags
-from megatron_paging.record import PageRecord
-from megatron_paging.step_runner import StepRunner
+from megatron_paging.pages.pool import PagePools, PagingFlags
+from megatron_paging.pages.record import PageRecord
+from megatron_paging.runtime.calibration import Calibrator
 
 HIDDEN, OUT, CAPACITY, PAGE = 8, 3, 24, 4
 ROW_BYTES = HIDDEN * 4
@@ -101,7 +101,7 @@ def forward_backward(weight, batch, pools=None, parker=None):
 
 
 class Trainer:
-    """A driver over the toy step, through the runtime's StepRunner: paged step, one reduce; a
+    """A driver over the toy step, through an OverflowMonitor: paged step, one reduce; a
     policy that reads before the optimizer decides then (and may rerun unpaged), the others
     skip on the device and decide after the step (deferred)."""
 
@@ -109,8 +109,7 @@ class Trainer:
         torch.manual_seed(0)
         self.weight = torch.nn.Parameter(torch.randn(HIDDEN, OUT) * 0.3)
         self.optimizer = OPTIMIZERS[optimizer_name]([self.weight])
-        self.steps = StepRunner(policy, grow=self.grow_pools, optimizers=[self.optimizer])
-        self.monitor = self.steps.monitor
+        self.monitor = OverflowMonitor(policy, grow=self.grow_pools, optimizers=[self.optimizer])
         self.pools = pools
         self.decisions, self.flags, self.calls = [], [], []
         self.rings_full_before_reset = []
@@ -120,14 +119,14 @@ class Trainer:
         self.calls.append("rerun_unpaged")
         self.optimizer.zero_grad()
         forward_backward(self.weight, self.batch)
-        return self.steps.reduce(None)
+        return self.monitor.reduce(None)
 
     def grow_pools(self, factor):
         self.calls.append(("grow_pools", factor))
         self.pools = self.pools.grown(factor)
 
     def host_reads(self) -> int:
-        return sum(skip.host_reads for skip in self.steps.device_skips)
+        return sum(skip.host_reads for skip in self.monitor.device_skips)
 
     def step(self, batch):
         """One step; returns whether the optimizer step read a flag on the host."""
@@ -137,11 +136,11 @@ class Trainer:
         self.optimizer.zero_grad()
         forward_backward(self.weight, batch, self.pools)
         pools, reads = self.pools, self.host_reads()
-        reduced = self.steps.reduce(pools.flags if pools is not None else None)
-        decision = self.steps.after_forward_backward(reduced, self.rerun_unpaged)
+        reduced = self.monitor.reduce(pools.flags if pools is not None else None)
+        decision = self.monitor.after_forward_backward(reduced, self.rerun_unpaged)
         self.optimizer.step()  # through the device skip under 'skip' and 'grow'
         synced = self.host_reads() > reads
-        decision = decision or self.steps.settle()  # deferred, after the step
+        decision = decision or self.monitor.settle()  # deferred, after the step
         self.decisions.append(decision.action)
         self.flags.append(decision.flags)
         if pools is not None:
@@ -188,7 +187,7 @@ def assert_same_state(a, b):
 
 @pytest.mark.parametrize("optimizer_name", sorted(OPTIMIZERS))
 def test_skipped_step_leaves_params_and_state_unchanged(optimizer_name):
-    trainer = Trainer(optimizer_name, "skip", roomy_pools())
+    trainer = Trainer(optimizer_name, SkipPolicy(), roomy_pools())
     trainer.step(make_batch(1))  # creates optimizer state
     assert trainer.decisions[-1] == "ok"
     before = trainer.snapshot()
@@ -208,8 +207,8 @@ def test_skipped_step_leaves_params_and_state_unchanged(optimizer_name):
 
 @pytest.mark.parametrize("optimizer_name", ["sgd_momentum", "adamw", "adamw_fused"])
 def test_rerun_is_bitwise_equal_to_unpaged(optimizer_name):
-    control = Trainer(optimizer_name, "rerun", None)
-    paged = Trainer(optimizer_name, "rerun", calibrated_pools(0.4)[0])
+    control = Trainer(optimizer_name, RerunPolicy(), None)
+    paged = Trainer(optimizer_name, RerunPolicy(), calibrated_pools(0.4)[0])
     for step in range(1, 4):
         control.step(make_batch(step))
         paged.step(make_batch(step))
@@ -221,8 +220,8 @@ def test_rerun_is_bitwise_equal_to_unpaged(optimizer_name):
 
 @pytest.mark.parametrize("optimizer_name", ["sgd_momentum", "adam"])
 def test_paged_without_overflow_is_bitwise_equal_and_recycles_every_page(optimizer_name):
-    control = Trainer(optimizer_name, "skip", None)
-    paged = Trainer(optimizer_name, "skip", roomy_pools())
+    control = Trainer(optimizer_name, SkipPolicy(), None)
+    paged = Trainer(optimizer_name, SkipPolicy(), roomy_pools())
     for step in range(1, 4):
         control.step(make_batch(step))
         paged.step(make_batch(step))
@@ -235,7 +234,7 @@ def test_grow_skips_then_next_step_fits():
     pools, calibrator = calibrated_pools(0.7)
     peak_pages = calibrator.peak_page_rows(PAGE)[ROW_BYTES] // PAGE
     assert pools[ROW_BYTES].num_cuda_pages < peak_pages
-    trainer = Trainer("adamw", make_policy(PagingConfig(overflow_policy="grow")), pools)
+    trainer = Trainer("adamw", GrowPolicy(), pools)
     trainer.step(make_batch(0))
     before = trainer.snapshot()
     assert trainer.decisions[-1] == "grow" and trainer.calls == [("grow_pools", 1.5)]
@@ -250,8 +249,8 @@ def test_grow_skips_then_next_step_fits():
 
 def test_host_tier_spill_and_host_tier_full(caplog):
     pools, _ = calibrated_pools(0.3, host_factor=1.0)  # CUDA tier small, host tier holds the rest
-    control = Trainer("adam", "skip", None)
-    spilled = Trainer("adam", "skip", pools)
+    control = Trainer("adam", SkipPolicy(), None)
+    spilled = Trainer("adam", SkipPolicy(), pools)
     with caplog.at_level(logging.INFO, logger="megatron_paging.overflow"):
         control.step(make_batch(0))
         spilled.step(make_batch(0))
@@ -263,7 +262,7 @@ def test_host_tier_spill_and_host_tier_full(caplog):
     assert_same_state(spilled.snapshot(), control.snapshot())
 
     full, _ = calibrated_pools(0.3, host_factor=0.3)  # both tiers too small
-    trainer = Trainer("adam", "skip", roomy_pools())
+    trainer = Trainer("adam", SkipPolicy(), roomy_pools())
     trainer.step(make_batch(1))
     before = trainer.snapshot()
     trainer.pools = full
@@ -299,19 +298,28 @@ class Control:
         self.calls.append(("grow_pools", factor))
 
 
-def test_policy_objects_from_names_and_configs():
+def policy_named(name: str) -> OverflowPolicy:
+    """What ``--paging-overflow-policy NAME`` puts in the config."""
+    return PagingConfig.from_args(PagingArgs(paging_overflow_policy=name)).overflow_policy
+
+
+def test_one_policy_object_from_the_flag_to_the_monitor():
     assert set(POLICIES) == {"rerun", "skip", "grow"} == set(OVERFLOW_POLICIES)
     assert [POLICIES[n].reads_before_optimizer for n in ("rerun", "skip", "grow")] == [
         True, False, False
     ]
-    assert type(make_policy("rerun")) is RerunPolicy and type(make_policy("skip")) is SkipPolicy
-    grow = make_policy(PagingConfig(overflow_policy="grow"))
+    assert policy_named("rerun") == RerunPolicy() == PagingConfig().overflow_policy
+    assert type(policy_named("skip")) is SkipPolicy and SkipPolicy() != RerunPolicy()
+    grow = policy_named("grow")
     assert isinstance(grow, GrowPolicy) and grow.growth_factor == GROWTH_FACTOR == 1.5
     policy = SkipPolicy()
     assert OverflowMonitor(policy).policy is policy
-    assert isinstance(OverflowMonitor(PagingConfig(overflow_policy="grow")).policy, GrowPolicy)
-    with pytest.raises(ConfigError, match="overflow_policy"):
-        OverflowMonitor("retry")
+    with pytest.raises(ConfigError, match="overflow_policy must be one of"):
+        policy_named("retry")
+    with pytest.raises(ConfigError, match="overflow_policy must be an OverflowPolicy"):
+        PagingConfig(overflow_policy="skip")
+    with pytest.raises(TypeError, match="must be an OverflowPolicy"):
+        OverflowMonitor("skip")
     with pytest.raises(ValueError, match="factor"):
         PagePools(4).grown(0.5)
 
@@ -329,7 +337,7 @@ def test_policy_objects_from_names_and_configs():
     ],
 )
 def test_policies_act_through_the_step_control(policy, flags, action, calls):
-    monitor = OverflowMonitor(PagingConfig(overflow_policy=policy))
+    monitor = OverflowMonitor(POLICIES[policy]())
     control = Control()
     assert monitor.decide(flags, control) == action
     assert control.calls == calls
@@ -337,7 +345,7 @@ def test_policies_act_through_the_step_control(policy, flags, action, calls):
 
 
 def test_decide_counts_logs_and_errors(caplog):
-    monitor, control = OverflowMonitor("grow"), Control()
+    monitor, control = OverflowMonitor(GrowPolicy()), Control()
     with caplog.at_level(logging.INFO, logger="megatron_paging.overflow"):
         assert monitor.decide(StepFlags(), control) == "ok"
         assert monitor.decide(StepFlags(overflow_ranks=2), control) == "grow"
@@ -360,7 +368,8 @@ def test_decide_counts_logs_and_errors(caplog):
 
 
 class CountingPolicy(OverflowPolicy):
-    """A new policy is one class in POLICIES: its action is counted like the others."""
+    """A new policy is one class in POLICIES and one name in the flag's choices: its action is
+    counted like the others."""
 
     name = "count"
     reads_before_optimizer = False
@@ -374,13 +383,13 @@ def test_a_new_policy_is_one_class_in_the_registry_and_one_name_in_the_config(mo
 
     monkeypatch.setitem(POLICIES, "count", CountingPolicy)
     monkeypatch.setattr(config, "OVERFLOW_POLICIES", (*OVERFLOW_POLICIES, "count"))
-    monitor = OverflowMonitor(PagingConfig(overflow_policy="count"))
+    monitor = OverflowMonitor(policy_named("count"))
     assert isinstance(monitor.policy, CountingPolicy)
     assert monitor.decide(StepFlags(overflow_ranks=4), Control()) == "counted 4"
     assert monitor.actions["counted 4"] == 1
 
 
-# ------------------------------------------------------------------------- the StepRunner
+# ------------------------------------------------------- the monitor around a driver's steps
 
 
 def overflowed() -> PagingFlags:
@@ -393,66 +402,66 @@ def no_rerun(flags):
     raise AssertionError("no rerun expected")
 
 
-def test_step_runner_wraps_the_optimizer_only_for_policies_that_skip_on_device():
+def test_monitor_wraps_the_optimizer_only_for_policies_that_skip_on_device():
     weight = torch.nn.Parameter(torch.ones(2))
     rerun_opt, skip_opt = torch.optim.SGD([weight], lr=0.1), torch.optim.SGD([weight], lr=0.1)
     own_step = rerun_opt.step
-    assert StepRunner("rerun", grow=None, optimizers=[rerun_opt]).device_skips == []
+    assert OverflowMonitor(RerunPolicy(), optimizers=[rerun_opt]).device_skips == []
     assert rerun_opt.step == own_step  # 'rerun' repairs the step before the optimizer sees it
-    runner = StepRunner("skip", grow=None, optimizers=[skip_opt])
-    assert [skip.optimizer for skip in runner.device_skips] == [skip_opt]
+    monitor = OverflowMonitor(SkipPolicy(), optimizers=[skip_opt])
+    assert [skip.optimizer for skip in monitor.device_skips] == [skip_opt]
 
 
-def test_step_runner_with_an_unfused_optimizer_reads_before_it_and_never_steps_it():
+def test_monitor_with_an_unfused_optimizer_reads_before_it_and_never_steps_it():
     weight = torch.nn.Parameter(torch.ones(2))
     optimizer = torch.optim.SGD([weight], lr=0.1)
-    runner = StepRunner("skip", grow=None, optimizers=[optimizer])
+    monitor = OverflowMonitor(SkipPolicy(), optimizers=[optimizer])
     weight.grad = torch.ones(2)
-    decision = runner.after_forward_backward(runner.reduce(overflowed()), no_rerun)
-    assert decision.action == "skip" and runner.skipped_steps == 1  # read now
+    decision = monitor.after_forward_backward(monitor.reduce(overflowed()), no_rerun)
+    assert decision.action == "skip" and monitor.skipped_steps == 1  # read now
     optimizer.step()
     assert torch.equal(weight, torch.ones(2))  # not taken
-    assert runner.settle() is None
-    assert runner.after_forward_backward(runner.reduce(PagingFlags()), no_rerun).action == "ok"
+    assert monitor.settle() is None
+    assert monitor.after_forward_backward(monitor.reduce(PagingFlags()), no_rerun).action == "ok"
     optimizer.step()
     assert not torch.equal(weight, torch.ones(2))
 
 
-def test_step_runner_defers_the_read_and_skips_on_device():
+def test_monitor_defers_the_read_and_skips_on_device():
     weight = torch.nn.Parameter(torch.ones(2))
     optimizer = torch.optim.SGD([weight], lr=0.1, fused=True)
-    runner = StepRunner("skip", grow=None, optimizers=[optimizer])
+    monitor = OverflowMonitor(SkipPolicy(), optimizers=[optimizer])
     weight.grad = torch.ones(2)
-    assert runner.after_forward_backward(runner.reduce(overflowed()), no_rerun) is None
-    assert runner.monitor.steps == 0  # nothing read yet
+    assert monitor.after_forward_backward(monitor.reduce(overflowed()), no_rerun) is None
+    assert monitor.steps == 0  # nothing read yet
     optimizer.step()
     assert torch.equal(weight, torch.ones(2))  # dropped on the device
-    decision = runner.settle()
+    decision = monitor.settle()
     assert decision.action == "skip" and decision.flags.overflow_ranks == 1
-    assert runner.settle() is None and runner.skipped_steps == 1
-    assert runner.after_forward_backward(runner.reduce(PagingFlags()), no_rerun) is None
+    assert monitor.settle() is None and monitor.skipped_steps == 1
+    assert monitor.after_forward_backward(monitor.reduce(PagingFlags()), no_rerun) is None
     optimizer.step()
     assert not torch.equal(weight, torch.ones(2))
-    assert runner.settle().action == "ok"
+    assert monitor.settle().action == "ok"
 
 
-def test_step_runner_rerun_replaces_the_skip_flag_and_must_come_back_clean():
-    runner = StepRunner("rerun", grow=None)
+def test_monitor_rerun_replaces_the_skip_flag_and_must_come_back_clean():
+    monitor = OverflowMonitor(RerunPolicy())
     seen = []
 
     def clean_rerun(flags):
         seen.append(flags)
-        return runner.reduce(PagingFlags())
+        return monitor.reduce(PagingFlags())
 
-    decision = runner.after_forward_backward(runner.reduce(overflowed()), clean_rerun)
+    decision = monitor.after_forward_backward(monitor.reduce(overflowed()), clean_rerun)
     assert decision.action == "rerun" and seen == [decision.flags]
-    assert not bool(runner.skip)  # the optimizer follows the rerun's flags
+    assert not bool(monitor.skip)  # the optimizer follows the rerun's flags
     with pytest.raises(RuntimeError, match="rerun without paging still raised"):
-        runner.after_forward_backward(runner.reduce(overflowed()),
-                                      lambda flags: runner.reduce(overflowed()))
-    skip = runner.skip
-    runner.rerun(clean_rerun, StepFlags(over_budget_ranks=1), training=False)
-    assert runner.skip is skip  # an evaluation's rerun leaves the training step's flag
+        monitor.after_forward_backward(monitor.reduce(overflowed()),
+                                      lambda flags: monitor.reduce(overflowed()))
+    skip = monitor.skip
+    monitor.rerun(clean_rerun, StepFlags(over_budget_ranks=1), training=False)
+    assert monitor.skip is skip  # an evaluation's rerun leaves the training step's flag
 
 
 class LateRerunPolicy(OverflowPolicy):
@@ -465,17 +474,17 @@ class LateRerunPolicy(OverflowPolicy):
 
 
 def test_a_policy_that_reads_after_the_optimizer_cannot_rerun():
-    runner = StepRunner(LateRerunPolicy(), grow=None)
-    runner.after_forward_backward(runner.reduce(overflowed()), no_rerun)
+    monitor = OverflowMonitor(LateRerunPolicy())
+    monitor.after_forward_backward(monitor.reduce(overflowed()), no_rerun)
     with pytest.raises(RuntimeError, match="too late to rerun"):
-        runner.settle()
+        monitor.settle()
 
 
-def test_step_runner_grows_through_the_driver():
+def test_monitor_grows_through_the_driver():
     grown = []
-    runner = StepRunner("grow", grow=grown.append)
-    runner.after_forward_backward(runner.reduce(overflowed()), no_rerun)
-    assert runner.settle().action == "grow" and grown == [GROWTH_FACTOR]
+    monitor = OverflowMonitor(GrowPolicy(), grow=grown.append)
+    monitor.after_forward_backward(monitor.reduce(overflowed()), no_rerun)
+    assert monitor.settle().action == "grow" and grown == [GROWTH_FACTOR]
 
 
 def _two_rank_worker(rank, init_file, results):
@@ -498,7 +507,7 @@ def _two_rank_worker(rank, init_file, results):
         flags = PagingFlags()
         if rank == 1:
             flags.overflow.fill_(1)  # only rank 1 overflowed: both ranks must skip
-        monitor = OverflowMonitor("skip")
+        monitor = OverflowMonitor(SkipPolicy())
         reduced = monitor.reduce(flags)
         step_unless(optimizer, skip_flag(reduced))
         flags_read, control = monitor.read(reduced), Control()

@@ -18,8 +18,8 @@ from paging_helpers import (
     stashed,
 )
 
-from megatron_paging.paging import PagingContext
-from megatron_paging.streams import CpuStreamBackend
+from megatron_paging.runtime.context import PagingContext
+from megatron_paging.runtime.streams import CpuStreamBackend
 
 
 def test_marks_are_matched_by_identity_before_or_after_the_saving_op():

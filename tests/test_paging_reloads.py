@@ -20,9 +20,9 @@ from paging_helpers import (
     paged,
 )
 
-from megatron_paging.paging import PagingContext
-from megatron_paging.scheduler import PagingScheduler
-from megatron_paging.streams import CpuStreamBackend
+from megatron_paging.runtime.context import PagingContext
+from megatron_paging.runtime.scheduler import PagingScheduler
+from megatron_paging.runtime.streams import CpuStreamBackend
 
 
 def paged_scheduler(backend=None) -> PagingScheduler:
@@ -247,8 +247,8 @@ def test_reload_destinations_skip_the_deterministic_nan_fill(monkeypatch, determ
     """``--deterministic-mode`` makes torch.empty write NaN over every new buffer: a reload
     destination skips that full-capacity write (only its live rows are ever read) and the
     setting is back in place afterwards."""
-    from megatron_paging import scheduler as scheduler_module
-    from megatron_paging.transfers import reload_destination
+    from megatron_paging.runtime import scheduler as scheduler_module
+    from megatron_paging.runtime.transfers import reload_destination
 
     assert torch.isnan(torch.empty(64)).all()  # what the fill costs: every element written
     deterministic_fill.spy()

@@ -97,7 +97,7 @@ def test_deepseek_layout_from_megatron(deepseek_args):
 
 @pytest.mark.parametrize("pp,microbatches", [(1, 3), (2, 3), (4, 8), (4, 2)])
 def test_one_f_one_b_matches_megatron(pp, microbatches):
-    from megatron_paging.mcore.schedules import one_f_one_b
+    from megatron_paging.mcore.op_order import one_f_one_b
 
     for rank in range(pp):
         ops = one_f_one_b(pp, rank, microbatches)
@@ -110,7 +110,7 @@ def test_one_f_one_b_matches_megatron(pp, microbatches):
 def test_interleaved_in_flight_matches_megatron_warmup(pp, vpp, microbatches, group):
     from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches
 
-    from megatron_paging.mcore.schedules import _communicator, interleaved_one_f_one_b
+    from megatron_paging.mcore.op_order import _communicator, interleaved_one_f_one_b
 
     for rank in range(pp):
         total, _, warmup, _ = get_pp_rank_microbatches(

@@ -141,7 +141,7 @@ def _chunks():
 
 def _interleaved_ops():
     pytest.importorskip("megatron.core")
-    from megatron_paging.mcore.schedules import interleaved_one_f_one_b
+    from megatron_paging.mcore.op_order import interleaved_one_f_one_b
 
     return interleaved_one_f_one_b(2, 2, 0, 4)
 

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_paging import kernels
 from megatron_paging.config import ConfigError
-from megatron_paging.pool import (
+from megatron_paging.pages.pool import (
     DEVICE_TIER,
     HOST_TIER,
     INVALID_LIVE_COUNT,
@@ -23,7 +23,7 @@ from megatron_paging.pool import (
     PagePools,
     PagingFlags,
 )
-from megatron_paging.record import PageRecord
+from megatron_paging.pages.record import PageRecord
 
 NOT_POSITIVE_INTS = [0, -1, 1.5, True, "4", None]
 ROW_BYTES, PAGE_SIZE, ROWS = 8, 4, 10
@@ -188,7 +188,7 @@ def test_grown_enlarges_device_tiers_only(caplog):
     pools = PagePools(PAGE_SIZE)
     for row_bytes, cuda_pages, host_pages in ((8, 4, 2), (3, 1, 0), (5, 0, 3), (7, 10, 0)):
         pools.add(row_bytes, cuda_pages * PAGE_SIZE, host_pages * PAGE_SIZE)
-    with caplog.at_level(logging.INFO, logger="megatron_paging.pool"):
+    with caplog.at_level(logging.INFO, logger="megatron_paging.pages.pool"):
         grown = pools.grown(1.5)
     assert isinstance(grown, PagePools) and grown is not pools
     assert (grown.page_size, grown.device) == (pools.page_size, pools.device)

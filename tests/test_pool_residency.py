@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from megatron_paging.config import PagingConfig
-from megatron_paging.engine import PAGED, CaptureError, PagingEngine
-from megatron_paging.pool import PagePool, PagePools
-from megatron_paging.streams import CpuStreamBackend
+from megatron_paging.pages.pool import PagePool, PagePools
+from megatron_paging.runtime.engine import PAGED, CaptureError, PagingEngine
+from megatron_paging.runtime.streams import CpuStreamBackend
 from tests.test_engine import CPU, PAGE, ROW_BYTES, ROWS, FakeCapture, all_free, one_record
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")

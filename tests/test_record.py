@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_paging.config import ConfigError
-from megatron_paging.record import RECORD_EMPTY, PageRecord, RecordLayout, attach_buffers
+from megatron_paging.pages.record import RECORD_EMPTY, PageRecord, RecordLayout, attach_buffers
 
 NOT_POSITIVE_INTS = [0, -1, 1.5, True, "4", None]
 ROW_BYTES, PAGE_SIZE, ROWS = 8, 4, 10

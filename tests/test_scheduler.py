@@ -11,18 +11,18 @@ from capture import CapturingBackend
 from cases import SCHEDULE_CASES
 
 from megatron_paging.config import PagingConfig
-from megatron_paging.engine import PagingEngine
-from megatron_paging.paging import PagingContext
-from megatron_paging.pool import PagePools
-from megatron_paging.scheduler import PagingScheduler
-from megatron_paging.streams import COMPUTE, PAGING, CpuStreamBackend
+from megatron_paging.pages.pool import PagePools
+from megatron_paging.runtime.context import PagingContext
+from megatron_paging.runtime.engine import PagingEngine
+from megatron_paging.runtime.scheduler import PagingScheduler
+from megatron_paging.runtime.streams import COMPUTE, PAGING, CpuStreamBackend
 from megatron_paging.tools.pipeline_sim import parameter_grads, run_schedule
 from megatron_paging.tools.pipeline_sim import synthetic_chunks as make_chunks
 
 pytest.importorskip("megatron.core", reason="Megatron-Core's schedule orders need megatron-core")
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    from megatron_paging.mcore import schedules
+    from megatron_paging.mcore import op_order
 
 TOKENS, HIDDEN, FFN, SEGMENTS, LAYERS, PAGE = 32, 16, 24, 2, 2, 4
 
@@ -158,10 +158,10 @@ def check_log(backend, ops):
 def build(schedule, options):
     options = dict(options)
     if schedule == "1f1b":
-        return schedules.one_f_one_b(**options), 1
+        return op_order.one_f_one_b(**options), 1
     if schedule == "interleaved":
-        return schedules.interleaved_one_f_one_b(**options), options["vpp"]
-    return schedules.dualpipev(**options), 2
+        return op_order.interleaved_one_f_one_b(**options), options["vpp"]
+    return op_order.dualpipev(**options), 2
 
 
 @pytest.mark.parametrize("schedule,options", SCHEDULE_CASES, ids=lambda v: str(v))
@@ -178,7 +178,7 @@ def test_schedule_parity_and_log(schedule, options):
 
 
 def test_dualpipev_wgrad_records_stay_resident_until_w():
-    ops = schedules.dualpipev(pp=2, rank=1, microbatches=5)
+    ops = op_order.dualpipev(pp=2, rank=1, microbatches=5)
     _, backend, _, left, op_starts = run(ops, 2)
     assert left == 0
     # Log ranges of each executed step; an overlapped F+B pair is one step.
@@ -207,7 +207,7 @@ def test_dualpipev_wgrad_records_stay_resident_until_w():
 
 @pytest.mark.parametrize("distance", [0, 2])
 def test_prefetch_distance(distance):
-    ops = schedules.interleaved_one_f_one_b(pp=2, vpp=2, rank=0, microbatches=4)
+    ops = op_order.interleaved_one_f_one_b(pp=2, vpp=2, rank=0, microbatches=4)
     control, *_ = run(ops, 2, paged=False)
     paged, backend, _, left, _ = run(ops, 2, prefetch_distance=distance)
     assert_bitwise(control, paged)
@@ -274,7 +274,7 @@ def test_prefetch_reloads_the_next_slots_below_in_descending_order(schedule, opt
 
 
 def test_no_overlap_control_runs_on_compute_stream():
-    ops = schedules.one_f_one_b(pp=2, rank=0, microbatches=3, delay_wgrad=True)
+    ops = op_order.one_f_one_b(pp=2, rank=0, microbatches=3, delay_wgrad=True)
     control, *_ = run(ops, 1, paged=False)
     paged, backend, pools, left, _ = run(ops, 1, overlap=False)
     assert_bitwise(control, paged)
@@ -321,7 +321,7 @@ class ParkerEngine(PagingEngine):
 
 
 def test_parker_path_without_pools():
-    ops = schedules.dualpipev(pp=2, rank=0, microbatches=4)
+    ops = op_order.dualpipev(pp=2, rank=0, microbatches=4)
     control, *_ = run(ops, 2, paged=False)
     parker = CloneParker()
     chunks = make_chunks(2, LAYERS, TOKENS, HIDDEN, FFN, SEGMENTS, seed=3)
@@ -423,7 +423,7 @@ def test_sources_under_capture_are_released_after_a_compute_wait():
 
 
 def test_schedule_parity_under_capture_rules():
-    ops = schedules.dualpipev(pp=2, rank=0, microbatches=4)
+    ops = op_order.dualpipev(pp=2, rank=0, microbatches=4)
     control, *_ = run(ops, 2, paged=False)
     chunks = make_chunks(2, LAYERS, TOKENS, HIDDEN, FFN, SEGMENTS, seed=3)
     context = paged_context(CapturingBackend(), make_pools())

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from megatron_paging.config import PagingConfig
-from megatron_paging.engine import PagingEngine
-from megatron_paging.paging import PagingContext
-from megatron_paging.pool import PagePools
-from megatron_paging.scheduler import PagingScheduler
+from megatron_paging.pages.pool import PagePools
+from megatron_paging.runtime.context import PagingContext
+from megatron_paging.runtime.engine import PagingEngine
+from megatron_paging.runtime.scheduler import PagingScheduler
 from megatron_paging.tools.pipeline_sim import parameter_grads, run_schedule, synthetic_chunks
 
 pytestmark = [
@@ -51,7 +51,7 @@ def needs_cuda_kernels():
 
 
 def make_backend():
-    from megatron_paging.streams import CudaStreamBackend
+    from megatron_paging.runtime.streams import CudaStreamBackend
 
     return CudaStreamBackend()
 
@@ -78,7 +78,7 @@ def cuda_chunks(num_chunks: int, seed: int = 5):
 def schedule(name: str):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        schedules = pytest.importorskip("megatron_paging.mcore.schedules")
+        schedules = pytest.importorskip("megatron_paging.mcore.op_order")
     if name == "dualpipev":
         return schedules.dualpipev(pp=2, rank=1, microbatches=5), 2
     return schedules.interleaved_one_f_one_b(2, 2, 0, 4, combined_1f1b=True), 2
@@ -109,7 +109,7 @@ class _TimedBackend:
     """A CUDA backend that brackets every stash/reload launch with timing events."""
 
     def __init__(self):
-        from megatron_paging.streams import CudaStreamBackend
+        from megatron_paging.runtime.streams import CudaStreamBackend
 
         self.inner = CudaStreamBackend()
         self.paging_stream = self.inner.paging_stream
@@ -375,7 +375,7 @@ def test_gpu_cuda_graph_replay_with_different_live_counts():
 
 
 def test_cuda_backend_streams():
-    from megatron_paging.streams import CudaStreamBackend
+    from megatron_paging.runtime.streams import CudaStreamBackend
 
     backend = CudaStreamBackend()
     assert backend.paging_stream.priority < torch.cuda.current_stream().priority
@@ -392,7 +392,7 @@ def test_cuda_backend_scope_sets_and_restores_the_current_stream():
     """compute_stream() hands out one object per CUDA stream; scope makes the paging stream
     current (nested scopes of it are free) and restores the stream it found, also a side
     stream, also after an exception."""
-    from megatron_paging.streams import CudaStreamBackend
+    from megatron_paging.runtime.streams import CudaStreamBackend
 
     backend = CudaStreamBackend()
     side = torch.cuda.Stream()

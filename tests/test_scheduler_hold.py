@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from megatron_paging.config import PagingConfig
-from megatron_paging.engine import PAGED, PagingEngine
-from megatron_paging.paging import PagingContext
-from megatron_paging.scheduler import PagingScheduler
-from megatron_paging.streams import CpuStreamBackend
+from megatron_paging.runtime.context import PagingContext
+from megatron_paging.runtime.engine import PAGED, PagingEngine
+from megatron_paging.runtime.scheduler import PagingScheduler
+from megatron_paging.runtime.streams import CpuStreamBackend
 from megatron_paging.tools.pipeline_sim import (
     SyntheticMoELayer,
     parameter_grads,
@@ -36,14 +36,14 @@ def cfg(hold: bool) -> PagingConfig:
 def schedule(name: str):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        from megatron_paging.mcore import schedules
+        from megatron_paging.mcore import op_order
     if name == "no_pipelining":  # Megatron's PP = 1 order: F0 B0 F1 B1 ...
-        return 1, schedules.one_f_one_b(pp=1, rank=0, microbatches=3)
+        return 1, op_order.one_f_one_b(pp=1, rank=0, microbatches=3)
     if name == "1f1b":
-        return 1, schedules.one_f_one_b(pp=2, rank=0, microbatches=4)
+        return 1, op_order.one_f_one_b(pp=2, rank=0, microbatches=4)
     if name == "interleaved":
-        return 2, schedules.interleaved_one_f_one_b(pp=2, rank=1, vpp=2, microbatches=4)
-    return 2, schedules.dualpipev(pp=2, rank=1, microbatches=5)
+        return 2, op_order.interleaved_one_f_one_b(pp=2, rank=1, vpp=2, microbatches=4)
+    return 2, op_order.dualpipev(pp=2, rank=1, microbatches=5)
 
 
 def zero_grads(chunks) -> None:

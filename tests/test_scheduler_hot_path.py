@@ -18,13 +18,13 @@ from op_counter import OpCounter
 
 from megatron_paging import config, kernels
 from megatron_paging.config import PagingConfig
-from megatron_paging.engine import PagingEngine
 from megatron_paging.kernels import KernelBackend, cuda_ops
 from megatron_paging.kernels.checks import check_args
-from megatron_paging.pool import PagePools
-from megatron_paging.record import PageRecord
-from megatron_paging.scheduler import PagingScheduler
-from megatron_paging.streams import CpuStreamBackend, CudaStreamBackend
+from megatron_paging.pages.pool import PagePools
+from megatron_paging.pages.record import PageRecord
+from megatron_paging.runtime.engine import PagingEngine
+from megatron_paging.runtime.scheduler import PagingScheduler
+from megatron_paging.runtime.streams import CpuStreamBackend, CudaStreamBackend
 
 PAGE, ROWS, HIDDEN, LAYERS, RECORDS = 4, 16, 8, 4, 3
 PUBLIC_CALLS = ("open_slot", "save", "commit", "backward_slot_start", "prefetch", "unpack",

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from megatron_paging.slot_queues import BACKWARD, WGRAD, Group, Slot, SlotQueues
+from megatron_paging.runtime.slot_queues import BACKWARD, WGRAD, Group, Slot, SlotQueues
 
 
 def handle(reloaded=False):

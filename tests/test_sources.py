@@ -14,8 +14,8 @@ import pytest
 import torch
 from capture import CapturingBackend
 
-from megatron_paging.sources import SourceLifetimes
-from megatron_paging.streams import COMPUTE, CpuStreamBackend
+from megatron_paging.runtime.sources import SourceLifetimes
+from megatron_paging.runtime.streams import COMPUTE, CpuStreamBackend
 
 
 def group(name=None, chunk=0, microbatch=0):
@@ -253,8 +253,8 @@ def test_under_capture_the_bound_waits_on_the_compute_stream():
 def test_the_engine_keeps_the_bound_and_the_gradients_stay_the_controls(in_flight):
     """A whole paged run on the lagging backend (real 1F1B order, synthetic layers)."""
     from megatron_paging.config import PagingConfig
-    from megatron_paging.engine import PAGED, PagingEngine
-    from megatron_paging.paging import PagingContext
+    from megatron_paging.runtime.context import PagingContext
+    from megatron_paging.runtime.engine import PAGED, PagingEngine
     from megatron_paging.tools.pipeline_sim import parameter_grads, run_schedule, synthetic_chunks
     from tests.test_scheduler_hold import LAYERS, PAGE, SHAPE, schedule
 
@@ -296,8 +296,8 @@ def test_the_previous_layers_sources_go_when_the_next_layer_opens_before_its_rec
     then), so the bound must act when the next layer's slot opens: there the previous layer's
     capacity-sized sources go, before the next layer allocates its own buffers beside them."""
     from megatron_paging.config import PagingConfig
-    from megatron_paging.pool import PagePools
-    from megatron_paging.scheduler import PagingScheduler
+    from megatron_paging.pages.pool import PagePools
+    from megatron_paging.runtime.scheduler import PagingScheduler
 
     backend = LaggingBackend()
     pools = PagePools(4)

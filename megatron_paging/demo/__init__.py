@@ -4,8 +4,8 @@
   pipeline stage chunks.
 * :mod:`.layout` — the rank's op order (real schedule generators) and stages.
 * :mod:`.training` — the control and paged runs, through the pipeline simulator
-  (:mod:`megatron_paging.tools.pipeline_sim`) and the step runner
-  (:mod:`megatron_paging.step_runner`); :mod:`.accounting` counts the bytes they hold.
+  (:mod:`megatron_paging.tools.pipeline_sim`) and the overflow monitor
+  (:mod:`megatron_paging.overflow.monitor`); :mod:`.accounting` counts the bytes they hold.
 * :mod:`.verdict`, :mod:`.report` — the parity line, the table and the plot.
 * :mod:`.cli` — ``megatron-paging demo``.
 """

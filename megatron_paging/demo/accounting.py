@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_paging.paging import PagingContext
-from megatron_paging.pool import PagePools
+from megatron_paging.pages.pool import PagePools
+from megatron_paging.runtime.context import PagingContext
 from megatron_paging.tools.pipeline_sim import LayerEvent
 
 Slot = tuple[int, int, int]  # (chunk, layer, microbatch)

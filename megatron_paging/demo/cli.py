@@ -232,7 +232,7 @@ def run_demo(args: argparse.Namespace, on_step=None) -> DemoResult:
         control_outcome, paged_outcome = control.step(data), paged.step(data)
         if on_step is not None:
             on_step(step, control_outcome, paged_outcome, paged)
-    return DemoResult(layout, device, setup.backend, config.overflow_policy, control.finish(),
+    return DemoResult(layout, device, setup.backend, config.overflow_policy.name, control.finish(),
                       paged.finish())
 
 

@@ -8,10 +8,10 @@ import argparse
 from dataclasses import dataclass
 
 from megatron_paging.demo.quiet import quiet_megatron
-from megatron_paging.schedule import Op
+from megatron_paging.runtime.pipeline_ops import Op
 
 with quiet_megatron():
-    from megatron_paging.mcore.schedules import schedule_ops
+    from megatron_paging.mcore.op_order import schedule_ops
 
 SCHEDULES = ("none", "1f1b", "interleaved", "dualpipev")
 

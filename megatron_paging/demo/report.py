@@ -9,7 +9,7 @@ import torch
 
 from megatron_paging.demo.training import StepOutcome
 from megatron_paging.demo.verdict import SKIPPED, DemoResult
-from megatron_paging.pool import PagePools
+from megatron_paging.pages.pool import PagePools
 
 HEADER = (
     "step", "action", "overflow", "loss control", "loss paged", "grad norm control",

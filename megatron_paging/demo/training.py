@@ -3,11 +3,11 @@ finishes).
 
 * :class:`ControlRun` — the unpaged control: ``PagingContext(None)`` every step.
 * :class:`PagedRun` — the runtime every driver uses: a
-  :class:`~megatron_paging.engine.PagingEngine` (step 1 calibrates; later steps page through
+  :class:`~megatron_paging.runtime.engine.PagingEngine` (step 1 calibrates; later steps page through
   pools sized by the buffer-size factors x the calibrated peak) under one
-  :class:`~megatron_paging.paging.PagingContext`, and a
-  :class:`~megatron_paging.step_runner.StepRunner` for overflowing steps, as in the Megatron
-  runner.
+  :class:`~megatron_paging.runtime.context.PagingContext`, and an
+  :class:`~megatron_paging.overflow.monitor.OverflowMonitor` for overflowing steps, as in the
+  Megatron runner.
 
 Both run the rank's stage chunks through the pipeline simulator
 (:func:`megatron_paging.tools.pipeline_sim.run_step`) between the same :class:`StageEnds`.
@@ -29,13 +29,13 @@ from megatron_paging.demo.accounting import (
     unpaged_held,
 )
 from megatron_paging.demo.model import StageChunk
-from megatron_paging.engine import PagingEngine
-from megatron_paging.overflow import OverflowMonitor, StepFlags
-from megatron_paging.paging import PagingContext
-from megatron_paging.pool import PagePools
-from megatron_paging.schedule import Op
-from megatron_paging.step_runner import StepRunner
-from megatron_paging.streams import CpuStreamBackend, CudaStreamBackend
+from megatron_paging.overflow.monitor import OverflowMonitor
+from megatron_paging.overflow.policy import StepFlags
+from megatron_paging.pages.pool import PagePools
+from megatron_paging.runtime.context import PagingContext
+from megatron_paging.runtime.engine import PagingEngine
+from megatron_paging.runtime.pipeline_ops import Op
+from megatron_paging.runtime.streams import CpuStreamBackend, CudaStreamBackend
 from megatron_paging.tools.pipeline_sim import Key, LayerEvent, SyntheticNeighbours, run_step
 
 LEARNING_RATE = 1e-2
@@ -240,8 +240,8 @@ class PagedRun:
         self.backend = SpillCountingBackend(streams)
         self.engine = PagingEngine(config, stream_backend=self.backend)
         self.context = PagingContext(self.engine)
-        self.steps = StepRunner(config, grow=self.engine.grow, optimizers=[self.rank.optimizer],
-                                demand=self.engine)
+        self.monitor = OverflowMonitor(config.overflow_policy, grow=self.engine.grow,
+                                      optimizers=[self.rank.optimizer], demand=self.engine)
 
     def _measure(self, ledger: MarkLedger) -> Held:
         calibrator = self.engine.calibrator
@@ -267,16 +267,16 @@ class PagedRun:
         def rerun_unpaged(flags: StepFlags) -> torch.Tensor:
             nonlocal used
             used = rank.forward_backward(self.context, False, data, unpaged_held, record=False)
-            return self.steps.reduce(self.engine.flags)
+            return self.monitor.reduce(self.engine.flags)
 
-        decision = self.steps.after_forward_backward(
-            self.steps.reduce(self.engine.flags), rerun_unpaged
+        decision = self.monitor.after_forward_backward(
+            self.monitor.reduce(self.engine.flags), rerun_unpaged
         )
         outcome = rank.outcome(used, attempt.peak, action="")
         # a skipping policy's step must leave every parameter and state tensor as it was
-        before = None if self.steps.policy.reads_before_optimizer else rank.state()
+        before = None if self.monitor.policy.reads_before_optimizer else rank.state()
         rank.optimizer.step()  # dropped when the step is discarded
-        decision = decision or self.steps.settle()
+        decision = decision or self.monitor.settle()
         if before is not None and decision.flags.discard:
             after = rank.state()
             outcome.state_unchanged = all(
@@ -291,7 +291,7 @@ class PagedRun:
         return outcome
 
     def finish(self) -> RunResult:
-        self.rank.result.monitor = self.steps.monitor
+        self.rank.result.monitor = self.monitor
         return self.rank.finish()
 
 

@@ -26,8 +26,8 @@ import torch
 
 from megatron_paging.config import kernel_grid_bound
 from megatron_paging.kernels import reference
-from megatron_paging.pool import PagePool
-from megatron_paging.record import PageRecord
+from megatron_paging.pages.pool import PagePool
+from megatron_paging.pages.record import PageRecord
 
 
 def _reference_copy(reload, tensor, record, pool, max_ctas):

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_paging.pool import PagePool
-from megatron_paging.record import PageRecord
+from megatron_paging.pages.pool import PagePool
+from megatron_paging.pages.record import PageRecord
 
 
 def check_args(t: torch.Tensor, record: PageRecord, pool: PagePool, what: str) -> None:

@@ -31,8 +31,8 @@ import sys
 import torch
 
 from megatron_paging.kernels.checks import check_args
-from megatron_paging.pool import PagePool, PagePools
-from megatron_paging.record import PageRecord, RecordLayout
+from megatron_paging.pages.pool import PagePool, PagePools
+from megatron_paging.pages.record import PageRecord, RecordLayout
 
 TILE, BULK = 0, 1  # csrc/paging.h CopyPath
 PATHS = {"tile": TILE, "bulk": BULK}

@@ -41,14 +41,14 @@ from __future__ import annotations
 import torch
 
 from megatron_paging.kernels.checks import as_rows, check_args
-from megatron_paging.pool import (
+from megatron_paging.pages.pool import (
     DEVICE_TIER,
     HOST_TIER,
     INVALID_LIVE_COUNT,
     INVALID_RELOAD,
     PagePool,
 )
-from megatron_paging.record import RECORD_EMPTY, RECORD_RELOADED, RECORD_STASHED, PageRecord
+from megatron_paging.pages.record import RECORD_EMPTY, RECORD_RELOADED, RECORD_STASHED, PageRecord
 
 
 def _byte_rows(t: torch.Tensor, record: PageRecord, pool: PagePool, what: str) -> torch.Tensor:

@@ -1,17 +1,17 @@
 """Everything that knows Megatron-Core (the only package here that imports megatron). It only
-translates Megatron-Core to the runtime (:mod:`megatron_paging.engine`,
-:mod:`megatron_paging.paging`).
+translates Megatron-Core to the runtime (:mod:`megatron_paging.runtime.engine`,
+:mod:`megatron_paging.runtime.context`).
 
 Entry point: ``megatron_paging.mcore.install()`` (call it before building a model), undone by
 ``megatron_paging.mcore.uninstall()``. Modules: ``installer`` (rebinding), ``api`` (Megatron-Core's
 paged-stash API onto the runtime), ``flags`` and ``flag_checks`` (command line -> ``PagingConfig``,
 one-line refusals), ``graphs`` (full-iteration CUDA graphs), ``dispatcher`` (the ``static``
 sync-free dispatch backend), ``experts`` and ``expert_activation`` (TE-free paged grouped
-experts), ``attention`` (TE-free core attention), ``specs`` (GPT-MoE block spec), ``runner`` (step
-runner), ``schedules`` (Megatron-Core's schedule orders as ops), ``offload``, ``offload_plan`` and
-``offload_shims`` (Megatron-Core's activation offloading onto the runtime), ``ddp_stream`` (DDP's
-accumulators on the training stream), ``peers`` (emulated EP/PP peers under
-``--fake-process-group``). See docs/mcore.md.
+experts), ``attention`` (TE-free core attention), ``specs`` (GPT-MoE block spec), ``runner``
+(Megatron-Core's ``PagedStashRunner``), ``op_order`` (one rank's compute-op order from
+Megatron-Core's schedule generators), ``offloading/`` (Megatron-Core's activation offloading onto
+the runtime), ``ddp_stream`` (DDP's accumulators on the training stream), ``peers`` (emulated
+EP/PP peers under ``--fake-process-group``). See docs/mcore.md.
 """
 
 from megatron_paging.mcore.installer import install, uninstall

@@ -1,11 +1,11 @@
 """Megatron-Core 0.19.2's paged-stash API (``moe/paged_stash.py``), translated onto the runtime.
 
-:class:`MCorePagingAPI` holds what Megatron-Core keeps in its ``PagedStashManager`` singleton
-(the VP stage, layer and microbatch counters) and one :class:`~megatron_paging.paging.PagingContext`
-over one :class:`~megatron_paging.engine.PagingEngine`;
-:func:`megatron_paging.mcore.install.install` rebinds Megatron-Core's module-level names to the
-*bound methods* of one instance, so no module global holds paging state. Every method accepts
-exactly Megatron-Core's call signature:
+:class:`MCorePagingAPI` holds what Megatron-Core keeps in its ``PagedStashManager`` singleton (the
+VP stage, layer and microbatch counters) and one
+:class:`~megatron_paging.runtime.context.PagingContext` over one
+:class:`~megatron_paging.runtime.engine.PagingEngine`; :func:`megatron_paging.mcore.install.install`
+rebinds Megatron-Core's module-level names to the *bound methods* of one instance, so no module
+global holds paging state. Every method accepts exactly Megatron-Core's call signature:
 
 ==================================  =========================================================
 ``paged_stash_group_start(t)``      experts, before the grouped MLP: identity (our stashes do
@@ -37,8 +37,8 @@ from contextlib import nullcontext
 import torch
 
 from megatron_paging.config import PagingConfig
-from megatron_paging.engine import PagingEngine
-from megatron_paging.paging import PagingContext
+from megatron_paging.runtime.context import PagingContext
+from megatron_paging.runtime.engine import PagingEngine
 
 logger = logging.getLogger(__name__)
 

@@ -26,8 +26,9 @@ fine-grained offloading groups ``expert_fc1`` (what fc1 saves: ``x``) and ``moe_
 activation saves: ``fc1``) can be offloaded at the same points as in its TE experts
 (``off_interface(...)`` around each, ``group_offload`` after it, looked up in
 ``fine_grained_activation_offload`` at call time: ours after ``install(offload_backend="paged")``,
-else Megatron-Core's). Both tensors carry :data:`~megatron_paging.mcore.offload.LIVE_ROWS_ATTR`,
-so the paged backend moves only their live rows; Megatron-Core's moves them whole.
+else Megatron-Core's). Both tensors carry
+:data:`~megatron_paging.mcore.offloading.backend.LIVE_ROWS_ATTR`, so the paged backend moves only
+their live rows; Megatron-Core's moves them whole.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe import paged_stash as mcore_paged_stash
 
 from megatron_paging.mcore.expert_activation import expert_activation
-from megatron_paging.mcore.offload import LIVE_ROWS_ATTR
+from megatron_paging.mcore.offloading.backend import LIVE_ROWS_ATTR
 
 GEMM_BACKENDS = ("auto", "grouped", "loop")
 

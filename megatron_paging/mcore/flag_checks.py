@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from megatron_paging.mcore.offload import DENSE_MODULES, EXPERT_MODULES
+from megatron_paging.mcore.offloading.backend import DENSE_MODULES, EXPERT_MODULES
 
 # Megatron's CUDA-graph modes that cannot capture paging (full_iteration can).
 UNSUPPORTED_GRAPH_IMPLS = ("local", "transformer_engine")

@@ -21,9 +21,9 @@ the importers. :meth:`PagingInstaller.install` therefore
 4. installs the config-validation shim (the one place that teaches ``TransformerConfig`` about
    the ``static`` dispatch backend, see :func:`_validate_static_backend`);
 5. with ``offload_backend="paged"``: rebinds ``FineGrainedActivationOffloadingInterface``
-   everywhere to the paged offloading backend (:mod:`.offload`) over the same API, and applies
-   the offloading lifts of :mod:`.offload_shims`; with ``"mcore"``, only the lifts Megatron-Core's
-   own offloading needs without Transformer Engine;
+   everywhere to the paged offloading backend (:mod:`.offloading.backend`) over the same API, and
+   applies the offloading lifts of :mod:`.offloading.shims`; with ``"mcore"``, only the lifts
+   Megatron-Core's own offloading needs without Transformer Engine;
 6. rebinds Megatron's ``wrap_model_chunks_with_ddp`` so DDP's gradient accumulators are made on
    the training stream instead of Megatron's side stream (:mod:`.ddp_stream` says why);
 7. logs one line saying what it replaced.
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 from megatron_paging.config import OFFLOAD_BACKENDS, PagingConfig
 from megatron_paging.env import check_megatron_core_version
-from megatron_paging.mcore import ddp_stream, offload_shims
+from megatron_paging.mcore import ddp_stream
 from megatron_paging.mcore.api import MCorePagingAPI
 from megatron_paging.mcore.dispatcher import (
     STATIC_BACKEND,
@@ -53,7 +53,8 @@ from megatron_paging.mcore.dispatcher import (
     numbering_dispatcher,
 )
 from megatron_paging.mcore.flags import allow_static_backend
-from megatron_paging.mcore.offload import PagedOffloadManager, make_interface
+from megatron_paging.mcore.offloading import shims
+from megatron_paging.mcore.offloading.backend import PagedOffloadManager, make_interface
 
 logger = logging.getLogger(__name__)
 
@@ -372,25 +373,25 @@ class PagingInstaller:
         self.peers = None
 
     def _install_offload_lifts(self, offload_backend: str, config_cls) -> None:
-        """The lifts of :mod:`.offload_shims` the chosen offloading backend needs."""
-        arguments = importlib.import_module(offload_shims.ARGUMENTS_MODULE)
+        """The lifts of :mod:`.offloading.shims` the chosen offloading backend needs."""
+        arguments = importlib.import_module(shims.ARGUMENTS_MODULE)
         self._rebind(
-            arguments, "validate_args", offload_shims.lifted_validate_args(arguments.validate_args)
+            arguments, "validate_args", shims.lifted_validate_args(arguments.validate_args)
         )
-        affinity = importlib.import_module(offload_shims.AFFINITY_MODULE)
+        affinity = importlib.import_module(shims.AFFINITY_MODULE)
         self._rebind(
-            affinity, offload_shims.AFFINITY_NAME,
-            offload_shims.tolerant_affinity(getattr(affinity, offload_shims.AFFINITY_NAME)),
+            affinity, shims.AFFINITY_NAME,
+            shims.tolerant_affinity(getattr(affinity, shims.AFFINITY_NAME)),
         )
         if offload_backend == "paged":
             self._rebind(
                 config_cls, "__post_init__",
-                offload_shims.lifted_post_init(config_cls.__dict__["__post_init__"]),
+                shims.lifted_post_init(config_cls.__dict__["__post_init__"]),
             )
-        elif not offload_shims.te_available():
-            te = importlib.import_module(offload_shims.TE_EXTENSION_MODULE)
+        elif not shims.te_available():
+            te = importlib.import_module(shims.TE_EXTENSION_MODULE)
             if getattr(te, "cpu_offload", None) is None:
-                self._rebind(te, "cpu_offload", offload_shims.FakeTECpuOffload)
+                self._rebind(te, "cpu_offload", shims.FakeTECpuOffload)
 
     def _rebind_everywhere(self, replacements: dict, originals: dict) -> list[Rebinding]:
         done = []

@@ -6,9 +6,9 @@ this class (bound to the paging API through the ``paging`` keyword). What change
 
 * One collective per step: paging overflow, host spill, invalid live counts and the dispatchers'
   over-budget flags are packed in one tensor and all-reduced together, with no host read.
-* The overflow handling is the runtime's :class:`~megatron_paging.step_runner.StepRunner`
-  (the one the demo drives too) with the policy of the engine's config
-  (``--paging-overflow-policy``); this runner adds what is Megatron's:
+* The overflow handling is :class:`~megatron_paging.overflow.monitor.OverflowMonitor` (the one
+  the demo drives too) with the policy of the engine's config (``--paging-overflow-policy``);
+  this runner adds what is Megatron's:
 
   - 'rerun' (Megatron-Core's behaviour) reads the flags right after forward-backward and
     repeats the step once without paging, before the optimizer consumes the gradients (one host
@@ -24,7 +24,7 @@ this class (bound to the paging API through the ``paging`` keyword). What change
     ``optimizer.step()`` is not called (a device-side drop would keep a copy of every stepped
     tensor: an overflowing step would need more memory than a pool large enough). Megatron's
     own ``update_successful`` reports True for such a step: count skips from
-    ``skipped_steps``.
+    ``monitor.skipped_steps``.
 
 * Full-iteration CUDA graphs (:mod:`.graphs`): a replayed step's flags are read after the
   replay, outside the graph; a rerun runs the graph's schedule function eagerly (the graph is
@@ -46,10 +46,9 @@ from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.transformer.moe import paged_stash as mcore_paged_stash
 from megatron.core.utils import get_attr_wrapped_model, log_single_rank
 
-from megatron_paging.config import PagingConfig
 from megatron_paging.mcore import graphs
-from megatron_paging.overflow import OverflowMonitor, OverflowPolicy, StepFlags
-from megatron_paging.step_runner import StepRunner
+from megatron_paging.overflow.monitor import OverflowMonitor
+from megatron_paging.overflow.policy import RerunPolicy, StepFlags
 
 logger = logging.getLogger(__name__)
 
@@ -148,11 +147,9 @@ class PagedStashRunner:
     Args (Megatron-Core's): config, copy_main_params, model, optimizer, forward_backward_func.
     Keyword-only:
         paging: the paging API (:class:`megatron_paging.mcore.api.MCorePagingAPI`); its engine
-            gives the flags, the pools ('grow') and the config (the policy), and its
+            gives the flags, the pools ('grow') and the config's ``overflow_policy``, and its
             ``paged_stash_reset`` turns paging off for a rerun. None: read flags through
             Megatron-Core's module functions and use the 'rerun' policy.
-        policy: an :class:`~megatron_paging.overflow.OverflowPolicy` or a policy name (default:
-            the engine config's).
         group: process group of the flag all_reduce (default: world).
     """
 
@@ -165,7 +162,6 @@ class PagedStashRunner:
         forward_backward_func,
         *,
         paging=None,
-        policy: OverflowPolicy | str | None = None,
         group=None,
     ):
         self.config = config
@@ -174,9 +170,6 @@ class PagedStashRunner:
         self.optimizer = optimizer
         self.forward_backward_func = forward_backward_func
         self.paging = paging
-        if policy is None:
-            engine = getattr(paging, "engine", None)
-            policy = getattr(engine, "config", None) or PagingConfig()
         self.moe_layers = _moe_layers(model)
         self._configs = {id(config): config}
         for chunk in model:
@@ -185,12 +178,13 @@ class PagedStashRunner:
         self.eval_reruns = 0  # evaluations rerun without paging / static budget
         self.graph_invalidations = 0  # captured graphs dropped by 'grow'
         engine = getattr(paging, "engine", None)
-        self.steps = StepRunner(
-            policy, grow=self.grow_pools, optimizers=_torch_optimizers(optimizer), group=group,
+        self.monitor = OverflowMonitor(
+            engine.config.overflow_policy if engine is not None else RerunPolicy(),
+            grow=self.grow_pools, optimizers=_torch_optimizers(optimizer), group=group,
             # the engine's page demand names the flag to set when a step overflows
             demand=engine if hasattr(engine, "demand_values") else None,
         )
-        if self.steps.steps_made_device_resident:
+        if self.monitor.steps_made_device_resident:
             log_single_rank(
                 logger,
                 logging.INFO,
@@ -198,14 +192,6 @@ class PagedStashRunner:
                 "the device (needed for the device-side optimizer skip; use the same "
                 "setting in control runs)",
             )
-
-    @property
-    def monitor(self) -> OverflowMonitor:
-        return self.steps.monitor
-
-    @property
-    def skipped_steps(self) -> int:
-        return self.steps.skipped_steps
 
     # -- flags -------------------------------------------------------------------------------
     def _flag_device(self) -> torch.device:
@@ -232,7 +218,7 @@ class PagedStashRunner:
         """The step's packed flags, reduced over ranks; the dispatchers' sticky over-budget
         flags are cleared once packed, so the next step starts clean under every policy."""
         over_budget = [mlp.token_dispatcher.check_over_budget() for mlp in self.moe_layers]
-        reduced = self.steps.reduce(self._paging_flags(), over_budget, self._flag_device())
+        reduced = self.monitor.reduce(self._paging_flags(), over_budget, self._flag_device())
         for mlp in self.moe_layers:
             reset = getattr(mlp.token_dispatcher, "reset_over_budget", None)
             if reset is not None:
@@ -257,7 +243,7 @@ class PagedStashRunner:
 
     def finish(self) -> None:
         """Read and act on the last step's flags now (end of training, before checkpoints)."""
-        self.steps.settle()
+        self.monitor.settle()
 
     # -- Megatron-Core's interface ------------------------------------------------------------
     def data_read(self, data_iterator, model, training, num_microbatches):
@@ -319,7 +305,7 @@ class PagedStashRunner:
         """Run forward-backward, then act on its flags (see the module docstring).
 
         Evaluation (``forward_only=True``) is not a training step: it is not counted by the
-        monitor, leaves ``steps.skip`` (the training step's optimizer flag) alone and ignores
+        monitor, leaves ``monitor.skip`` (the training step's optimizer flag) alone and ignores
         the policy. Its flags are read right away (an evaluation has no optimizer step to defer
         to) and, if the static dispatch budget dropped tokens (or paging failed), it is rerun
         once without paging and without the budget, so garbage losses never reach the caller;
@@ -346,14 +332,14 @@ class PagedStashRunner:
         reduced = self._reduce_flags()
         rerun = functools.partial(self._rerun, attempt)
         if training:
-            self.steps.after_forward_backward(reduced, rerun)
+            self.monitor.after_forward_backward(reduced, rerun)
         else:
             self._check_evaluation(reduced, rerun)
         return attempt.result
 
     def _check_evaluation(self, reduced: torch.Tensor, rerun) -> None:
         """An evaluation has no optimizer step to defer to: its flags are read now."""
-        flags = self.steps.monitor.read(reduced)
+        flags = self.monitor.read(reduced)
         if not flags.discard:
             return
         log_single_rank(
@@ -363,7 +349,7 @@ class PagedStashRunner:
             + (" and without the static dispatch budget" if flags.over_budget_ranks else ""),
         )
         self.eval_reruns += 1
-        self.steps.rerun(rerun, flags, training=False)
+        self.monitor.rerun(rerun, flags, training=False)
 
     def _rerun(self, attempt: _Attempt, flags: StepFlags) -> torch.Tensor:
         """Repeat forward-backward on the same data and random draws without paging, eagerly;

@@ -44,7 +44,7 @@ def validate(args, defaults: dict | None = None):
         warnings.simplefilter("ignore")  # TE/apex-missing notices at import
         from megatron.training import arguments
 
-        from megatron_paging.mcore.offload_shims import lifted_validate_args
+        from megatron_paging.mcore.offloading.shims import lifted_validate_args
         from megatron_paging.mcore.peers import _fake_group_validation
 
     run = _fake_group_validation(lifted_validate_args(arguments.validate_args))

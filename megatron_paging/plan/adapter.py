@@ -11,7 +11,7 @@ through ``get_num_layers_to_build``, ``get_transformer_layer_offset`` (a
 ``--pipeline-model-parallel-layout`` as ``PipelineParallelLayerLayout``), ``get_moe_layer_pattern``
 and ``is_pipeline_first_stage`` / ``is_pipeline_last_stage``; the ranks of a stage through
 ``RankGenerator``; each stage's op order through Megatron-Core's schedule generators
-(:mod:`megatron_paging.mcore.schedules`). Every error is one line naming the flag.
+(:mod:`megatron_paging.mcore.op_order`). Every error is one line naming the flag.
 """
 
 from __future__ import annotations
@@ -251,7 +251,7 @@ def stage_chunks(args, pp_rank: int) -> tuple[S.Chunk, ...]:
 
 def stage_ops(args, pp_rank: int, microbatches: int):
     """Pipeline rank ``pp_rank``'s op order from Megatron-Core's schedule generators."""
-    from megatron_paging.mcore.schedules import interleaved_one_f_one_b, one_f_one_b
+    from megatron_paging.mcore.op_order import interleaved_one_f_one_b, one_f_one_b
 
     pp, vpp = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
     if vpp and vpp > 1 and pp > 1:

@@ -1,7 +1,7 @@
 """Which chunk-microbatches keep activations alive, op by op, on one pipeline rank.
 
 The op lists come from Megatron-Core's own schedule generators (the adapter calls
-:mod:`megatron_paging.mcore.schedules`, which wraps ``get_pp_rank_microbatches`` and
+:mod:`megatron_paging.mcore.op_order`, which wraps ``get_pp_rank_microbatches`` and
 ``get_schedule_table``); :func:`one_f_one_b_ops` is the non-interleaved order written out for
 callers without Megatron (tests check it against the generator). A chunk-microbatch's saved
 activations live from the end of its forward (``F``) to its backward (``B``); a deferred weight
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_paging.schedule import Op
+from megatron_paging.runtime.pipeline_ops import Op
 
 
 def one_f_one_b_ops(pp: int, rank: int, microbatches: int) -> list[Op]:

@@ -35,7 +35,7 @@ from megatron_paging.plan.pools import (
     page_rows,
     simulate,
 )
-from megatron_paging.schedule import Op
+from megatron_paging.runtime.pipeline_ops import Op
 from megatron_paging.tools.peer_load import RouteShape, parse_load
 
 DEFAULT_RATES = (1e-2, 1e-3, 1e-4)

@@ -1,10 +1,10 @@
 """Page pools: their size for a buffer factor, and the factor a target overflow rate needs.
 
-Sizing follows the calibration (:mod:`megatron_paging.calibration`): one pool per row byte count;
-the device tier holds ``|factor| x`` the peak rows in flight, each record's rows rounded up to
-whole pages, from the dispatcher's average-token hint (positive factor) or the first step's
-measured live rows (negative). Megatron-Core's own manager keys its pools by (dtype, columns)
-and scales the unrounded token peak (``paged_stash.py``: ``int(max_tokens x scale)`` rows).
+Sizing follows the calibration (:mod:`megatron_paging.runtime.calibration`): one pool per row byte
+count; the device tier holds ``|factor| x`` the peak rows in flight, each record's rows rounded up
+to whole pages, from the dispatcher's average-token hint (positive factor) or the first step's
+measured live rows (negative). Megatron-Core's own manager keys its pools by (dtype, columns) and
+scales the unrounded token peak (``paged_stash.py``: ``int(max_tokens x scale)`` rows).
 
 The overflow rate is estimated by Monte-Carlo over steps with the router-load model of
 :mod:`megatron_paging.tools.peer_load`: per step, every record of the rank (one per MoE layer and

@@ -1,8 +1,9 @@
 """Run one pipeline rank's schedule in one process, and a synthetic MoE layer stack to run.
 
 :func:`run_step` runs one step of the rank: its model chunks (each a list of layers called as
-``layer(x, paging)``), an op list (:class:`~megatron_paging.schedule.Op`, e.g. from
-:mod:`megatron_paging.mcore.schedules`) and a :class:`~megatron_paging.paging.PagingContext`.
+``layer(x, paging)``), an op list (:class:`~megatron_paging.runtime.pipeline_ops.Op`, e.g. from
+:mod:`megatron_paging.mcore.op_order`) and a
+:class:`~megatron_paging.runtime.context.PagingContext`.
 Every layer is its own autograd island (input detached), so forward and backward of different
 microbatches can interleave layer by layer, as Megatron-Core's combined 1F1B and DualPipeV's
 overlapped F/B do. What the rest of the pipeline exchanges with the rank comes from its
@@ -25,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_paging.paging import PagingContext
-from megatron_paging.schedule import Op, check_ops, drive_ops
+from megatron_paging.runtime.context import PagingContext
+from megatron_paging.runtime.pipeline_ops import Op, check_ops, drive_ops
 
 Key = tuple[int, int]  # (chunk, microbatch)
 # The ``salt`` of ``make_input(chunk, microbatch, salt)``: what the synthetic tensor stands for.

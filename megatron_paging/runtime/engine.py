@@ -2,14 +2,14 @@
 
 Every driver — Megatron-Core's adapter (:mod:`megatron_paging.mcore.api`), the demo, the
 benchmarks — runs each forward-backward between ``begin_step`` and ``end_step``; the saved-tensor
-hook (:class:`megatron_paging.paging.PagingContext`) gets the step's
-:class:`~megatron_paging.scheduler.PagingScheduler` from :meth:`PagingEngine.scheduler_for`.
+hook (:class:`megatron_paging.runtime.context.PagingContext`) gets the step's
+:class:`~megatron_paging.runtime.scheduler.PagingScheduler` from :meth:`PagingEngine.scheduler_for`.
 
 =============  ==================================================================================
 mode           what a step does
 =============  ==================================================================================
 ``calibrate``  the first paging step: no pool exists; records are parked as compact copies of
-               their live rows (:class:`~megatron_paging.calibration.Calibrator`, host reads
+               their live rows (:class:`~megatron_paging.runtime.calibration.Calibrator`, host reads
                allowed) and the peak in flight is measured. ``end_step`` sizes the pools
                (and makes the kernels' pool handles), so the next step allocates nothing.
 ``paged``      later steps: ``begin_step`` resets rings and flags in place (no allocation),
@@ -25,10 +25,10 @@ graph, and ``end_step`` joins the paging stream back into the capture stream). W
 captured is refused with :class:`CaptureError`: a calibration step, or a capture that begins
 while the previous step is still open.
 
-Offloaded records (the offloading backend's, :mod:`megatron_paging.offload`) join the same step
-and scheduler: the calibration step parks them too and sizes the host-only offload pools and the
-arena beside the stash pools; ``begin_step`` resets both; :attr:`PagingEngine.flags` reports
-the union of both pools' overflow.
+Offloaded records (the offloading backend's, :mod:`megatron_paging.pages.offload`) join the same
+step and scheduler: the calibration step parks them too and sizes the host-only offload pools and
+the arena beside the stash pools; ``begin_step`` resets both; :attr:`PagingEngine.flags` reports the
+union of both pools' overflow.
 """
 
 from __future__ import annotations
@@ -37,14 +37,15 @@ import logging
 
 import torch
 
-from megatron_paging import demand, kernels
-from megatron_paging.calibration import Calibrator
+from megatron_paging import kernels
 from megatron_paging.config import ConfigError, PagingConfig
-from megatron_paging.demand import DemandGroup, OverflowReport
-from megatron_paging.offload import OffloadCalibrator, OffloadPools
-from megatron_paging.pool import PagePools, PagingFlags
-from megatron_paging.scheduler import PagingScheduler
-from megatron_paging.streams import CpuStreamBackend, CudaStreamBackend
+from megatron_paging.overflow import demand
+from megatron_paging.overflow.demand import DemandGroup, OverflowReport
+from megatron_paging.pages.offload import OffloadPools
+from megatron_paging.pages.pool import PagePools, PagingFlags
+from megatron_paging.runtime.calibration import Calibrator, OffloadCalibrator
+from megatron_paging.runtime.scheduler import PagingScheduler
+from megatron_paging.runtime.streams import CpuStreamBackend, CudaStreamBackend
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ class PagingEngine:
     Args:
         config: the run's options (trusted: validated where it was built).
         stream_backend: the stream backend for every device (tests, instrumentation); default
-            one :class:`~megatron_paging.streams.CudaStreamBackend` per CUDA device (one
+            one :class:`~megatron_paging.runtime.streams.CudaStreamBackend` per CUDA device (one
             high-priority paging stream each) and a CPU backend for CPU tensors.
         pools: pools to page through from the first step on (no calibration): tests and
             benchmarks that size pools themselves.

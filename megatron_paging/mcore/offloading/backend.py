@@ -41,9 +41,9 @@ import logging
 
 import torch
 
-from megatron_paging.engine import CALIBRATE
-from megatron_paging.mcore.offload_plan import GroupLog, OffloadPlan, plan_from_log
-from megatron_paging.saved import packable
+from megatron_paging.mcore.offloading.groups import GroupLog, OffloadPlan, plan_from_log
+from megatron_paging.runtime.engine import CALIBRATE
+from megatron_paging.runtime.saved import packable
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Where a record's bytes go: the handle autograd keeps, and the transfers that move it.
 
 :class:`PagedHandle` is what a saved tensor becomes; :class:`Transfers` moves handles for the
-scheduler (:mod:`megatron_paging.scheduler` decides *when* and on *which stream*):
+scheduler (:mod:`megatron_paging.runtime.scheduler` decides *when* and on *which stream*):
 
 * paged-stash records through the stash pools' kernels (device tier first);
 * offloaded live-row records through the same kernels into the host-only offload pools, with
@@ -9,7 +9,7 @@ scheduler (:mod:`megatron_paging.scheduler` decides *when* and on *which stream*
   prefix (``PagingConfig.offload_dma_prefix``) their first rows by one DMA copy into the prefix
   arena and only the live rows past them through the kernels;
 * offloaded whole tensors by one DMA copy to or from their arena range
-  (:mod:`megatron_paging.offload`);
+  (:mod:`megatron_paging.pages.offload`);
 * while calibrating, each kind through its parker instead (compact copies on the device).
 """
 
@@ -21,9 +21,9 @@ from typing import Any, Protocol
 
 import torch
 
-from megatron_paging import demand
-from megatron_paging.pool import empty_unfilled
-from megatron_paging.record import PageRecord
+from megatron_paging.overflow import demand
+from megatron_paging.pages.pool import empty_unfilled
+from megatron_paging.pages.record import PageRecord
 
 
 def reload_destination(shape, dtype: torch.dtype, device) -> torch.Tensor:

@@ -1,10 +1,10 @@
 """What the saved-tensor hook keeps for a tensor of an open slot, and how the tensor comes back.
 
-:class:`~megatron_paging.paging.PagingContext` installs the runtime's one saved-tensor hook; for
+:class:`~.context.PagingContext` installs the runtime's one saved-tensor hook; for
 each tensor autograd saves inside an open slot it keeps a :class:`Saved`. A tensor to be moved
 carries a :class:`Mark` (what to move: live rows of a capacity buffer, or a whole tensor, to the
 paged stash or to the host); the slot's commit turns every marked :class:`Saved` into a
-:class:`~megatron_paging.transfers.PagedHandle` and drops the tensor. A non-contiguous view that is
+:class:`~.transfers.PagedHandle` and drops the tensor. A non-contiguous view that is
 offloaded keeps a :class:`StridedView` (see :func:`packable`), so that backward reads it back at
 the strides it was saved with.
 """
@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_paging.slot_queues import Slot
-from megatron_paging.transfers import PagedHandle, reload_destination
+from megatron_paging.runtime.slot_queues import Slot
+from megatron_paging.runtime.transfers import PagedHandle, reload_destination
 
 
 @dataclass(eq=False)

@@ -1,5 +1,6 @@
-"""The schedule-op vocabulary: check_ops' errors, drive_ops' execution order (overlapped F+B
-pairs, prefetch offers, W ops), and the real generators' orders passing the checks."""
+"""One rank's compute ops (runtime/pipeline_ops.py): check_ops' errors, drive_ops' execution
+order (overlapped F+B pairs, prefetch offers, W ops), and the real generators' orders passing the
+checks."""
 
 from __future__ import annotations
 
@@ -9,12 +10,12 @@ import warnings
 import pytest
 from cases import SCHEDULE_CASES
 
-from megatron_paging.schedule import OP_KINDS, Op, check_ops, drive_ops
+from megatron_paging.runtime.pipeline_ops import OP_KINDS, Op, check_ops, drive_ops
 
 pytest.importorskip("megatron.core", reason="Megatron-Core's schedule orders need megatron-core")
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    from megatron_paging.mcore import schedules
+    from megatron_paging.mcore import op_order
 
 F, B, W = (functools.partial(Op, kind) for kind in OP_KINDS)
 
@@ -134,10 +135,10 @@ def test_drive_ops_pairs_chunks_of_different_depths():
 
 def build(schedule, options):
     if schedule == "1f1b":
-        return schedules.one_f_one_b(**options), 1
+        return op_order.one_f_one_b(**options), 1
     if schedule == "interleaved":
-        return schedules.interleaved_one_f_one_b(**options), options["vpp"]
-    return schedules.dualpipev(**options), 2
+        return op_order.interleaved_one_f_one_b(**options), options["vpp"]
+    return op_order.dualpipev(**options), 2
 
 
 def test_schedule_orders_are_complete_and_checked():
@@ -150,12 +151,12 @@ def test_schedule_orders_are_complete_and_checked():
         recorder = Recorder([2] * num_chunks)
         log = recorder.drive(ops)
         assert sum(line.endswith(" end") for line in log) == 2 * microbatches * num_chunks
-    assert any(op.overlap for op in schedules.dualpipev(2, 0, 4))
-    assert any(op.kind == "W" for op in schedules.dualpipev(2, 1, 5))
+    assert any(op.overlap for op in op_order.dualpipev(2, 0, 4))
+    assert any(op.kind == "W" for op in op_order.dualpipev(2, 1, 5))
     with pytest.raises(ValueError, match="group_size"):
-        schedules.interleaved_one_f_one_b(pp=4, vpp=2, rank=0, microbatches=8, group_size=3)
+        op_order.interleaved_one_f_one_b(pp=4, vpp=2, rank=0, microbatches=8, group_size=3)
     with pytest.raises(ValueError, match="DualPipeV"):
-        schedules.dualpipev(pp=3, rank=0, microbatches=5)
+        op_order.dualpipev(pp=3, rank=0, microbatches=5)
     with pytest.raises(ValueError, match="comes after"):
         check_ops([Op("B", 0, 0)])
     with pytest.raises(ValueError, match="never finished"):

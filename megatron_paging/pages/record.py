@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_paging.config import positive_int
-from megatron_paging.pool import ceil_div
+from megatron_paging.pages.pool import ceil_div
 
 # Values of PageRecord.state, as csrc/paging.h spells them. The stashed value is distinctive
 # rather than 1: new_record and attach_buffers leave the word uninitialized (the save path runs

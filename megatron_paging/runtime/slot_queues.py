@@ -5,7 +5,7 @@ slot ``(chunk, layer)`` holds a FIFO of the groups its commits stashed, one per 
 each ``(chunk, microbatch)`` the commit positions of the slots whose backward has not started
 yet: a backward meets them in reverse commit order, which is how prefetch finds "the slots
 below". A layer is any hashable key (an int for a paged-stash slot, a tuple for an offload
-group). No streams, no copies: :class:`~megatron_paging.scheduler.PagingScheduler` decides
+group). No streams, no copies: :class:`~megatron_paging.runtime.scheduler.PagingScheduler` decides
 those.
 """
 

@@ -1,7 +1,7 @@
-"""The schedule-op vocabulary: one pipeline rank's compute ops, their checks, and the driver.
+"""One pipeline rank's compute ops (F, B, W), their checks, and the driver that runs them.
 
 An op list (from Megatron-Core's own schedule generators through
-:mod:`megatron_paging.mcore.schedules`, or PyTorch's DualPipeV) says in which order a rank runs
+:mod:`megatron_paging.mcore.op_order`, or PyTorch's DualPipeV) says in which order a rank runs
 the forward (``F``), backward (``B``) and deferred weight-gradient (``W``) of each (chunk,
 microbatch). :func:`drive_ops` executes such a list over per-layer step generators, interleaving
 an overlapped F/B pair layer by layer as combined 1F1B and DualPipeV do; the pipeline simulator

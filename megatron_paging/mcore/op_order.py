@@ -24,7 +24,7 @@ from types import SimpleNamespace
 
 from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches, get_schedule_table
 
-from megatron_paging.schedule import Op, check_ops
+from megatron_paging.runtime.pipeline_ops import Op, check_ops
 
 
 def _check(name: str, value, minimum: int) -> int:

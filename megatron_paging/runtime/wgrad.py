@@ -1,6 +1,6 @@
 """The running backward op and the weight gradients it defers to a later W op.
 
-:class:`~megatron_paging.paging.PagingContext` keeps one :class:`DeferredWgrads`: inside
+:class:`~megatron_paging.runtime.context.PagingContext` keeps one :class:`DeferredWgrads`: inside
 ``context.backward(chunk, microbatch, defer_wgrad=True)`` a custom autograd function hands its
 weight-gradient closure to ``context.defer_wgrad(fn)``; ``context.run_wgrad(chunk,
 microbatch)`` (the W op) runs them in the order they were deferred, opening each slot's wgrad

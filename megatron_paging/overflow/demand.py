@@ -1,14 +1,14 @@
 """What a step's stashes needed from their pools, counted on the device, and the overflow report
 built from it.
 
-After a pool's first overflow every later stash copies nothing (``pool.py``), so its rings cannot
-say how far short it fell. Beside every stash and reload (``transfers.py``, on the same stream,
-after the copy) a few in-place device ops keep:
+After a pool's first overflow every later stash copies nothing (``pages/pool.py``), so its rings
+cannot say how far short it fell. Beside every stash and reload (``runtime/transfers.py``, on the
+same stream, after the copy) a few in-place device ops keep:
 
 * per pool, the pages its records need in flight, ``ceil(live / page_size)`` per segment from
   each record's own live counts, whether or not the pool had room (a reload gives back what its
   stash added), and their peak;
-* per pool group (the pools sharing one :class:`~megatron_paging.pool.PagingFlags`), how many
+* per pool group (the pools sharing one :class:`~megatron_paging.pages.pool.PagingFlags`), how many
   stashes ran with the sticky overflow flag set. The host logs every stash's source (chunk,
   layer, microbatch, pool) as it queues it, so the first overflowing stash is the log's entry
   that many from its end.
@@ -17,7 +17,7 @@ Nothing is read, allocated or branched on during the step, so the ops sit in a c
 graph as they are. A replay runs no host code: the reset writes its host log's id to the device
 (``StashLog.reset``) and the logs of captured steps are kept, so a replay's counts find the log
 of the capture that made them. The host reads the counts once, packed behind the step's flags
-(``overflow.py``), and builds an :class:`OverflowReport`.
+(:mod:`.monitor`), and builds an :class:`OverflowReport`.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-# pool.py imports this module, so its classes and PageRecord are named here, not imported:
-# pool.PagePool, pool.PagePools, pool.PagingFlags and record.PageRecord.
+# pages/ imports this module (the pools own its counts), so its classes are named here, not
+# imported: pages.pool.PagePool, PagePools, PagingFlags and pages.record.PageRecord.
 PagePool = PagePools = PagingFlags = PageRecord = Any
 
 # 'grow' sizes an overflowing tier to what its step needed plus this headroom: the headroom a

@@ -32,7 +32,7 @@ import functools
 import importlib
 import logging
 
-from megatron_paging.mcore.offload import EXPERT_MODULES
+from megatron_paging.mcore.offloading.backend import EXPERT_MODULES
 
 logger = logging.getLogger(__name__)
 

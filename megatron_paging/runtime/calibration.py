@@ -7,7 +7,7 @@ only here: calibration is the one step that synchronizes.
 
 While parking it tracks, per pool key (row bytes), the rows in flight (parked, not yet unparked)
 over the whole schedule and their peak; :meth:`Calibrator.size_pools` turns the peak into
-:class:`~megatron_paging.pool.PagePools`. Records of a held slot that stayed resident
+:class:`~megatron_paging.pages.pool.PagePools`. Records of a held slot that stayed resident
 (``hold_last_slot``) are never parked: :meth:`Calibrator.hold` logs them apart, and they size
 only a key that no parked record has (a later step may stash that slot: its key needs a pool).
 
@@ -25,6 +25,11 @@ products exactly zero, so the backward result does not depend on them.
 
 Identity: a record whose every segment is full (live == segment rows) and every tensor parked
 while paging is off (for example in an unpaged rerun) is kept as the original tensor object.
+
+Offloaded records (:mod:`megatron_paging.pages.offload`) are parked the same way by an
+:class:`OffloadCalibrator`, which sizes the host-only pools from the peak live rows in flight
+(times ``offload_host_factor``: routing changes the live counts from step to step) and the
+arenas at their high-water mark (exact: whole tensors have static sizes).
 """
 
 from __future__ import annotations
@@ -38,8 +43,9 @@ import torch
 
 from megatron_paging.config import PagingConfig
 from megatron_paging.kernels.checks import as_rows
-from megatron_paging.pool import PagePools, ceil_div
-from megatron_paging.record import PageRecord
+from megatron_paging.pages.offload import ArenaAllocator, HostArena, OffloadPools
+from megatron_paging.pages.pool import PagePools, ceil_div
+from megatron_paging.pages.record import PageRecord
 
 logger = logging.getLogger(__name__)
 
@@ -208,4 +214,135 @@ def _counts(record: PageRecord) -> tuple[tuple[int, ...], int | None]:
     return live_counts, None if avg_rows is None else int(avg_rows)
 
 
-__all__ = ["Calibrator", "ParkEvent", "ParkedRecord"]
+# -- offloaded records ---------------------------------------------------------------------
+
+
+class RowEvent(NamedTuple):
+    """An offloaded live-row record parked (``sign`` +1) or unparked (-1) while calibrating."""
+
+    capacity_rows: int
+    row_bytes: int
+    live_counts: tuple[int, ...]  # per segment
+    sign: int
+    token: int  # the parked object's id: pairs a record's unpark with its park
+
+
+def dma_prefix_rows(row_events, fraction: float) -> dict[tuple[int, int], int]:
+    """Per buffer shape ``(capacity_rows, row_bytes)`` of one-segment records, the copy
+    engine's prefix: ``fraction`` of the smallest live count calibration saw, and below the
+    capacity (at least one row stays with the kernels, whose live-count check sets
+    ``invalid_live`` on the device)."""
+    smallest: dict[tuple[int, int], int] = {}
+    for capacity_rows, row_bytes, live_counts, sign, _ in row_events:
+        if sign > 0 and len(live_counts) == 1:
+            key = (capacity_rows, row_bytes)
+            smallest[key] = min(smallest.get(key, live_counts[0]), live_counts[0])
+    prefix = {key: min(math.floor(live * fraction), key[0] - 1) for key, live in smallest.items()}
+    return {key: rows for key, rows in prefix.items() if rows > 0}
+
+
+def replay_rows(row_events, prefix_rows, page_size: int) -> tuple[dict[int, int], int]:
+    """Replay calibration's live-row records with ``prefix_rows``: per row size the peak rows
+    in flight that the kernels page (whole pages of what lies past each prefix), and the
+    prefix arena's high-water mark (the same first-fit order as a step's)."""
+    arena, starts = ArenaAllocator(None), {}
+    in_flight: dict[int, int] = {}
+    peak: dict[int, int] = {}
+    for capacity_rows, row_bytes, live_counts, sign, token in row_events:
+        prefix = prefix_rows.get((capacity_rows, row_bytes), 0) if len(live_counts) == 1 else 0
+        if prefix:
+            if sign > 0:
+                starts[token] = arena.alloc(prefix * row_bytes)
+            else:
+                arena.free(starts.pop(token), prefix * row_bytes)
+        paged = [max(n - prefix, 0) for n in live_counts]
+        rows = sum(ceil_div(n, page_size) for n in paged) * page_size
+        in_flight[row_bytes] = in_flight.get(row_bytes, 0) + sign * rows
+        peak[row_bytes] = max(peak.get(row_bytes, 0), in_flight[row_bytes])
+    return peak, arena.high_water
+
+
+class OffloadCalibrator:
+    """The calibration step's parker for offloaded records.
+
+    Rows records are parked by a :class:`Calibrator` (compact live prefixes) and logged here
+    with their buffer shape (the pools' peaks and the copy engine's prefixes come from that log);
+    whole records are kept as they are while an unbounded
+    :class:`~megatron_paging.pages.offload.ArenaAllocator` replays their ranges to find the
+    arena's high-water mark.
+    """
+
+    def __init__(self):
+        self.rows = Calibrator()
+        self.row_events: list[RowEvent] = []  # in issue order
+        self.arena = ArenaAllocator(None)
+        self.whole_records = 0
+        self.whole_bytes = 0
+
+    def park(self, tensor: torch.Tensor, record):
+        parked = self.rows.park(tensor, record)
+        self._log(record, parked, +1)
+        return parked
+
+    def unpark(self, parked, record) -> torch.Tensor:
+        self._log(record, parked, -1)
+        return self.rows.unpark(parked, record)
+
+    def _log(self, record, parked, sign: int) -> None:
+        self.row_events.append(
+            RowEvent(record.capacity_rows, record.row_bytes, parked.live_counts, sign, id(parked))
+        )
+
+    def park_whole(self, tensor: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+        nbytes = tensor.numel() * tensor.element_size()
+        self.whole_records += 1
+        self.whole_bytes += nbytes
+        return tensor, self.arena.alloc(nbytes), nbytes
+
+    def unpark_whole(self, parked) -> torch.Tensor:
+        tensor, start, nbytes = parked
+        self.arena.free(start, nbytes)
+        return tensor
+
+    @property
+    def saw_records(self) -> bool:
+        return bool(self.rows.peak_rows) or self.whole_records > 0
+
+    def size(self, page_size: int, host_factor: float, device,
+             dma_prefix: float = 0.0) -> OffloadPools:
+        """Host tiers of ``host_factor`` x the peak live rows the kernels page (past the copy
+        engine's prefixes, ``dma_prefix``: see ``PagingConfig.offload_dma_prefix``); the
+        arenas at their high water."""
+        prefix_rows = dma_prefix_rows(self.row_events, dma_prefix) if dma_prefix > 0 else {}
+        peak, prefix_high = replay_rows(self.row_events, prefix_rows, page_size)
+        pools = PagePools(page_size, device)
+        sizes = []
+        for row_bytes in sorted(peak):
+            pool = pools.add(row_bytes, 0, max(page_size, math.ceil(peak[row_bytes] * host_factor)))
+            pool.calibrated_rows = peak[row_bytes]
+            sizes.append(f"row_bytes={row_bytes}: {pool.num_host_pages} host pages")
+        sizes += [f"{rows} DMA prefix rows of ({cap}, {rb})" for (cap, rb), rows
+                  in sorted(prefix_rows.items())]
+        arena = HostArena(self.arena.high_water, device) if self.whole_records else None
+        prefix_arena = HostArena(prefix_high, device) if prefix_rows else None
+        stats = dict(
+            rows_live_bytes=sum(
+                sum(live) * row_bytes for row_bytes, live, _, sign in self.rows.events if sign > 0
+            ),
+            rows_peak_live_bytes=sum(rows * rb for rb, rows in self.rows.peak_rows.items()),
+            whole_bytes=self.whole_bytes,
+            prefix_arena_bytes=0 if prefix_arena is None else prefix_arena.nbytes,
+        )
+        logger.info(
+            "paging offload calibration: %s; arena %d bytes for %d whole tensor(s) per step",
+            "; ".join(sizes) if sizes else "no live-row records",
+            0 if arena is None else arena.nbytes,
+            self.whole_records,
+        )
+        return OffloadPools(pools, arena, stats, prefix_rows, prefix_arena)
+
+
+__all__ = [
+    "Calibrator", "OffloadCalibrator", "ParkEvent", "ParkedRecord", "RowEvent", "dma_prefix_rows",
+    "replay_rows",
+]

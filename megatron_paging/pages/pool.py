@@ -17,7 +17,7 @@ hidden-4096 record and an fp8 hidden-8192 record share one pool.
 
 Each pool also keeps the step's page demand on its device (``demand_pages``: pages its records
 need in flight and their peak, counted whether or not it had room), and the pools of one
-:class:`PagePools` share a :class:`~megatron_paging.demand.StashLog`; ``demand.py`` updates
+:class:`PagePools` share a :class:`~megatron_paging.overflow.demand.StashLog`; ``demand.py`` updates
 both beside every stash and reload, for the overflow report.
 
 Each tier tensor and each freelist carries one extra *scratch* slot past its end. The pure-torch
@@ -34,7 +34,7 @@ import math
 import torch
 
 from megatron_paging.config import non_negative_int, positive_int
-from megatron_paging.demand import StashLog, grown_pages
+from megatron_paging.overflow.demand import StashLog, grown_pages
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class PagingFlags:
 
     * ``overflow``: a stash found no tier with room for its whole record (or saw an invalid live
       count). Sticky: once set, later stashes and reloads copy nothing and leave every freelist
-      unchanged, so the step's results are garbage and must be discarded (see ``overflow.py``).
+      unchanged, so the step's results are garbage and must be discarded (see ``overflow/``).
     * ``host_spill``: at least one record was stashed to the pinned host tier.
     * ``invalid_live``: a kernel refused bad input, one bit per kind, so that
       ``raise_if_invalid`` can name it once the host reads flags (any bit means the step must be
@@ -138,8 +138,8 @@ class PagePool:
         num_host_pages: pages in the pinned host tier (0 = no host tier).
         device: where the device tier and all metadata live.
         flags: shared :class:`PagingFlags`; a private one is made when omitted.
-        stash_log: the group's :class:`~megatron_paging.demand.StashLog` (over ``flags``); a
-            private one is made when omitted.
+        stash_log: the group's :class:`~megatron_paging.overflow.demand.StashLog` (over
+            ``flags``); a private one is made when omitted.
     """
 
     def __init__(

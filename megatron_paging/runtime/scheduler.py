@@ -27,11 +27,11 @@ import torch
 
 from megatron_paging import kernels
 from megatron_paging.config import PagingConfig
-from megatron_paging.pool import PagePools
-from megatron_paging.record import RecordLayout, attach_buffers
-from megatron_paging.slot_queues import BACKWARD, WGRAD, Group, Slot, SlotQueues
-from megatron_paging.sources import SourceLifetimes
-from megatron_paging.transfers import PagedHandle, Parker, Transfers, reload_destination
+from megatron_paging.pages.pool import PagePools
+from megatron_paging.pages.record import RecordLayout, attach_buffers
+from megatron_paging.runtime.slot_queues import BACKWARD, WGRAD, Group, Slot, SlotQueues
+from megatron_paging.runtime.sources import SourceLifetimes
+from megatron_paging.runtime.transfers import PagedHandle, Parker, Transfers, reload_destination
 
 
 @dataclass(eq=False)
@@ -46,7 +46,7 @@ class PagingScheduler:
     """FIFO paging-stream scheduler for one device.
 
     Args:
-        backend: a stream backend (:mod:`megatron_paging.streams`).
+        backend: a stream backend (:mod:`megatron_paging.runtime.streams`).
         pools: page pools keyed by row bytes; ``None`` during calibration (then ``parker``).
         parker: used instead of pools when ``pools`` is ``None`` (see module docstring).
         config: prefetch distance, overlap, kernel backend, grid bound and (without pools) the
@@ -54,8 +54,8 @@ class PagingScheduler:
         layout_cache: a dict for validated record layouts, shared by the schedulers of later
             steps (same page size): a layout is validated once per run. Default: a private one.
         offload: the host-only pools and arena offloaded records go to
-            (:class:`~megatron_paging.offload.OffloadPools`); ``offload_parker`` instead while
-            calibrating (:class:`~megatron_paging.offload.OffloadCalibrator`).
+            (:class:`~megatron_paging.pages.offload.OffloadPools`); ``offload_parker`` instead while
+            calibrating (:class:`~megatron_paging.runtime.calibration.OffloadCalibrator`).
     """
 
     def __init__(

@@ -2,8 +2,9 @@
 read of the flag.
 
 Paging's ``skip`` and ``grow`` policies drop an overflowed step's update on the device
-(:mod:`megatron_paging.overflow` decides when). :func:`step_unless` steps an optimizer unless a
-one-element device flag is set; :class:`DeviceSkip` routes every ``optimizer.step()`` through it.
+(:mod:`megatron_paging.overflow.monitor` decides when). :func:`step_unless` steps an optimizer
+unless a one-element device flag is set; :class:`DeviceSkip` routes every ``optimizer.step()``
+through it.
 """
 
 from __future__ import annotations

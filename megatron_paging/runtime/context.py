@@ -1,4 +1,4 @@
-"""PagingContext: the one saved-tensor hook, over a :class:`~megatron_paging.engine.PagingEngine`.
+"""PagingContext: the one saved-tensor hook, over a :class:`~.engine.PagingEngine`.
 
 A model (or its adapter: Megatron-Core's goes through :mod:`megatron_paging.mcore.api`) does:
 
@@ -13,8 +13,8 @@ A model (or its adapter: Megatron-Core's goes through :mod:`megatron_paging.mcor
   a *pack policy* given to ``context.hooks(policy)`` that decides per saved tensor, when it is
   saved, to keep it (return it), page its live rows (``context.pack_marked``) or offload it to
   the host, live rows or whole, non-contiguous views included (``context.pack_offload``:
-  Megatron-Core's offload groups, :mod:`megatron_paging.mcore.offload`). Every other saved
-  tensor passes through untouched; the commit raises if a marked tensor was not saved as
+  Megatron-Core's offload groups, :mod:`megatron_paging.mcore.offloading.backend`). Every other
+  saved tensor passes through untouched; the commit raises if a marked tensor was not saved as
   marked (a view or copy was saved instead);
 * optionally defers weight gradients: inside ``with context.backward(chunk, microbatch,
   defer_wgrad=True)`` a custom autograd function hands its wgrad closure to
@@ -34,11 +34,11 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_paging.engine import OFF, PagingEngine
-from megatron_paging.saved import Mark, OpenSlot, Saved, StridedView
-from megatron_paging.scheduler import WGRAD, PagingScheduler
-from megatron_paging.slot_queues import Slot
-from megatron_paging.wgrad import DeferredWgrads
+from megatron_paging.runtime.engine import OFF, PagingEngine
+from megatron_paging.runtime.saved import Mark, OpenSlot, Saved, StridedView
+from megatron_paging.runtime.scheduler import WGRAD, PagingScheduler
+from megatron_paging.runtime.slot_queues import Slot
+from megatron_paging.runtime.wgrad import DeferredWgrads
 
 # -1 outside the autograd engine; inside a backward, the running graph task's id.
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
@@ -172,8 +172,8 @@ class PagingContext:
         """The runtime's saved-tensor hooks (the only ones it installs): over the region they
         cover, each saved tensor goes through ``pack`` — the region's policy: the paged stash's
         (:mod:`megatron_paging.mcore.api`), an offload group's
-        (:mod:`megatron_paging.mcore.offload`) — or by default :meth:`pack` (kept until the
-        commit, paged if marked); :meth:`unpack` gives every one back. A no-op context while
+        (:mod:`megatron_paging.mcore.offloading.backend`) — or by default :meth:`pack` (kept until
+        the commit, paged if marked); :meth:`unpack` gives every one back. A no-op context while
         the step does not page."""
         if not self.enabled:
             return contextlib.nullcontext()
@@ -300,7 +300,7 @@ class PagingContext:
         """Move contiguous ``tensor`` to the host at the commit: its live rows (``live_rows``:
         a device count nobody writes until the reload, of ``capacity_rows`` rows) or, without
         ``live_rows``, all of it. ``view``: the strides it is given back with
-        (:func:`megatron_paging.saved.packable` made ``tensor`` from a non-contiguous view)."""
+        (:func:`~.saved.packable` made ``tensor`` from a non-contiguous view)."""
         if not self._slots:
             return tensor if view is None else view.restore(tensor)
         slot = self._slots[-1]
