@@ -1,5 +1,6 @@
-"""Measured H200 memory of the one-GPU example (examples/run_pretrain_1gpu.sh) and two larger
-one-GPU sizes, kept here as data: the validation set of the plan's model.
+"""The validation set of the plan's model: measured H200 memory of the one-GPU example
+(examples/run_pretrain_1gpu.sh) and two larger one-GPU sizes, read from
+``results/plan_validation_set_h200.json``, and the launch line that plans each run.
 
 Each :class:`Record` is one run: the size, the arm (named as benchmarks/arm_names.py says; its
 result file may carry the old name, arm_names.OLD_NAMES), the commit that ran it, its result
@@ -12,7 +13,9 @@ Megatron-Core's unfused torch expression, which the current code runs under
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 # The example's line (DRY_RUN=1 bash examples/run_pretrain_1gpu.sh, without its paging flags).
 EXAMPLE_LINE = (
@@ -45,12 +48,6 @@ VARIANT_FLAGS = {
                                   "--moe-paged-stash-buffer-size-factor-cuda", "1.0"),
     "unpaged.unfused": ("--no-bias-swiglu-fusion",),
 }
-# Runs whose device pages stayed allocated across steps: the paged.persistent arm, and every
-# paged run of code that still kept the device tier between eager steps (PERSISTENT_COMMITS).
-PERSISTENT_POOL = {"paged.persistent"}
-PERSISTENT_COMMITS = {"7b2a615"}
-# Commits of code without the fused weighted SwiGLU: the unfused expression ran.
-UNFUSED_COMMITS = {"60d7032", "ca915e0", "7b2a615", "ca36af7", "08f6a80"}
 CODE_FLAGS = ("--no-bias-swiglu-fusion",)
 FIT_SIZE, FIT_ARM = "small", "unpaged"  # the one-GPU example: the constants' only fit
 
@@ -67,14 +64,8 @@ class Record:
     grad_mib: float
     optimizer_state_mib: float
     pool_cuda_mib: float
-
-    @property
-    def old_code(self) -> bool:
-        return self.commit in UNFUSED_COMMITS
-
-    @property
-    def persistent_pool(self) -> bool:
-        return self.arm in PERSISTENT_POOL or self.commit in PERSISTENT_COMMITS
+    unfused_activation: bool  # the code ran Megatron-Core's unfused expert activation
+    pool_kept_across_steps: bool  # the device pages stayed allocated between steps
 
     def as_measured(self) -> dict:
         """The record in the form ``plan_validation.compare`` reads."""
@@ -83,64 +74,27 @@ class Record:
         return {key: getattr(self, key) for key in keys}
 
 
-def _records(rows) -> tuple[Record, ...]:
-    return tuple(Record(size, arm, commit, source, *values)
-                 for size, arm, commit, source, values in rows)
+RESULT = Path(__file__).resolve().parent / "results" / "plan_validation_set_h200.json"
 
 
-F = "frontier_h200.json"
-MC = "frontier_moe_compute_manager_same_call_h200.json"
-PP = "frontier_moe_compute_prefetch_point_h200.json"
-FS = "frontier_moe_compute_fused_swiglu_h200.json"
-RECORDS = _records([
-    ("small", "unpaged", "60d7032", F, (10222.4, 9727.2, 957.3, 1914.6, 5743.7, 0.0)),
-    ("small", "paged", "60d7032", F, (10222.5, 9687.7, 957.3, 1914.6, 5743.7, 211.5)),
-    ("small", "mcore", "60d7032", F, (10435.0, 9687.7, 957.3, 1914.6, 5743.7, 211.5)),
-    ("small", "recompute", "60d7032", F, (10287.4, 9437.7, 957.3, 1914.6, 5743.7, 0.0)),
-    ("small", "offload", "ca915e0", F, (10222.4, 9475.2, 957.3, 1914.6, 5743.7, 0.0)),
-    ("small", "paged_offload", "ca915e0", F,
-     (10222.5, 9434.7, 957.3, 1914.6, 5743.7, 211.5)),
-    ("small", "paged.persistent", "ca36af7", F, (10435.0, 9687.7, 957.3, 1914.6, 5743.7, 211.5)),
-    ("expert_heavy", "unpaged", "60d7032", F, (35579.2, 33420.7, 3261.5, 6523.1, 19569.2, 0.0)),
-    ("expert_heavy", "paged", "60d7032", F, (35579.3, 33149.0, 3261.5, 6523.1, 19569.2, 1408.1)),
-    ("expert_heavy", "mcore", "60d7032", F,
-     (36987.4, 33148.5, 3261.5, 6523.1, 19569.2, 1408.1)),
-    ("expert_heavy", "recompute", "60d7032", F,
-     (35707.2, 31750.7, 3261.5, 6523.1, 19569.2, 0.0)),
-    ("expert_heavy", "offload", "7b2a615", F,
-     (35579.2, 31740.7, 3261.5, 6523.1, 19569.2, 0.0)),
-    ("expert_heavy", "paged_offload", "7b2a615", F,
-     (36987.4, 32644.5, 3261.5, 6523.1, 19569.2, 1408.1)),
-    ("expert_heavy", "paged.persistent", "ca36af7", F,
-     (36987.4, 33149.0, 3261.5, 6523.1, 19569.2, 1408.1)),
-    ("moe_compute", "unpaged", "ca14794", MC, (57632.0, 57632.0, 4797.5, 9595.1, 28785.2, 0.0)),
-    ("moe_compute", "paged", "ca14794", MC, (56111.0, 56111.0, 4797.5, 9595.1, 28785.2, 7885.5)),
-    ("moe_compute", "mcore", "ca14794", MC,
-     (60395.3, 56111.0, 4797.5, 9595.1, 28785.2, 7885.5)),
-    ("moe_compute", "recompute", "5e0b255", PP,
-     (52764.5, 48243.3, 4797.5, 9595.1, 28785.2, 0.0)),
-    ("moe_compute", "paged_recompute_fc1.tight", "5e0b255", PP,
-     (52508.6, 47968.2, 4797.5, 9595.1, 28785.2, 896.0)),
-    ("moe_compute", "paged_recompute_fc1", "0145ba5", FS,
-     (52508.7, 48784.3, 4797.5, 9595.1, 28785.2, 1126.5)),
-    ("moe_compute", "unpaged.unfused", "0145ba5", FS,
-     (62625.1, 62625.1, 4797.5, 9595.1, 28785.2, 0.0)),
-    ("moe_compute", "unpaged.recompute_fc1", "bc61800",
-     "frontier_moe_compute_same_model_h200.json",
-     (52508.5, 48416.0, 4797.5, 9595.1, 28785.2, 0.0)),
-    ("moe_compute", "offload", "08f6a80", "frontier_moe_compute_conn32_h200.json",
-     (53408.6, 53408.6, 4797.5, 9595.1, 28785.2, 0.0)),
-])
+def load_records(path: Path = RESULT) -> tuple[Record, ...]:
+    """The measured runs of ``path`` (the committed validation set by default)."""
+    runs = json.loads(path.read_text())["runs"]
+    return tuple(Record(**run) for run in runs)
+
+
+RECORDS = load_records()
 
 
 def line_for(record: Record) -> list[str]:
     """The launch line that plans ``record``: the example, the size, the arm's pool or model
     flags, and the code era's activation."""
     extra = VARIANT_FLAGS.get(record.arm, ())
-    code = CODE_FLAGS if record.old_code and "--no-bias-swiglu-fusion" not in extra else ()
+    unfused = record.unfused_activation and "--no-bias-swiglu-fusion" not in extra
+    code = CODE_FLAGS if unfused else ()
     return [*EXAMPLE_LINE, *PAGING_LINE, *SIZES[record.size], *extra, *code]
 
 
 __all__ = ["CODE_FLAGS", "EXAMPLE_LINE", "FIT_ARM", "FIT_SIZE", "PAGING_LINE",
-           "PERSISTENT_COMMITS", "PERSISTENT_POOL", "RECORDS", "Record", "SIZES", "VARIANT_FLAGS",
-           "line_for"]
+           "RECORDS", "RESULT", "Record", "SIZES",
+           "VARIANT_FLAGS", "line_for", "load_records"]

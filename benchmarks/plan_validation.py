@@ -93,7 +93,7 @@ def historical(records=RECORDS, constants: Constants = CONSTANTS):
                 inputs_of[line] = plan_inputs(parse_megatron(list(line), world_size=1))
         inputs = inputs_of[line]
         paging = inputs.paging
-        if record.persistent_pool:
+        if record.pool_kept_across_steps:
             paging = dataclasses.replace(paging, persistent_pool=True)
         stage = inputs.stages[0]
         memory = evaluate(inputs.model, inputs.parallel, stage.chunks, stage.ops, 0,
