@@ -110,9 +110,9 @@ class PagingArgs:
     --moe-paged-stash-page-size and --moe-paged-stash-buffer-size-factor-cuda/-cpu size the pool."""
 
     paging_overflow_policy: OverflowPolicyName = "rerun"
-    """What a step whose pages overflowed does: rerun it without paging before the optimizer
-    step (Megatron-Core's behaviour), skip its update on the device, or skip it and grow the
-    device page tier for the steps after it."""
+    """What a step whose pages overflowed does: rerun it before the optimizer step in pools
+    grown to what it needed, skip its update on the device, or skip it and grow the device page
+    tier for the steps after it."""
 
     paging_prefetch_distance: int = dataclasses.field(
         default=1, metadata={"argparse_meta": {"metavar": "LAYERS"}}

@@ -25,7 +25,13 @@ from megatron_paging.config import PagingConfig
 from megatron_paging.overflow import demand
 from megatron_paging.overflow.demand import GROW_HEADROOM, StashSource, grown_pages, needed_factor
 from megatron_paging.overflow.monitor import OverflowMonitor
-from megatron_paging.overflow.policy import POLICIES, GrowPolicy, SkipPolicy
+from megatron_paging.overflow.policy import (
+    POLICIES,
+    GrowPolicy,
+    RerunPolicy,
+    SkipPolicy,
+    StepFlags,
+)
 from megatron_paging.pages.pool import PagePools
 from megatron_paging.pages.record import PageRecord
 from megatron_paging.runtime.engine import PagingEngine
@@ -204,27 +210,30 @@ class Control:
     def __init__(self, engine):
         self.engine, self.calls = engine, []
 
-    def rerun_unpaged(self):
-        self.calls.append("rerun")
+    def rerun(self, paged):
+        self.calls.append(("rerun", paged))
 
     def grow_pools(self, factor):
         self.calls.append("grow")
         self.engine.grow(factor)
+        return True
 
 
-def decide(engine, monitor):
+def decide(engine, monitor, control=None):
     """The step's one reduction and read, and the decision (what OverflowMonitor.settle does)."""
     flags = monitor.read(monitor.reduce(engine.flags))
-    return flags, monitor.decide(flags, Control(engine))
+    return flags, monitor.decide(flags, control or Control(engine))
 
 
 @pytest.mark.parametrize("policy", ["rerun", "skip", "grow"])
 def test_the_line_names_where_what_and_the_flag_for_every_policy(policy, caplog):
+    """The overflow line, its record, and what the policy then did to the pools."""
     engine = calibrated_engine(overflow_policy=POLICIES[policy]())
     monitor = OverflowMonitor(engine.config.overflow_policy, demand=engine)
     run_step(engine, OVERFLOW_LIVE)
+    control = Control(engine)
     with caplog.at_level(logging.INFO, logger="megatron_paging.overflow"):
-        flags, action = decide(engine, monitor)
+        flags, action = decide(engine, monitor, control)
     assert flags.overflow_ranks == 1 and action == policy
     lines = [m for m in (LINE.search(r.getMessage()) for r in caplog.records) if m]
     assert len(lines) == 1, [r.getMessage() for r in caplog.records]
@@ -235,8 +244,14 @@ def test_the_line_names_where_what_and_the_flag_for_every_policy(policy, caplog)
     assert (needed, held) == (f"{PEAK_PAGES * PAGE}", f"{HELD_PAGES * PAGE}")
     assert float(factor) == FITTING_FACTOR
     grown = math.ceil(PEAK_PAGES * GROW_HEADROOM) * PAGE  # 14 pages
-    assert tail == {"rerun": "step re-run unpaged", "skip": "update skipped",
+    assert tail == {"rerun": f"step re-run, the device tier grown to {grown} rows",
+                    "skip": "update skipped",
                     "grow": f"update skipped, the device tier grows to {grown} rows"}[policy]
+    # rerun and grow size the device tier to the counted need; rerun then runs the step paged
+    assert control.calls == {"rerun": ["grow", ("rerun", True)], "skip": [],
+                             "grow": ["grow"]}[policy]
+    (pool,) = engine.pools
+    assert pool.num_cuda_pages == (HELD_PAGES if policy == "skip" else grown // PAGE)
     (record,) = monitor.overflow_records
     assert record == {
         "rank": 0, "step": 1, "chunk": 0, "layer": FIRST[0], "microbatch": FIRST[1],
@@ -244,6 +259,25 @@ def test_the_line_names_where_what_and_the_flag_for_every_policy(policy, caplog)
         "rows_held": HELD_PAGES * PAGE, "flag": CUDA_FACTOR, "factor": FITTING_FACTOR,
         "grown_rows": grown, "policy": policy,
     }
+
+
+def test_grow_replaces_only_pools_that_fell_short():
+    """The rerun's grow on a rank whose pools held the step keeps them (same pages, same
+    addresses: a captured graph stays valid); after an overflow it sizes them to the need."""
+    engine = calibrated_engine(overflow_policy=RerunPolicy())
+    monitor = OverflowMonitor(engine.config.overflow_policy, demand=engine)
+    run_step(engine, CALIBRATION_LIVE)  # fits here; another rank overflowed
+    local = monitor.read(monitor.reduce(engine.flags))
+    control = Control(engine)
+    before = engine.pools
+    flags = StepFlags(overflow_ranks=1, demand=local.demand)
+    assert monitor.decide(flags, control) == "rerun"
+    assert control.calls == ["grow", ("rerun", True)] and engine.pools is before
+    run_step(engine, OVERFLOW_LIVE)
+    decide(engine, monitor, Control(engine))  # counts the need; rerun grows the pools
+    (pool,) = engine.pools
+    assert engine.pools is not before
+    assert pool.num_cuda_pages == math.ceil(PEAK_PAGES * GROW_HEADROOM)
 
 
 def test_with_a_host_tier_the_factor_leaves_the_host_tier_as_it_is():

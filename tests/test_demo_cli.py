@@ -201,9 +201,14 @@ def test_rerun_policy_keeps_parity_through_overflow(tmp_path, capsys, monkeypatc
     run = run_cli(tmp_path, capsys, monkeypatch, CUDA_FACTOR, "0.3")
     assert run.code == 0, run.out
     assert run.last == "parity: bitwise"
-    assert actions(run.result) == ["calibrate", "rerun", "rerun"]
-    assert [step.overflow for step in run.result.paged.steps] == [False, True, True]
-    assert run.result.paged.monitor.rerun_steps == 2
+    # Step 2 overflows and runs again in pools grown to what it needed (counted on the
+    # device): no unpaged pass, and step 3 fits the grown pools.
+    assert actions(run.result) == ["calibrate", "rerun", "ok"]
+    assert [step.overflow for step in run.result.paged.steps] == [False, True, False]
+    monitor = run.result.paged.monitor
+    assert monitor.rerun_steps == 1 and monitor.unpaged_reruns == 0
+    calibrated, grown = run.result.paged.calibrated_pools, run.result.paged.pools
+    assert all(grown[p.row_bytes].num_cuda_pages > p.num_cuda_pages for p in calibrated)
 
 
 def test_skip_policy_leaves_parameters_unchanged(tmp_path, capsys, monkeypatch):

@@ -71,10 +71,13 @@ def test_emulated_first_stage_1f1b_pages_bitwise(tmp_path):
 
 @pytest.mark.parametrize("stage", [STAGE_0, STAGE_1], ids=["first", "last"])
 def test_emulated_forced_overflow_rerun_is_bitwise_equal_to_unpaged(tmp_path, stage):
-    """A pool far too small: every paged step after calibration overflows and is rerun
-    unpaged; losses and gradients are the unpaged run's, bit for bit."""
+    """A pool far too small: the first paged step overflows and runs again in pools grown to
+    what it needed, paged (no unpaged pass); losses and gradients are the unpaged run's, bit
+    for bit."""
     unpaged, paged, log = _pair(tmp_path, stage, paged_extra=(POOL, "0.3", POLICY, "rerun"))
-    assert _actions(log) == {"ok": 1, "rerun": 3}
+    actions = _actions(log)
+    assert actions.get("rerun", 0) >= 1 and actions.get("ok", 0) + actions["rerun"] == 4, actions
+    assert "re-running it without paging" not in log  # the grown pools held every rerun
     assert paged == unpaged and paged.grads == unpaged.grads
 
 

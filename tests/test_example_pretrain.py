@@ -187,10 +187,12 @@ def test_example_graphed_forced_overflow_rerun_is_bitwise_equal(tmp_path, eager_
         tmp_path, paged=True, extra=(*GRAPHS, *SMALL_POOL, "--paging-overflow-policy", "rerun")
     )
     assert "megatron-paging: overflow at rank 0" in log and "(policy rerun: " in log
-    assert log.count(CAPTURE_LINE) == 1  # the rerun runs eagerly and keeps the graph
     report = _report(log)
-    # Every paged step overflowed (step 1 calibrates and cannot).
-    assert report["overflow_actions"] == f"ok:1,rerun:{GRAPH_STEPS - 1}"
+    # The first paged step overflowed and reran eagerly in grown pools; a rerun whose pools grew
+    # after the capture drops the graph, which Megatron-Core captures again.
+    actions = dict(kv.split(":") for kv in report["overflow_actions"].split(","))
+    assert set(actions) == {"ok", "rerun"} and int(actions["rerun"]) >= 1, actions
+    assert log.count(CAPTURE_LINE) >= 1
     assert paged == eager_unpaged_long
 
 

@@ -12,7 +12,17 @@ pytest.importorskip("megatron.core")
 
 from megatron.core import full_cuda_graph  # noqa: E402
 from megatron.core.full_cuda_graph import FullCudaGraphWrapper  # noqa: E402
-from test_mcore_runner import MICROBATCHES, PAGE, ROOMY, ROW_BYTES, TINY, Run, batches  # noqa: E402
+from test_mcore_runner import (  # noqa: E402
+    MICROBATCHES,
+    PAGE,
+    ROOMY,
+    ROW_BYTES,
+    TINY,
+    Run,
+    assert_equal_states,
+    batches,
+    roomy_pools,
+)
 
 from megatron_paging.mcore import graphs  # noqa: E402
 
@@ -109,17 +119,37 @@ def test_replays_are_noted_and_paged_steps_match_the_control():
     assert run.runner.monitor.actions["ok"] == 4
 
 
-def test_rerun_under_graphs_runs_eagerly_and_keeps_the_graph():
+def test_rerun_under_graphs_runs_eagerly_and_keeps_a_graph_whose_pools_did_not_change():
     control = Run("rerun", ROOMY, paged=False)
     run = graphed_run("rerun", TINY)
+    run.paging.engine.grow = lambda factor: False  # nothing to grow here (or nothing counted)
     for step in range(3):
         assert control.train_step(step) == run.train_step(step)
-    # Every step overflowed: the graph (or the warm-up) ran once, the rerun went around it.
+    # Every step overflowed: the graph (or the warm-up) ran once, the reruns went around it
+    # (paged in the same pools, overflowing again, then unpaged).
     assert run.graph.calls == ["eager", "replay", "replay"]
-    assert run.calls == [True, False] * 3
+    assert run.calls == [True, True, False] * 3
     assert run.runner.monitor.rerun_steps == 3
     assert FullCudaGraphWrapper.cuda_graph["training"] is not None  # kept
     assert run.runner.graph_invalidations == 0
+
+
+def test_a_rerun_that_grows_captured_pools_drops_the_graph():
+    control = Run("rerun", ROOMY, paged=False)
+    run = graphed_run("rerun", ROOMY)
+    engine = run.paging.engine
+    assert control.train_step(0) == run.train_step(0)  # eager warm-up, fits
+    engine.pools = tiny = roomy_pools(TINY)  # the captured step will overflow
+    engine.grow = lambda factor: not setattr(engine, "pools", roomy_pools())
+    for step in (1, 2):
+        assert control.train_step(step) == run.train_step(step)
+    assert engine.pools is not tiny and run.runner.monitor.rerun_steps == 1
+    # Step 1 replayed, overflowed, grew its pools: the graph (old addresses) was dropped and
+    # the paged rerun ran eagerly; step 2 is a new warm-up step.
+    assert run.graph.calls == ["eager", "replay", "eager"]
+    assert run.calls == [True, True, True, True]
+    assert run.runner.graph_invalidations == 1
+    assert_equal_states(run.state(), control.state())
 
 
 def test_grow_drops_the_captured_graph():

@@ -89,7 +89,9 @@ class Engine:
         return self.pools.flags if self.paged else None
 
     def grow(self, factor):
+        """Blind growth (nothing counted); True: the pools changed, as PagingEngine.grow says."""
         self.pools = self.pools.grown(factor)
+        return True
 
 
 class Paging:
@@ -218,17 +220,41 @@ def assert_equal_states(a, b):
         assert torch.equal(x, y)
 
 
-def test_rerun_policy_is_bitwise_equal_to_unpaged():
+def roomy_pools(rows=ROOMY):
+    pools = PagePools(PAGE)
+    pools.add(ROW_BYTES, rows)
+    return pools
+
+
+def test_rerun_policy_reruns_paged_in_grown_pools_bitwise_equal_to_unpaged():
     control = Run("rerun", ROOMY, paged=False)
     paged = Run("rerun", TINY)
+    engine = paged.paging.engine
+    grown = []
+    # what a counted need gives (demand.py): pools that hold the step
+    engine.grow = lambda factor: not grown.append(factor) and not setattr(engine, "pools",
+                                                                         roomy_pools())
     for step in range(3):
         assert control.train_step(step) == paged.train_step(step)
-    assert paged.runner.monitor.rerun_steps == 3
-    assert paged.calls == [True, False] * 3  # each step reran once without paging
+    assert paged.runner.monitor.rerun_steps == 1 and grown == [1.5]
+    assert paged.runner.monitor.unpaged_reruns == 0
+    assert paged.calls == [True, True, True, True]  # step 0 and its paged rerun, steps 1-2
     # Only the pools overflowed: the rerun keeps the static dispatch budget (same capacity as
     # the control, hence bitwise equal), unlike an over-budget rerun.
-    assert paged.budgets == [1.0, 1.0] * 3
-    assert paged.config.moe_paged_stash  # restored after the rerun
+    assert paged.budgets == [1.0] * 4
+    assert paged.config.moe_paged_stash
+    assert_equal_states(paged.state(), control.state())
+
+
+def test_a_paged_rerun_that_overflows_again_reruns_unpaged():
+    control = Run("rerun", ROOMY, paged=False)
+    paged = Run("rerun", TINY)
+    paged.paging.engine.grow = lambda factor: False  # pools that stay too small
+    for step in range(2):
+        assert control.train_step(step) == paged.train_step(step)
+    assert paged.runner.monitor.rerun_steps == 2 and paged.runner.monitor.unpaged_reruns == 2
+    assert paged.calls == [True, True, False] * 2  # attempt, paged rerun, unpaged rerun
+    assert paged.config.moe_paged_stash  # restored after the unpaged rerun
     assert_equal_states(paged.state(), control.state())
 
 

@@ -115,11 +115,13 @@ class Trainer:
         self.rings_full_before_reset = []
         self.batch = None
 
-    def rerun_unpaged(self, flags):
-        self.calls.append("rerun_unpaged")
+    def rerun(self, flags, paged):
+        self.calls.append("rerun_paged" if paged else "rerun_unpaged")
         self.optimizer.zero_grad()
-        forward_backward(self.weight, self.batch)
-        return self.monitor.reduce(None)
+        if paged:
+            self.pools.reset()
+        forward_backward(self.weight, self.batch, self.pools if paged else None)
+        return self.monitor.reduce(self.pools.flags if paged else None)
 
     def grow_pools(self, factor):
         self.calls.append(("grow_pools", factor))
@@ -137,7 +139,7 @@ class Trainer:
         forward_backward(self.weight, batch, self.pools)
         pools, reads = self.pools, self.host_reads()
         reduced = self.monitor.reduce(pools.flags if pools is not None else None)
-        decision = self.monitor.after_forward_backward(reduced, self.rerun_unpaged)
+        decision = self.monitor.after_forward_backward(reduced, self.rerun)
         self.optimizer.step()  # through the device skip under 'skip' and 'grow'
         synced = self.host_reads() > reads
         decision = decision or self.monitor.settle()  # deferred, after the step
@@ -206,15 +208,35 @@ def test_skipped_step_leaves_params_and_state_unchanged(optimizer_name):
 
 
 @pytest.mark.parametrize("optimizer_name", ["sgd_momentum", "adamw", "adamw_fused"])
-def test_rerun_is_bitwise_equal_to_unpaged(optimizer_name):
+def test_rerun_in_grown_pools_is_bitwise_equal_to_unpaged(optimizer_name):
+    """An overflowing step runs again paged, in pools grown to fit (here: to a roomy size, as
+    a counted need would): no unpaged pass, and the later steps fit."""
     control = Trainer(optimizer_name, RerunPolicy(), None)
     paged = Trainer(optimizer_name, RerunPolicy(), calibrated_pools(0.4)[0])
+    paged.grow_pools = lambda factor: (paged.calls.append(("grow_pools", factor)),
+                                       setattr(paged, "pools", roomy_pools()))
+    paged.monitor.grow = paged.grow_pools
     for step in range(1, 4):
         control.step(make_batch(step))
         paged.step(make_batch(step))
-    assert paged.decisions == ["rerun"] * 3 and paged.calls == ["rerun_unpaged"] * 3
-    assert paged.monitor.rerun_steps == 3 and paged.monitor.skipped_steps == 0
+    assert paged.decisions == ["rerun", "ok", "ok"]
+    assert paged.calls == [("grow_pools", GROWTH_FACTOR), "rerun_paged"]
+    assert paged.monitor.rerun_steps == 1 and paged.monitor.unpaged_reruns == 0
     assert control.decisions == ["ok"] * 3 and control.calls == []
+    assert_same_state(paged.snapshot(), control.snapshot())
+
+
+@pytest.mark.parametrize("optimizer_name", ["sgd_momentum", "adamw_fused"])
+def test_a_paged_rerun_that_overflows_again_runs_unpaged(optimizer_name):
+    """A blind growth (no counted need) too small for the step: the paged rerun overflows
+    again, and the step runs once more without paging; the result is still exact."""
+    control = Trainer(optimizer_name, RerunPolicy(), None)
+    paged = Trainer(optimizer_name, RerunPolicy(), calibrated_pools(0.1)[0])
+    control.step(make_batch(1))
+    paged.step(make_batch(1))
+    assert paged.decisions == ["rerun"]
+    assert paged.calls == [("grow_pools", GROWTH_FACTOR), "rerun_paged", "rerun_unpaged"]
+    assert paged.monitor.unpaged_reruns == 1
     assert_same_state(paged.snapshot(), control.snapshot())
 
 
@@ -288,14 +310,16 @@ def test_pack_flags_and_skip_flag():
 class Control:
     """A StepControl that records what the policy asked for."""
 
-    def __init__(self):
+    def __init__(self, has_pools=True):
         self.calls = []
+        self.has_pools = has_pools
 
-    def rerun_unpaged(self):
-        self.calls.append("rerun_unpaged")
+    def rerun(self, paged):
+        self.calls.append(("rerun", paged))
 
     def grow_pools(self, factor):
         self.calls.append(("grow_pools", factor))
+        return self.has_pools
 
 
 def policy_named(name: str) -> OverflowPolicy:
@@ -327,8 +351,10 @@ def test_one_policy_object_from_the_flag_to_the_monitor():
 @pytest.mark.parametrize(
     ("policy", "flags", "action", "calls"),
     [
-        ("rerun", StepFlags(overflow_ranks=1), "rerun", ["rerun_unpaged"]),
-        ("rerun", StepFlags(over_budget_ranks=2), "rerun", ["rerun_unpaged"]),
+        ("rerun", StepFlags(overflow_ranks=1), "rerun",
+         [("grow_pools", GROWTH_FACTOR), ("rerun", True)]),
+        ("rerun", StepFlags(over_budget_ranks=2), "rerun", [("rerun", False)]),
+        ("rerun", StepFlags(overflow_ranks=1, over_budget_ranks=1), "rerun", [("rerun", False)]),
         ("skip", StepFlags(overflow_ranks=1, host_spill_ranks=1), "skip", []),
         ("grow", StepFlags(overflow_ranks=2), "grow", [("grow_pools", GROWTH_FACTOR)]),
         ("grow", StepFlags(over_budget_ranks=1), "skip", []),  # larger pools would not help
@@ -398,7 +424,7 @@ def overflowed() -> PagingFlags:
     return flags
 
 
-def no_rerun(flags):
+def no_rerun(flags, paged):
     raise AssertionError("no rerun expected")
 
 
@@ -449,16 +475,17 @@ def test_monitor_rerun_replaces_the_skip_flag_and_must_come_back_clean():
     monitor = OverflowMonitor(RerunPolicy())
     seen = []
 
-    def clean_rerun(flags):
-        seen.append(flags)
+    def clean_rerun(flags, paged):
+        seen.append((flags, paged))
         return monitor.reduce(PagingFlags())
 
     decision = monitor.after_forward_backward(monitor.reduce(overflowed()), clean_rerun)
-    assert decision.action == "rerun" and seen == [decision.flags]
+    # no pools to grow (no grow given): the rerun runs unpaged
+    assert decision.action == "rerun" and seen == [(decision.flags, False)]
     assert not bool(monitor.skip)  # the optimizer follows the rerun's flags
-    with pytest.raises(RuntimeError, match="rerun without paging still raised"):
+    with pytest.raises(RuntimeError, match="rerun still raised"):
         monitor.after_forward_backward(monitor.reduce(overflowed()),
-                                      lambda flags: monitor.reduce(overflowed()))
+                                      lambda flags, paged: monitor.reduce(overflowed()))
     skip = monitor.skip
     monitor.rerun(clean_rerun, StepFlags(over_budget_ranks=1), training=False)
     assert monitor.skip is skip  # an evaluation's rerun leaves the training step's flag
@@ -469,7 +496,7 @@ class LateRerunPolicy(OverflowPolicy):
     reads_before_optimizer = False
 
     def on_discard(self, flags, step):
-        step.rerun_unpaged()
+        step.rerun(paged=False)
         return "rerun"
 
 

@@ -58,7 +58,8 @@ Result (the last line and the exit code):
       every step's loss (on ranks holding the last stage), every input gradient sent upstream
       and every parameter gradient equal the control's bit for bit, and every page is back in
       its ring after each step that did not overflow. Policy rerun always ends here when
-      paging is correct: an overflowing step is rerun unpaged before the optimizer step.
+      paging is correct: an overflowing step is rerun, in pools grown to its need,
+      before the optimizer step.
   parity: n/a (policy P skipped N step(s); ...) (exit 0)
       skip or grow dropped N steps, after which the runs legitimately differ: every step
       before the first skipped one is bitwise equal to the control, every skipped step left

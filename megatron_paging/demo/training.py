@@ -264,13 +264,14 @@ class PagedRun:
         spills = self.backend.host_spills
         used = attempt
 
-        def rerun_unpaged(flags: StepFlags) -> torch.Tensor:
+        def rerun(flags: StepFlags, paged: bool) -> torch.Tensor:
             nonlocal used
-            used = rank.forward_backward(self.context, False, data, unpaged_held, record=False)
+            used = rank.forward_backward(self.context, paged, data,
+                                         self._measure if paged else unpaged_held, record=False)
             return self.monitor.reduce(self.engine.flags)
 
         decision = self.monitor.after_forward_backward(
-            self.monitor.reduce(self.engine.flags), rerun_unpaged
+            self.monitor.reduce(self.engine.flags), rerun
         )
         outcome = rank.outcome(used, attempt.peak, action="")
         # a skipping policy's step must leave every parameter and state tensor as it was

@@ -10,12 +10,12 @@ this class (bound to the paging API through the ``paging`` keyword). What change
   the demo drives too) with the policy of the engine's config (``--paging-overflow-policy``);
   this runner adds what is Megatron's:
 
-  - 'rerun' (Megatron-Core's behaviour) reads the flags right after forward-backward and
-    repeats the step once without paging, before the optimizer consumes the gradients (one host
-    read per step, as in Megatron-Core). The rerun restores the random state of the attempt
-    (CPU, CUDA, Megatron's tracker) so it draws the same dropout masks, and keeps the static
-    dispatch budget unless a dispatcher was over budget: a step that only overflowed the pools
-    reruns at the same capacity, bitwise equal to the unpaged control.
+  - 'rerun' reads the flags right after forward-backward and repeats the step before the
+    optimizer consumes the gradients (one host read per step, as in Megatron-Core): paged, in
+    pools grown to what the step needed, when only pools fell short; unpaged and without the
+    static budget when a dispatcher was over it (Megatron-Core reruns unpaged always). The rerun
+    restores the random state of the attempt (CPU, CUDA, Megatron's tracker) so it draws the
+    same dropout masks: bitwise equal to the unpaged control.
   - 'skip' / 'grow' drop a step whose flags are set (on any rank): parameters and optimizer
     state stay as they were; 'grow' then enlarges every pool's device tier. With fused torch
     optimizers nothing is read during the step (they take the flag as ``found_inf``; the flags
@@ -135,7 +135,7 @@ class _Attempt:
     """One call's data and random state: what a rerun repeats."""
 
     kwargs: dict
-    saved_iterators: list
+    saved_batches: list  # per chunk: its microbatches (None: no data on this chunk)
     rng_before: dict
     training: bool
     result: object = None
@@ -225,14 +225,14 @@ class PagedStashRunner:
                 reset()
         return reduced
 
-    def grow_pools(self, factor: float) -> None:
-        """Larger device tiers for the next step ('grow'); a captured graph is dropped."""
+    def grow_pools(self, factor: float) -> bool:
+        """Larger device tiers for the next step or a paged rerun; a captured graph is dropped
+        when they change. False when there are no pools of ours (Megatron-Core's manager)."""
         engine = getattr(self.paging, "engine", None)
         if engine is None or engine.pools is None:
-            log_single_rank(logger, logging.INFO, "paging: 'grow' found no pools to grow")
-            return
-        engine.grow(factor)
-        if graphs.invalidate(self.forward_backward_func, training=True):
+            log_single_rank(logger, logging.INFO, "paging: no pools of ours to grow")
+            return False
+        if engine.grow(factor) and graphs.invalidate(self.forward_backward_func, training=True):
             self.graph_invalidations += 1
             log_single_rank(
                 logger,
@@ -240,6 +240,7 @@ class PagedStashRunner:
                 "paging: pools grew, so the captured CUDA graph was dropped; Megatron-Core "
                 "captures it again after its warm-up steps",
             )
+        return True
 
     def finish(self) -> None:
         """Read and act on the last step's flags now (end of training, before checkpoints)."""
@@ -247,7 +248,8 @@ class PagedStashRunner:
 
     # -- Megatron-Core's interface ------------------------------------------------------------
     def data_read(self, data_iterator, model, training, num_microbatches):
-        """Buffer every microbatch so a rerun sees the same data (as Megatron-Core does)."""
+        """Buffer every microbatch so a rerun (or two) sees the same data (as Megatron-Core
+        does): the microbatches per chunk, and iterators over them for this attempt."""
         del training
         chunks = len(model) if isinstance(model, list) else 1
         iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator]
@@ -262,7 +264,7 @@ class PagedStashRunner:
                 fresh.append(None)
                 continue
             batches = [next(iterator) for _ in range(num_microbatches)]
-            saved.append(iter(batches))
+            saved.append(batches)
             fresh.append(iter(batches))
         return saved, fresh
 
@@ -280,15 +282,18 @@ class PagedStashRunner:
                 if not restore:
                     mlp.token_dispatcher.reset_over_budget()
 
-    def prepare_for_rerun(self, is_training: bool = True, keep_static_budget: bool = False) -> None:
-        """Paging off, the static dispatch budget off (unless ``keep_static_budget``), flags
-        cleared and, for training, grads cleared (Megatron-Core's; it also clears grads before
-        an evaluation rerun). A captured CUDA graph is kept: the rerun runs eagerly."""
+    def prepare_for_rerun(self, is_training: bool = True, keep_static_budget: bool = False,
+                          paged: bool = False) -> None:
+        """Paging off (unless ``paged``: the rerun goes through the pools as they are now), the
+        static dispatch budget off (unless ``keep_static_budget``), flags cleared and, for
+        training, grads cleared (Megatron-Core's; it also clears grads before an evaluation
+        rerun). A captured CUDA graph is kept: the rerun runs eagerly."""
         if not keep_static_budget:
             self._set_static_budget(restore=False)
-        if self.paging is not None:
-            self.paging.paged_stash_reset(enabled=False, config=self.config)
-        self._set_moe_paged_stash(False)
+        if not paged:
+            if self.paging is not None:
+                self.paging.paged_stash_reset(enabled=False, config=self.config)
+            self._set_moe_paged_stash(False)
         if is_training:  # an evaluation produced no gradients and must not drop the step's
             for chunk in self.model:
                 if hasattr(chunk, "zero_grad_buffer"):
@@ -322,10 +327,10 @@ class PagedStashRunner:
             raise TypeError(f"PagedStashRunner: missing keyword argument(s) {missing}")
         self.finish()  # deferred: the previous step's flags, before this step's data
         training = not kwargs["forward_only"]
-        saved_iterators, kwargs["data_iterator"] = self.data_read(
+        saved_batches, kwargs["data_iterator"] = self.data_read(
             kwargs["data_iterator"], kwargs["model"], training, kwargs["num_microbatches"]
         )
-        attempt = _Attempt(kwargs, saved_iterators, rng_state(), training)
+        attempt = _Attempt(kwargs, saved_batches, rng_state(), training)
         attempt.result = self.forward_backward_func(**kwargs)
         if self.paging is not None and graphs.replayed(self.forward_backward_func, training):
             graphs.note_replay(self.paging)
@@ -351,16 +356,19 @@ class PagedStashRunner:
         self.eval_reruns += 1
         self.monitor.rerun(rerun, flags, training=False)
 
-    def _rerun(self, attempt: _Attempt, flags: StepFlags) -> torch.Tensor:
-        """Repeat forward-backward on the same data and random draws without paging, eagerly;
-        the static dispatch budget stays unless a dispatcher was over it (``flags``). Returns
-        the rerun's reduced flags."""
+    def _rerun(self, attempt: _Attempt, flags: StepFlags, paged: bool = False) -> torch.Tensor:
+        """Repeat forward-backward on the same data and random draws, eagerly: through the
+        pools as they are now (``paged``, after 'rerun' grew them) or without paging; the
+        static dispatch budget stays unless a dispatcher was over it (``flags``). Returns the
+        rerun's reduced flags."""
         saved_paged_stash = self.config.moe_paged_stash
         self.prepare_for_rerun(
-            is_training=attempt.training, keep_static_budget=not flags.over_budget_ranks
+            is_training=attempt.training, keep_static_budget=not flags.over_budget_ranks,
+            paged=paged,
         )
         set_rng_state(attempt.rng_before)
-        kwargs = dict(attempt.kwargs, data_iterator=attempt.saved_iterators)
+        data = [None if batches is None else iter(batches) for batches in attempt.saved_batches]
+        kwargs = dict(attempt.kwargs, data_iterator=data)
         try:
             attempt.result = graphs.eager_function(self.forward_backward_func)(**kwargs)
             return self._reduce_flags()

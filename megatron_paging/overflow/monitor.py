@@ -2,7 +2,7 @@
 
 The demo's paged run and the Megatron runner (:mod:`megatron_paging.mcore.runner`) both hand
 their steps to one :class:`OverflowMonitor`; they supply only what is theirs (how to run a
-forward-backward again without paging, how to grow the pools, where the flags come from).
+forward-backward again, paged or not, how to grow the pools, where the flags come from).
 Where it sits in a training step (never inside a CUDA-graph-captured region)::
 
     forward-backward                    the driver's, paged (may be graph-captured): stashes set
@@ -65,9 +65,9 @@ OVER_BUDGET_ADVICE = (
 OVERFLOW, HOST_SPILL, INVALID_LIVE, OVER_BUDGET = range(4)
 NUM_FLAGS = 4
 
-# rerun(flags of the attempt) repeats the step's forward-backward without paging (same data,
-# same random draws) and returns the rerun's reduced flags.
-Rerun = Callable[[StepFlags], torch.Tensor]
+# rerun(flags of the attempt, paged) repeats the step's forward-backward (same data, same random
+# draws), through the pools as they are now or without paging, and returns its reduced flags.
+Rerun = Callable[[StepFlags, bool], torch.Tensor]
 
 
 class DeviceFlags(Protocol):
@@ -128,14 +128,14 @@ class Decision:
 class _Control:
     """The :class:`~megatron_paging.overflow.policy.StepControl` a policy acts through."""
 
-    rerun: Callable[[], None]
-    grow: Callable[[float], None]
+    run_again: Callable[[bool], None]
+    grow: Callable[[float], bool | None] | None
 
-    def rerun_unpaged(self) -> None:
-        self.rerun()
+    def rerun(self, paged: bool) -> None:
+        self.run_again(paged)
 
-    def grow_pools(self, factor: float) -> None:
-        self.grow(factor)
+    def grow_pools(self, factor: float) -> bool:
+        return self.grow is not None and self.grow(factor) is not False
 
 
 class OverflowMonitor:
@@ -145,7 +145,8 @@ class OverflowMonitor:
 
     Args:
         policy: the run's policy (``PagingConfig.overflow_policy``).
-        grow: enlarges the pools by a factor, for a policy that grows them.
+        grow: enlarges the pools by a factor, for a policy that grows them ('rerun', 'grow');
+            returns False when the driver has no pools of its own to grow.
         optimizers: the torch optimizers of the run. A policy that reads after the optimizer
             ('skip', 'grow') routes their ``step`` through
             :class:`~megatron_paging.overflow.optimizer_skip.DeviceSkip`: with a device flag when
@@ -162,7 +163,7 @@ class OverflowMonitor:
         self,
         policy: OverflowPolicy,
         *,
-        grow: Callable[[float], None] | None = None,
+        grow: Callable[[float], bool | None] | None = None,
         optimizers: Sequence[torch.optim.Optimizer] = (),
         group=None,
         demand: DemandSource | None = None,
@@ -180,6 +181,7 @@ class OverflowMonitor:
         self.steps = 0
         self.actions: Counter[str] = Counter()  # 'ok', 'rerun', 'skip', 'grow' per step
         self.spill_steps = 0
+        self.unpaged_reruns = 0  # paged reruns that overflowed again and ran unpaged
         # the last step's skip: a device flag (deferred read) or the host's decision
         self.skip: torch.Tensor | bool | None = None
         self._pending: torch.Tensor | None = None  # reduced flags awaiting settle()
@@ -235,7 +237,7 @@ class OverflowMonitor:
             return None
         flags = self.read(reduced)
         if self.policy.reads_before_optimizer:
-            return self._decide(flags, lambda: self.rerun(rerun, flags))
+            return self._decide(flags, lambda paged: self.rerun(rerun, flags, paged=paged))
         decision = self._decide(flags, self._too_late_to_rerun)
         self.skip = flags.discard  # known on the host: the optimizer step is not called
         return decision
@@ -247,15 +249,26 @@ class OverflowMonitor:
         reduced, self._pending = self._pending, None
         return self._decide(self.read(reduced), self._too_late_to_rerun)
 
-    def rerun(self, run_unpaged: Rerun, flags: StepFlags, training: bool = True) -> None:
-        """Repeat a step without paging; a training step's optimizer then follows the rerun's
-        flags, which must be clean (an evaluation leaves the training step's skip flag)."""
-        reduced = run_unpaged(flags)
+    def rerun(self, run: Rerun, flags: StepFlags, training: bool = True,
+              paged: bool = False) -> None:
+        """Repeat a step, paged (through the pools as they are now) or not; a training step's
+        optimizer then follows the rerun's flags, which must be clean (an evaluation leaves the
+        training step's skip flag). A paged rerun that still overflows (a need that was not
+        counted) runs once more without paging."""
+        reduced = run(flags, paged)
+        still = self.read(reduced)
+        if paged and still.discard and not still.invalid_live_ranks:
+            logger.warning(
+                "megatron-paging: step %d overflowed again in grown pools on %d rank(s); "
+                "re-running it without paging", self.steps, still.overflow_ranks,
+            )
+            self.unpaged_reruns += 1
+            reduced = run(still, False)
+            still = self.read(reduced)
         if training:
             self.skip = skip_flag(reduced)
-        still = self.read(reduced)
         if still.discard:
-            raise RuntimeError(f"paging: the step rerun without paging still raised {still}")
+            raise RuntimeError(f"paging: the step's rerun still raised {still}")
 
     # -- the read and the decision -------------------------------------------------------------
     def read(self, reduced: torch.Tensor) -> StepFlags:
@@ -313,18 +326,10 @@ class OverflowMonitor:
                 self.policy.name, self.policy.outcome(None),
             )
 
-    def _decide(self, flags: StepFlags, rerun: Callable[[], None]) -> Decision:
-        return Decision(self.decide(flags, _Control(rerun, self._grow)), flags)
+    def _decide(self, flags: StepFlags, rerun: Callable[[bool], None]) -> Decision:
+        return Decision(self.decide(flags, _Control(rerun, self.grow)), flags)
 
-    def _grow(self, factor: float) -> None:
-        if self.grow is None:
-            raise RuntimeError(
-                f"paging: policy {self.policy.name!r} grows the pools, but the driver gave the "
-                "OverflowMonitor no grow"
-            )
-        self.grow(factor)
-
-    def _too_late_to_rerun(self) -> None:
+    def _too_late_to_rerun(self, paged: bool = False) -> None:
         raise RuntimeError(
             f"paging: policy {self.policy.name!r} reads its flags after the optimizer step, "
             "too late to rerun the step (a rerunning policy sets reads_before_optimizer)"

@@ -45,13 +45,14 @@ class StepFlags:
 class StepControl(Protocol):
     """What a training driver lets a policy do about the step it just ran."""
 
-    def rerun_unpaged(self) -> None:
-        """Repeat the step's forward-backward without paging (same data, same random draws),
-        before the optimizer step."""
+    def rerun(self, paged: bool) -> None:
+        """Repeat the step's forward-backward (same data, same random draws) before the
+        optimizer step: through the pools as they are now (``paged``), or without paging."""
 
-    def grow_pools(self, factor: float) -> None:
+    def grow_pools(self, factor: float) -> bool:
         """Enlarge the pools for the next step: each tier that fell short to what the step
-        needed (demand.py), by ``factor`` where that was not counted."""
+        needed (demand.py), by ``factor`` where that was not counted. False: the driver has no
+        pools of its own to grow (Megatron-Core's manager)."""
 
 
 @dataclass(frozen=True)
@@ -74,16 +75,29 @@ class OverflowPolicy:
 
 @dataclass(frozen=True)
 class RerunPolicy(OverflowPolicy):
-    """Megatron-Core's behaviour: repeat the step without paging before the optimizer step."""
+    """Repeat the step before the optimizer step, so that no update is lost.
+
+    A step whose only fault is a pool that fell short runs again *paged*, after each tier that
+    overflowed grew to what the step needed (its demand was counted, so the same data fits):
+    the rerun needs the step's own page demand, not the unpaged peak plus the pools (Megatron-
+    Core reruns unpaged, which cannot fit where paging is what makes a rank fit). A step whose
+    dispatcher was over its static budget runs again unpaged and without the budget, as in
+    Megatron-Core: larger pools would not bring its dropped tokens back."""
 
     name = "rerun"
     reads_before_optimizer = True
+    growth_factor: float = GROWTH_FACTOR  # for a tier whose need was not counted
 
     def outcome(self, report: OverflowReport | None) -> str:
-        return "step re-run unpaged"
+        if report is None:
+            return "step re-run in grown pools"
+        return f"step re-run, the {report.tier} tier grown to {report.grown_rows:,} rows"
 
     def on_discard(self, flags: StepFlags, step: StepControl) -> str:
-        step.rerun_unpaged()
+        if flags.over_budget_ranks or not flags.overflow_ranks:
+            step.rerun(paged=False)
+            return "rerun"
+        step.rerun(paged=step.grow_pools(self.growth_factor))
         return "rerun"
 
 
@@ -117,9 +131,8 @@ class GrowPolicy(OverflowPolicy):
         return f"update skipped, the {report.tier} tier grows to {report.grown_rows:,} rows"
 
     def on_discard(self, flags: StepFlags, step: StepControl) -> str:
-        if not flags.overflow_ranks:
-            return "skip"
-        step.grow_pools(self.growth_factor)
+        if not flags.overflow_ranks or not step.grow_pools(self.growth_factor):
+            return "skip"  # nothing of ours to grow (Megatron-Core's manager): only dropped
         return "grow"
 
 

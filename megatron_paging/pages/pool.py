@@ -380,6 +380,14 @@ class PagePools:
         host = sum(p.total_bytes[1] for p in self._pools.values())
         return cuda, host
 
+    def needs_growth(self, factor: float, needed: dict[int, int] | None = None) -> bool:
+        """Whether :meth:`grown` would give any pool more device pages."""
+        return any(
+            grown_pages(pool.num_cuda_pages, (needed or {}).get(pool.row_bytes), factor)
+            != pool.num_cuda_pages
+            for pool in self
+        )
+
     def grown(self, factor: float, needed: dict[int, int] | None = None) -> PagePools:
         """New pools with larger device tiers; host tiers keep their size.
 
