@@ -158,6 +158,14 @@ class OffloadPools:
         """Rows of such a buffer the copy engine moves (0: all through the kernels)."""
         return self.prefix_rows.get((capacity_rows, row_bytes), 0)
 
+    def needs_growth(self, factor: float, needed: dict[int, int] | None = None) -> bool:
+        """Whether :meth:`grown` would give any pool more host pages."""
+        return any(
+            grown_pages(pool.num_host_pages, (needed or {}).get(pool.row_bytes), factor)
+            != pool.num_host_pages
+            for pool in self.pools
+        )
+
     def grown(self, factor: float, needed: dict[int, int] | None = None) -> OffloadPools:
         """New pools with larger host tiers (the ``grow`` policy): ``needed`` pages per row
         bytes where the last step counted them (demand.grown_pages), else ``factor`` times."""

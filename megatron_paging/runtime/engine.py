@@ -241,10 +241,11 @@ class PagingEngine:
         if self.pools.needs_growth(factor, needed):
             self._set_pools(self.pools.grown(factor, needed))
             changed = True
-        if self.offload_pools is not None:  # either may have overflowed: grow both
+        if self.offload_pools is not None:  # either may have overflowed
             needed = _needed_for(self._offload_needed, self.offload_pools.pools)
-            self._set_offload_pools(self.offload_pools.grown(factor, needed))
-            changed = True
+            if self.offload_pools.needs_growth(factor, needed):
+                self._set_offload_pools(self.offload_pools.grown(factor, needed))
+                changed = True
         return changed
 
     # -- what the step's stashes needed (demand.py) ------------------------------------------
