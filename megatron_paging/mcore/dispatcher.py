@@ -49,12 +49,28 @@ class _IndexedSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, fwd_index, fwd_valid, bwd_index, bwd_valid):
         ctx.save_for_backward(bwd_index, bwd_valid)
+        _read_on_this_stream(fwd_index, fwd_valid)
         return _indexed_sum(x, fwd_index, fwd_valid)
 
     @staticmethod
     def backward(ctx, grad):
         bwd_index, bwd_valid = ctx.saved_tensors
+        _read_on_this_stream(bwd_index, bwd_valid)
         return _indexed_sum(grad.contiguous(), bwd_index, bwd_valid), None, None, None, None
+
+
+def _read_on_this_stream(*tensors: torch.Tensor) -> None:
+    """Tell the caching allocator that the current stream reads ``tensors``. Under combined
+    1F1B (``--overlap-moe-expert-parallel-comm``) dispatch and combine, forward and backward,
+    run on a communication stream, while their index tensors were made on the compute stream:
+    freed there (a step's maps replaced, a backward's saved tensors released) they could be
+    handed to a new compute-stream tensor while a gather still reads them. On one stream this
+    is a no-op; inside a CUDA-graph capture the graph's memory pool keeps them anyway."""
+    if not tensors[0].is_cuda or torch.cuda.is_current_stream_capturing():
+        return
+    stream = torch.cuda.current_stream(tensors[0].device)
+    for tensor in tensors:
+        tensor.record_stream(stream)
 
 
 def _indexed_sum(x: torch.Tensor, index: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -79,6 +95,7 @@ class _RouteProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, probs, pair_index, valid, token_row, token_valid, top_expert):
         ctx.save_for_backward(token_row, token_valid, top_expert)
+        _read_on_this_stream(pair_index, valid)
         ctx.num_experts = probs.shape[1]
         flat = probs.t().reshape(-1)
         rows = flat.index_select(0, pair_index)
@@ -87,6 +104,7 @@ class _RouteProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         token_row, token_valid, top_expert = ctx.saved_tensors
+        _read_on_this_stream(token_row, token_valid, top_expert)
         per_route = grad.index_select(0, token_row.reshape(-1)).view(token_row.shape)
         per_route = torch.where(
             token_valid, per_route, torch.zeros((), dtype=grad.dtype, device=grad.device)
