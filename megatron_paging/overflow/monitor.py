@@ -12,7 +12,7 @@ Where it sits in a training step (never inside a CUDA-graph-captured region)::
                                         them: the step's ONE all_reduce, no host read
     after_forward_backward(reduced, rerun)
                                         a policy that reads before the optimizer ('rerun') reads
-                                        them now and may repeat the step unpaged; 'skip' and
+                                        them now and may repeat the step; 'skip' and
                                         'grow' read them now too unless every optimizer is fused
                                         (see below)
     optimizer.step()                    the driver's; dropped when the step is discarded

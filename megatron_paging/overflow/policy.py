@@ -79,8 +79,8 @@ class RerunPolicy(OverflowPolicy):
 
     A step whose only fault is a pool that fell short runs again *paged*, after each tier that
     overflowed grew to what the step needed (its demand was counted, so the same data fits):
-    the rerun needs the step's own page demand, not the unpaged peak plus the pools (Megatron-
-    Core reruns unpaged, which cannot fit where paging is what makes a rank fit). A step whose
+    the rerun needs the step's own page demand, not the unpaged peak (Megatron-Core reruns
+    unpaged, which cannot fit where paging is what makes a rank fit). A step whose
     dispatcher was over its static budget runs again unpaged and without the budget, as in
     Megatron-Core: larger pools would not bring its dropped tokens back."""
 
