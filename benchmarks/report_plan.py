@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 
 from arm_names import NAMING, NAMING_KEY, current_name, named_by_plan
+from common import figure, write
 from plan_validation import QUANTITIES, Comparison
-from portable import dumps
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PREDICTIONS = RESULTS / "plan_predictions_frontier.json"
@@ -41,9 +41,10 @@ def pair(prediction: dict, run: dict) -> dict:
     if run.get("flags") is not None and list(run["flags"]) != list(prediction["flags"]):
         row["flags_differ"] = True
     predicted = prediction["predicted"]
+    row["predicted_peak_mib"] = predicted["peak_mib"]
     if run["status"] != "ok":
-        row["predicted_peak_mib"] = predicted["peak_mib"]
         return row
+    row["iteration_ms"] = run.get("median_steady_iteration_ms")
     measured = run.get("report", {})
     quantities = {}
     for field, measured_key in QUANTITIES:
@@ -151,11 +152,39 @@ def main(argv=None) -> int:
     result = compare_files(json.loads(args.predictions.read_text()),
                            json.loads(args.measured.read_text()))
     print(format_rows(result))
-    out = args.out or RESULTS / f"plan_vs_{args.measured.name}"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(dumps(result))
-    print(f"wrote {out}")
+    write(result, args.out or RESULTS / f"plan_vs_{args.measured.name}",
+          lambda png: plot(result, png))
     return 0
+
+
+def plot(result: dict, png: Path) -> None:
+    """Per run: predicted and measured peak (a run out of memory: its predicted bar alone,
+    marked); beside it each finished run's median step time."""
+    runs = result["runs"]
+    labels = [f"{r['layout']}\nrank {r['rank']} {r['arm']}\ncf {r['capacity_factor']:g}"
+              for r in runs]
+    fig = figure(max(8.0, 1.3 * len(runs)), 7.5)
+    peaks, steps = fig.add_subplot(2, 1, 1), fig.add_subplot(2, 1, 2)
+    x = range(len(runs))
+    measured = [r["quantities"]["peak"]["measured_mib"] / 1024 if r["status"] == "ok" else 0
+                for r in runs]
+    peaks.bar([i - 0.2 for i in x], [r["predicted_peak_mib"] / 1024 for r in runs], 0.4,
+              label="plan")
+    peaks.bar([i + 0.2 for i in x], measured, 0.4, label="measured")
+    for i, r in enumerate(runs):
+        if r["status"] != "ok":
+            peaks.text(i + 0.2, 1, r["status"], rotation=90, ha="center", va="bottom", fontsize=7)
+    peaks.set_ylabel("peak GiB")
+    peaks.set_title(f"plan vs measured on {result['measured']['gpu']} "
+                    f"(commit {str(result['measured']['commit'])[:10]})", fontsize=9)
+    peaks.legend(fontsize=7)
+    steps.bar(list(x), [(r.get("iteration_ms") or 0) / 1000 for r in runs], 0.5)
+    steps.set_ylabel("median step s (compute only)")
+    for axes in (peaks, steps):
+        axes.set_xticks(list(x))
+        axes.set_xticklabels(labels, fontsize=6)
+    fig.tight_layout()
+    fig.savefig(png)
 
 
 if __name__ == "__main__":

@@ -132,6 +132,7 @@ def test_report_computes_relative_error_per_run_and_per_arm(tmp_path):
     assert report_plan.main([str(meas), "--predictions", str(pred), "--out",
                              str(tmp_path / "o.json")]) == 0
     assert json.loads((tmp_path / "o.json").read_text())["runs"][0]["quantities"]
+    assert (tmp_path / "o.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the figure beside it
 
 
 def _chunks():
