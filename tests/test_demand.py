@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
+import tempfile
 from fractions import Fraction
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from offload_helpers import _context as offload_context
 from offload_helpers import _step as offload_step
 from op_counter import OpCounter
@@ -393,3 +397,39 @@ def test_demo_without_overflow_prints_no_line(tmp_path, capsys, monkeypatch, cap
     assert run.code == 0 and set(actions(run.result)) == {"calibrate", "ok"}
     assert "overflow" not in caplog.text
     assert run.result.paged.monitor.overflow_records == []
+
+
+def _rerun_rank(rank, init_file, results):
+    """One of two gloo ranks: a calibrated engine; rank 0's step overflows, rank 1's fits."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        engine = calibrated_engine(overflow_policy=RerunPolicy())
+        monitor = OverflowMonitor(engine.config.overflow_policy, grow=engine.grow,
+                                  demand=engine)
+        before = engine.pools
+        live = OVERFLOW_LIVE if rank == 0 else CALIBRATION_LIVE
+        run_step(engine, live)
+        reruns = []
+
+        def rerun(flags, paged):
+            reruns.append(paged)
+            run_step(engine, live)  # the same step again, paged through the pools as they are
+            return monitor.reduce(engine.flags)
+
+        decision = monitor.after_forward_backward(monitor.reduce(engine.flags), rerun)
+        (pool,) = engine.pools
+        results[rank] = (decision.action, decision.flags.overflow_ranks, reruns,
+                         engine.pools is before, pool.num_cuda_pages, monitor.unpaged_reruns)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_rerun_paged_and_only_the_short_rank_grows():
+    with tempfile.TemporaryDirectory() as tmp:
+        results = mp.get_context("spawn").Manager().dict()
+        mp.spawn(_rerun_rank, args=(os.path.join(tmp, "init"), results), nprocs=2, join=True)
+        grown = math.ceil(PEAK_PAGES * GROW_HEADROOM)
+        assert dict(results) == {
+            0: ("rerun", 1, [True], False, grown, 0),  # grew to its need; the rerun fitted
+            1: ("rerun", 1, [True], True, HELD_PAGES, 0),  # its pools held: kept as they were
+        }

@@ -232,7 +232,11 @@ class PagedStashRunner:
         if engine is None or engine.pools is None:
             log_single_rank(logger, logging.INFO, "paging: no pools of ours to grow")
             return False
-        if engine.grow(factor) and graphs.invalidate(self.forward_backward_func, training=True):
+        before = (engine.pools, getattr(engine, "offload_pools", None))
+        engine.grow(factor)
+        after = (engine.pools, getattr(engine, "offload_pools", None))
+        changed = any(new is not old for new, old in zip(after, before, strict=True))
+        if changed and graphs.invalidate(self.forward_backward_func, training=True):
             self.graph_invalidations += 1
             log_single_rank(
                 logger,

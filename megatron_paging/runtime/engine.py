@@ -232,21 +232,18 @@ class PagingEngine:
         """Replace the pools by larger ones (between steps): each tier that overflowed gets what
         the last overflow report counted it needed (demand.grown_pages); without a count, the
         device tier becomes ``factor`` times larger. Pools that need no more pages are kept
-        (same addresses). Returns whether any pool changed."""
+        (same objects, same addresses). False: there are no pools yet."""
         if self.pools is None:
             logger.info("paging: nothing to grow (no pools yet)")
             return False
-        changed = False
         needed = _needed_for(self._needed, self.pools)
         if self.pools.needs_growth(factor, needed):
             self._set_pools(self.pools.grown(factor, needed))
-            changed = True
         if self.offload_pools is not None:  # either may have overflowed
             needed = _needed_for(self._offload_needed, self.offload_pools.pools)
             if self.offload_pools.needs_growth(factor, needed):
                 self._set_offload_pools(self.offload_pools.grown(factor, needed))
-                changed = True
-        return changed
+        return True
 
     # -- what the step's stashes needed (demand.py) ------------------------------------------
     def demand_values(self) -> torch.Tensor | None:
