@@ -27,8 +27,9 @@ this class (bound to the paging API through the ``paging`` keyword). What change
     ``monitor.skipped_steps``.
 
 * Full-iteration CUDA graphs (:mod:`.graphs`): a replayed step's flags are read after the
-  replay, outside the graph; a rerun runs the graph's schedule function eagerly (the graph is
-  kept); 'grow' drops the graph, which Megatron-Core re-captures after its warm-up steps.
+  replay, outside the graph; a rerun runs the graph's schedule function eagerly; pools that grow
+  (a 'rerun' or 'grow' on a rank that fell short) drop the graph, which Megatron-Core
+  re-captures after its warm-up steps.
 
 The dispatchers' sticky over-budget flags are cleared once a step's flags are packed, so one
 over-budget step drops only itself. Evaluations (``forward_only``) are no training steps: see
@@ -291,7 +292,7 @@ class PagedStashRunner:
         """Paging off (unless ``paged``: the rerun goes through the pools as they are now), the
         static dispatch budget off (unless ``keep_static_budget``), flags cleared and, for
         training, grads cleared (Megatron-Core's; it also clears grads before an evaluation
-        rerun). A captured CUDA graph is kept: the rerun runs eagerly."""
+        rerun). The rerun runs eagerly, beside any captured graph."""
         if not keep_static_budget:
             self._set_static_budget(restore=False)
         if not paged:
