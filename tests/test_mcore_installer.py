@@ -240,3 +240,27 @@ def test_a_config_that_would_be_unused_is_rejected(installer):
     with pytest.raises(ValueError, match="no effect next to an explicit api"):
         installer.install(PagingConfig(prefetch_distance=2), api=MCorePagingAPI())
     assert not installer.installed
+
+
+def test_combined_1f1b_keeps_the_static_dispatchers_expert_input(installer):
+    """Megatron-Core's combined 1F1B frees the ``mlp`` schedule node's input after forward for
+    flex dispatchers; the static backend's experts save that input for backward, so after install
+    its ``mlp`` node keeps it. Other nodes and other backends keep Megatron-Core's answer, and
+    uninstall restores the original function."""
+    from megatron.core.models.common import utils as node_utils
+
+    original = node_utils.should_free_input
+    static = types.SimpleNamespace(moe_token_dispatcher_type="flex", fp8=None, fp4=None,
+                                   moe_flex_dispatcher_backend="static", cuda_graph_modules=[])
+    deepep = types.SimpleNamespace(**{**vars(static), "moe_flex_dispatcher_backend": "deepep"})
+    assert original("mlp", True, static, 2) is True  # what combined 1F1B did before
+    installer.install()
+    wrapped = node_utils.should_free_input
+    assert wrapped is not original
+    assert wrapped("mlp", True, static, 2) is False
+    for name in ("moe_dispatch", "moe_combine", "pre_dispatch_computation"):
+        assert wrapped(name, True, static, 2) == original(name, True, static, 2)
+    for name in ("mlp", "moe_dispatch", "moe_combine"):
+        assert wrapped(name, True, deepep, 2) == original(name, True, deepep, 2)
+    installer.uninstall()
+    assert node_utils.should_free_input is original

@@ -373,6 +373,24 @@ def numbering_dispatcher(set_layer_number):
     return wrapped
 
 
+def keeping_expert_inputs(should_free_input):
+    """Megatron-Core's ``should_free_input`` (which combined-1F1B schedule nodes free their input
+    storage after forward) that keeps the ``mlp`` node's input with the static backend.
+
+    Megatron-Core frees it for flex dispatchers other than HybridEP and NCCL-EP, whose post-dispatch
+    step makes a permuted copy; the static backend hands its dispatched buffer to the experts
+    as it is (like HybridEP), and the experts save it (and the dispatched probabilities) for
+    backward: freed, the backward's grouped GEMM reads released memory."""
+
+    @functools.wraps(should_free_input)
+    def wrapped(name, is_moe, config, num_local_experts):
+        if name == "mlp" and getattr(config, "moe_flex_dispatcher_backend", None) == STATIC_BACKEND:
+            return False
+        return should_free_input(name, is_moe, config, num_local_experts)
+
+    return wrapped
+
+
 class PagingFlexTokenDispatcher(MoEFlexTokenDispatcher):
     """``MoEFlexTokenDispatcher`` plus the ``static`` backend; other backends are Megatron's."""
 
@@ -393,5 +411,6 @@ class PagingFlexTokenDispatcher(MoEFlexTokenDispatcher):
 
 
 __all__ = [
-    "PagingFlexTokenDispatcher", "STATIC_BACKEND", "StaticCapacityManager", "numbering_dispatcher"
+    "PagingFlexTokenDispatcher", "STATIC_BACKEND", "StaticCapacityManager",
+    "keeping_expert_inputs", "numbering_dispatcher",
 ]

@@ -17,7 +17,8 @@ the importers. :meth:`PagingInstaller.install` therefore
    ``get_forward_backward_func`` to one whose functions end every forward-backward with the
    API's ``paged_stash_finish`` (Megatron-Core has no end-of-step hook; a full-iteration CUDA
    graph captures that end too), and ``MoEFlexTokenDispatcher`` in ``moe_layer`` to a subclass
-   that adds the ``static`` backend;
+   that adds the ``static`` backend, and ``should_free_input`` so that combined 1F1B keeps
+   that backend's expert input (:func:`~.dispatcher.keeping_expert_inputs`);
 4. installs the config-validation shim (the one place that teaches ``TransformerConfig`` about
    the ``static`` dispatch backend, see :func:`_validate_static_backend`);
 5. with ``offload_backend="paged"``: rebinds ``FineGrainedActivationOffloadingInterface``
@@ -50,6 +51,7 @@ from megatron_paging.mcore.api import MCorePagingAPI
 from megatron_paging.mcore.dispatcher import (
     STATIC_BACKEND,
     PagingFlexTokenDispatcher,
+    keeping_expert_inputs,
     numbering_dispatcher,
 )
 from megatron_paging.mcore.flags import allow_static_backend
@@ -58,6 +60,7 @@ from megatron_paging.mcore.offloading.backend import PagedOffloadManager, make_i
 
 logger = logging.getLogger(__name__)
 
+SCHEDULE_NODE_MODULE = "megatron.core.models.common.utils"
 PAGED_STASH_MODULE = "megatron.core.transformer.moe.paged_stash"
 MOE_LAYER_MODULE = "megatron.core.transformer.moe.moe_layer"
 TOKEN_DISPATCHER_MODULE = "megatron.core.transformer.moe.token_dispatcher"
@@ -313,6 +316,10 @@ class PagingInstaller:
         self._rebind(moe_layer, "MoEFlexTokenDispatcher", PagingFlexTokenDispatcher)
         self._rebind(moe_layer.MoELayer, "set_layer_number",
                      numbering_dispatcher(moe_layer.MoELayer.set_layer_number))
+        # Combined 1F1B must not free the static dispatcher's expert input after forward.
+        node_utils = importlib.import_module(SCHEDULE_NODE_MODULE)
+        self._rebind(node_utils, "should_free_input",
+                     keeping_expert_inputs(node_utils.should_free_input))
         if peers is not None:  # a diagnostic: imported only when a run emulates peers
             from megatron_paging.mcore.peers import wiring
 
