@@ -91,6 +91,44 @@ def test_gradients_match_a_dense_reference(installed, model_parallel):  # noqa: 
     torch.testing.assert_close(p1.grad * routing_map, p2.grad * routing_map, rtol=1e-5, atol=1e-5)
 
 
+def test_split_into_schedule_nodes_each_node_gets_its_input_gradients(
+    installed, model_parallel  # noqa: F811
+):
+    """Combined 1F1B runs preprocess, dispatch and the experts as separate schedule nodes on
+    detached inputs and runs each node's backward on its own. Each node must read the tensors it
+    was handed (not the manager's copies from the node before), so that every detached input gets
+    its gradient, equal to the unsplit run's."""
+    weight = torch.randn(HIDDEN, HIDDEN, generator=torch.Generator().manual_seed(7))
+    hidden, routing_map, probs = _routing(4)
+
+    def expert(y, p):
+        return torch.tanh(y @ weight) * p[:, None]
+
+    reference = _dispatcher(model_parallel)
+    h_ref, p_ref = hidden.clone().requires_grad_(), probs.clone().requires_grad_()
+    *_, out_ref = _run(reference, h_ref, routing_map, p_ref, expert)
+    out_ref.square().sum().backward()
+
+    dispatcher = _dispatcher(model_parallel)
+    h, p = hidden.clone().requires_grad_(), probs.clone().requires_grad_()
+    x, token_probs = dispatcher.dispatch_preprocess(h, routing_map, p)  # the router's node
+    x_in, probs_in = x.detach().requires_grad_(), token_probs.detach().requires_grad_()
+    y, dispatched_probs = dispatcher.token_dispatch(x_in, probs_in)  # the dispatch node
+    y_in, dprobs_in = y.detach().requires_grad_(), dispatched_probs.detach().requires_grad_()
+    rows, _, permuted_probs = dispatcher.dispatch_postprocess(y_in, dprobs_in)  # the experts' node
+    out = dispatcher.combine_postprocess(
+        dispatcher.token_combine(dispatcher.combine_preprocess(expert(rows, permuted_probs))))
+
+    out.square().sum().backward()  # the experts' node backward: its own inputs only
+    assert y_in.grad is not None and dprobs_in.grad is not None
+    torch.autograd.backward((y, dispatched_probs), (y_in.grad, dprobs_in.grad))
+    assert x_in.grad is not None and probs_in.grad is not None
+    torch.autograd.backward((x, token_probs), (x_in.grad, probs_in.grad))
+    torch.testing.assert_close(out, out_ref, rtol=0, atol=0)
+    torch.testing.assert_close(h.grad, h_ref.grad, rtol=0, atol=0)
+    torch.testing.assert_close(p.grad, p_ref.grad, rtol=0, atol=0)
+
+
 def test_dispatch_is_deterministic(installed, model_parallel):  # noqa: F811
     dispatcher = _dispatcher(model_parallel)
     hidden, routing_map, probs = _routing(4)

@@ -242,11 +242,12 @@ def test_a_config_that_would_be_unused_is_rejected(installer):
     assert not installer.installed
 
 
-def test_combined_1f1b_keeps_the_static_dispatchers_expert_input(installer):
+def test_combined_1f1b_keeps_what_the_static_dispatchers_neighbours_save(installer):
     """Megatron-Core's combined 1F1B frees the ``mlp`` schedule node's input after forward for
-    flex dispatchers; the static backend's experts save that input for backward, so after install
-    its ``mlp`` node keeps it. Other nodes and other backends keep Megatron-Core's answer, and
-    uninstall restores the original function."""
+    flex dispatchers, and the ``moe_dispatch`` node's; the static backend passes both through to
+    modules that save them (the experts, the router), so after install those nodes keep them.
+    Other nodes and other backends keep Megatron-Core's answer; uninstall restores the original
+    function."""
     from megatron.core.models.common import utils as node_utils
 
     original = node_utils.should_free_input
@@ -257,8 +258,10 @@ def test_combined_1f1b_keeps_the_static_dispatchers_expert_input(installer):
     installer.install()
     wrapped = node_utils.should_free_input
     assert wrapped is not original
+    assert original("moe_dispatch", True, static, 2) is True
     assert wrapped("mlp", True, static, 2) is False
-    for name in ("moe_dispatch", "moe_combine", "pre_dispatch_computation"):
+    assert wrapped("moe_dispatch", True, static, 2) is False
+    for name in ("moe_combine", "pre_dispatch_computation"):
         assert wrapped(name, True, static, 2) == original(name, True, static, 2)
     for name in ("mlp", "moe_dispatch", "moe_combine"):
         assert wrapped(name, True, deepep, 2) == original(name, True, deepep, 2)

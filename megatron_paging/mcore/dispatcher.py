@@ -375,16 +375,19 @@ def numbering_dispatcher(set_layer_number):
 
 def keeping_expert_inputs(should_free_input):
     """Megatron-Core's ``should_free_input`` (which combined-1F1B schedule nodes free their input
-    storage after forward) that keeps the ``mlp`` node's input with the static backend.
+    storage after forward) that, with the static backend, keeps the ``moe_dispatch`` and ``mlp``
+    nodes' inputs, as Megatron-Core does for HybridEP.
 
-    Megatron-Core frees it for flex dispatchers other than HybridEP and NCCL-EP, whose post-dispatch
-    step makes a permuted copy; the static backend hands its dispatched buffer to the experts
-    as it is (like HybridEP), and the experts save it (and the dispatched probabilities) for
-    backward: freed, the backward's grouped GEMM reads released memory."""
+    Megatron-Core frees them for the other flex backends, whose pre- and post-dispatch steps make
+    permuted copies. The static backend passes tensors through as they are: the dispatch input is
+    the router's input (which the router saves), the experts' input is the dispatched buffer
+    (which the experts save, with the dispatched probabilities). Freed, a backward reads
+    released memory (an illegal address)."""
 
     @functools.wraps(should_free_input)
     def wrapped(name, is_moe, config, num_local_experts):
-        if name == "mlp" and getattr(config, "moe_flex_dispatcher_backend", None) == STATIC_BACKEND:
+        if (name in ("moe_dispatch", "mlp")
+                and getattr(config, "moe_flex_dispatcher_backend", None) == STATIC_BACKEND):
             return False
         return should_free_input(name, is_moe, config, num_local_experts)
 
@@ -408,6 +411,22 @@ class PagingFlexTokenDispatcher(MoEFlexTokenDispatcher):
             config=config,
         )
         self.cudagraph_attrs = ["_comm_manager.token_probs"]
+
+    # Combined 1F1B runs dispatch and the experts as separate schedule nodes, each on detached
+    # inputs; the probabilities the manager reads must be the ones each step was handed, or a
+    # node's backward reaches into its neighbour's graph and its own input gets no gradient.
+    # Megatron-Core does the same for DeepEP and HybridEP in its layer callables. Elsewhere the
+    # tensor handed over is the manager's own (a no-op).
+    def token_dispatch(self, hidden_states, probs=None, async_finish=True,
+                       allocate_on_comm_stream=True):
+        if probs is not None and isinstance(self._comm_manager, StaticCapacityManager):
+            self._comm_manager.token_probs = probs
+        return super().token_dispatch(hidden_states, probs, async_finish, allocate_on_comm_stream)
+
+    def dispatch_postprocess(self, hidden_states, probs):
+        if isinstance(self._comm_manager, StaticCapacityManager):
+            self._comm_manager.dispatched_probs = probs
+        return super().dispatch_postprocess(hidden_states, probs)
 
 
 __all__ = [
