@@ -12,7 +12,8 @@
 # and exits 2. The patched Megatron-Core calls megatron_paging exactly as install() wires it:
 # the paged-stash API and PagedStashRunner delegate to megatron_paging (MEGATRON_PAGING=0 keeps
 # Megatron-Core's own), MoELayer builds megatron_paging's flex dispatcher (adds backend 'static'),
-# and TransformerConfig accepts moe_flex_dispatcher_backend='static'.
+# TransformerConfig accepts moe_flex_dispatcher_backend='static', and combined 1F1B's schedule
+# nodes keep the inputs that backend passes through (as for HybridEP).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 MCORE_VERSION=0.19.2

@@ -188,8 +188,6 @@ OFFLOAD = ["--fine-grained-activation-offloading", "--paging-offload-backend", "
          "--delay-wgrad-compute needs Transformer Engine"),
         (BASE + ["--num-experts", "8", "--delay-wgrad-compute"], {},
          "--delay-wgrad-compute needs Transformer Engine"),
-        (BASE + ["--num-experts", "8", "--overlap-moe-expert-parallel-comm"], {},
-         "--overlap-moe-expert-parallel-comm is not supported yet"),
         (BASE + ["--num-experts", "8", "--fake-process-group", "--paging-emulated-load",
                  "zipf:1"], {},
          "--paging-emulated-load 'zipf:1': expected lognormal:<skew> or a path to a .json"),
@@ -269,6 +267,15 @@ def test_fake_process_group_gets_emulated_peers(parser):
     unpaged = _validate(parser, [a for a in argv if a != "--moe-paged-stash"])
     assert isinstance(flags.install_options(unpaged)["peers"], EmulatedPeers)
     assert "peers" not in flags.install_options(_validate(parser, BASE))
+
+
+@pytest.mark.parametrize("emulated", [[], ["--fake-process-group"]])
+def test_combined_1f1b_is_accepted_with_the_static_backend(parser, emulated):
+    """Combined 1F1B pages like the other schedules (the installed schedule-node policy keeps
+    what the static dispatcher's neighbours save): accepted, paged and emulated alike."""
+    args = _validate(parser, BASE + ["--num-experts", "8", "--overlap-moe-expert-parallel-comm",
+                                     *emulated], te_available=False)
+    assert args.overlap_moe_expert_parallel_comm
 
 
 def test_recompute_expert_fc1_needs_no_paging(parser):

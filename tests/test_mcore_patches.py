@@ -21,6 +21,7 @@ PATCHED_FILES = (
     "megatron/core/pipeline_parallel/schedules.py",
     "megatron/core/transformer/moe/moe_layer.py",
     "megatron/core/transformer/transformer_config.py",
+    "megatron/core/models/common/utils.py",
 )
 
 CHECK_PATCHED = """
@@ -39,6 +40,10 @@ from megatron_paging.mcore.installer import INSTALLER, FinishingForwardBackward
 assert not INSTALLER.installed
 assert moe_layer.MoEFlexTokenDispatcher.__name__ == "PagingFlexTokenDispatcher"
 config = moe_config(moe_paged_stash=True, moe_expert_rank_capacity_factor=2.0)  # no shim needed
+# Combined 1F1B's schedule nodes keep what the static backend passes through (before install).
+from megatron.core.models.common import utils as node_utils
+assert not INSTALLER.installed and config.moe_flex_dispatcher_backend == "static"
+assert not any(node_utils.should_free_input(n, True, config, 2) for n in ("mlp", "moe_dispatch"))
 import test_mcore_experts as t
 layer = t._moe_layer(config)
 api = paged_stash._megatron_paging_api()

@@ -183,19 +183,6 @@ def check_delay_wgrad(args) -> None:
         )
 
 
-def check_combined_1f1b(args) -> None:
-    """Megatron-Core's combined 1F1B (``--overlap-moe-expert-parallel-comm``) with the static
-    dispatcher ends in an illegal memory access in its backward, unpaged too (seen on an emulated
-    rank, docs/mcore.md): refused until it runs."""
-    if (getattr(args, "overlap_moe_expert_parallel_comm", False)
-            and getattr(args, "moe_flex_dispatcher_backend", None) == "static"):
-        raise ValueError(
-            "--overlap-moe-expert-parallel-comm is not supported yet with "
-            "--moe-flex-dispatcher-backend static (Megatron-Core's combined 1F1B fails with an "
-            "illegal memory access in its backward with this dispatcher)"
-        )
-
-
 def check_fake_process_group(args) -> None:
     """``--fake-process-group``: one rank of a larger job, its peers emulated at the static
     dispatcher's exchanges and the pipeline receives (docs/scale.md); what else would read
@@ -225,7 +212,6 @@ def check_fake_process_group(args) -> None:
 __all__ = [
     "TE_RECOMPUTE_MODULES",
     "UNSUPPORTED_GRAPH_IMPLS",
-    "check_combined_1f1b",
     "check_delay_wgrad",
     "check_fake_process_group",
     "check_megatron_combinations",

@@ -29,7 +29,6 @@ from megatron_paging.config import (
 )
 from megatron_paging.mcore.dispatcher import STATIC_BACKEND
 from megatron_paging.mcore.flag_checks import (
-    check_combined_1f1b,
     check_delay_wgrad,
     check_fake_process_group,
     check_megatron_combinations,
@@ -197,7 +196,6 @@ def paging_config(
     check_recompute_expert_fc1(args)
     check_recompute_modules(args, te_available)
     check_delay_wgrad(args)
-    check_combined_1f1b(args)
     backend = getattr(args, "moe_flex_dispatcher_backend", None)
     if backend == STATIC_BACKEND and getattr(args, "moe_token_dispatcher_type", None) != "flex":
         raise ValueError(
