@@ -161,7 +161,9 @@ def key(record: dict) -> tuple:
 
 def plan_runs(layouts, arms, factors, all_ranks: bool):
     """(layout, rank, arm, capacity factor) in round-robin order: at each capacity factor the
-    arms alternate, so paged and unpaged run back to back in one call."""
+    arms alternate, so paged and unpaged run back to back in one call. Arms run on the first
+    rank (the most memory), the parity pair on the second (where unpaged fits, so the pair can
+    be compared), unpaged and paged at capacity factor 2 on both."""
     for name in layouts:
         layout = LAYOUTS[name]
         for factor in factors:
@@ -169,7 +171,8 @@ def plan_runs(layouts, arms, factors, all_ranks: bool):
                 if arm not in arms:
                     continue
                 both = all_ranks or (arm in ("unpaged", "paged") and factor == 2.0)
-                for rank in layout.ranks if both else layout.ranks[:1]:
+                one = layout.ranks[-1:] if arm in PARITY_PAIR else layout.ranks[:1]
+                for rank in layout.ranks if both else one:
                     yield layout, rank, arm, factor
 
 
@@ -217,8 +220,9 @@ def main(argv=None) -> int:
                         choices=tuple(CAPACITY_FACTORS), help="--moe-expert-rank-capacity-factor "
                         "values to run")
     parser.add_argument("--all-ranks", action="store_true",
-                        help="every arm on both emulated ranks (default: the second rank only "
-                        "for unpaged and paged at capacity factor 2)")
+                        help="every arm on both emulated ranks (default: the first rank; the "
+                        "second too for unpaged and paged at capacity factor 2, only the second "
+                        "for the deterministic parity pair)")
     parser.add_argument("--time-budget", type=float, default=540.0,
                         help="seconds; arms that would start after it are left for a later call")
     parser.add_argument("--arm-timeout", type=float, default=300.0,
