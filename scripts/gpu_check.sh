@@ -130,13 +130,7 @@ for step in info build tests memcheck racecheck bench-kernels bench-scheduler be
   [ -n "${status[$step]:-}" ] && printf '%-18s %-10s %s\n' "$step" "${status[$step]}" "${seconds[$step]}"
 done
 if [ -f "$OUT/gpu_tests.xml" ]; then
-  python3 - "$OUT/gpu_tests.xml" <<'EOF'
-import sys, xml.etree.ElementTree as ET
-root = ET.parse(sys.argv[1]).getroot()
-suite = root if root.tag == "testsuite" else root.find("testsuite")
-n = {key: int(suite.get(key, 0)) for key in ("tests", "failures", "errors", "skipped")}
-print("gpu tests: {tests} run, {failures} failed, {errors} errors, {skipped} skipped".format(**n))
-EOF
+  python3 benchmarks/report_gpu_tests.py "$OUT/gpu_tests.xml" --out "$OUT/gpu_tests.json"
 fi
 # Logs, test XML, loss logs and kernel timelines as one archive; results (JSON, PNG) as they are.
 (cd "$OUT" && shopt -s nullglob && logs=(*.log *.xml *loss.rank* *timeline.json.rank*) && [ ${#logs[@]} -gt 0 ] &&

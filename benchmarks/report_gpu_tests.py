@@ -1,0 +1,80 @@
+"""The GPU suite's JUnit XML (scripts/gpu_check.sh ``tests``) as a result file: the GPU, the
+commit, counts, every failed test with its message's first line, every skipped test with its
+reason. Prints the one-line summary gpu_check.sh ends with.
+
+    python benchmarks/report_gpu_tests.py out/gpu_tests.xml --out out/gpu_tests.json
+
+``--gpu`` defaults to the CUDA device's name (or "unknown" without one), the commit to
+``GIT_COMMIT``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+from portable import dumps
+
+COMMAND = ("GIT_COMMIT=<commit> PYTEST_WORKERS=8 TESTS_LIMIT_S=520 "
+           "bash scripts/gpu_check.sh info build tests")
+
+
+def summarize(xml_path: Path) -> dict:
+    root = ET.parse(xml_path).getroot()
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    failed, skipped, passed = {}, {}, 0
+    for case in suite.iter("testcase"):
+        node = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
+        problems = [p for p in (case.find("failure"), case.find("error")) if p is not None]
+        if problems:
+            message = problems[0].get("message") or ""
+            failed[node] = (message.splitlines() or [""])[0][:300]
+        elif case.find("skipped") is not None:
+            skipped[node] = case.find("skipped").get("message", "")
+        else:
+            passed += 1
+    return {
+        "date": suite.get("timestamp"),
+        "collected": int(suite.get("tests", 0)),
+        "passed": passed,
+        "failed": failed,
+        "skipped": skipped,
+        "seconds": float(suite.get("time", 0.0)),
+    }
+
+
+def _gpu_name() -> str:
+    try:
+        import torch
+
+        return torch.cuda.get_device_name() if torch.cuda.is_available() else "unknown"
+    except ImportError:
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("xml", type=Path, help="pytest --junitxml output of the GPU suite")
+    parser.add_argument("--gpu", help="the GPU the suite ran on (default: this machine's)")
+    parser.add_argument("--out", type=Path, help="result file to write (default: none)")
+    args = parser.parse_args(argv)
+    if not args.xml.is_file():
+        parser.error(f"{args.xml}: no such file")
+    summary = summarize(args.xml)
+    print(f"gpu tests: {summary['collected']} run, {len(summary['failed'])} failed, "
+          f"{len(summary['skipped'])} skipped")
+    for node, message in summary["failed"].items():
+        print(f"  FAILED {node}: {message}")
+    if args.out is not None:
+        result = {"benchmark": "gpu_tests", "gpu": args.gpu or _gpu_name(),
+                  "date": summary.pop("date"), "commit": os.environ.get("GIT_COMMIT", "unknown"),
+                  "command": COMMAND, **summary}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,50 @@
+"""benchmarks/report_gpu_tests.py on a small JUnit XML: counts, failures (first message line),
+skips with their reasons, provenance, the summary line, and a missing file refused."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import report_gpu_tests  # noqa: E402
+
+XML = """<?xml version="1.0" encoding="utf-8"?><testsuites name="pytest tests">
+<testsuite name="pytest" errors="1" failures="1" skipped="1" tests="4" time="12.5"
+ timestamp="2026-12-06T06:23:59+00:00">
+<testcase classname="tests.test_a" name="test_ok[x]" time="0.1" />
+<testcase classname="tests.test_a" name="test_bad" time="0.2">
+ <failure message="assert 1 == 2&#10;more">tb</failure></testcase>
+<testcase classname="tests.test_b" name="test_broken" time="0.2">
+ <error message="fixture failed">tb</error></testcase>
+<testcase classname="tests.test_b" name="test_two_gpus" time="0.0">
+ <skipped message="needs 2 CUDA devices, found 1" /></testcase>
+</testsuite></testsuites>"""
+
+
+def test_a_suite_becomes_a_result_file(tmp_path, monkeypatch, capsys):
+    xml = tmp_path / "gpu_tests.xml"
+    xml.write_text(XML)
+    monkeypatch.setenv("GIT_COMMIT", "f" * 40)
+    out = tmp_path / "gpu_tests.json"
+    assert report_gpu_tests.main([str(xml), "--gpu", "NVIDIA H200", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["gpu"] == "NVIDIA H200" and result["commit"] == "f" * 40
+    assert result["date"].startswith("2026-12-06") and result["collected"] == 4
+    assert result["passed"] == 1
+    assert result["failed"] == {"tests/test_a.py::test_bad": "assert 1 == 2",
+                                "tests/test_b.py::test_broken": "fixture failed"}
+    assert result["skipped"] == {"tests/test_b.py::test_two_gpus": "needs 2 CUDA devices, found 1"}
+    printed = capsys.readouterr().out
+    assert printed.startswith("gpu tests: 4 run, 2 failed, 1 skipped")
+    assert "FAILED tests/test_a.py::test_bad: assert 1 == 2" in printed
+
+
+def test_a_missing_file_is_refused_in_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        report_gpu_tests.main([str(tmp_path / "none.xml")])
+    assert exit_.value.code == 2
+    assert "none.xml" in capsys.readouterr().err.strip().splitlines()[-1]
