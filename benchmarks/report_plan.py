@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from arm_names import NAMING, NAMING_KEY, current_name, named_by_plan
+from arm_names import NAMING, NAMING_KEY, current_name, named_by_plan, split_name
 from common import figure, write
 from plan_validation import QUANTITIES, Comparison
 
@@ -98,6 +98,14 @@ def compare_files(predictions: dict, measured: dict) -> dict:
     rows, unpredicted = [], []
     for run in runs:
         prediction = by_key.get(key(run))
+        plan_arm, variant = split_name(run["arm"])
+        if prediction is None and variant:
+            # A variant the plan models as its plan arm (the parity pair's deterministic
+            # kernels): that arm's prediction at the same rank, marked as borrowed.
+            prediction = by_key.get((*key(run)[:2], plan_arm, key(run)[3]))
+            if prediction is not None:
+                rows.append({**pair(prediction, run), "prediction_of": plan_arm})
+                continue
         if prediction is None:
             unpredicted.append(list(key(run)))
             continue
@@ -130,8 +138,9 @@ def format_rows(result: dict) -> str:
             q = r["quantities"].get(field)
             cells += (f"{q['predicted_mib']:>11.1f}{q['measured_mib']:>11.1f}"
                       f"{100 * q['relative_error']:>7.2f}%" if q else f"{'-':>11}{'-':>11}{'-':>8}")
-        mark = (" *" if "model_note" in r else "") + (" (flags differ)" if r.get("flags_differ")
-                                                       else "")
+        mark = (" *" if "model_note" in r else "") + (
+            f" (plan of {r['prediction_of']})" if "prediction_of" in r
+            else " (flags differ)" if r.get("flags_differ") else "")
         lines.append(head + cells + mark)
     lines.append("")
     for arm, s in result["per_arm"].items():

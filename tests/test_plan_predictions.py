@@ -107,12 +107,20 @@ MEASURED = {"commit": "m", "gpu": "H200", "runs": [
      "status": "out of memory"},
     {"layout": "l", "rank": 9, "arm": "unpaged", "capacity_factor": 2.0, "status": "ok",
      "report": {}},
+    {"layout": "l", "rank": 0, "arm": "paged.deterministic", "capacity_factor": 2.0,
+     "status": "ok", "flags": ["--a", "--moe-paged-stash", "--deterministic-mode"],
+     "report": {"steady_peak_allocated_mib": "40.0"}},
+    {"layout": "l", "rank": 9, "arm": "paged.deterministic", "capacity_factor": 2.0,
+     "status": "ok", "report": {}},
 ]}
 
 
 def test_report_computes_relative_error_per_run_and_per_arm(tmp_path):
     result = report_plan.compare_files(PREDICTIONS, MEASURED)
-    unpaged, paged, recompute = result["runs"]
+    unpaged, paged, recompute, borrowed = result["runs"]
+    # A variant without its own prediction takes its plan arm's at the same rank, marked.
+    assert borrowed["prediction_of"] == "paged" and borrowed["predicted_peak_mib"] == 50.0
+    assert borrowed["quantities"]["peak"]["relative_error"] == pytest.approx(0.25)
     q = unpaged["quantities"]
     assert q["peak"]["relative_error"] == pytest.approx(0.10)  # (110 - 100) / 100
     assert q["fb_peak"]["relative_error"] == pytest.approx(-0.10)
@@ -121,11 +129,12 @@ def test_report_computes_relative_error_per_run_and_per_arm(tmp_path):
     assert paged["quantities"]["pool_device"]["error_mib"] == -5.0
     assert paged["flags_differ"] and "flags_differ" not in unpaged
     assert recompute == {**recompute, "status": "out of memory", "predicted_peak_mib": 500.0}
-    assert result["measured_without_prediction"] == [["l", 9, "unpaged", 2.0]]
+    assert result["measured_without_prediction"] == [["l", 9, "unpaged", 2.0],
+                                                     ["l", 9, "paged.deterministic", 2.0]]
     assert result["per_arm"]["unpaged"]["peak_relative_error"]["max"] == pytest.approx(0.10)
     assert result["per_arm"]["recompute"] == {"runs": 0, "not_ok": 1}
     text = report_plan.format_rows(result)
-    assert "10.00%" in text and "out of memory" in text
+    assert "10.00%" in text and "out of memory" in text and "(plan of paged)" in text
     pred, meas = tmp_path / "p.json", tmp_path / "scale_x.json"
     pred.write_text(json.dumps(PREDICTIONS))
     meas.write_text(json.dumps(MEASURED))
