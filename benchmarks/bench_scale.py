@@ -152,6 +152,9 @@ def load_result(path: Path) -> dict:
     result = json.loads(path.read_text())
     if not named_by_plan(result):
         result["runs"] = [{**r, "arm": current_name(r["arm"], "scale")} for r in result["runs"]]
+    # Each run keeps the commit and date it measured: a resumed file spans several calls.
+    result["runs"] = [{"commit": result.get("commit"), "date": result.get("date"), **r}
+                      for r in result["runs"]]
     return result
 
 
@@ -227,6 +230,9 @@ def main(argv=None) -> int:
                         help="seconds; arms that would start after it are left for a later call")
     parser.add_argument("--arm-timeout", type=float, default=300.0,
                         help="seconds one arm may run before it counts as failed")
+    parser.add_argument("--retry-out-of-memory", action="store_true",
+                        help="run again the arms the result file records as out of memory "
+                        "(after a change that lowers memory); their records are replaced")
     parser.add_argument("--out", type=Path, default=None,
                         help="result file; arms already in it are not run again (default: "
                         "benchmarks/results/scale_<gpu>.json)")
@@ -235,7 +241,8 @@ def main(argv=None) -> int:
     args.out = args.out or default_out("scale")
     started = time.perf_counter()
     result = load_result(args.out)
-    done = {key(r) for r in result["runs"] if r["status"] in ("ok", "out of memory")}
+    kept = ("ok",) if args.retry_out_of_memory else ("ok", "out of memory")
+    done = {key(r) for r in result["runs"] if r["status"] in kept}
     result["runs"] = [r for r in result["runs"] if key(r) in done]
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / "bench_scale"
     tmp.mkdir(parents=True, exist_ok=True)
@@ -252,6 +259,7 @@ def main(argv=None) -> int:
         print(f"[{index}/{len(todo)}] {layout.name} rank {rank} (stage {layout.stage(rank)}) "
               f"{arm} cf {factor:g} ({elapsed:.0f} s)", flush=True)
         record = run_arm(layout, rank, arm, factor, tmp, args.arm_timeout)
+        record.update({k: v for k, v in scale_header().items() if k in ("commit", "date")})
         print(f"    {record['status']} in {record['wall_s']} s", flush=True)
         failed = failed or record["status"] == "failed"
         result["runs"].append(record)

@@ -129,3 +129,32 @@ def test_a_failed_arm_fails_the_call(tmp_path, monkeypatch):
         subprocess.CompletedProcess(cmd, 1, "", "torch.OutOfMemoryError: CUDA out of memory")))
     out.unlink()
     assert bench_scale.main(argv) == 0
+
+
+def test_resumed_runs_keep_their_commit_and_out_of_memory_arms_can_be_retried(tmp_path,
+                                                                             monkeypatch):
+    """A resumed file spans several calls: each run records the commit and date it measured (old
+    runs take the file's). ``--retry-out-of-memory`` runs such arms again and replaces their
+    records; without it they are results and stay."""
+    monkeypatch.setattr(bench_scale, "require_gpu", lambda benchmark: None)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(bench_scale, "scale_header", lambda: {
+        "benchmark": "scale", "gpu": "H200", "date": "today", "commit": "new"})
+    old = {"layout": "qwen3_235b", "rank": 0, "stage": 0, "arm": "unpaged",
+           "capacity_factor": 2.0, "status": "out of memory"}
+    out = tmp_path / "scale.json"
+    out.write_text(json.dumps({"benchmark": "scale", "commit": "old", "date": "then",
+                               "arm_naming": "plan_arm[.variant]", "runs": [old]}))
+    calls = []
+    monkeypatch.setattr(bench_scale.subprocess, "run", lambda cmd, **kw: (
+        calls.append(cmd), subprocess.CompletedProcess(
+            cmd, 1, "", "torch.OutOfMemoryError: CUDA out of memory"))[1])
+    argv = ["--layouts", "qwen3_235b", "--arms", "unpaged", "--capacity-factors", "2.0",
+            "--out", str(out)]
+    assert bench_scale.main(argv) == 0 and len(calls) == 1  # only the second rank ran
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["rank"], r["commit"], r["date"]) for r in runs] == [(0, "old", "then"),
+                                                                  (224, "new", "today")]
+    assert bench_scale.main([*argv, "--retry-out-of-memory"]) == 0 and len(calls) == 3
+    runs = json.loads(out.read_text())["runs"]
+    assert sorted((r["rank"], r["commit"]) for r in runs) == [(0, "new"), (224, "new")]
