@@ -316,7 +316,7 @@ class PagingInstaller:
         self._rebind(moe_layer, "MoEFlexTokenDispatcher", PagingFlexTokenDispatcher)
         self._rebind(moe_layer.MoELayer, "set_layer_number",
                      numbering_dispatcher(moe_layer.MoELayer.set_layer_number))
-        # Combined 1F1B must not free the static dispatcher's expert input after forward.
+        # Combined 1F1B must not free what the static dispatcher passes through.
         node_utils = importlib.import_module(SCHEDULE_NODE_MODULE)
         self._rebind(node_utils, "should_free_input",
                      keeping_expert_inputs(node_utils.should_free_input))
@@ -330,11 +330,8 @@ class PagingInstaller:
         # Megatron's training loop re-parses the command line without our extra_args_provider
         # (in-process restart, fault tolerance): its own parser must accept `static` too.
         arguments = importlib.import_module("megatron.training.arguments")
-        self._rebind(
-            arguments,
-            "add_megatron_arguments",
-            _with_static_backend(arguments.add_megatron_arguments),
-        )
+        self._rebind(arguments, "add_megatron_arguments",
+                     _with_static_backend(arguments.add_megatron_arguments))
 
         config_cls = sys.modules[CONFIG_MODULE].TransformerConfig
         original_post_init = config_cls.__dict__["__post_init__"]
