@@ -19,10 +19,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from demo_helpers import CUDA_FACTOR, POLICY, actions, run_cli
 from offload_helpers import _context as offload_context
 from offload_helpers import _step as offload_step
 from op_counter import OpCounter
-from test_demo_cli import CUDA_FACTOR, POLICY, actions, run_cli
 
 from megatron_paging import kernels
 from megatron_paging.config import PagingConfig
@@ -383,7 +383,7 @@ def test_demo_prints_one_line_per_overflowing_step_for_every_policy(
         assert tier_rows(pool, float(factor) - 0.01) < needed
 
 
-PAGE_DEMO = 8  # test_demo_cli.SMALL's page size
+PAGE_DEMO = 8  # demo_helpers.SMALL's page size
 
 
 def tier_rows(pool, factor: float) -> int:

@@ -9,12 +9,12 @@ import weakref
 
 import pytest
 import torch
+from engine_helpers import CPU, PAGE, ROW_BYTES, ROWS, FakeCapture, all_free, one_record
 
 from megatron_paging.config import PagingConfig
 from megatron_paging.pages.pool import PagePool, PagePools
 from megatron_paging.runtime.engine import PAGED, CaptureError, PagingEngine
 from megatron_paging.runtime.streams import CpuStreamBackend
-from tests.test_engine import CPU, PAGE, ROW_BYTES, ROWS, FakeCapture, all_free, one_record
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 

@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from engine_helpers import CPU, PAGE, ROWS, WIDTH, FakeCapture, all_free, make_pools
 
 from megatron_paging.config import PagingConfig
 from megatron_paging.runtime.context import PagingContext
@@ -21,7 +22,6 @@ from megatron_paging.tools.pipeline_sim import (
     run_schedule,
     synthetic_chunks,
 )
-from tests.test_engine import CPU, PAGE, ROWS, WIDTH, FakeCapture, all_free, make_pools
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 SHAPE = (32, 16)
