@@ -179,6 +179,25 @@ def plan_runs(layouts, arms, factors, all_ranks: bool):
                     yield layout, rank, arm, factor
 
 
+def rerun_cost(record: dict) -> dict:
+    """What overflows cost a paged arm: the planned overflow rate its pool factor was sized
+    for, the steps that overflowed, and where a step reran, its time beyond the median steady
+    step and the expected cost per step at the planned rate (rate x that extra / median)."""
+    rate = record.get("pool_factor_rate")
+    if rate is None:
+        return {}
+    reports = json.loads(record["report"].get("overflow") or "[]")
+    steps = sorted({int(report["step"]) for report in reports})
+    times = {int(i): float(ms) for i, ms in (record.get("iteration_ms") or {}).items()}
+    median = record.get("median_steady_iteration_ms")
+    extra = [times[s] - median for s in steps if s in times and median]
+    cost = {"overflow_rate_planned": rate, "overflow_steps": steps}
+    if extra:
+        cost["rerun_extra_ms"] = statistics.mean(extra)
+        cost["expected_rerun_cost"] = rate * statistics.mean(extra) / median
+    return cost
+
+
 def summarize(records: list[dict]) -> list[dict]:
     """Per layout, rank and capacity factor: each arm against unpaged (peaks, step ratio) and,
     for the deterministic paged arm, parity with the deterministic unpaged one (bitwise)."""
@@ -205,6 +224,7 @@ def summarize(records: list[dict]) -> list[dict]:
                     row["step_vs_unpaged"] = (r["median_steady_iteration_ms"]
                                               / control["median_steady_iteration_ms"])
             row["overflow_actions"] = rep.get("overflow_actions")
+            row.update(rerun_cost(r))
             twin = parity_base.get((r["layout"], r["rank"], r["capacity_factor"]))
             if r["arm"] == PARITY_PAIR[1] and twin is not None:
                 row["bitwise"] = (r["losses"] == twin["losses"]
@@ -269,10 +289,11 @@ def main(argv=None) -> int:
     rows = result.get("summary", [])
     print_table(
         ["layout", "rank", "arm", "cf", "status", "peak MiB", "fb MiB", "x unpaged", "step x",
-         "overflow", "bitwise"],
+         "overflow", "rerun cost", "bitwise"],
         [[r["layout"], r["rank"], r["arm"], r["capacity_factor"], r["status"],
           r.get("peak_mib", "-"), r.get("fb_peak_mib", "-"), r.get("peak_vs_unpaged", "-"),
-          r.get("step_vs_unpaged", "-"), r.get("overflow_actions", "-"), r.get("bitwise", "-")]
+          r.get("step_vs_unpaged", "-"), r.get("overflow_actions", "-"),
+          r.get("expected_rerun_cost", "-"), r.get("bitwise", "-")]
          for r in rows],
         floats=".3g",
     )

@@ -158,3 +158,18 @@ def test_resumed_runs_keep_their_commit_and_out_of_memory_arms_can_be_retried(tm
     assert bench_scale.main([*argv, "--retry-out-of-memory"]) == 0 and len(calls) == 3
     runs = json.loads(out.read_text())["runs"]
     assert sorted((r["rank"], r["commit"]) for r in runs) == [(0, "new"), (224, "new")]
+
+
+def test_rerun_cost_is_the_extra_time_of_reran_steps_at_the_planned_rate():
+    """A paged arm sized for a 1% overflow rate whose step 4 overflowed and reran: the rerun's
+    time beyond the median steady step, and 1% of it relative to that step, is the expected
+    cost; an arm without a planned pool factor has none, one without an overflow no time."""
+    record = {"pool_factor_rate": 0.01, "median_steady_iteration_ms": 100.0,
+              "iteration_ms": {"3": 100.0, "4": 230.0, "5": 100.0},  # keys as JSON reads them
+              "report": {"overflow": json.dumps([{"step": 4, "layer": 3}, {"step": 4}])}}
+    cost = bench_scale.rerun_cost(record)
+    assert cost["overflow_steps"] == [4] and cost["rerun_extra_ms"] == 130.0
+    assert cost["expected_rerun_cost"] == pytest.approx(0.013)
+    assert bench_scale.rerun_cost({**record, "pool_factor_rate": None}) == {}
+    quiet = bench_scale.rerun_cost({**record, "report": {"overflow": "[]"}})
+    assert quiet == {"overflow_rate_planned": 0.01, "overflow_steps": []}
