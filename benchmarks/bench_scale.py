@@ -270,6 +270,7 @@ def main(argv=None) -> int:
                                       args.all_ranks)
             if (run[0].name, run[1], run[2], run[3]) not in done]
     failed = False
+    this_call = {k: v for k, v in scale_header().items() if k in ("commit", "date")}
     for index, (layout, rank, arm, factor) in enumerate(todo, 1):
         elapsed = time.perf_counter() - started
         if elapsed > args.time_budget:
@@ -279,7 +280,7 @@ def main(argv=None) -> int:
         print(f"[{index}/{len(todo)}] {layout.name} rank {rank} (stage {layout.stage(rank)}) "
               f"{arm} cf {factor:g} ({elapsed:.0f} s)", flush=True)
         record = run_arm(layout, rank, arm, factor, tmp, args.arm_timeout)
-        record.update({k: v for k, v in scale_header().items() if k in ("commit", "date")})
+        record.update(this_call)
         print(f"    {record['status']} in {record['wall_s']} s", flush=True)
         failed = failed or record["status"] == "failed"
         result["runs"].append(record)
