@@ -28,8 +28,8 @@ EXTENSION_NAME = "megatron_paging_kernels"
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (CSRC / "paging_tile.cu", CSRC / "paging_bulk.cu", CSRC / "paging_ops.cpp",
            CSRC / "weighted_swiglu.cu", CSRC / "weighted_swiglu_ops.cpp")
-HEADERS = (CSRC / "paging.h", CSRC / "paging_device.cuh", CSRC / "paging_bulk_pipe.cuh",
-           CSRC / "weighted_swiglu.h")
+HEADERS = (CSRC / "paging.h", CSRC / "paging_device.cuh", CSRC / "paging_launch.cuh",
+           CSRC / "paging_bulk_pipe.cuh", CSRC / "weighted_swiglu.h")
 _DEFAULT_CUDA_HOME = "/usr/local/cuda"
 
 

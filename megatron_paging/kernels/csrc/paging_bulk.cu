@@ -24,6 +24,7 @@
 #include "paging.h"
 #include "paging_bulk_pipe.cuh"
 #include "paging_device.cuh"
+#include "paging_launch.cuh"
 
 namespace megatron_paging {
 namespace {

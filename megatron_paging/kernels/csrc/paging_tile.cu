@@ -8,6 +8,7 @@
 
 #include "paging.h"
 #include "paging_device.cuh"
+#include "paging_launch.cuh"
 
 namespace megatron_paging {
 namespace {

@@ -1,0 +1,82 @@
+// Host side of a launch, shared by both copy paths (paging_tile.cu, paging_bulk.cu): the kernel
+// parameter blocks, the grid, and the occupancy query it is bounded by.
+
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "paging.h"
+#include "paging_device.cuh"
+
+namespace megatron_paging {
+namespace device {
+
+inline PagingArgs make_args(const CopyLaunch& launch, int64_t tile_bytes) {
+  PagingArgs args{};
+  args.user = launch.user;
+  args.live_rows = launch.live_rows;
+  args.page_record = launch.page_record;
+  args.record_slots = launch.record_slots;
+  args.max_slots = launch.layout.max_slots;
+  args.spilled_to_host = launch.spilled_to_host;
+  args.record_state = launch.record_state;
+  args.pool = launch.pool;
+  const int64_t page_bytes = launch.pool.page_size * launch.pool.row_bytes;
+  args.tile_bytes = std::min(tile_bytes, page_bytes);
+  args.tiles_per_page = (page_bytes + args.tile_bytes - 1) / args.tile_bytes;
+  args.num_segments = launch.layout.num_segments;
+  return args;
+}
+
+template <int N>
+Segments<N> make_segments(const LayoutView& layout) {
+  Segments<N> seg{};
+  for (int s = 0; s < layout.num_segments; ++s) {
+    seg.start[s] = layout.start[s];
+    seg.rows[s] = layout.rows[s];
+    seg.slot_offset[s] = layout.slot_offset[s];
+  }
+  return seg;
+}
+
+// CTAs that fit on the device at once for kKernel (cached per kernel and device: the occupancy
+// query costs microseconds and every launch needs it). Keyed on the kernel itself, not its type:
+// every kernel of both paths has the same type. A persistent grid: more CTAs would only queue
+// behind the resident ones.
+template <auto kKernel>
+cudaError_t resident_ctas(int threads, size_t smem, int64_t* out) {
+  constexpr int kDevices = 64;
+  static int64_t cached[kDevices] = {};
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (device >= 0 && device < kDevices && cached[device] > 0) {
+    *out = cached[device];
+    return cudaSuccess;
+  }
+  int sms = 0;
+  int per_sm = 0;
+  err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess) {
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, threads, smem);
+  }
+  if (err != cudaSuccess) return err;
+  *out = std::max<int64_t>(int64_t{sms} * per_sm, 1);
+  if (device >= 0 && device < kDevices) cached[device] = *out;
+  return cudaSuccess;
+}
+
+// The grid never exceeds max_ctas, the tiles a full record could need (or, for a stash, the
+// blocks that zero its page record), or what fits on the device at once.
+inline int64_t grid_size(const CopyLaunch& launch, const PagingArgs& args, int threads,
+                         int64_t resident) {
+  const int64_t zero_blocks = launch.reload ? 0 : (args.record_slots + threads - 1) / threads;
+  const int64_t work = std::max(args.max_slots * args.tiles_per_page, zero_blocks);
+  return std::max<int64_t>(1, std::min({int64_t{launch.max_ctas}, work, resident}));
+}
+
+}  // namespace device
+}  // namespace megatron_paging
