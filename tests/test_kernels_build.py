@@ -145,6 +145,19 @@ def test_every_source_is_listed_and_the_paths_are_named():
     assert set(build.SOURCES) | set(build.HEADERS) == set(build.CSRC.glob("*.[ch]*"))
 
 
+
+def test_copy_kernels_wait_for_the_previous_kernel_before_touching_memory():
+    """Launched as programmatic dependents, the copy kernels may start before the previous kernel
+    on the stream has finished: each waits before its first global-memory access (the ring
+    state), and no launch bypasses the programmatic launch."""
+    for name in ("paging_tile.cu", "paging_bulk.cu"):
+        source = (build.CSRC / name).read_text()
+        kernel = source[source.index("__global__"):]
+        assert kernel.index("device::wait_for_previous_kernel();") < kernel.index(
+            "device::read_state"), name
+        assert "<<<" not in source and "launch_after_previous<" in source, name
+
+
 def test_resolve_arch():
     assert build.resolve_arch("9.0") == "9.0"
     assert build.resolve_arch("10.0+PTX") == "10.0"

@@ -149,8 +149,6 @@ __device__ void walk_tiles_dynamic(const PagingArgs& a, const Segments<N>& seg,
 template <bool kReload, int N>
 __global__ void __launch_bounds__(kThreads, 1)
     bulk_kernel(const __grid_constant__ PagingArgs a, const __grid_constant__ Segments<N> seg) {
-  const device::RingState state = device::read_state<kReload>(a);
-
   __shared__ Plan<N> plan;
   __shared__ Ring bulk_ring;
   extern __shared__ __align__(128) uint8_t bulk_stages[];
@@ -158,8 +156,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   const bool issuer = threadIdx.x == 0;
   Pipe pipe;
   // Before the plan: the barrier inside make_plan is not needed for the mbarriers (only this
-  // thread uses them), but their initialization then overlaps the plan's loads.
+  // thread uses them). Shared memory only, so it also goes before the wait for the previous
+  // kernel, and overlaps that kernel's completion.
   if (issuer) pipe.init(&bulk_ring, bulk_stages);
+  device::wait_for_previous_kernel();
+  const device::RingState state = device::read_state<kReload>(a);
 
   device::make_plan(a, seg, plan);
   const Decision d = device::decide<kReload>(a, plan, state);
@@ -259,9 +260,8 @@ cudaError_t launch_bulk_with(const CopyLaunch& launch, cudaStream_t stream) {
                                                        &resident);
   if (err != cudaSuccess) return err;
   const int64_t grid = device::grid_size(launch, args, kThreads, resident);
-  bulk_kernel<kReload, N>
-      <<<static_cast<unsigned int>(grid), kThreads, BulkConfig::kSmemBytes, stream>>>(args, seg);
-  return cudaGetLastError();
+  return device::launch_after_previous<bulk_kernel<kReload, N>>(
+      grid, kThreads, BulkConfig::kSmemBytes, stream, args, seg);
 }
 
 template <int N>

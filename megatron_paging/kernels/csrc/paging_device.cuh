@@ -80,6 +80,16 @@ struct Tile {
   int64_t bytes;  // 0: nothing to move for this tile
 };
 
+// Every copy kernel is launched as a programmatic dependent of the previous kernel on its stream
+// (paging_launch.cuh), so that its CTAs are placed and started while that kernel drains instead of
+// after it. Nothing may touch global memory before this returns: it returns once that kernel has
+// completed and its writes are visible. Only kernel parameters and shared memory come before it.
+__device__ __forceinline__ void wait_for_previous_kernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 template <int N>
 __device__ void make_plan(const PagingArgs& a, const Segments<N>& seg, Plan<N>& plan) {
   __shared__ int64_t warp_sums[kPlanThreads / 32];

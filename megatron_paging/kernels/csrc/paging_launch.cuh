@@ -1,11 +1,12 @@
 // Host side of a launch, shared by both copy paths (paging_tile.cu, paging_bulk.cu): the kernel
-// parameter blocks, the grid, and the occupancy query it is bounded by.
+// parameter blocks, the grid, the occupancy query it is bounded by, and the launch itself.
 
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 
 #include "paging.h"
@@ -76,6 +77,62 @@ inline int64_t grid_size(const CopyLaunch& launch, const PagingArgs& args, int t
   const int64_t zero_blocks = launch.reload ? 0 : (args.record_slots + threads - 1) / threads;
   const int64_t work = std::max(args.max_slots * args.tiles_per_page, zero_blocks);
   return std::max<int64_t>(1, std::min({int64_t{launch.max_ctas}, work, resident}));
+}
+
+// Whether kKernel as loaded on `device` may be launched as a programmatic dependent: its code
+// must have been compiled for sm_90 or newer (a build for an older arch leaves
+// wait_for_previous_kernel empty, and its kernels must then wait the ordinary way) and run on
+// such a device. Cached per kernel and device, like resident_ctas.
+template <auto kKernel>
+cudaError_t programmatic_launch_ok(int device, bool* out) {
+  constexpr int kDevices = 64;
+  // 0: not asked yet, 1: no, 2: yes.
+  static std::atomic<int> cached[kDevices] = {};
+  const bool cacheable = device >= 0 && device < kDevices;
+  if (cacheable) {
+    const int c = cached[device].load(std::memory_order_relaxed);
+    if (c != 0) {
+      *out = c == 2;
+      return cudaSuccess;
+    }
+  }
+  cudaFuncAttributes attr{};
+  const cudaError_t err = cudaFuncGetAttributes(&attr, kKernel);
+  if (err != cudaSuccess) return err;
+  *out = attr.ptxVersion >= 90 && attr.binaryVersion >= 90;
+  if (cacheable) cached[device].store(*out ? 2 : 1, std::memory_order_relaxed);
+  return cudaSuccess;
+}
+
+// kKernel<<<grid, threads, smem, stream>>>(params...), as a programmatic dependent of the
+// previous kernel on the stream (see wait_for_previous_kernel). A kernel that does not trigger
+// its dependents early (none of ours does) lets them launch once all its CTAs have exited: the
+// overlap is the launch and start of our CTAs against that kernel's completion (its memory flush
+// and the launch latency between two kernels). Under stream capture the dependency becomes a
+// programmatic graph edge (sm90, CUDA 12.3+), so a replay overlaps the same way.
+template <auto kKernel, typename... Params>
+cudaError_t launch_after_previous(int64_t grid, int threads, size_t smem, cudaStream_t stream,
+                                  const Params&... params) {
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  bool programmatic = false;
+  err = programmatic_launch_ok<kKernel>(device, &programmatic);
+  if (err != cudaSuccess) return err;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned int>(grid));
+  config.blockDim = dim3(static_cast<unsigned int>(threads));
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = &attr;
+  config.numAttrs = programmatic ? 1 : 0;
+  err = cudaLaunchKernelEx(&config, kKernel, params...);
+  // Also clears what a failed launch recorded, so that the next launch's check reports that one.
+  const cudaError_t last = cudaGetLastError();
+  return err != cudaSuccess ? err : last;
 }
 
 }  // namespace device

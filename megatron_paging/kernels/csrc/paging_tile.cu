@@ -23,6 +23,7 @@ static_assert(kThreads >= device::kPlanThreads, "the plan needs kPlanThreads thr
 template <bool kReload, int N>
 __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
     tile_kernel(const __grid_constant__ PagingArgs a, const __grid_constant__ Segments<N> seg) {
+  device::wait_for_previous_kernel();
   const device::RingState state = device::read_state<kReload>(a);
 
   __shared__ Plan<N> plan;
@@ -51,28 +52,31 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
   device::commit<kReload>(a, d);
 }
 
-template <int N>
+template <bool kReload, int N>
 cudaError_t launch_tile_with(const CopyLaunch& launch, cudaStream_t stream) {
   const PagingArgs args = device::make_args(launch, kTileBytes);
   const Segments<N> seg = device::make_segments<N>(launch.layout);
-  auto kernel = launch.reload ? tile_kernel<true, N> : tile_kernel<false, N>;
   int64_t resident = 0;
-  cudaError_t err = launch.reload
-                        ? device::resident_ctas<tile_kernel<true, N>>(kThreads, 0, &resident)
-                        : device::resident_ctas<tile_kernel<false, N>>(kThreads, 0, &resident);
+  const cudaError_t err = device::resident_ctas<tile_kernel<kReload, N>>(kThreads, 0, &resident);
   if (err != cudaSuccess) return err;
   const int64_t grid = device::grid_size(launch, args, kThreads, resident);
-  kernel<<<static_cast<unsigned int>(grid), kThreads, 0, stream>>>(args, seg);
-  return cudaGetLastError();
+  return device::launch_after_previous<tile_kernel<kReload, N>>(grid, kThreads, 0, stream, args,
+                                                                seg);
+}
+
+template <int N>
+cudaError_t launch_tile_n(const CopyLaunch& launch, cudaStream_t stream) {
+  return launch.reload ? launch_tile_with<true, N>(launch, stream)
+                       : launch_tile_with<false, N>(launch, stream);
 }
 
 }  // namespace
 
 cudaError_t launch_tile(const CopyLaunch& launch, cudaStream_t stream) {
   if (launch.layout.num_segments <= kFewSegments) {
-    return launch_tile_with<kFewSegments>(launch, stream);
+    return launch_tile_n<kFewSegments>(launch, stream);
   }
-  return launch_tile_with<kMaxSegments>(launch, stream);
+  return launch_tile_n<kMaxSegments>(launch, stream);
 }
 
 cudaError_t launch_copy(const CopyLaunch& launch, cudaStream_t stream) {
