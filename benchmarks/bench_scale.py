@@ -261,14 +261,17 @@ def main(argv=None) -> int:
     args.out = args.out or default_out("scale")
     started = time.perf_counter()
     result = load_result(args.out)
-    kept = ("ok",) if args.retry_out_of_memory else ("ok", "out of memory")
-    done = {key(r) for r in result["runs"] if r["status"] in kept}
+    planned = [(layout.name, rank, arm, factor) for layout, rank, arm, factor in
+               plan_runs(args.layouts, args.arms, args.capacity_factors, args.all_ranks)]
+    # An out-of-memory record is a result: only a retry of that same arm replaces it.
+    retried = set(planned) if args.retry_out_of_memory else set()
+    done = {key(r) for r in result["runs"] if r["status"] == "ok" or
+            (r["status"] == "out of memory" and key(r) not in retried)}
     result["runs"] = [r for r in result["runs"] if key(r) in done]
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / "bench_scale"
     tmp.mkdir(parents=True, exist_ok=True)
-    todo = [run for run in plan_runs(args.layouts, args.arms, args.capacity_factors,
-                                      args.all_ranks)
-            if (run[0].name, run[1], run[2], run[3]) not in done]
+    todo = [(LAYOUTS[name], rank, arm, factor) for name, rank, arm, factor in planned
+            if (name, rank, arm, factor) not in done]
     failed = False
     this_call = {k: v for k, v in scale_header().items() if k in ("commit", "date")}
     for index, (layout, rank, arm, factor) in enumerate(todo, 1):

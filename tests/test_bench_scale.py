@@ -155,9 +155,17 @@ def test_resumed_runs_keep_their_commit_and_out_of_memory_arms_can_be_retried(tm
     runs = json.loads(out.read_text())["runs"]
     assert [(r["rank"], r["commit"], r["date"]) for r in runs] == [(0, "old", "then"),
                                                                   (224, "new", "today")]
-    assert bench_scale.main([*argv, "--retry-out-of-memory"]) == 0 and len(calls) == 3
+    # A retry of other arms keeps this arm's out-of-memory record as it is.
+    other = ["--layouts", "qwen3_235b", "--arms", "recompute", "--capacity-factors", "2.0",
+             "--out", str(out), "--retry-out-of-memory"]
+    assert bench_scale.main(other) == 0 and len(calls) == 2
     runs = json.loads(out.read_text())["runs"]
-    assert sorted((r["rank"], r["commit"]) for r in runs) == [(0, "new"), (224, "new")]
+    assert [(r["arm"], r["rank"], r["commit"]) for r in runs] == [
+        ("unpaged", 0, "old"), ("unpaged", 224, "new"), ("recompute", 0, "new")]
+    assert bench_scale.main([*argv, "--retry-out-of-memory"]) == 0 and len(calls) == 4
+    runs = json.loads(out.read_text())["runs"]
+    assert sorted((r["rank"], r["commit"]) for r in runs if r["arm"] == "unpaged") == [
+        (0, "new"), (224, "new")]
 
 
 def test_rerun_cost_is_the_extra_time_of_reran_steps_at_the_planned_rate():
