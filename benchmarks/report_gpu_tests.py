@@ -12,13 +12,21 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from portable import dumps
 
-COMMAND = ("GIT_COMMIT=<commit> PYTEST_WORKERS=8 TESTS_LIMIT_S=520 "
-           "bash scripts/gpu_check.sh info build tests")
+SUITE_SETTINGS = ("PYTEST_WORKERS", "TESTS_LIMIT_S", "PYTEST_TARGETS", "PYTEST_EXTRA")
+
+
+def command_line(environ) -> str:
+    """The gpu_check.sh call that ran the suite, with the settings it ran under (a run of some
+    test files names them: its counts are not the whole suite's)."""
+    settings = [f"{name}={shlex.quote(environ[name])}" for name in SUITE_SETTINGS
+                if environ.get(name)]
+    return " ".join(["GIT_COMMIT=<commit>", *settings, "bash scripts/gpu_check.sh info build tests"])
 
 
 def summarize(xml_path: Path) -> dict:
@@ -70,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None:
         result = {"benchmark": "gpu_tests", "gpu": args.gpu or _gpu_name(),
                   "date": summary.pop("date"), "commit": os.environ.get("GIT_COMMIT", "unknown"),
-                  "command": COMMAND, **summary}
+                  "command": command_line(os.environ), **summary}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(dumps(result))
     return 0

@@ -43,6 +43,14 @@ def test_a_suite_becomes_a_result_file(tmp_path, monkeypatch, capsys):
     assert "FAILED tests/test_a.py::test_bad: assert 1 == 2" in printed
 
 
+def test_the_command_names_the_settings_the_suite_ran_under():
+    """A run of some test files records them: its counts are not the whole suite's."""
+    plain = report_gpu_tests.command_line({"PYTEST_WORKERS": "8", "HOME": "/root"})
+    assert plain == "GIT_COMMIT=<commit> PYTEST_WORKERS=8 bash scripts/gpu_check.sh info build tests"
+    some = report_gpu_tests.command_line({"PYTEST_TARGETS": "tests/test_a.py tests/test_b.py"})
+    assert "PYTEST_TARGETS='tests/test_a.py tests/test_b.py' bash" in some
+
+
 def test_a_missing_file_is_refused_in_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         report_gpu_tests.main([str(tmp_path / "none.xml")])
