@@ -26,7 +26,8 @@ def command_line(environ) -> str:
     test files names them: its counts are not the whole suite's)."""
     settings = [f"{name}={shlex.quote(environ[name])}" for name in SUITE_SETTINGS
                 if environ.get(name)]
-    return " ".join(["GIT_COMMIT=<commit>", *settings, "bash scripts/gpu_check.sh info build tests"])
+    call = "bash scripts/gpu_check.sh info build tests"
+    return " ".join(["GIT_COMMIT=<commit>", *settings, call])
 
 
 def summarize(xml_path: Path) -> dict:

@@ -46,7 +46,8 @@ def test_a_suite_becomes_a_result_file(tmp_path, monkeypatch, capsys):
 def test_the_command_names_the_settings_the_suite_ran_under():
     """A run of some test files records them: its counts are not the whole suite's."""
     plain = report_gpu_tests.command_line({"PYTEST_WORKERS": "8", "HOME": "/root"})
-    assert plain == "GIT_COMMIT=<commit> PYTEST_WORKERS=8 bash scripts/gpu_check.sh info build tests"
+    assert plain == ("GIT_COMMIT=<commit> PYTEST_WORKERS=8 "
+                     "bash scripts/gpu_check.sh info build tests")
     some = report_gpu_tests.command_line({"PYTEST_TARGETS": "tests/test_a.py tests/test_b.py"})
     assert "PYTEST_TARGETS='tests/test_a.py tests/test_b.py' bash" in some
 
