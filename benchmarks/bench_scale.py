@@ -45,6 +45,7 @@ STEP_MEMORY = re.compile(r"step-memory iteration=(\d+) peak_allocated_mib=([\d.]
 OOM = re.compile(r"CUDA out of memory|OutOfMemoryError")
 # What a failed arm's post-mortem needs besides the traceback: how far it got and what paging did
 PROGRESS = re.compile(r"iteration\s+\d+/|step-memory |overflow at |paging[:-]|OutOfMemoryError")
+PEAK_OWNERS = "paging-example memory"  # examples/step_probe.py's breakdown lines
 TRAIN_ITERS = 5  # step 1 calibrates, 2 allocates lazily; 3-5 are the steady state
 
 
@@ -117,6 +118,11 @@ def run_arm(layout, rank: int, arm: str, capacity_factor: float, tmp: Path, time
         losses=losses,
         grad_checksums=grads,
     )
+    # With MEGATRON_PAGING_BENCH_MEMORY_ITER set, the example names what holds the peak: kept,
+    # so that a plan that misses the measured peak can be compared with it tensor by tensor.
+    owners = [line.strip()[:300] for line in log.splitlines() if PEAK_OWNERS in line]
+    if owners:
+        record["peak_owners"] = owners[:120]
     return record
 
 

@@ -59,6 +59,18 @@ def test_an_arm_is_read_from_the_examples_output(tmp_path, monkeypatch):
     assert record["losses"] == ["0x1.0p+0"] and record["grad_checksums"] == ["0x1.8p-3"]
     assert record["report"]["steady_peak_allocated_mib"] == "51234.5"
     assert record["step_peaks_mib"] == {3: 51234.5}
+    assert "peak_owners" not in record
+
+
+def test_the_peaks_owners_are_kept_when_the_example_names_them(tmp_path, monkeypatch):
+    """MEGATRON_PAGING_BENCH_MEMORY_ITER makes the example print what holds the peak."""
+    owners = ["paging-example memory-fb allocated peak above trace start: 9000.0 MiB",
+              "paging-example memory-fb     4000.0 MiB     75 blocks  attention.py:260 forward"]
+    log = "\n".join([LOG, *owners])
+    monkeypatch.setattr(bench_scale.subprocess, "run", lambda cmd, **kw: (
+        subprocess.CompletedProcess(cmd, 0, log, "")))
+    record = bench_scale.run_arm(LAYOUTS["qwen3_235b"], 224, "unpaged", 2.0, tmp_path, 10)
+    assert record["status"] == "ok" and record["peak_owners"] == owners
 
 
 def test_out_of_memory_is_recorded_not_raised(tmp_path, monkeypatch):
