@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from arm_names import NAMING, NAMING_KEY, current_name, named_by_plan  # noqa: E402
 from common import default_out, header, print_table, require_gpu  # noqa: E402
@@ -147,7 +149,12 @@ def read_loss_log(loss_log: Path) -> tuple[list[str], list[str]]:
 
 
 def scale_header() -> dict:
-    return header("scale", **{NAMING_KEY: NAMING})
+    """The common fields, plus the GPU's memory: what "fits" means for every arm of the file."""
+    extra = {NAMING_KEY: NAMING}
+    if torch.cuda.is_available():
+        extra["device_memory_mib"] = round(torch.cuda.get_device_properties(0).total_memory
+                                           / 2**20, 1)
+    return header("scale", **extra)
 
 
 def load_result(path: Path) -> dict:

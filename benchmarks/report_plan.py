@@ -117,7 +117,8 @@ def compare_files(predictions: dict, measured: dict) -> dict:
         "predictions": {"commit": predictions.get("commit"), "date": predictions.get("date"),
                         "constants": predictions.get("constants")},
         "measured": {"commit": measured.get("commit"), "date": measured.get("date"),
-                     "gpu": measured.get("gpu")},
+                     "gpu": measured.get("gpu"),
+                     "device_memory_mib": measured.get("device_memory_mib")},
         "runs": rows,
         "per_arm": per_arm(rows),
         "measured_without_prediction": unpredicted,
@@ -183,6 +184,10 @@ def plot(result: dict, png: Path) -> None:
     for i, r in enumerate(runs):
         if r["status"] != "ok":
             peaks.text(i + 0.2, 1, r["status"], rotation=90, ha="center", va="bottom", fontsize=7)
+    memory = result["measured"].get("device_memory_mib")
+    if memory:  # files written before the scale benchmark recorded it have none
+        peaks.axhline(memory / 1024, color="gray", linestyle="--", linewidth=1,
+                      label="GPU memory")
     peaks.set_ylabel("peak GiB")
     peaks.set_title(f"plan vs measured on {result['measured']['gpu']} "
                     f"(commit {str(result['measured']['commit'])[:10]})", fontsize=9)

@@ -193,3 +193,16 @@ def test_rerun_cost_is_the_extra_time_of_reran_steps_at_the_planned_rate():
     assert bench_scale.rerun_cost({**record, "pool_factor_rate": None}) == {}
     quiet = bench_scale.rerun_cost({**record, "report": {"overflow": "[]"}})
     assert quiet == {"overflow_rate_planned": 0.01, "overflow_steps": []}
+
+
+def test_the_file_records_the_gpus_memory(monkeypatch):
+    """What "fits" means for every arm of a scale file: the GPU's total memory (faked here)."""
+    class Props:
+        total_memory = 150 * 2**30
+
+    monkeypatch.setattr(bench_scale.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench_scale.torch.cuda, "get_device_properties", lambda i: Props())
+    monkeypatch.setattr(bench_scale, "header", lambda name, **extra: {"benchmark": name, **extra})
+    assert bench_scale.scale_header()["device_memory_mib"] == 150 * 1024
+    monkeypatch.setattr(bench_scale.torch.cuda, "is_available", lambda: False)
+    assert "device_memory_mib" not in bench_scale.scale_header()

@@ -94,7 +94,7 @@ PREDICTIONS = {"commit": "c", "date": "d", "constants": {"workspace_mib": 68.2},
     {"layout": "l", "rank": 0, "arm": "recompute", "capacity_factor": 2.0,
      "plan_arm": "recompute", "flags": ["--r"], "predicted": {"peak_mib": 500.0}},
 ]}
-MEASURED = {"commit": "m", "gpu": "H200", "runs": [
+MEASURED = {"commit": "m", "gpu": "H200", "device_memory_mib": 143771.0, "runs": [
     {"layout": "l", "rank": 0, "arm": "unpaged", "capacity_factor": 2.0, "status": "ok",
      "flags": ["--a"], "report": {"steady_peak_allocated_mib": "100.0",
                                   "steady_fb_peak_allocated_mib": "100.0", "param_mib": "10.0",
@@ -133,6 +133,7 @@ def test_report_computes_relative_error_per_run_and_per_arm(tmp_path):
                                                      ["l", 9, "paged.deterministic", 2.0]]
     assert result["per_arm"]["unpaged"]["peak_relative_error"]["max"] == pytest.approx(0.10)
     assert result["per_arm"]["recompute"] == {"runs": 0, "not_ok": 1}
+    assert result["measured"]["device_memory_mib"] == 143771.0  # the figure's "fits" line
     text = report_plan.format_rows(result)
     assert "10.00%" in text and "out of memory" in text and "(plan of paged)" in text
     pred, meas = tmp_path / "p.json", tmp_path / "scale_x.json"
