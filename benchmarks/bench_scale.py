@@ -286,7 +286,9 @@ def main(argv=None) -> int:
     todo = [(LAYOUTS[name], rank, arm, factor) for name, rank, arm, factor in planned
             if (name, rank, arm, factor) not in done]
     failed = False
-    this_call = {k: v for k, v in scale_header().items() if k in ("commit", "date")}
+    # Read once per call (git, the device): every arm's record and each write of the file use it.
+    call_header = scale_header()
+    this_call = {k: v for k, v in call_header.items() if k in ("commit", "date")}
     for index, (layout, rank, arm, factor) in enumerate(todo, 1):
         elapsed = time.perf_counter() - started
         if elapsed > args.time_budget:
@@ -302,7 +304,7 @@ def main(argv=None) -> int:
         result["runs"].append(record)
         result["summary"] = summarize(result["runs"])
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(dumps({**result, **scale_header()}))
+        args.out.write_text(dumps({**result, **call_header}))
     rows = result.get("summary", [])
     print_table(
         ["layout", "rank", "arm", "cf", "status", "peak MiB", "fb MiB", "x unpaged", "step x",

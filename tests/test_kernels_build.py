@@ -145,7 +145,6 @@ def test_every_source_is_listed_and_the_paths_are_named():
     assert set(build.SOURCES) | set(build.HEADERS) == set(build.CSRC.glob("*.[ch]*"))
 
 
-
 def test_copy_kernels_wait_for_the_previous_kernel_before_touching_memory():
     """Launched as programmatic dependents, the copy kernels may start before the previous kernel
     on the stream has finished: each waits before its first global-memory access (the ring
