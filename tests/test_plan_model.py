@@ -48,6 +48,23 @@ def test_saved_activations_by_hand():
     assert S.mlp_saved(TINY, d, 16) == 2 * 4 * 16 * 3
 
 
+def test_qk_norms_keep_a_query_copy_only_when_its_reshape_cannot_view_qkv():
+    qk = dataclasses.replace(TINY, qk_layernorm=True)
+    d = S.dims(qk, ONE)
+    # 2 heads in 2 groups: query is a view into qkv; the norms add only fp32 rstd per head row
+    assert S.qk_norms_saved(qk, d) == 4 * 4 * (2 + 2)
+    assert S.attention_saved(qk, d) == S.attention_saved(TINY, d) + 64
+    one_group = dataclasses.replace(qk, query_groups=1)  # one group: still a view
+    assert S.qk_norms_saved(one_group, S.dims(one_group, ONE)) == 4 * 4 * (2 + 1)
+    gqa = dataclasses.replace(qk, heads=4, query_groups=2)  # 2 groups of 2: a bf16 copy
+    assert S.qk_norms_saved(gqa, S.dims(gqa, ONE)) == 2 * 4 * 4 * 4 + 4 * 4 * (4 + 2)
+    # without rope the norms' outputs are the new q and k that SDPA keeps
+    no_rope = dataclasses.replace(qk, rotary_dim=0)
+    bare = dataclasses.replace(TINY, rotary_dim=0)
+    d0 = S.dims(bare, ONE)
+    assert S.attention_saved(no_rope, d0) == S.attention_saved(bare, d0) + 128 + 64
+
+
 def test_working_sets_by_hand():
     d = S.dims(TINY, ONE)
     assert S.attention_working_set(TINY, d) == 2 * 4 * (2 * 4 + 2 * (2 + 4) * 4)

@@ -270,9 +270,10 @@ def attention_saved(model: ModelShape, d: Dims) -> int:
     if model.mla is None:
         g, hd = d.groups, model.kv_channels
         qkv = BF16 * t * (n + 2 * g) * hd  # the fused qkv output: value is a view into it
-        roped = BF16 * t * (n + g) * hd if model.rotary_dim else 0  # rope's new q and k
+        # rope's (or, without rope, the qk norms') new q and k
+        new_qk = BF16 * t * (n + g) * hd if model.rotary_dim or model.qk_layernorm else 0
         cos_sin = 2 * BF16 * t * model.rotary_dim
-        return qkv + roped + cos_sin + BF16 * t * n * hd + FP32 * t * n
+        return qkv + new_qk + cos_sin + qk_norms_saved(model, d) + BF16 * t * n * hd + FP32 * t * n
     m = model.mla
     qk = m.qk_head_dim + m.qk_pos_dim
     q_lora = 2 * BF16 * t * m.q_lora_rank if m.q_lora_rank else 0  # down output + its norm
@@ -280,6 +281,17 @@ def attention_saved(model: ModelShape, d: Dims) -> int:
     qkv = BF16 * t * n * (2 * qk + m.v_head_dim)  # query, key (rope concatenated), value
     cos_sin = 2 * BF16 * t * m.qk_pos_dim
     return q_lora + kv_lora + qkv + cos_sin + BF16 * t * n * m.v_head_dim + FP32 * t * n
+
+
+def qk_norms_saved(model: ModelShape, d: Dims) -> int:
+    """``--qk-layernorm``: the query and key norms keep their inputs and fp32 rstd per head row.
+    Key's input is a view into the qkv output; query's is a copy whenever there are several
+    groups of several queries (its reshape cannot view qkv's group-interleaved layout)."""
+    if not model.qk_layernorm or model.mla is not None:
+        return 0
+    t, n, g = d.tokens, d.heads, d.groups
+    query_copy = BF16 * t * n * model.kv_channels if g > 1 and n > g else 0
+    return query_copy + FP32 * t * (n + g)
 
 
 def residual_saved(model: ModelShape, d: Dims) -> int:
