@@ -179,11 +179,15 @@ __global__ void __launch_bounds__(kThreads, 1)
                     (a.pool.row_bytes & 15) == 0 && (a.tile_bytes & 15) == 0 &&
                     a.tile_bytes <= BulkConfig::kTileBytes;
   const int64_t tiles = plan.total_pages * a.tiles_per_page;
+  // Uniform across the grid: a pool whose counter has no ticket entry never takes the ticket.
+  const bool has_ticket = a.pool.tile_ticket != nullptr && tiles < (int64_t{1} << 31);
+  const TileOrder order = adaptive_order(tiles, has_ticket);
+  // Only the ticket order must arrive at the end (after each CTA's last ticket); every other
+  // launch arrives now, so that the ticket's round trip overlaps the copies (paging_device.cuh).
+  const bool ticketed = solo && order == TileOrder::kDynamic;
+  const unsigned int arrived = ticketed ? 0u : device::arrive(a);
 
   if (solo) {
-    // Uniform across the CTA: a pool whose counter has no ticket entry never takes the ticket.
-    const bool has_ticket = a.pool.tile_ticket != nullptr && tiles < (int64_t{1} << 31);
-    const TileOrder order = adaptive_order(tiles, has_ticket);
     if (threadIdx.x >= 32) {
       // Nothing to walk: straight to the slot zeroing and the commit barrier.
     } else if (order == TileOrder::kInterleaved) {
@@ -225,8 +229,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (issuer) pipe.drain();
   // The slot zeroing overlaps the last stores' writes; it touches only page_record.
   if constexpr (!kReload) device::zero_unfilled_slots(a, seg, plan, d);
-  if (issuer) pipe.finish();
-  device::commit<kReload>(a, d);
+  if (ticketed) {
+    if (issuer) pipe.finish();
+    device::commit<kReload>(a, d);
+  } else {
+    if (issuer) pipe.release();
+    device::publish<kReload>(a, d, arrived);
+  }
 }
 
 // Raise the kernel's dynamic shared-memory limit once per device (the attribute belongs to the

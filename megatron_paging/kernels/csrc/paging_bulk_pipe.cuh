@@ -142,7 +142,17 @@ struct BulkPipe {
     while (pending > 0) store_oldest();
   }
 
-  // Wait until every bulk store has written global memory. Must precede the commit and the exit.
+  // Wait until every bulk store has read its shared-memory stage: all a CTA that arrived before
+  // its copies needs before it exits (its counters are published already; the payload reaches
+  // global memory before the grid completes, which is when the next kernel on the stream reads).
+  __device__ void release() {
+#if MEGATRON_PAGING_BULK_ARCH
+    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+#endif
+  }
+
+  // Wait until every bulk store has written global memory. Must precede a commit at the end of
+  // the kernel (the ticket order) and the exit.
   __device__ void finish() {
 #if MEGATRON_PAGING_BULK_ARCH
     // Not .read: the writes themselves must be complete, for two reasons. (1) The CTA's shared

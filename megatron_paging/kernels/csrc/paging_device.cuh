@@ -142,7 +142,7 @@ __device__ void make_plan(const PagingArgs& a, const Segments<N>& seg, Plan<N>& 
 }
 
 // The ring and flag state a launch decides from. Read first thing in every kernel, so that the
-// loads' latency overlaps the live-count loads of the plan; nothing writes it before commit().
+// loads' latency overlaps the live-count loads of the plan; nothing writes it before publish().
 struct RingState {
   int64_t overflow;
   int64_t head[2];
@@ -268,15 +268,24 @@ __device__ void zero_unfilled_slots(const PagingArgs& a, const Segments<N>& seg,
   }
 }
 
-// Commit: the last CTA to arrive publishes the new ring counter and flags. Every thread of the
-// CTA must call it after its own writes are issued.
-template <bool kReload>
-__device__ void commit(const PagingArgs& a, const Decision& d) {
-  __syncthreads();
-  if (threadIdx.x != 0) return;
+// Commit, in two halves. arrive(): thread 0 takes the CTA's ticket on the per-pool counter. A CTA
+// may arrive as soon as it has made its last read of what publish() writes (ring head/tail, flags,
+// the record's state word: all read by read_state before make_plan's barriers) and, in the
+// ticket order, its last tile ticket. publish(): the CTA that arrived last writes the new ring
+// counter, state word and flags, and resets the counters. The ticket is a load that is not
+// waited for until publish(), so an early arrival's round trip overlaps the CTA's copies instead
+// of following them. Within the launch the counters may then run ahead of the payload; nothing
+// reads them before the launch completes (stashes and reloads of a pool are ordered on one
+// stream, and a dependent launch waits for the whole grid).
+__device__ __forceinline__ unsigned int arrive(const PagingArgs& a) {
+  if (threadIdx.x != 0) return 0u;
   __threadfence();
-  const unsigned int arrived = atomicAdd(a.pool.done_counter, 1u);
-  if (arrived != gridDim.x - 1) return;
+  return atomicAdd(a.pool.done_counter, 1u);
+}
+
+template <bool kReload>
+__device__ void publish(const PagingArgs& a, const Decision& d, unsigned int arrived) {
+  if (threadIdx.x != 0 || arrived != gridDim.x - 1) return;
   // Atomic: the flags are shared by every pool of a paging context.
   auto* flags = reinterpret_cast<unsigned long long*>(a.pool.flags);
   if constexpr (!kReload) {
@@ -294,6 +303,14 @@ __device__ void commit(const PagingArgs& a, const Decision& d) {
   *a.pool.done_counter = 0u;
   // Every CTA took its last ticket before it arrived, so no one reads the ticket any more.
   if (a.pool.tile_ticket != nullptr) *a.pool.tile_ticket = 0u;
+}
+
+// Both halves at the end of the kernel, after the CTA's own writes are issued: the order that
+// takes tile tickets (every CTA must have taken its last one before the ticket is reset).
+template <bool kReload>
+__device__ void commit(const PagingArgs& a, const Decision& d) {
+  __syncthreads();
+  publish<kReload>(a, d, arrive(a));
 }
 
 // ---- CTA-cooperative byte movement (the tile path; the bulk path uses it for the host tier) --
