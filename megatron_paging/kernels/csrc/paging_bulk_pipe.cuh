@@ -151,23 +151,6 @@ struct BulkPipe {
 #endif
   }
 
-  // Wait until every bulk store has written global memory. Must precede a commit at the end of
-  // the kernel (the ticket order) and the exit.
-  __device__ void finish() {
-#if MEGATRON_PAGING_BULK_ARCH
-    // Not .read: the writes themselves must be complete, for two reasons. (1) The CTA's shared
-    // memory may not be released while a store still reads it. (2) The commit publishes the ring
-    // counters as soon as the last CTA arrives; after this wait the payload is performed, and the
-    // commit's __syncthreads + __threadfence + atomicAdd then order it before the counters at
-    // GPU scope. The proxy fence makes that ordering explicit for writes made through the async
-    // proxy (PTX already gives completed async writes an implicit proxy fence; one instruction
-    // per CTA buys not depending on that). Later kernels on the stream would see the payload
-    // through the kernel boundary anyway; this keeps the counters from ever running ahead of
-    // the bytes for any observer of the counters.
-    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-    asm volatile("fence.proxy.async.global;" ::: "memory");
-#endif
-  }
 };
 
 }  // namespace bulk

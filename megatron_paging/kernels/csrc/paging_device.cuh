@@ -268,15 +268,15 @@ __device__ void zero_unfilled_slots(const PagingArgs& a, const Segments<N>& seg,
   }
 }
 
-// Commit, in two halves. arrive(): thread 0 takes the CTA's ticket on the per-pool counter. A CTA
-// may arrive as soon as it has made its last read of what publish() writes (ring head/tail, flags,
-// the record's state word: all read by read_state before make_plan's barriers) and, in the
-// ticket order, its last tile ticket. publish(): the CTA that arrived last writes the new ring
-// counter, state word and flags, and resets the counters. The ticket is a load that is not
-// waited for until publish(), so an early arrival's round trip overlaps the CTA's copies instead
-// of following them. Within the launch the counters may then run ahead of the payload; nothing
-// reads them before the launch completes (stashes and reloads of a pool are ordered on one
-// stream, and a dependent launch waits for the whole grid).
+// Commit, in two halves. arrive(): thread 0 counts the CTA in on the per-pool counter, as soon as
+// the CTA has made its last read of what publish() writes (ring head/tail, flags, the record's
+// state word: all read by read_state before make_plan's barriers). The atomic's result is not
+// waited for until publish(), so its round trip overlaps the CTA's copies instead of following
+// them. publish(): the CTA that arrived last writes the new ring counter, state word and flags
+// and resets the counter (the bulk path's tile ticket is reset by its last taker). Within the
+// launch the counters may run ahead of the payload; nothing reads them before the launch
+// completes (a pool's stashes and reloads are ordered on one stream, and a dependent launch
+// waits for the whole grid).
 __device__ __forceinline__ unsigned int arrive(const PagingArgs& a) {
   if (threadIdx.x != 0) return 0u;
   __threadfence();
@@ -301,16 +301,6 @@ __device__ void publish(const PagingArgs& a, const Decision& d, unsigned int arr
     if (d.invalid_reload) atomicOr(flags + 2, static_cast<unsigned long long>(kInvalidReload));
   }
   *a.pool.done_counter = 0u;
-  // Every CTA took its last ticket before it arrived, so no one reads the ticket any more.
-  if (a.pool.tile_ticket != nullptr) *a.pool.tile_ticket = 0u;
-}
-
-// Both halves at the end of the kernel, after the CTA's own writes are issued: the order that
-// takes tile tickets (every CTA must have taken its last one before the ticket is reset).
-template <bool kReload>
-__device__ void commit(const PagingArgs& a, const Decision& d) {
-  __syncthreads();
-  publish<kReload>(a, d, arrive(a));
 }
 
 // ---- CTA-cooperative byte movement (the tile path; the bulk path uses it for the host tier) --
