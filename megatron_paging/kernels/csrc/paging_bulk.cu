@@ -7,7 +7,7 @@
 // Why: the tile path needs 4 CTAs x 256 threads per SM issuing 16-byte loads to keep enough
 // bytes in flight; here one thread keeps kLoadsAhead tiles of loads in flight, so one CTA
 // per SM reaches the copy rate, and the other 255 threads only help with the plan (and, for a
-// stash, the zeroing of unfilled record slots) and then sleep at the commit barrier, leaving
+// stash, the zeroing of unfilled record slots) and then exit, leaving
 // issue slots to whatever compute kernel shares the SM.
 //
 // Tiles the copy engine may not take go through the cooperative copy of the tile path instead,
@@ -132,9 +132,17 @@ __device__ void walk_tiles_dynamic(const PagingArgs& a, const Segments<N>& seg,
                                    int64_t tiles) {
   const int lane = threadIdx.x & 31;
   unsigned int* const ticket = a.pool.tile_ticket;
+  // Every CTA takes tickets until one is past the last tile, so the launch takes exactly
+  // ceil(tiles / kTicketTiles) + gridDim.x tickets. The CTA holding the last of them is the
+  // last to read the ticket: it resets it to 0 for the next launch, with no wait on the others.
+  const unsigned int last_ticket = static_cast<unsigned int>(
+      ((tiles + kTicketTiles - 1) / kTicketTiles + gridDim.x - 1) * kTicketTiles);
   auto take = [&]() -> int64_t {
     unsigned int got = 0;
-    if (lane == 0) got = atomicAdd(ticket, static_cast<unsigned int>(kTicketTiles));
+    if (lane == 0) {
+      got = atomicAdd(ticket, static_cast<unsigned int>(kTicketTiles));
+      if (got == last_ticket) *ticket = 0u;
+    }
     return static_cast<int64_t>(__shfl_sync(0xffffffffu, got, 0));
   };
   int64_t next = take();
@@ -174,18 +182,20 @@ __global__ void __launch_bounds__(kThreads, 1)
   // and at pages + page_id * page_size * rb + lo, with lo a multiple of tile_bytes, and ends at
   // min(lo + tile_bytes, rows * rb); all multiples of 16 when the bases, rb and tile_bytes are.
   // Then warp 0 alone walks the tiles and the other threads skip straight to the stash's slot
-  // zeroing and the commit barrier.
+  // zeroing and exit.
   const bool solo = bulk_tier && aligned16(a.user) && aligned16(a.pool.pages[d.tier]) &&
                     (a.pool.row_bytes & 15) == 0 && (a.tile_bytes & 15) == 0 &&
                     a.tile_bytes <= BulkConfig::kTileBytes;
   const int64_t tiles = plan.total_pages * a.tiles_per_page;
+  // Arrive now, so that the arrival's round trip overlaps the copies (paging_device.cuh).
+  const unsigned int arrived = device::arrive(a);
 
   if (solo) {
     // Uniform across the CTA: a pool whose counter has no ticket entry never takes the ticket.
     const bool has_ticket = a.pool.tile_ticket != nullptr && tiles < (int64_t{1} << 31);
     const TileOrder order = adaptive_order(tiles, has_ticket);
     if (threadIdx.x >= 32) {
-      // Nothing to walk: straight to the slot zeroing and the commit barrier.
+      // Nothing to walk: straight to the slot zeroing.
     } else if (order == TileOrder::kInterleaved) {
       walk_tiles_solo<kReload>(a, seg, plan, d, pipe, blockIdx.x, tiles, gridDim.x);
     } else if (order == TileOrder::kDynamic) {
@@ -225,8 +235,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (issuer) pipe.drain();
   // The slot zeroing overlaps the last stores' writes; it touches only page_record.
   if constexpr (!kReload) device::zero_unfilled_slots(a, seg, plan, d);
-  if (issuer) pipe.finish();
-  device::commit<kReload>(a, d);
+  if (issuer) pipe.release();
+  device::publish<kReload>(a, d, arrived);
 }
 
 // Raise the kernel's dynamic shared-memory limit once per device (the attribute belongs to the

@@ -142,22 +142,15 @@ struct BulkPipe {
     while (pending > 0) store_oldest();
   }
 
-  // Wait until every bulk store has written global memory. Must precede the commit and the exit.
-  __device__ void finish() {
+  // Wait until every bulk store has read its shared-memory stage: all a CTA that arrived before
+  // its copies needs before it exits (its counters are published already; the payload reaches
+  // global memory before the grid completes, which is when the next kernel on the stream reads).
+  __device__ void release() {
 #if MEGATRON_PAGING_BULK_ARCH
-    // Not .read: the writes themselves must be complete, for two reasons. (1) The CTA's shared
-    // memory may not be released while a store still reads it. (2) The commit publishes the ring
-    // counters as soon as the last CTA arrives; after this wait the payload is performed, and the
-    // commit's __syncthreads + __threadfence + atomicAdd then order it before the counters at
-    // GPU scope. The proxy fence makes that ordering explicit for writes made through the async
-    // proxy (PTX already gives completed async writes an implicit proxy fence; one instruction
-    // per CTA buys not depending on that). Later kernels on the stream would see the payload
-    // through the kernel boundary anyway; this keeps the counters from ever running ahead of
-    // the bytes for any observer of the counters.
-    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-    asm volatile("fence.proxy.async.global;" ::: "memory");
+    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
 #endif
   }
+
 };
 
 }  // namespace bulk

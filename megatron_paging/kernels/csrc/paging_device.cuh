@@ -142,7 +142,7 @@ __device__ void make_plan(const PagingArgs& a, const Segments<N>& seg, Plan<N>& 
 }
 
 // The ring and flag state a launch decides from. Read first thing in every kernel, so that the
-// loads' latency overlaps the live-count loads of the plan; nothing writes it before commit().
+// loads' latency overlaps the live-count loads of the plan; nothing writes it before publish().
 struct RingState {
   int64_t overflow;
   int64_t head[2];
@@ -268,15 +268,24 @@ __device__ void zero_unfilled_slots(const PagingArgs& a, const Segments<N>& seg,
   }
 }
 
-// Commit: the last CTA to arrive publishes the new ring counter and flags. Every thread of the
-// CTA must call it after its own writes are issued.
-template <bool kReload>
-__device__ void commit(const PagingArgs& a, const Decision& d) {
-  __syncthreads();
-  if (threadIdx.x != 0) return;
+// Commit, in two halves. arrive(): thread 0 counts the CTA in on the per-pool counter, as soon as
+// the CTA has made its last read of what publish() writes (ring head/tail, flags, the record's
+// state word: all read by read_state before make_plan's barriers). The atomic's result is not
+// waited for until publish(), so its round trip overlaps the CTA's copies instead of following
+// them. publish(): the CTA that arrived last writes the new ring counter, state word and flags
+// and resets the counter (the bulk path's tile ticket is reset by its last taker). Within the
+// launch the counters may run ahead of the payload; nothing reads them before the launch
+// completes (a pool's stashes and reloads are ordered on one stream, and a dependent launch
+// waits for the whole grid).
+__device__ __forceinline__ unsigned int arrive(const PagingArgs& a) {
+  if (threadIdx.x != 0) return 0u;
   __threadfence();
-  const unsigned int arrived = atomicAdd(a.pool.done_counter, 1u);
-  if (arrived != gridDim.x - 1) return;
+  return atomicAdd(a.pool.done_counter, 1u);
+}
+
+template <bool kReload>
+__device__ void publish(const PagingArgs& a, const Decision& d, unsigned int arrived) {
+  if (threadIdx.x != 0 || arrived != gridDim.x - 1) return;
   // Atomic: the flags are shared by every pool of a paging context.
   auto* flags = reinterpret_cast<unsigned long long*>(a.pool.flags);
   if constexpr (!kReload) {
@@ -292,8 +301,6 @@ __device__ void commit(const PagingArgs& a, const Decision& d) {
     if (d.invalid_reload) atomicOr(flags + 2, static_cast<unsigned long long>(kInvalidReload));
   }
   *a.pool.done_counter = 0u;
-  // Every CTA took its last ticket before it arrived, so no one reads the ticket any more.
-  if (a.pool.tile_ticket != nullptr) *a.pool.tile_ticket = 0u;
 }
 
 // ---- CTA-cooperative byte movement (the tile path; the bulk path uses it for the host tier) --

@@ -29,6 +29,9 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
   __shared__ Plan<N> plan;
   device::make_plan(a, seg, plan);
   const Decision d = device::decide<kReload>(a, plan, state);
+  // Every read of what the commit writes is behind make_plan's barriers: arrive now, so that
+  // the ticket's round trip overlaps the copies (paging_device.cuh, arrive()).
+  const unsigned int arrived = device::arrive(a);
 
   if (d.active || d.zero_fill) {
     const int64_t tiles = plan.total_pages * a.tiles_per_page;
@@ -49,7 +52,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
     }
   }
   if constexpr (!kReload) device::zero_unfilled_slots(a, seg, plan, d);
-  device::commit<kReload>(a, d);
+  device::publish<kReload>(a, d, arrived);
 }
 
 template <bool kReload, int N>
