@@ -86,6 +86,17 @@ for step in "${steps[@]}"; do
           python3 scripts/sanitizer_run.py
         run_step racecheck 150 compute-sanitizer --tool racecheck --error-exitcode 7 \
           python3 scripts/sanitizer_run.py
+        python3 - "$LOG" "$OUT/sanitizer.json" "${status[memcheck]}" "${status[racecheck]}" <<'PY'
+import datetime, json, os, re, sys, torch
+log, out, memcheck, racecheck = sys.argv[1:]
+summaries = re.findall(r"=+ (?:ERROR|RACECHECK) SUMMARY: .*", open(log).read())
+json.dump({"benchmark": "sanitizer", "gpu": torch.cuda.get_device_name(),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "commit": os.environ["GIT_COMMIT"], "memcheck": memcheck, "racecheck": racecheck,
+           "command": "compute-sanitizer --tool memcheck|racecheck --error-exitcode 7 "
+                      "python3 scripts/sanitizer_run.py", "summaries": summaries},
+          open(out, "w"), indent=1)
+PY
       else
         echo "sanitizer: skipped (compute-sanitizer or scripts/sanitizer_run.py missing)" | tee -a "$LOG"
       fi ;;
