@@ -175,6 +175,22 @@ def key(record: dict) -> tuple:
     return record["layout"], record["rank"], record["arm"], record["capacity_factor"]
 
 
+def stale_runs(runs: list[dict], planned: list[tuple]) -> set[tuple]:
+    """The planned runs whose record was launched with other flags than the arm launches now
+    (a changed layout, arm or planned pool factor): they run again and replace the record."""
+    wanted = set(planned)
+    stale = set()
+    for record in runs:
+        if key(record) not in wanted or "flags" not in record:
+            continue
+        name, rank, arm, factor = key(record)
+        if record["flags"] != arm_argv(LAYOUTS[name], rank, arm, factor)[0]:
+            print(f"{name} rank {rank} {arm} cf {factor:g}: recorded with other flags than it "
+                  "launches now; it runs again", flush=True)
+            stale.add(key(record))
+    return stale
+
+
 def plan_runs(layouts, arms, factors, all_ranks: bool):
     """(layout, rank, arm, capacity factor) in round-robin order: at each capacity factor the
     arms alternate, so paged and unpaged run back to back in one call. Arms run on the first
@@ -278,8 +294,9 @@ def main(argv=None) -> int:
                plan_runs(args.layouts, args.arms, args.capacity_factors, args.all_ranks)]
     # An out-of-memory record is a result: only a retry of that same arm replaces it.
     retried = set(planned) if args.retry_out_of_memory else set()
-    done = {key(r) for r in result["runs"] if r["status"] == "ok" or
-            (r["status"] == "out of memory" and key(r) not in retried)}
+    stale = stale_runs(result["runs"], planned)
+    done = {key(r) for r in result["runs"] if key(r) not in stale and (r["status"] == "ok" or
+            (r["status"] == "out of memory" and key(r) not in retried))}
     result["runs"] = [r for r in result["runs"] if key(r) in done]
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / "bench_scale"
     tmp.mkdir(parents=True, exist_ok=True)

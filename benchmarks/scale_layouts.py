@@ -16,6 +16,12 @@ docs: docs/scale.md); parallel layouts from published Megatron recipes, with wha
 
 Each run uses sequence 4096, micro-batch 1 and enough microbatches per step that the schedule
 reaches its steady state (the microbatches in flight at the peak do not depend on more).
+
+This rank's own tokens are routed by random logits (Megatron's benchmark flag
+``--moe-router-force-load-balancing``); what peers send follows the load model. A model at
+initialisation on mock data routes stage 0's own tokens so unevenly that at capacity factor 2 most
+steps exceed the static budget and rerun without it (needing the unpaged peak): that measures
+the mock data, not a trained router.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ COMMON = (
     "--position-embedding-type rope --untie-embeddings-and-output-weights "
     "--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend static "
     "--moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-4 --moe-router-dtype fp32 "
-    "--use-distributed-optimizer --bf16 --fake-process-group"
+    "--moe-router-force-load-balancing --use-distributed-optimizer --bf16 --fake-process-group"
 ).split()
 
 
