@@ -206,3 +206,32 @@ def test_the_file_records_the_gpus_memory(monkeypatch):
     assert bench_scale.scale_header()["device_memory_mib"] == 150 * 1024
     monkeypatch.setattr(bench_scale.torch.cuda, "is_available", lambda: False)
     assert "device_memory_mib" not in bench_scale.scale_header()
+
+
+def test_a_record_launched_with_other_flags_runs_again(tmp_path, monkeypatch):
+    """A resumed file's record whose launch line differs from the arm's current one (a changed
+    layout, arm or pool factor) is not a result of this benchmark any more: it runs again."""
+    monkeypatch.setattr(bench_scale, "require_gpu", lambda benchmark: None)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(bench_scale, "scale_header", lambda: {
+        "benchmark": "scale", "gpu": "H200", "date": "today", "commit": "new"})
+    layout = LAYOUTS["qwen3_235b"]
+    current = bench_scale.arm_argv(layout, 0, "unpaged", 2.0)[0]
+    assert "--moe-router-force-load-balancing" in current
+    kept = {"layout": "qwen3_235b", "rank": 0, "stage": 0, "arm": "unpaged",
+            "capacity_factor": 2.0, "status": "out of memory", "flags": current}
+    stale = {"layout": "qwen3_235b", "rank": 224, "stage": 7, "arm": "unpaged",
+             "capacity_factor": 2.0, "status": "ok", "flags": current[:-1]}
+    out = tmp_path / "scale.json"
+    out.write_text(json.dumps({"benchmark": "scale", "commit": "old", "date": "then",
+                               "arm_naming": "plan_arm[.variant]", "runs": [kept, stale]}))
+    calls = []
+    monkeypatch.setattr(bench_scale.subprocess, "run", lambda cmd, **kw: (
+        calls.append(kw["env"]["RANK"]), subprocess.CompletedProcess(
+            cmd, 1, "", "torch.OutOfMemoryError: CUDA out of memory"))[1])
+    argv = ["--layouts", "qwen3_235b", "--arms", "unpaged", "--capacity-factors", "2.0",
+            "--out", str(out)]
+    assert bench_scale.main(argv) == 0 and calls == ["224"]
+    runs = json.loads(out.read_text())["runs"]
+    assert sorted((r["rank"], r["commit"], r["status"]) for r in runs) == [
+        (0, "old", "out of memory"), (224, "new", "out of memory")]
