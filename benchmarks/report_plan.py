@@ -171,8 +171,8 @@ def plot(result: dict, png: Path) -> None:
     """Per run: predicted and measured peak (a run out of memory: its predicted bar alone,
     marked); beside it each finished run's median step time."""
     runs = result["runs"]
-    labels = [f"{r['layout']}\nrank {r['rank']} {r['arm']}\ncf {r['capacity_factor']:g}"
-              for r in runs]
+    labels = [f"{r['layout']}\nrank {r['rank']} cf {r['capacity_factor']:g}\n"
+              + r["arm"].replace(".", "\n.") for r in runs]
     fig = figure(max(8.0, 1.3 * len(runs)), 7.5)
     peaks, steps = fig.add_subplot(2, 1, 1), fig.add_subplot(2, 1, 2)
     x = range(len(runs))
