@@ -243,14 +243,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 // kernel's per-device module). Not a stream operation, so also legal under graph capture.
 template <bool kReload, int N>
 cudaError_t allow_bulk_smem(int device) {
-  constexpr int kDevices = 64;
-  static std::atomic<bool> done[kDevices] = {};
-  const bool cacheable = device >= 0 && device < kDevices;
-  if (cacheable && done[device].load(std::memory_order_relaxed)) return cudaSuccess;
+  static device::PerDeviceCache done;  // 1: raised
+  if (done.get(device)) return cudaSuccess;
   const cudaError_t err = cudaFuncSetAttribute(
       bulk_kernel<kReload, N>, cudaFuncAttributeMaxDynamicSharedMemorySize,
       static_cast<int>(BulkConfig::kSmemBytes));
-  if (err == cudaSuccess && cacheable) done[device].store(true, std::memory_order_relaxed);
+  if (err == cudaSuccess) done.put(device, 1);
   return err;
 }
 
@@ -290,14 +288,8 @@ cudaError_t launch_bulk(const CopyLaunch& launch, cudaStream_t stream) {
 }
 
 bool bulk_supported(int device) {
-  constexpr int kDevices = 64;
-  // 0: not asked yet, 1: no, 2: yes.
-  static std::atomic<int> cached[kDevices] = {};
-  const bool cacheable = device >= 0 && device < kDevices;
-  if (cacheable) {
-    const int c = cached[device].load(std::memory_order_relaxed);
-    if (c != 0) return c == 2;
-  }
+  static device::PerDeviceCache cache;  // 1: no, 2: yes
+  if (const int64_t answer = cache.get(device)) return answer == 2;
   // Compute capability alone is not enough: some sm_12x parts (and future small ones) let a
   // block opt into only ~99 KiB of shared memory, less than the stage ring needs; there the
   // answer is no and the caller keeps the tile path.
@@ -320,7 +312,7 @@ bool bulk_supported(int device) {
   }
   const bool ok =
       major >= 9 && attr.sharedSizeBytes + BulkConfig::kSmemBytes <= static_cast<size_t>(optin);
-  if (cacheable) cached[device].store(ok ? 2 : 1, std::memory_order_relaxed);
+  cache.put(device, ok ? 2 : 1);
   return ok;
 }
 

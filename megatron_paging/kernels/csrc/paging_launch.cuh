@@ -15,6 +15,24 @@
 namespace megatron_paging {
 namespace device {
 
+// One answer per device to a question asked of CUDA once (an occupancy, an attribute): 0 means
+// not asked yet. Held in a function's static (zero-initialised); relaxed atomics, since two
+// threads racing at most both ask and store the same answer. Devices past kDevices ask every time.
+class PerDeviceCache {
+ public:
+  static constexpr int kDevices = 64;
+  int64_t get(int device) const {
+    return cacheable(device) ? slots_[device].load(std::memory_order_relaxed) : 0;
+  }
+  void put(int device, int64_t answer) {
+    if (cacheable(device)) slots_[device].store(answer, std::memory_order_relaxed);
+  }
+
+ private:
+  static bool cacheable(int device) { return device >= 0 && device < kDevices; }
+  std::atomic<int64_t> slots_[kDevices];
+};
+
 inline PagingArgs make_args(const CopyLaunch& launch, int64_t tile_bytes) {
   PagingArgs args{};
   args.user = launch.user;
@@ -49,15 +67,11 @@ Segments<N> make_segments(const LayoutView& layout) {
 // behind the resident ones.
 template <auto kKernel>
 cudaError_t resident_ctas(int threads, size_t smem, int64_t* out) {
-  constexpr int kDevices = 64;
-  static int64_t cached[kDevices] = {};
+  static PerDeviceCache cache;
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
-  if (device >= 0 && device < kDevices && cached[device] > 0) {
-    *out = cached[device];
-    return cudaSuccess;
-  }
+  if ((*out = cache.get(device)) > 0) return cudaSuccess;
   int sms = 0;
   int per_sm = 0;
   err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
@@ -66,7 +80,7 @@ cudaError_t resident_ctas(int threads, size_t smem, int64_t* out) {
   }
   if (err != cudaSuccess) return err;
   *out = std::max<int64_t>(int64_t{sms} * per_sm, 1);
-  if (device >= 0 && device < kDevices) cached[device] = *out;
+  cache.put(device, *out);
   return cudaSuccess;
 }
 
@@ -85,22 +99,16 @@ inline int64_t grid_size(const CopyLaunch& launch, const PagingArgs& args, int t
 // such a device. Cached per kernel and device, like resident_ctas.
 template <auto kKernel>
 cudaError_t programmatic_launch_ok(int device, bool* out) {
-  constexpr int kDevices = 64;
-  // 0: not asked yet, 1: no, 2: yes.
-  static std::atomic<int> cached[kDevices] = {};
-  const bool cacheable = device >= 0 && device < kDevices;
-  if (cacheable) {
-    const int c = cached[device].load(std::memory_order_relaxed);
-    if (c != 0) {
-      *out = c == 2;
-      return cudaSuccess;
-    }
+  static PerDeviceCache cache;  // 1: no, 2: yes
+  if (const int64_t answer = cache.get(device)) {
+    *out = answer == 2;
+    return cudaSuccess;
   }
   cudaFuncAttributes attr{};
   const cudaError_t err = cudaFuncGetAttributes(&attr, kKernel);
   if (err != cudaSuccess) return err;
   *out = attr.ptxVersion >= 90 && attr.binaryVersion >= 90;
-  if (cacheable) cached[device].store(*out ? 2 : 1, std::memory_order_relaxed);
+  cache.put(device, *out ? 2 : 1);
   return cudaSuccess;
 }
 
