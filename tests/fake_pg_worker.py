@@ -52,6 +52,8 @@ def run(spec: dict) -> dict:
     torch.manual_seed(0)
     layer = cpu_moe_layer(config)
     layer.set_layer_number(spec.get("layer", 7))
+    if spec.get("budgetless"):  # as the rerun of an over-budget step: no static budget
+        layer.token_dispatcher._comm_manager.moe_expert_rank_capacity_factor = None
     steps = []
     for step in range(spec.get("steps", 3)):
         peers.begin_step()

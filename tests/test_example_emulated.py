@@ -81,6 +81,18 @@ def test_emulated_forced_overflow_rerun_is_bitwise_equal_to_unpaged(tmp_path, st
     assert paged == unpaged and paged.grads == unpaged.grads
 
 
+def test_emulated_over_budget_steps_rerun_paged_bitwise_equal_to_unpaged(tmp_path):
+    """A static budget of exactly the average (capacity factor 1): steps whose routing sends a
+    destination more than its share are over the budget and run again without it, paged
+    through the pools as they are (a roomy pool: no unpaged pass), equal to the unpaged run
+    (which reruns them unpaged) bit for bit."""
+    budget = ("--moe-expert-rank-capacity-factor", "1.0")
+    unpaged, paged, log = _pair(tmp_path, STAGE_1, extra=budget, paged_extra=(POOL, "3.0"))
+    assert "over the static budget" in log and _actions(log).get("rerun", 0) >= 1, log[-3000:]
+    assert "re-running it without paging" not in log  # the budget-less rerun stayed paged
+    assert paged == unpaged and paged.grads == unpaged.grads
+
+
 @pytest.mark.parametrize("policy", ["skip", "grow"])
 def test_emulated_skip_and_grow_equal_unpaged_with_the_same_updates_dropped(tmp_path, policy):
     """'skip' and 'grow' drop an overflowing step's update: every step they keep equals an

@@ -174,11 +174,13 @@ def test_an_emulated_ep_rank_pages_bit_for_bit_and_deterministically():
             "runs": [{"paged": False, "load": "lognormal:0.3"},
                      {"paged": True, "load": "lognormal:0.3"},
                      {"paged": True, "load": "lognormal:0.3"},
-                     {"paged": True, "load": "lognormal:1.5", "capacity_factor": 1.0}]}
+                     {"paged": True, "load": "lognormal:1.5", "capacity_factor": 1.0},
+                     {"paged": False, "load": "lognormal:3.0", "budgetless": True, "steps": 6}]}
     result = subprocess.run([sys.executable, str(WORKER), json.dumps(spec)], capture_output=True,
                             text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    unpaged, paged, again, skewed = json.loads(result.stdout.strip().splitlines()[-1])
+    unpaged, paged, again, skewed, budgetless = json.loads(
+        result.stdout.strip().splitlines()[-1])
     assert paged["mode"] == "paged" and all(paged["free"])  # paged through pools, all back
     assert not any(step["overflow"] for step in paged["steps"])
     assert paged["steps"] == unpaged["steps"]  # losses, parameter and input grads: bitwise
@@ -191,6 +193,9 @@ def test_an_emulated_ep_rank_pages_bit_for_bit_and_deterministically():
     # a skewed load on a tight budget: emulated senders drop what exceeds the per-pair block
     assert skewed["dropped_rows"] > 0
     assert all(sum(step["live"]) <= skewed["capacity_rows"] for step in skewed["steps"])
+    # without a static budget (an over-budget step's rerun) blocks fit the largest pair,
+    # emulated peers' included: nothing is dropped
+    assert budgetless["dropped_rows"] == 0 and budgetless["received_rows"] > 0
 
 
 def _emulated_step(peers):

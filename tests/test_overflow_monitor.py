@@ -93,8 +93,10 @@ def test_one_policy_object_from_the_flag_to_the_monitor():
     [
         ("rerun", StepFlags(overflow_ranks=1), "rerun",
          [("grow_pools", GROWTH_FACTOR), ("rerun", True)]),
-        ("rerun", StepFlags(over_budget_ranks=2), "rerun", [("rerun", False)]),
-        ("rerun", StepFlags(overflow_ranks=1, over_budget_ranks=1), "rerun", [("rerun", False)]),
+        # over the budget: rerun without it, paged through the pools as they are
+        ("rerun", StepFlags(over_budget_ranks=2), "rerun", [("rerun", True)]),
+        ("rerun", StepFlags(overflow_ranks=1, over_budget_ranks=1), "rerun",
+         [("grow_pools", GROWTH_FACTOR), ("rerun", True)]),
         ("skip", StepFlags(overflow_ranks=1, host_spill_ranks=1), "skip", []),
         ("grow", StepFlags(overflow_ranks=2), "grow", [("grow_pools", GROWTH_FACTOR)]),
         ("grow", StepFlags(over_budget_ranks=1), "skip", []),  # larger pools would not help
@@ -226,6 +228,13 @@ def test_monitor_rerun_replaces_the_skip_flag_and_must_come_back_clean():
     with pytest.raises(RuntimeError, match="rerun still raised"):
         monitor.after_forward_backward(monitor.reduce(overflowed()),
                                       lambda flags, paged: monitor.reduce(overflowed()))
+    # A paged rerun that overflows runs unpaged with the attempt's flags: an over-budget step
+    # stays without the budget.
+    seen.clear()
+    over = StepFlags(over_budget_ranks=1)
+    monitor.rerun(lambda flags, paged: (seen.append((flags, paged)), monitor.reduce(
+        overflowed() if paged else PagingFlags()))[1], over, paged=True)
+    assert seen == [(over, True), (over, False)] and monitor.unpaged_reruns == 1
     skip = monitor.skip
     monitor.rerun(clean_rerun, StepFlags(over_budget_ranks=1), training=False)
     assert monitor.skip is skip  # an evaluation's rerun leaves the training step's flag

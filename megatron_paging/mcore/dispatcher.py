@@ -212,6 +212,8 @@ class StaticCapacityManager(_DispatchManager):
             routed = routing_map.sum(dim=(0, 2)).max().reshape(1)
             if self.world_size > 1:
                 dist.all_reduce(routed, op=dist.ReduceOp.MAX, group=self.group)
+            if self.peers is not None:  # the fake group's MAX saw only this rank's pairs
+                return max(1, int(routed.item()), self.peers.largest_sent(self, num_tokens))
             return max(1, int(routed.item()))
         budget = math.ceil(
             num_tokens * self.config.moe_router_topk * self.moe_expert_rank_capacity_factor

@@ -120,14 +120,31 @@ class EmulatedPeers:
         """The key of a layer's forward that starts now: the next microbatch of the layer, or,
         for a recompute inside the backward, the oldest forward not yet recomputed (backward
         runs a chunk's microbatches in forward order)."""
+        key = self.next_key(layer)
+        if _graph_task() >= 0 and self._recomputes[layer]:
+            self._recomputes[layer].popleft()
+        else:
+            self._forwards[layer] += 1
+            self._recomputes[layer].append(key.microbatch)
+        return key
+
+    def next_key(self, layer: int) -> ExchangeKey:
+        """The key :meth:`forward_key` gives next, without taking it."""
         if self.step < 0:
             self.begin_step()
         if _graph_task() >= 0 and self._recomputes[layer]:
-            return ExchangeKey(self.step, layer, self._recomputes[layer].popleft())
-        microbatch = self._forwards[layer]
-        self._forwards[layer] += 1
-        self._recomputes[layer].append(microbatch)
-        return ExchangeKey(self.step, layer, microbatch)
+            return ExchangeKey(self.step, layer, self._recomputes[layer][0])
+        return ExchangeKey(self.step, layer, self._forwards[layer])
+
+    def largest_sent(self, manager, num_tokens: int) -> int:
+        """The most rows one emulated peer wants to send this rank in the layer forward that
+        starts next: a dispatcher without a static budget sizes its blocks to the largest pair
+        of the group (an all-reduce MAX the fake group cannot make), which includes them."""
+        key = self.next_key(manager.layer_number)
+        shape = RouteShape(num_tokens, manager.config.moe_router_topk, manager.num_experts,
+                           manager.world_size, manager.rank)
+        return max((int(np.sum(self.load.rows(shape, key.step, key.layer, key.microbatch, peer)))
+                    for peer in range(manager.world_size) if peer != manager.rank), default=0)
 
     # -- the EP exchange ---------------------------------------------------------------------
     def exchange_counts(self, manager, recv: torch.Tensor, send: torch.Tensor, num_tokens: int

@@ -12,8 +12,9 @@ this class (bound to the paging API through the ``paging`` keyword). What change
 
   - 'rerun' reads the flags right after forward-backward and repeats the step before the
     optimizer consumes the gradients (one host read per step, as in Megatron-Core): paged, in
-    pools grown to what the step needed, when only pools fell short; unpaged and without the
-    static budget when a dispatcher was over it (Megatron-Core reruns unpaged always). The rerun
+    pools grown to what the step needed, when pools fell short; without the static budget, paged
+    through the pools as they are, when a dispatcher was over it (Megatron-Core reruns unpaged
+    always); unpaged if that paged rerun overflows. The rerun
     restores the random state of the attempt (CPU, CUDA, Megatron's tracker) so it draws the
     same dropout masks: bitwise equal to the unpaged control.
   - 'skip' / 'grow' drop a step whose flags are set (on any rank): parameters and optimizer

@@ -259,11 +259,11 @@ class OverflowMonitor:
         still = self.read(reduced)
         if paged and still.discard and not still.invalid_live_ranks:
             logger.warning(
-                "megatron-paging: step %d overflowed again in grown pools on %d rank(s); "
+                "megatron-paging: step %d overflowed again in its paged rerun on %d rank(s); "
                 "re-running it without paging", self.steps, still.overflow_ranks,
             )
             self.unpaged_reruns += 1
-            reduced = run(still, False)
+            reduced = run(flags, False)  # the attempt's flags: an over-budget step stays so
             still = self.read(reduced)
         if training:
             self.skip = skip_flag(reduced)

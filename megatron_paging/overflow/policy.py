@@ -77,12 +77,13 @@ class OverflowPolicy:
 class RerunPolicy(OverflowPolicy):
     """Repeat the step before the optimizer step, so that no update is lost.
 
-    A step whose only fault is a pool that fell short runs again *paged*, after each tier that
-    overflowed grew to what the step needed (its demand was counted, so the same data fits):
-    the rerun needs the step's own page demand, not the unpaged peak (Megatron-Core reruns
-    unpaged, which cannot fit where paging is what makes a rank fit). A step whose
-    dispatcher was over its static budget runs again unpaged and without the budget, as in
-    Megatron-Core: larger pools would not bring its dropped tokens back."""
+    A step whose pools fell short runs again *paged*, after each tier that overflowed grew to
+    what the step needed (its demand was counted, so the same data fits): the rerun needs the
+    step's own page demand, not the unpaged peak (Megatron-Core reruns unpaged, which cannot
+    fit where paging is what makes a rank fit). A step whose dispatcher was over its static
+    budget runs again without the budget, paged through the pools as they are (its dropped
+    rows were never counted, and growing the pools by a guess at every such step would only
+    ratchet memory up). A paged rerun that overflows runs once more unpaged (the monitor)."""
 
     name = "rerun"
     reads_before_optimizer = True
@@ -94,10 +95,10 @@ class RerunPolicy(OverflowPolicy):
         return f"step re-run, the {report.tier} tier grown to {report.grown_rows:,} rows"
 
     def on_discard(self, flags: StepFlags, step: StepControl) -> str:
-        if flags.over_budget_ranks or not flags.overflow_ranks:
-            step.rerun(paged=False)
-            return "rerun"
-        step.rerun(paged=step.grow_pools(self.growth_factor))
+        if flags.overflow_ranks:
+            step.rerun(paged=step.grow_pools(self.growth_factor))
+        else:
+            step.rerun(paged=bool(flags.over_budget_ranks))
         return "rerun"
 
 
