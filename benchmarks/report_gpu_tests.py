@@ -1,6 +1,8 @@
 """The GPU suite's JUnit XML (scripts/gpu_check.sh ``tests``) as a result file: the GPU, the
 commit, counts, every failed test with its message's first line, every skipped test with its
-reason. Prints the one-line summary gpu_check.sh ends with.
+reason. Prints the one-line summary gpu_check.sh ends with. A suite stopped at its time limit
+(gpu_check.sh interrupts it, so pytest still writes the XML) is marked ``interrupted``: its
+counts cover only the tests that finished.
 
     python benchmarks/report_gpu_tests.py out/gpu_tests.xml --out out/gpu_tests.json
 
@@ -33,8 +35,12 @@ def command_line(environ) -> str:
 def summarize(xml_path: Path) -> dict:
     root = ET.parse(xml_path).getroot()
     suite = root if root.tag == "testsuite" else root.find("testsuite")
-    failed, skipped, passed = {}, {}, 0
+    failed, skipped, passed, unfinished = {}, {}, 0, 0
     for case in suite.iter("testcase"):
+        if not case.get("name"):
+            # pytest-xdist's entry for a test a worker was running when the run was interrupted.
+            unfinished += 1
+            continue
         node = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
         problems = [p for p in (case.find("failure"), case.find("error")) if p is not None]
         if problems:
@@ -44,9 +50,11 @@ def summarize(xml_path: Path) -> dict:
             skipped[node] = case.find("skipped").get("message", "")
         else:
             passed += 1
+    finished = passed + len(failed) + len(skipped)
     return {
         "date": suite.get("timestamp"),
-        "collected": int(suite.get("tests", 0)),
+        "interrupted": unfinished > 0 or finished < int(suite.get("tests", 0)),
+        "collected": finished,
         "passed": passed,
         "failed": failed,
         "skipped": skipped,
@@ -72,8 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.xml.is_file():
         parser.error(f"{args.xml}: no such file")
     summary = summarize(args.xml)
+    cut = " (interrupted at the time limit: not the whole suite)" if summary["interrupted"] else ""
     print(f"gpu tests: {summary['collected']} run, {len(summary['failed'])} failed, "
-          f"{len(summary['skipped'])} skipped")
+          f"{len(summary['skipped'])} skipped{cut}")
     for node, message in summary["failed"].items():
         print(f"  FAILED {node}: {message}")
     if args.out is not None:

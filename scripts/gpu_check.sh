@@ -13,10 +13,11 @@
 #                       "unknown" in a tree copied without .git)
 #   .whl/*.whl          wheels installed into /tmp/site with no package index (megatron-core,
 #                       pytest-xdist, execnet), for a machine that has none
-#   PYTEST_WORKERS      pytest-xdist processes sharing the GPU (default 4; idle ones take queued
-#                       tests from busy ones); PYTEST_TARGETS test files or node ids (default
+#   PYTEST_WORKERS      pytest-xdist processes sharing the GPU (default 4; each takes the next
+#                       test when free); PYTEST_TARGETS test files or node ids (default
 #                       tests/); PYTEST_EXTRA more pytest arguments; TESTS_LIMIT_S the tests
-#                       step's limit (default 530 s)
+#                       step's limit (default 530 s; at the limit pytest is interrupted and still
+#                       reports what finished, marked interrupted)
 #   BENCH_KERNELS_ARGS, BENCH_SCHEDULER_ARGS   more arguments for those benchmarks
 #   MCORE_LIMIT_S       the mcore step's limit (default 420 s); MODES, STEPS, EXTRA go to
 #                       scripts/mcore_gpu_run.sh
@@ -52,18 +53,20 @@ steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(info build tests)
 declare -A status seconds
 
-run_step() {  # name, limit seconds, command...
+run_step() {  # name, limit seconds, command... (STEP_SIGNAL: what the limit sends, default TERM)
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
   echo "=== $name (limit ${limit}s): $*" | tee -a "$LOG"
-  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$LOG" | tail -n 40
+  timeout -s "${STEP_SIGNAL:-TERM}" --kill-after=20 "$limit" "$@" 2>&1 | tee -a "$LOG" | tail -n 40
   local rc=${PIPESTATUS[0]}
   seconds[$name]=$((SECONDS - t0))
   if [ "$rc" -eq 0 ]; then status[$name]=ok; else status[$name]="FAIL($rc)"; fi
 }
 
 run_gpu_tests() {  # the GPU-marked tests, PYTEST_WORKERS processes side by side on the GPU
-  local workers=(-n "${PYTEST_WORKERS:-4}" --dist worksteal)
+  # One test at a time to whichever worker is free; the training runs are collected first
+  # (tests/conftest.py), so they start side by side and the short tests fill in around them.
+  local workers=(-n "${PYTEST_WORKERS:-4}" --dist load --maxschedchunk 1)
   if ! python3 -c "import xdist" 2>/dev/null; then
     echo "tests: pytest-xdist is not installed (its and execnet's wheels go in .whl/): one process"
     workers=()
@@ -79,7 +82,8 @@ for step in "${steps[@]}"; do
   case $step in
     info) run_step info 60 python3 -m megatron_paging.cli info ;;
     build) run_step build 300 python3 -m megatron_paging.kernels.build --verbose ;;
-    tests) run_step tests "${TESTS_LIMIT_S:-530}" bash -c run_gpu_tests ;;
+    # Interrupted at the limit (SIGINT), pytest still prints its failures and writes the XML.
+    tests) STEP_SIGNAL=INT run_step tests "${TESTS_LIMIT_S:-530}" bash -c run_gpu_tests ;;
     sanitizer)
       if command -v compute-sanitizer >/dev/null && [ -f scripts/sanitizer_run.py ]; then
         run_step memcheck 150 compute-sanitizer --tool memcheck --error-exitcode 7 \

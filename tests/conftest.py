@@ -53,6 +53,13 @@ def _share_cpus_between_xdist_workers() -> None:
 _share_cpus_between_xdist_workers()
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests that train a Megatron model (minutes each) go first, keeping the order otherwise:
+    the GPU suite hands tests out one at a time (gpu_check.sh: --dist load --maxschedchunk 1),
+    so the long ones start on separate workers at once instead of one of them ending the run."""
+    items.sort(key=lambda item: item.get_closest_marker("training_run") is None)
+
+
 @pytest.fixture
 def cpu_generator() -> torch.Generator:
     """A fixed-seed CPU generator, so tests that draw tensors are reproducible."""

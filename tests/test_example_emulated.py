@@ -15,6 +15,7 @@ from test_example_pretrain import _report, _train
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.training_run,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 

@@ -19,6 +19,7 @@ import torch
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.training_run,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 

@@ -46,6 +46,7 @@ def test_every_golden_file_names_its_layout_and_gpu():
 
 
 @pytest.mark.gpu
+@pytest.mark.training_run
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_emulated_rank_matches_its_golden_values(tmp_path, name):

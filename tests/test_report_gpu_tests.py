@@ -1,5 +1,6 @@
 """benchmarks/report_gpu_tests.py on a small JUnit XML: counts, failures (first message line),
-skips with their reasons, provenance, the summary line, and a missing file refused."""
+skips with their reasons, provenance, the summary line, a suite interrupted at its time limit
+marked so, and a missing file refused."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ def test_a_suite_becomes_a_result_file(tmp_path, monkeypatch, capsys):
     result = json.loads(out.read_text())
     assert result["gpu"] == "NVIDIA H200" and result["commit"] == "f" * 40
     assert result["date"].startswith("2026-12-06") and result["collected"] == 4
+    assert result["interrupted"] is False
     assert result["passed"] == 1
     assert result["failed"] == {"tests/test_a.py::test_bad": "assert 1 == 2",
                                 "tests/test_b.py::test_broken": "fixture failed"}
@@ -41,6 +43,31 @@ def test_a_suite_becomes_a_result_file(tmp_path, monkeypatch, capsys):
     printed = capsys.readouterr().out
     assert printed.startswith("gpu tests: 4 run, 2 failed, 1 skipped")
     assert "FAILED tests/test_a.py::test_bad: assert 1 == 2" in printed
+
+
+INTERRUPTED = """<?xml version="1.0" encoding="utf-8"?><testsuites name="pytest tests">
+<testsuite name="pytest" errors="0" failures="1" skipped="0" tests="1" time="8.7"
+ timestamp="2026-12-06T12:04:53+00:00">
+<testcase time="0.000" />
+<testcase classname="tests.test_x" name="test_fail" time="0.001">
+ <failure message="assert 1 == 2">tb</failure></testcase>
+<testcase time="0.000" />
+</testsuite></testsuites>"""
+
+
+def test_a_suite_cut_at_its_time_limit_is_marked_and_its_running_tests_not_counted(
+        tmp_path, capsys):
+    """pytest-xdist, interrupted, writes a nameless entry per test a worker was running: those
+    did not pass, and the counts are not the whole suite's."""
+    xml = tmp_path / "gpu_tests.xml"
+    xml.write_text(INTERRUPTED)
+    out = tmp_path / "gpu_tests.json"
+    assert report_gpu_tests.main([str(xml), "--gpu", "NVIDIA H100", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["interrupted"] is True
+    assert result["passed"] == 0 and result["collected"] == 1
+    assert result["failed"] == {"tests/test_x.py::test_fail": "assert 1 == 2"}
+    assert "interrupted at the time limit" in capsys.readouterr().out
 
 
 def test_the_command_names_the_settings_the_suite_ran_under():
@@ -57,3 +84,20 @@ def test_a_missing_file_is_refused_in_one_line(tmp_path, capsys):
         report_gpu_tests.main([str(tmp_path / "none.xml")])
     assert exit_.value.code == 2
     assert "none.xml" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_the_suite_collects_its_training_runs_first():
+    """tests/conftest.py orders the training runs (minutes each) first and keeps the rest in
+    collection order, so gpu_check.sh's one-at-a-time scheduling starts them side by side."""
+    import conftest
+
+    class Item:
+        def __init__(self, name, long):
+            self.name, self.long = name, long
+
+        def get_closest_marker(self, name):
+            return object() if (name == "training_run" and self.long) else None
+
+    items = [Item("a", False), Item("b", True), Item("c", False), Item("d", True)]
+    conftest.pytest_collection_modifyitems(None, items)
+    assert [item.name for item in items] == ["b", "d", "a", "c"]
