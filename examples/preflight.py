@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import difflib
 import functools
+import importlib.util
 import os
 import sys
 from dataclasses import dataclass
@@ -212,13 +213,34 @@ IGNORED_MODEL_FLAGS = {
 }
 
 
+# What the example's experts (PagedGroupedMLP: bf16 GEMMs, no Transformer Engine) refuse when
+# they are built; refused here instead, in one line before Megatron starts.
+EXPERT_REFUSED_FLAGS = {
+    "fp8": "--fp8-format",
+    "fp4": "--fp4-format",
+    "moe_apply_probs_on_input": "--moe-apply-probs-on-input",
+    "moe_latent_size": "--moe-latent-size",
+}
+
+
 def check_model_flags(args) -> None:
-    """Refuse layout flags the example's model provider would ignore."""
+    """Refuse layout flags the example's model provider would ignore, and what its experts
+    cannot compute."""
     for dest, what in IGNORED_MODEL_FLAGS.items():
         value = getattr(args, dest, None)
         if value:
             flag = "--" + dest.replace("_", "-")
             raise ValueError(f"{flag}: this example builds no {what}; drop the flag")
+    if getattr(args, "moe_router_fusion", False) and importlib.util.find_spec(
+            "transformer_engine") is None:
+        raise ValueError("--moe-router-fusion needs Transformer Engine's fused router (not "
+                         "installed); drop the flag")
+    for dest, flag in EXPERT_REFUSED_FLAGS.items():
+        if getattr(args, dest, None):
+            raise ValueError(
+                f"{flag}: the example's experts (PagedGroupedMLP, without Transformer Engine) "
+                "do not support it; drop the flag"
+            )
     if getattr(args, "context_parallel_size", 1) != 1:
         raise ValueError(
             "--context-parallel-size: the example's SDPA core attention has no context "
@@ -280,8 +302,6 @@ def check(args=None, environ=None):
 def check_interpreter() -> None:
     """Exit 2 with one line where this interpreter lacks torch or Megatron-Core (a clone before
     set-up, where ``python3`` is the system's)."""
-    import importlib.util
-
     missing = [name for name, module in (("torch", "torch"), ("megatron-core", "megatron"))
                if importlib.util.find_spec(module) is None]
     if missing:

@@ -227,3 +227,33 @@ def test_a_valid_layout_passes(env, megatron_argv, capsys):
     except SystemExit:
         # without a GPU the last check refuses; nothing before it did
         assert "no CUDA GPU" in _one_error_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("extra", [
+    ("--fp8-format", "hybrid"), ("--fp4-format", "e2m1"), ("--moe-apply-probs-on-input",),
+    ("--moe-latent-size", "256"),
+])
+def test_what_the_example_experts_cannot_compute_is_refused_before_megatron_starts(
+        extra, megatron_argv, capsys):
+    """Else PagedGroupedMLP refuses it while the model is built, in a traceback."""
+    import preflight
+
+    line = _launch(DRY_RUN="1").stdout.split()
+    megatron_argv(*line, *extra)
+    with pytest.raises(SystemExit) as done:
+        preflight.check(environ={})
+    assert done.value.code == 2
+    _one_error_line(capsys.readouterr().err, extra[0], "PagedGroupedMLP")
+
+
+def test_the_fused_router_without_transformer_engine_is_refused(megatron_argv, capsys):
+    """Megatron-Core's fused router kernels are Transformer Engine's: without it the first
+    forward fails in a traceback."""
+    import preflight
+
+    line = _launch(DRY_RUN="1").stdout.split()
+    megatron_argv(*line, "--moe-router-fusion")
+    with pytest.raises(SystemExit) as done:
+        preflight.check(environ={})
+    assert done.value.code == 2
+    _one_error_line(capsys.readouterr().err, "--moe-router-fusion", "Transformer Engine")

@@ -183,6 +183,26 @@ def check_delay_wgrad(args) -> None:
         )
 
 
+# Flex-dispatcher options the static backend has no use for: it permutes by its own gathers.
+STATIC_NO_EFFECT = ("moe_permute_fusion", "moe_permute_fusion_into_hybridep")
+
+
+def check_static_backend(args) -> None:
+    """``--moe-flex-dispatcher-backend static``: what would be silently ignored, or would swap the
+    backend for another (Megatron-Core turns ``--moe-enable-deepep`` into the deepep backend)."""
+    if getattr(args, "moe_enable_deepep", False):
+        raise ValueError(
+            "--moe-enable-deepep replaces --moe-flex-dispatcher-backend static by deepep; drop "
+            "one of them"
+        )
+    for dest in STATIC_NO_EFFECT:
+        if getattr(args, dest, False):
+            raise ValueError(
+                f"--{dest.replace('_', '-')} has no effect with --moe-flex-dispatcher-backend "
+                "static (it permutes by its own gathers); drop the flag"
+            )
+
+
 def check_fake_process_group(args) -> None:
     """``--fake-process-group``: one rank of a larger job, its peers emulated at the static
     dispatcher's exchanges and the pipeline receives (docs/scale.md); what else would read
@@ -219,5 +239,6 @@ __all__ = [
     "check_offload_modules",
     "check_recompute_expert_fc1",
     "check_recompute_modules",
+    "check_static_backend",
     "pool_residency",
 ]

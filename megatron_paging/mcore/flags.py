@@ -36,6 +36,7 @@ from megatron_paging.mcore.flag_checks import (
     check_offload_modules,
     check_recompute_expert_fc1,
     check_recompute_modules,
+    check_static_backend,
     pool_residency,
 )
 
@@ -202,6 +203,8 @@ def paging_config(
             f"--moe-flex-dispatcher-backend {STATIC_BACKEND} needs --moe-token-dispatcher-type "
             f"flex (got {getattr(args, 'moe_token_dispatcher_type', None)!r})"
         )
+    if backend == STATIC_BACKEND:
+        check_static_backend(args)
     if stash:
         check_megatron_combinations(args, refuse_recompute=not mcore_manager)
     if not (stash or offload) or mcore_manager:
