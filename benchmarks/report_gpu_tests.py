@@ -1,10 +1,11 @@
-"""The GPU suite's JUnit XML (scripts/gpu_check.sh ``tests``) as a result file: the GPU, the
+"""The GPU suite's record (scripts/gpu_check.sh ``tests``) as a result file: the GPU, the
 commit, counts, every failed test with its message's first line, every skipped test with its
-reason. Prints the one-line summary gpu_check.sh ends with. A suite stopped at its time limit
-(gpu_check.sh interrupts it, so pytest still writes the XML) is marked ``interrupted``: its
-counts cover only the tests that finished.
+reason. Prints the one-line summary gpu_check.sh ends with. Reads either the test stream
+(``PAGING_TEST_STREAM``, tests/suite_stream.py: a line per test as it finishes, so it survives a
+suite that never ends cleanly) or pytest's JUnit XML. A suite stopped before its end is marked
+``interrupted``: its counts cover only the tests that finished.
 
-    python benchmarks/report_gpu_tests.py out/gpu_tests.xml --out out/gpu_tests.json
+    python benchmarks/report_gpu_tests.py out/gpu_tests.jsonl --out out/gpu_tests.json
 
 ``--gpu`` defaults to the CUDA device's name (or "unknown" without one), the commit to
 ``GIT_COMMIT``.
@@ -13,6 +14,7 @@ counts cover only the tests that finished.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import xml.etree.ElementTree as ET
@@ -62,6 +64,34 @@ def summarize(xml_path: Path) -> dict:
     }
 
 
+def summarize_stream(stream_path: Path) -> dict:
+    records = [json.loads(line) for line in stream_path.read_text().splitlines() if line.strip()]
+    events = {record["event"]: record for record in records if "event" in record}
+    failed, skipped, passed = {}, {}, 0
+    for record in records:
+        if "node" not in record:
+            continue
+        if record["outcome"] in ("failed", "error"):
+            failed[record["node"]] = record.get("message", "")
+        elif record["outcome"] == "skipped":
+            skipped[record["node"]] = record.get("message", "")
+        else:
+            passed += 1
+    finished = passed + len(failed) + len(skipped)
+    finish = events.get("finish")
+    collected = events.get("collected", {}).get("count", finished)
+    return {
+        "date": events.get("start", {}).get("date"),
+        # pytest's exit status 2 is "interrupted"; no finish line: killed before its end.
+        "interrupted": finish is None or finish["exitstatus"] == 2 or finished < collected,
+        "collected": finished,
+        "passed": passed,
+        "failed": failed,
+        "skipped": skipped,
+        "seconds": finish["seconds"] if finish else None,
+    }
+
+
 def _gpu_name() -> str:
     try:
         import torch
@@ -73,13 +103,15 @@ def _gpu_name() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("xml", type=Path, help="pytest --junitxml output of the GPU suite")
+    parser.add_argument("record", type=Path,
+                        help="the GPU suite's test stream (.jsonl) or pytest --junitxml output")
     parser.add_argument("--gpu", help="the GPU the suite ran on (default: this machine's)")
     parser.add_argument("--out", type=Path, help="result file to write (default: none)")
     args = parser.parse_args(argv)
-    if not args.xml.is_file():
-        parser.error(f"{args.xml}: no such file")
-    summary = summarize(args.xml)
+    if not args.record.is_file():
+        parser.error(f"{args.record}: no such file")
+    stream = args.record.suffix == ".jsonl"
+    summary = summarize_stream(args.record) if stream else summarize(args.record)
     cut = " (interrupted at the time limit: not the whole suite)" if summary["interrupted"] else ""
     print(f"gpu tests: {summary['collected']} run, {len(summary['failed'])} failed, "
           f"{len(summary['skipped'])} skipped{cut}")

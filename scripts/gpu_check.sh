@@ -71,7 +71,10 @@ run_gpu_tests() {  # the GPU-marked tests, PYTEST_WORKERS processes side by side
     echo "tests: pytest-xdist is not installed (its and execnet's wheels go in .whl/): one process"
     workers=()
   fi
+  # A line per test as it finishes (tests/suite_stream.py): the result even if pytest never ends.
+  : > "$OUT/gpu_tests.jsonl"
   # shellcheck disable=SC2086
+  PAGING_TEST_STREAM="$OUT/gpu_tests.jsonl" \
   python3 -m pytest "${workers[@]}" -q -m "gpu or multigpu or build" -p no:cacheprovider \
     --junitxml "$OUT/gpu_tests.xml" ${PYTEST_EXTRA:-} ${PYTEST_TARGETS:-tests}
 }
@@ -144,8 +147,8 @@ for step in info build tests memcheck racecheck bench-kernels bench-scheduler be
             bench-swiglu mcore frontier step-ratio scale; do
   [ -n "${status[$step]:-}" ] && printf '%-18s %-10s %s\n' "$step" "${status[$step]}" "${seconds[$step]}"
 done
-if [ -f "$OUT/gpu_tests.xml" ]; then
-  python3 benchmarks/report_gpu_tests.py "$OUT/gpu_tests.xml" --out "$OUT/gpu_tests.json"
+if [ -s "$OUT/gpu_tests.jsonl" ]; then
+  python3 benchmarks/report_gpu_tests.py "$OUT/gpu_tests.jsonl" --out "$OUT/gpu_tests.json"
 fi
 # Logs, test XML, loss logs and kernel timelines as one archive; results (JSON, PNG) as they are.
 (cd "$OUT" && shopt -s nullglob && logs=(*.log *.xml *loss.rank* *timeline.json.rank*) && [ ${#logs[@]} -gt 0 ] &&

@@ -25,6 +25,8 @@ import torch
 from cuda_twin import needs_sm90, require_bulk
 from hypothesis import HealthCheck, settings
 
+pytest_plugins = ["suite_stream"]  # PAGING_TEST_STREAM, and xdist workers that exit
+
 settings.register_profile(
     "ci",
     derandomize=True,

@@ -5,6 +5,8 @@ marked so, and a missing file refused."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -101,3 +103,52 @@ def test_the_suite_collects_its_training_runs_first():
     items = [Item("a", False), Item("b", True), Item("c", False), Item("d", True)]
     conftest.pytest_collection_modifyitems(None, items)
     assert [item.name for item in items] == ["b", "d", "a", "c"]
+
+
+STREAM = [
+    {"event": "start", "date": "2026-12-06T13:00:24+00:00"},
+    {"event": "collected", "count": 4},
+    {"node": "tests/test_a.py::test_ok", "outcome": "passed", "when": "call", "seconds": 0.1},
+    {"node": "tests/test_a.py::test_bad", "outcome": "failed", "when": "call", "seconds": 0.2,
+     "message": "assert 1 == 2"},
+    {"node": "tests/test_b.py::test_gpus", "outcome": "skipped", "when": "setup",
+     "seconds": 0.0, "message": "Skipped: needs 2 CUDA devices"},
+]
+
+
+@pytest.mark.parametrize("finish", [{"event": "finish", "exitstatus": 1, "seconds": 9.5}, None])
+def test_the_test_stream_reports_what_finished_and_a_missing_end_marks_it_interrupted(
+        tmp_path, capsys, finish):
+    """tests/suite_stream.py's lines: a suite whose pytest never ended (no finish line, or one
+    test short of what was collected) is interrupted, and its finished tests still count."""
+    stream = tmp_path / "gpu_tests.jsonl"
+    lines = STREAM + ([finish] if finish else [])
+    stream.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "gpu_tests.json"
+    assert report_gpu_tests.main([str(stream), "--gpu", "NVIDIA H100", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["date"] == "2026-12-06T13:00:24+00:00"
+    assert result["collected"] == 3 and result["passed"] == 1
+    assert result["failed"] == {"tests/test_a.py::test_bad": "assert 1 == 2"}
+    assert result["skipped"] == {"tests/test_b.py::test_gpus": "Skipped: needs 2 CUDA devices"}
+    assert result["interrupted"] is True  # 3 of the 4 collected finished
+    assert result["seconds"] == (9.5 if finish else None)
+    assert "FAILED tests/test_a.py::test_bad: assert 1 == 2" in capsys.readouterr().out
+
+
+def test_the_test_stream_is_written_by_the_suite_itself(tmp_path):
+    """A real pytest run with PAGING_TEST_STREAM set (tests/suite_stream.py via conftest.py):
+    start, collected, one line per test with the failure's first line, and the finish line."""
+
+    (tmp_path / "conftest.py").write_text('pytest_plugins = ["suite_stream"]\n')
+    (tmp_path / "test_two.py").write_text(
+        "def test_passes():\n    pass\n\ndef test_fails():\n    assert 1 == 2, 'one is not two'\n")
+    stream = tmp_path / "s.jsonl"
+    env = {**os.environ, "PAGING_TEST_STREAM": str(stream),
+           "PYTHONPATH": str(Path(__file__).resolve().parent)}
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                    str(tmp_path)], env=env, capture_output=True, check=False, cwd=tmp_path)
+    result = report_gpu_tests.summarize_stream(stream)
+    assert result["interrupted"] is False and result["passed"] == 1
+    [(node, message)] = result["failed"].items()
+    assert node.endswith("test_two.py::test_fails") and "one is not two" in message

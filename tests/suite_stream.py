@@ -1,0 +1,86 @@
+"""A pytest plugin (loaded by conftest.py) that makes a long GPU suite report what it ran even
+when it never finishes cleanly.
+
+* ``PAGING_TEST_STREAM=<file>``: the controlling process appends one JSON line per finished
+  test as its report arrives (node id, outcome, seconds, the failure's first line), after a
+  ``start`` line and before a ``finish`` line with pytest's exit status. JUnit XML is written
+  only at the very end; a suite cut at its time limit, or one whose xdist workers hang on the
+  way out, still leaves this file. ``benchmarks/report_gpu_tests.py`` reads it.
+* Every pytest-xdist worker, once its session is over, arms a 60 s faulthandler watchdog: a
+  worker that has not exited by then prints every thread's stack (naming what holds it) and
+  exits, instead of holding the controller in its teardown until the step's limit.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import json
+import os
+import sys
+import time
+
+import pytest
+
+WORKER_EXIT_GRACE_S = 60
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(SuiteStream(config), "paging-suite-stream")
+
+
+def pytest_unconfigure(config):
+    if hasattr(config, "workerinput"):
+        faulthandler.dump_traceback_later(WORKER_EXIT_GRACE_S, exit=True, file=sys.stderr)
+
+
+def _first_line(report) -> str:
+    crash = getattr(report.longrepr, "reprcrash", None)
+    text = crash.message if crash is not None else str(report.longrepr or "")
+    return (text.splitlines() or [""])[0][:300]
+
+
+class SuiteStream:
+    """Writes the stream in the controlling process (an xdist worker's reports reach it too)."""
+
+    def __init__(self, config):
+        worker = hasattr(config, "workerinput")
+        self.path = None if worker else (os.environ.get("PAGING_TEST_STREAM") or None)
+        self.t0, self.collected = time.monotonic(), False
+
+    def _append(self, record: dict) -> None:
+        if self.path is not None:
+            with open(self.path, "a") as stream:
+                stream.write(json.dumps(record) + "\n")
+
+    def pytest_sessionstart(self, session):
+        self.t0 = time.monotonic()
+        self._append({"event": "start", "date": datetime.datetime.now(
+            datetime.UTC).isoformat(timespec="seconds")})
+
+    def pytest_collection_finish(self, session):
+        if session.items:  # without xdist; with it the workers collect (the hook below)
+            self._append({"event": "collected", "count": len(session.items)})
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_node_collection_finished(self, node, ids):
+        if not self.collected:
+            self.collected = True
+            self._append({"event": "collected", "count": len(ids)})
+
+    def pytest_runtest_logreport(self, report):
+        # One record per test: its call, or the setup/teardown that failed or skipped it.
+        if report.when != "call" and report.passed:
+            return
+        outcome = "error" if (report.when != "call" and report.failed) else report.outcome
+        record = {"node": report.nodeid, "outcome": outcome, "when": report.when,
+                  "seconds": round(report.duration, 3)}
+        if report.failed:
+            record["message"] = _first_line(report)
+        elif report.skipped and isinstance(report.longrepr, tuple):
+            record["message"] = str(report.longrepr[2])
+        self._append(record)
+
+    def pytest_sessionfinish(self, session, exitstatus):
+        self._append({"event": "finish", "exitstatus": int(exitstatus),
+                      "seconds": round(time.monotonic() - self.t0, 1)})
