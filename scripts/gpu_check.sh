@@ -73,6 +73,7 @@ run_gpu_tests() {  # the GPU-marked tests, PYTEST_WORKERS processes side by side
   fi
   # A line per test as it finishes (tests/suite_stream.py): the result even if pytest never ends.
   : > "$OUT/gpu_tests.jsonl"
+  rm -f "$OUT/gpu_tests.xml"  # pytest writes it only at a clean end: never report an older one
   # shellcheck disable=SC2086
   PAGING_TEST_STREAM="$OUT/gpu_tests.jsonl" \
   python3 -m pytest "${workers[@]}" -q -m "gpu or multigpu or build" -p no:cacheprovider \
