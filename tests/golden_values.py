@@ -129,7 +129,8 @@ def compare(golden: dict, fresh: dict, tolerance: float = PEAK_TOLERANCE) -> lis
             first = next((i for i, (a, b) in enumerate(pairs) if a != b),
                          min(len(golden[field]), len(fresh[field])))
             problems.append(f"{field}: {len(fresh[field])} values, golden "
-                            f"{len(golden[field])}; first difference at index {first}")
+                            f"{len(golden[field])}; first difference at index {first}"
+                            + _values_at(golden[field], fresh[field], first))
     for field in ("step_peak_mib", "fb_peak_mib"):
         if set(fresh[field]) != set(golden[field]):
             problems.append(f"{field}: iterations {sorted(fresh[field])}, golden "
@@ -141,6 +142,16 @@ def compare(golden: dict, fresh: dict, tolerance: float = PEAK_TOLERANCE) -> lis
                 problems.append(f"{field} iteration {iteration}: {got:.1f} MiB, golden "
                                 f"{want:.1f} (more than {tolerance:.0%} apart)")
     return problems
+
+
+def _values_at(golden: list[str], fresh: list[str], index: int) -> str:
+    """Both values at the first difference and how far apart they are: a gap in the last bits
+    (summation order, a dropped row) reads differently from a broken run."""
+    if index >= min(len(golden), len(fresh)):
+        return ""
+    want, got = float.fromhex(golden[index]), float.fromhex(fresh[index])
+    gap = abs(got - want) / abs(want) if want else float("inf")
+    return f" ({fresh[index]}, golden {golden[index]}: relative gap {gap:.1e})"
 
 
 def gpu_slug(gpu: str) -> str:

@@ -35,6 +35,14 @@ def test_a_difference_is_named(changes, field):
     assert len(problems) == 1 and problems[0].startswith(field)
 
 
+def test_a_value_difference_shows_both_values_and_their_gap():
+    [problem] = compare(GOLDEN, _fresh(grad_checksums=["0x1.2000000000001p-3"]))
+    assert "first difference at index 0" in problem
+    assert "(0x1.2000000000001p-3, golden 0x1.2p-3: relative gap 2.0e-16)" in problem
+    [problem] = compare(GOLDEN, _fresh(losses=["0x1.0p+1"]))
+    assert problem.endswith("first difference at index 1")  # one list is shorter: no values
+
+
 def test_every_golden_file_names_its_layout_and_gpu():
     files = sorted(GOLDEN_DIR.glob("*.json"))
     assert files
