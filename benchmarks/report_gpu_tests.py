@@ -85,6 +85,7 @@ def summarize_stream(stream_path: Path) -> dict:
         # pytest's exit status 2 is "interrupted"; no finish line: killed before its end.
         "interrupted": finish is None or finish["exitstatus"] == 2 or finished < collected,
         "collected": finished,
+        "scheduled": collected,  # what the suite set out to run
         "passed": passed,
         "failed": failed,
         "skipped": skipped,
@@ -113,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     stream = args.record.suffix == ".jsonl"
     summary = summarize_stream(args.record) if stream else summarize(args.record)
     cut = " (interrupted at the time limit: not the whole suite)" if summary["interrupted"] else ""
-    print(f"gpu tests: {summary['collected']} run, {len(summary['failed'])} failed, "
+    of = f" of {summary['scheduled']}" if summary.get("scheduled", 0) > summary["collected"] else ""
+    print(f"gpu tests: {summary['collected']}{of} run, {len(summary['failed'])} failed, "
           f"{len(summary['skipped'])} skipped{cut}")
     for node, message in summary["failed"].items():
         print(f"  FAILED {node}: {message}")

@@ -131,9 +131,11 @@ def test_the_test_stream_reports_what_finished_and_a_missing_end_marks_it_interr
     assert result["collected"] == 3 and result["passed"] == 1
     assert result["failed"] == {"tests/test_a.py::test_bad": "assert 1 == 2"}
     assert result["skipped"] == {"tests/test_b.py::test_gpus": "Skipped: needs 2 CUDA devices"}
-    assert result["interrupted"] is True  # 3 of the 4 collected finished
+    assert result["interrupted"] is True and result["scheduled"] == 4  # 3 of 4 finished
     assert result["seconds"] == (9.5 if finish else None)
-    assert "FAILED tests/test_a.py::test_bad: assert 1 == 2" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert printed.startswith("gpu tests: 3 of 4 run, 1 failed, 1 skipped (interrupted")
+    assert "FAILED tests/test_a.py::test_bad: assert 1 == 2" in printed
 
 
 def test_the_test_stream_is_written_by_the_suite_itself(tmp_path):
