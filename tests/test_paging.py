@@ -110,7 +110,11 @@ def test_pack_marked_capacity_rows_annotations_private_live_rows_and_dedupe():
     assert t_record.live_rows.data_ptr() == private.data_ptr()  # private: no snapshot
     assert u_record.live_rows.tolist() == [5]  # snapshot taken at save
     y.backward()
-    assert torch.equal(context.unpack(t_a), context.unpack(t_b))  # one reloaded tensor
+    # One reloaded tensor for both saves (rows past the live ones hold whatever the reload
+    # buffer held, NaN at times: compare storage and live rows, not whole tensors).
+    reloaded_a, reloaded_b = context.unpack(t_a), context.unpack(t_b)
+    assert reloaded_a.data_ptr() == reloaded_b.data_ptr() and reloaded_a.shape == t.shape
+    assert torch.equal(reloaded_a[:12], t[:12].detach())
     assert torch.equal(t.grad[:12], 2 * t[:12].detach())  # 6 live rows = 12 half rows
     assert torch.equal(u.grad[:5], 2 * u[:5].detach())  # the snapshot's 5, not the 0 written
     assert context.finish() == 0 and pools[ROW_BYTES].free_pages()[0] == PAGES
