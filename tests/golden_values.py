@@ -36,6 +36,9 @@ GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
 PEAK_TOLERANCE = 0.01
 STEP_MEMORY = re.compile(
     r"step-memory iteration=(\d+) peak_allocated_mib=([\d.]+) fb_peak_allocated_mib=([\d.]+)")
+# The monitor's lines for a step it discards (and the policy reruns, skips or grows after).
+DISCARDED = {"over_budget": re.compile(r"step (\d+) dropped tokens in MoE dispatch"),
+             "pool_overflow": re.compile(r"overflow at rank \d+ step (\d+)")}
 
 SMALL = (
     "--hidden-size 256 --num-attention-heads 4 --ffn-hidden-size 512 --moe-ffn-hidden-size 256 "
@@ -115,8 +118,16 @@ def run(layout: GoldenLayout, workdir: Path, paged: bool = True, timeout: float 
         "step_peak_mib": {i: float(p) for i, p, _ in STEP_MEMORY.findall(log)},
         "fb_peak_mib": {i: float(p) for i, _, p in STEP_MEMORY.findall(log)},
         "overflow_actions": report.get("overflow_actions"),
+        "discarded_steps": discarded_steps(log),
         "gpu": torch.cuda.get_device_name(),
     }
+
+
+def discarded_steps(log: str) -> dict[str, list[int]]:
+    """The steps the run discarded, by cause: over the static dispatch budget, or a pool that
+    fell short (what changes when a rerun's code path changes)."""
+    return {cause: sorted({int(step) for step in pattern.findall(log)})
+            for cause, pattern in DISCARDED.items()}
 
 
 def compare(golden: dict, fresh: dict, tolerance: float = PEAK_TOLERANCE) -> list[str]:
@@ -212,7 +223,9 @@ def main(argv=None) -> int:
         for name in names:
             print(f"{args.action} {name} ...", flush=True)
             if args.action == "update":
-                print(f"  wrote {update(name, Path(tmp))}", flush=True)
+                path = update(name, Path(tmp))
+                steps = json.loads(path.read_text())["discarded_steps"]
+                print(f"  wrote {path} (discarded steps: {steps})", flush=True)
                 continue
             problems = check(name, Path(tmp))
             failed += bool(problems)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from golden_values import GOLDEN_DIR, LAYOUTS, compare, golden_path, run
+from golden_values import GOLDEN_DIR, LAYOUTS, compare, discarded_steps, golden_path, run
 
 GOLDEN = {"losses": ["0x1.0p+1", "0x1.8p+0"], "grad_checksums": ["0x1.2p-3"],
           "step_peak_mib": {"1": 1000.0, "2": 1200.0}, "fb_peak_mib": {"1": 900.0, "2": 1100.0}}
@@ -41,6 +41,18 @@ def test_a_value_difference_shows_both_values_and_their_gap():
     assert "(0x1.2000000000001p-3, golden 0x1.2p-3: relative gap 2.0e-16)" in problem
     [problem] = compare(GOLDEN, _fresh(losses=["0x1.0p+1"]))
     assert problem.endswith("first difference at index 1")  # one list is shorter: no values
+
+
+def test_discarded_steps_are_read_from_the_monitors_lines():
+    log = "\n".join([
+        "megatron-paging: step 3 dropped tokens in MoE dispatch (over the static budget) on 1 "
+        "rank(s): raise --moe-expert-rank-capacity-factor",
+        "megatron-paging: overflow at rank 8 step 2 layer 1 microbatch 4: the device pool "
+        "needed 2,496 rows, holds 2,304; ... (policy rerun: step re-run)",
+        "megatron-paging: overflow at rank 8 step 2 layer 3 microbatch 1: ...",
+    ])
+    assert discarded_steps(log) == {"over_budget": [3], "pool_overflow": [2]}
+    assert discarded_steps("") == {"over_budget": [], "pool_overflow": []}
 
 
 def test_every_golden_file_names_its_layout_and_gpu():
