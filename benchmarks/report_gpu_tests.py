@@ -34,10 +34,20 @@ def command_line(environ) -> str:
     return " ".join(["GIT_COMMIT=<commit>", *settings, call])
 
 
+def _counts(outcomes: dict[str, tuple[str, str]]) -> dict:
+    """Counts from each finished test's (outcome, message): 'passed', 'skipped' or 'failed'."""
+    failed = {node: message for node, (outcome, message) in outcomes.items()
+              if outcome == "failed"}
+    skipped = {node: message for node, (outcome, message) in outcomes.items()
+               if outcome == "skipped"}
+    return {"collected": len(outcomes), "passed": len(outcomes) - len(failed) - len(skipped),
+            "failed": failed, "skipped": skipped}
+
+
 def summarize(xml_path: Path) -> dict:
     root = ET.parse(xml_path).getroot()
     suite = root if root.tag == "testsuite" else root.find("testsuite")
-    failed, skipped, passed, unfinished = {}, {}, 0, 0
+    outcomes, unfinished = {}, 0
     for case in suite.iter("testcase"):
         if not case.get("name"):
             # pytest-xdist's entry for a test a worker was running when the run was interrupted.
@@ -47,19 +57,16 @@ def summarize(xml_path: Path) -> dict:
         problems = [p for p in (case.find("failure"), case.find("error")) if p is not None]
         if problems:
             message = problems[0].get("message") or ""
-            failed[node] = (message.splitlines() or [""])[0][:300]
+            outcomes[node] = ("failed", (message.splitlines() or [""])[0][:300])
         elif case.find("skipped") is not None:
-            skipped[node] = case.find("skipped").get("message", "")
+            outcomes[node] = ("skipped", case.find("skipped").get("message", ""))
         else:
-            passed += 1
-    finished = passed + len(failed) + len(skipped)
+            outcomes[node] = ("passed", "")
+    counts = _counts(outcomes)
     return {
         "date": suite.get("timestamp"),
-        "interrupted": unfinished > 0 or finished < int(suite.get("tests", 0)),
-        "collected": finished,
-        "passed": passed,
-        "failed": failed,
-        "skipped": skipped,
+        "interrupted": unfinished > 0 or counts["collected"] < int(suite.get("tests", 0)),
+        **counts,
         "seconds": float(suite.get("time", 0.0)),
     }
 
@@ -67,28 +74,23 @@ def summarize(xml_path: Path) -> dict:
 def summarize_stream(stream_path: Path) -> dict:
     records = [json.loads(line) for line in stream_path.read_text().splitlines() if line.strip()]
     events = {record["event"]: record for record in records if "event" in record}
-    failed, skipped, passed = {}, {}, 0
+    outcomes = {}
     for record in records:
         if "node" not in record:
             continue
-        if record["outcome"] in ("failed", "error"):
-            failed[record["node"]] = record.get("message", "")
-        elif record["outcome"] == "skipped":
-            skipped[record["node"]] = record.get("message", "")
-        else:
-            passed += 1
-    finished = passed + len(failed) + len(skipped)
-    finish = events.get("finish")
-    collected = events.get("collected", {}).get("count", finished)
+        outcome = "failed" if record["outcome"] in ("failed", "error") else record["outcome"]
+        # A test whose call passed and whose teardown then failed has two lines: it failed.
+        if outcomes.get(record["node"], ("",))[0] != "failed":
+            outcomes[record["node"]] = (outcome, record.get("message", ""))
+    counts, finish = _counts(outcomes), events.get("finish")
+    scheduled = events.get("collected", {}).get("count", counts["collected"])
     return {
         "date": events.get("start", {}).get("date"),
         # pytest's exit status 2 is "interrupted"; no finish line: killed before its end.
-        "interrupted": finish is None or finish["exitstatus"] == 2 or finished < collected,
-        "collected": finished,
-        "scheduled": collected,  # what the suite set out to run
-        "passed": passed,
-        "failed": failed,
-        "skipped": skipped,
+        "interrupted": (finish is None or finish["exitstatus"] == 2
+                        or counts["collected"] < scheduled),
+        **counts,
+        "scheduled": scheduled,  # what the suite set out to run
         "seconds": finish["seconds"] if finish else None,
     }
 

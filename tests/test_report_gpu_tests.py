@@ -107,12 +107,15 @@ def test_the_suite_collects_its_training_runs_first():
 
 STREAM = [
     {"event": "start", "date": "2026-12-06T13:00:24+00:00"},
-    {"event": "collected", "count": 4},
+    {"event": "collected", "count": 5},
     {"node": "tests/test_a.py::test_ok", "outcome": "passed", "when": "call", "seconds": 0.1},
     {"node": "tests/test_a.py::test_bad", "outcome": "failed", "when": "call", "seconds": 0.2,
      "message": "assert 1 == 2"},
     {"node": "tests/test_b.py::test_gpus", "outcome": "skipped", "when": "setup",
      "seconds": 0.0, "message": "Skipped: needs 2 CUDA devices"},
+    {"node": "tests/test_b.py::test_leaks", "outcome": "passed", "when": "call", "seconds": 0.1},
+    {"node": "tests/test_b.py::test_leaks", "outcome": "error", "when": "teardown",
+     "seconds": 0.0, "message": "fixture left a file"},
 ]
 
 
@@ -120,7 +123,8 @@ STREAM = [
 def test_the_test_stream_reports_what_finished_and_a_missing_end_marks_it_interrupted(
         tmp_path, capsys, finish):
     """tests/suite_stream.py's lines: a suite whose pytest never ended (no finish line, or one
-    test short of what was collected) is interrupted, and its finished tests still count."""
+    test short of what was collected) is interrupted, and its finished tests still count; a
+    test whose teardown failed after its call passed counts once, as failed."""
     stream = tmp_path / "gpu_tests.jsonl"
     lines = STREAM + ([finish] if finish else [])
     stream.write_text("".join(json.dumps(line) + "\n" for line in lines))
@@ -128,13 +132,14 @@ def test_the_test_stream_reports_what_finished_and_a_missing_end_marks_it_interr
     assert report_gpu_tests.main([str(stream), "--gpu", "NVIDIA H100", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["date"] == "2026-12-06T13:00:24+00:00"
-    assert result["collected"] == 3 and result["passed"] == 1
-    assert result["failed"] == {"tests/test_a.py::test_bad": "assert 1 == 2"}
+    assert result["collected"] == 4 and result["passed"] == 1
+    assert result["failed"] == {"tests/test_a.py::test_bad": "assert 1 == 2",
+                                "tests/test_b.py::test_leaks": "fixture left a file"}
     assert result["skipped"] == {"tests/test_b.py::test_gpus": "Skipped: needs 2 CUDA devices"}
-    assert result["interrupted"] is True and result["scheduled"] == 4  # 3 of 4 finished
+    assert result["interrupted"] is True and result["scheduled"] == 5  # 4 of 5 finished
     assert result["seconds"] == (9.5 if finish else None)
     printed = capsys.readouterr().out
-    assert printed.startswith("gpu tests: 3 of 4 run, 1 failed, 1 skipped (interrupted")
+    assert printed.startswith("gpu tests: 4 of 5 run, 2 failed, 1 skipped (interrupted")
     assert "FAILED tests/test_a.py::test_bad: assert 1 == 2" in printed
 
 
