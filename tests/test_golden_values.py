@@ -7,7 +7,8 @@ import json
 
 import pytest
 import torch
-from golden_values import GOLDEN_DIR, LAYOUTS, compare, discarded_steps, golden_path, run
+from golden_values import (GOLDEN_DIR, LAYOUTS, compare, discarded_steps, golden_path,
+                           other_gpu_processes, run)
 
 GOLDEN = {"losses": ["0x1.0p+1", "0x1.8p+0"], "grad_checksums": ["0x1.2p-3"],
           "step_peak_mib": {"1": 1000.0, "2": 1200.0}, "fb_peak_mib": {"1": 900.0, "2": 1100.0}}
@@ -53,6 +54,14 @@ def test_discarded_steps_are_read_from_the_monitors_lines():
     ])
     assert discarded_steps(log) == {"over_budget": [3], "pool_overflow": [2]}
     assert discarded_steps("") == {"over_budget": [], "pool_overflow": []}
+
+
+def test_other_gpu_processes_leave_out_this_one_and_lines_that_are_not_pids():
+    import os
+
+    query = f"{os.getpid()}\n4242\n[Not Supported]\n\n77\n"
+    assert other_gpu_processes(query) == [4242, 77]
+    assert other_gpu_processes("") == []
 
 
 def test_every_golden_file_names_its_layout_and_gpu():
