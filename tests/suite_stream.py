@@ -6,9 +6,11 @@ when it never finishes cleanly.
   ``start`` line and before a ``finish`` line with pytest's exit status. JUnit XML is written
   only at the very end; a suite cut at its time limit, or one whose xdist workers hang on the
   way out, still leaves this file. ``benchmarks/report_gpu_tests.py`` reads it.
-* Every pytest-xdist worker, once its session is over, arms a 60 s faulthandler watchdog: a
+* Every pytest-xdist worker arms a 60 s faulthandler watchdog once its interpreter begins to
+  exit (``PAGING_TEST_WORKER_EXIT_GRACE_S`` sets the seconds, for this plugin's own tests): a
   worker that has not exited by then prints every thread's stack (naming what holds it) and
-  exits, instead of holding the controller in its teardown until the step's limit.
+  exits, instead of holding the controller in its teardown until the step's limit. Not armed
+  at the session's end: a worker whose last test is done waits, legitimately, for the others'.
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ import faulthandler
 import json
 import os
 import sys
+import threading
 import time
 
 import pytest
 
-WORKER_EXIT_GRACE_S = 60
+WORKER_EXIT_GRACE_S = float(os.environ.get("PAGING_TEST_WORKER_EXIT_GRACE_S") or 60)
 
 
 def pytest_configure(config):
@@ -31,7 +34,14 @@ def pytest_configure(config):
 
 def pytest_unconfigure(config):
     if hasattr(config, "workerinput"):
-        faulthandler.dump_traceback_later(WORKER_EXIT_GRACE_S, exit=True, file=sys.stderr)
+        # threading's exit hooks run as the interpreter begins to exit, before it joins
+        # non-daemon threads (a hang there is what the watchdog is for); atexit runs after.
+        register = getattr(threading, "_register_atexit", None) or __import__("atexit").register
+        register(_arm_exit_watchdog)
+
+
+def _arm_exit_watchdog() -> None:
+    faulthandler.dump_traceback_later(WORKER_EXIT_GRACE_S, exit=True, file=sys.stderr)
 
 
 def _first_line(report) -> str:

@@ -7,8 +7,15 @@ import json
 
 import pytest
 import torch
-from golden_values import (GOLDEN_DIR, LAYOUTS, compare, discarded_steps, golden_path,
-                           other_gpu_processes, run)
+from golden_values import (
+    GOLDEN_DIR,
+    LAYOUTS,
+    compare,
+    discarded_steps,
+    golden_path,
+    other_gpu_processes,
+    run,
+)
 
 GOLDEN = {"losses": ["0x1.0p+1", "0x1.8p+0"], "grad_checksums": ["0x1.2p-3"],
           "step_peak_mib": {"1": 1000.0, "2": 1200.0}, "fb_peak_mib": {"1": 900.0, "2": 1100.0}}

@@ -159,3 +159,36 @@ def test_the_test_stream_is_written_by_the_suite_itself(tmp_path):
     assert result["interrupted"] is False and result["passed"] == 1
     [(node, message)] = result["failed"].items()
     assert node.endswith("test_two.py::test_fails") and "one is not two" in message
+
+
+def _xdist_run(tmp_path, body: str) -> subprocess.CompletedProcess:
+    """A real two-worker pytest-xdist run of ``body`` with this suite's plugin, a 1 s exit grace."""
+    pytest.importorskip("xdist")
+    (tmp_path / "conftest.py").write_text('pytest_plugins = ["suite_stream"]\n')
+    (tmp_path / "test_workers.py").write_text(body)
+    env = {**os.environ, "PAGING_TEST_WORKER_EXIT_GRACE_S": "1",
+           "PYTHONPATH": str(Path(__file__).resolve().parent)}
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "-p",
+                           "no:cacheprovider", str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=120, check=False, cwd=tmp_path)
+
+
+def test_a_worker_done_early_waits_for_the_others_without_its_watchdog_firing(tmp_path):
+    """One worker's only test ends at once, the other's 4 s later: the first worker waits for
+    the controller's teardown past its 1 s grace, and its watchdog must not fire then."""
+    run = _xdist_run(tmp_path, "import time\n\ndef test_quick():\n    pass\n\n"
+                               "def test_slow():\n    time.sleep(4)\n")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "Timeout (" not in run.stdout + run.stderr
+    assert "2 passed" in run.stdout
+
+
+def test_a_worker_held_at_exit_prints_what_holds_it_and_exits(tmp_path):
+    """A test leaves a non-daemon thread running: the worker's interpreter would wait for it
+    forever on exit; the watchdog prints the thread's stack and ends the worker."""
+    run = _xdist_run(tmp_path, "import threading, time\n\n"
+                               "def test_leaves_a_thread():\n"
+                               "    threading.Thread(target=time.sleep, args=(3600,)).start()\n")
+    output = run.stdout + run.stderr
+    assert "Timeout (" in output and "in _shutdown" in output  # the main thread, held
+    assert "1 passed" in output
