@@ -15,8 +15,10 @@ when it never finishes cleanly.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import faulthandler
+import functools
 import json
 import os
 import sys
@@ -25,10 +27,16 @@ import time
 
 import pytest
 
-WORKER_EXIT_GRACE_S = float(os.environ.get("PAGING_TEST_WORKER_EXIT_GRACE_S") or 60)
+GRACE_VARIABLE = "PAGING_TEST_WORKER_EXIT_GRACE_S"
+EXIT_GRACE = pytest.StashKey[float]()
 
 
 def pytest_configure(config):
+    text = os.environ.get(GRACE_VARIABLE) or "60"
+    try:
+        config.stash[EXIT_GRACE] = float(text)
+    except ValueError:
+        raise pytest.UsageError(f"{GRACE_VARIABLE} must be seconds, got {text!r}") from None
     config.pluginmanager.register(SuiteStream(config), "paging-suite-stream")
 
 
@@ -36,12 +44,9 @@ def pytest_unconfigure(config):
     if hasattr(config, "workerinput"):
         # threading's exit hooks run as the interpreter begins to exit, before it joins
         # non-daemon threads (a hang there is what the watchdog is for); atexit runs after.
-        register = getattr(threading, "_register_atexit", None) or __import__("atexit").register
-        register(_arm_exit_watchdog)
-
-
-def _arm_exit_watchdog() -> None:
-    faulthandler.dump_traceback_later(WORKER_EXIT_GRACE_S, exit=True, file=sys.stderr)
+        register = getattr(threading, "_register_atexit", None) or atexit.register
+        register(functools.partial(faulthandler.dump_traceback_later, config.stash[EXIT_GRACE],
+                                   exit=True, file=sys.stderr))
 
 
 def _first_line(report) -> str:
