@@ -38,6 +38,11 @@ DROP_ENV = "MEGATRON_PAGING_BENCH_DROP_ITERS"
 # duration) to this JSON file (+ rank); read it with
 # python -m megatron_paging.tools.kernel_timeline.
 PROFILE_JSON_ENV = "MEGATRON_PAGING_BENCH_PROFILE_JSON"
+# Verification ("1"): Inductor does not autotune the pointwise kernels of what Megatron-Core
+# compiles. Its benchmark allocates a buffer the size of the L2 cache (50 MiB on H100) whenever a
+# kernel's best configuration is not yet in Inductor's on-disk cache, so a step's peak would
+# depend on that cache's state; golden values (tests/golden_values.py) compare peaks.
+NO_AUTOTUNE_ENV = "MEGATRON_PAGING_BENCH_NO_AUTOTUNE"
 
 
 def iterations_from_env(name: str) -> tuple[int, ...]:
@@ -263,6 +268,20 @@ def alloc_retries() -> int:
     return int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
 
 
+def pin_inductor_autotune(environ=os.environ) -> bool:
+    """``MEGATRON_PAGING_BENCH_NO_AUTOTUNE=1``: pointwise autotuning off (True when set); a value
+    other than 0 or 1 stops the run at start-up with one line naming the variable."""
+    value = environ.get(NO_AUTOTUNE_ENV, "0")
+    if value not in ("0", "1"):
+        raise SystemExit(f"error: {NO_AUTOTUNE_ENV}={value!r}: expected 0 or 1")
+    if value == "1":
+        import torch._inductor.config as inductor_config
+
+        inductor_config.triton.autotune_pointwise = False
+    return value == "1"
+
+
+pin_inductor_autotune()
 PROBE = StepProbe(
     (iterations_from_env(PROFILE_ENV) or (None,))[0],
     (iterations_from_env(MEMORY_ENV) or (None,))[0],

@@ -13,7 +13,6 @@ from golden_values import (
     compare,
     discarded_steps,
     golden_path,
-    other_gpu_processes,
     run,
 )
 
@@ -63,12 +62,41 @@ def test_discarded_steps_are_read_from_the_monitors_lines():
     assert discarded_steps("") == {"over_budget": [], "pool_overflow": []}
 
 
-def test_other_gpu_processes_leave_out_this_one_and_lines_that_are_not_pids():
-    import os
+def test_golden_runs_pin_inductor_autotune_off(tmp_path, monkeypatch):
+    """A golden run's peak must not depend on Inductor's on-disk autotune cache (its benchmark
+    allocates an L2-sized buffer only on a miss): every run sets the example's pin."""
+    import golden_values
 
-    query = f"{os.getpid()}\n4242\n[Not Supported]\n\n77\n"
-    assert other_gpu_processes(query) == [4242, 77]
-    assert other_gpu_processes("") == []
+    seen = {}
+
+    def fake_run(command, env, **kwargs):
+        seen.update(env)
+        raise RuntimeError("stop after the launch")
+
+    monkeypatch.setattr(golden_values.subprocess, "run", fake_run)
+    with pytest.raises(RuntimeError, match="stop after the launch"):
+        run(LAYOUTS["pp2_ep8_first_stage"], tmp_path)
+    assert seen["MEGATRON_PAGING_BENCH_NO_AUTOTUNE"] == "1" and seen["PAGED"] == "1"
+
+
+def test_the_example_pins_pointwise_autotuning_only_when_asked():
+    import sys
+    from pathlib import Path
+
+    import torch._inductor.config as inductor_config
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    from step_probe import NO_AUTOTUNE_ENV, pin_inductor_autotune
+
+    before = inductor_config.triton.autotune_pointwise
+    try:
+        assert pin_inductor_autotune({}) is False and inductor_config.triton.autotune_pointwise
+        assert pin_inductor_autotune({NO_AUTOTUNE_ENV: "1"}) is True
+        assert inductor_config.triton.autotune_pointwise is False
+        with pytest.raises(SystemExit, match=f"error: {NO_AUTOTUNE_ENV}='yes': expected 0 or 1"):
+            pin_inductor_autotune({NO_AUTOTUNE_ENV: "yes"})
+    finally:
+        inductor_config.triton.autotune_pointwise = before
 
 
 def test_every_golden_file_names_its_layout_and_gpu():
