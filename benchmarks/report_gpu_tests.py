@@ -1,6 +1,6 @@
 """The GPU suite's record (scripts/gpu_check.sh ``tests``) as a result file: the GPU, the
 commit, counts, every failed test with its message's first line, every skipped test with its
-reason. Prints the one-line summary gpu_check.sh ends with. Reads either the test stream
+reason, and (from the stream) the slowest tests. Prints the one-line summary gpu_check.sh ends with. Reads either the test stream
 (``PAGING_TEST_STREAM``, tests/suite_stream.py: a line per test as it finishes, so it survives a
 suite that never ends cleanly) or pytest's JUnit XML. A suite stopped before its end is marked
 ``interrupted``: its counts cover only the tests that finished.
@@ -23,6 +23,7 @@ from pathlib import Path
 from portable import dumps
 
 SUITE_SETTINGS = ("PYTEST_WORKERS", "TESTS_LIMIT_S", "PYTEST_TARGETS", "PYTEST_EXTRA")
+SLOWEST = 15  # tests listed by duration in a stream's record
 
 
 def command_line(environ) -> str:
@@ -74,10 +75,11 @@ def summarize(xml_path: Path) -> dict:
 def summarize_stream(stream_path: Path) -> dict:
     records = [json.loads(line) for line in stream_path.read_text().splitlines() if line.strip()]
     events = {record["event"]: record for record in records if "event" in record}
-    outcomes = {}
+    outcomes, seconds = {}, {}
     for record in records:
         if "node" not in record:
             continue
+        seconds[record["node"]] = seconds.get(record["node"], 0.0) + record.get("seconds", 0.0)
         outcome = "failed" if record["outcome"] in ("failed", "error") else record["outcome"]
         # A test whose call passed and whose teardown then failed has two lines: it failed.
         if outcomes.get(record["node"], ("",))[0] != "failed":
@@ -92,6 +94,8 @@ def summarize_stream(stream_path: Path) -> dict:
         **counts,
         "scheduled": scheduled,  # what the suite set out to run
         "seconds": finish["seconds"] if finish else None,
+        # where the suite's time goes (per worker): what to shorten when it runs past its limit
+        "slowest_seconds": dict(sorted(seconds.items(), key=lambda item: -item[1])[:SLOWEST]),
     }
 
 

@@ -138,6 +138,8 @@ def test_the_test_stream_reports_what_finished_and_a_missing_end_marks_it_interr
     assert result["skipped"] == {"tests/test_b.py::test_gpus": "Skipped: needs 2 CUDA devices"}
     assert result["interrupted"] is True and result["scheduled"] == 5  # 4 of 5 finished
     assert result["seconds"] == (9.5 if finish else None)
+    assert list(result["slowest_seconds"].items())[:2] == [("tests/test_a.py::test_bad", 0.2),
+                                                           ("tests/test_a.py::test_ok", 0.1)]
     printed = capsys.readouterr().out
     assert printed.startswith("gpu tests: 4 of 5 run, 2 failed, 1 skipped (interrupted")
     assert "FAILED tests/test_a.py::test_bad: assert 1 == 2" in printed
