@@ -160,9 +160,10 @@ def launch_layout(environ) -> Layout:
 
 
 def check_layout(args, layout: Layout, environ) -> None:
-    """The job's layout against the flags, then Megatron's own ``validate_args`` on a copy, as
-    every rank would run it after torchrun started them."""
-    from megatron_paging.mcore.validation import validate
+    """The job's layout against the flags, then Megatron's own ``validate_args`` and the model's
+    ``TransformerConfig`` on a copy, as every rank would run them after torchrun started them."""
+    from megatron_paging.mcore.flags import paging_args
+    from megatron_paging.mcore.validation import validate, validate_config
 
     fake = bool(getattr(args, "fake_process_group", False))
     if (not fake and "WORLD_SIZE" in environ and "LOCAL_WORLD_SIZE" not in environ
@@ -199,6 +200,8 @@ def check_layout(args, layout: Layout, environ) -> None:
     trial = copy.deepcopy(args)
     trial.world_size, trial.rank = layout.world, layout.rank or 0
     validate(trial, EXAMPLE_DEFAULTS)
+    offloading = getattr(trial, "fine_grained_activation_offloading", False)
+    validate_config(trial, paging_args(trial).paging_offload_backend if offloading else None)
 
 
 # Megatron flags that shape a model this example's provider does not build (it builds the local
@@ -241,6 +244,11 @@ def check_model_flags(args) -> None:
                 f"{flag}: the example's experts (PagedGroupedMLP, without Transformer Engine) "
                 "do not support it; drop the flag"
             )
+    if getattr(args, "cpu_offloading_num_layers", 0) > 0 and importlib.util.find_spec(
+            "transformer_engine") is None:
+        raise ValueError("--cpu-offloading-num-layers: Megatron-Core's layer-level CPU "
+                         "offloading needs Transformer Engine (not installed); use "
+                         "--fine-grained-activation-offloading")
     if getattr(args, "context_parallel_size", 1) != 1:
         raise ValueError(
             "--context-parallel-size: the example's SDPA core attention has no context "

@@ -5,6 +5,7 @@ validate_args). Every refusal is one error line naming the flag or variable, exi
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -257,3 +258,51 @@ def test_the_fused_router_without_transformer_engine_is_refused(megatron_argv, c
         preflight.check(environ={})
     assert done.value.code == 2
     _one_error_line(capsys.readouterr().err, "--moe-router-fusion", "Transformer Engine")
+
+
+@pytest.mark.parametrize(("extra", "named"), [
+    (("--moe-pad-expert-input-to-capacity",), "moe_expert_capacity_factor must be set"),
+    (("--moe-router-padding-for-quantization",), "fp8/fp4 must be specified"),
+    (("--moe-expert-capacity-factor", "1.0", "--moe-router-load-balancing-type", "sinkhorn"),
+     "moe_expert_capacity_factor only works with aux_loss"),
+])
+def test_what_megatrons_transformer_config_refuses_is_one_line_before_megatron_starts(
+        extra, named, megatron_argv, capsys):
+    """The model's TransformerConfig is built at start-up (on a copy, with the run's shims):
+    its refusals would otherwise be a traceback per rank when the model is built."""
+    import preflight
+
+    line = _launch(DRY_RUN="1").stdout.split()
+    megatron_argv(*line, *extra)
+    with pytest.raises(SystemExit) as done:
+        preflight.check(environ={})
+    assert done.value.code == 2
+    _one_error_line(capsys.readouterr().err, "Megatron's TransformerConfig", named)
+
+
+def test_the_config_check_leaves_megatrons_transformer_config_as_it_was():
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_paging.mcore.validation import config_shims
+
+    original = TransformerConfig.__dict__["__post_init__"]
+    with config_shims("paged"):
+        assert TransformerConfig.__dict__["__post_init__"] is not original
+    assert TransformerConfig.__dict__["__post_init__"] is original
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is not None,
+                    reason="Transformer Engine is installed: the layer-level offloading runs")
+def test_layer_level_cpu_offloading_without_transformer_engine_is_refused(megatron_argv,
+                                                                          capsys):
+    """Megatron-Core asserts it when the model is built (and refuses it beside the paged stash
+    in its TransformerConfig): one line first, naming the flag and the alternative."""
+    import preflight
+
+    line = _launch(DRY_RUN="1", PAGED="0").stdout.split()
+    megatron_argv(*line, "--cpu-offloading-num-layers", "1")
+    with pytest.raises(SystemExit) as done:
+        preflight.check(environ={})
+    assert done.value.code == 2
+    _one_error_line(capsys.readouterr().err, "--cpu-offloading-num-layers",
+                    "--fine-grained-activation-offloading")

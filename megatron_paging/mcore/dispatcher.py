@@ -39,7 +39,7 @@ from megatron.core.transformer.moe.token_dispatcher import (
     _DispatchManager,
 )
 
-STATIC_BACKEND = "static"
+from megatron_paging.mcore.validation import STATIC_BACKEND
 
 
 class _IndexedSum(torch.autograd.Function):

@@ -20,7 +20,7 @@ the importers. :meth:`PagingInstaller.install` therefore
    that adds the ``static`` backend, and ``should_free_input`` so that combined 1F1B keeps
    that backend's expert input (:func:`~.dispatcher.keeping_expert_inputs`);
 4. installs the config-validation shim (the one place that teaches ``TransformerConfig`` about
-   the ``static`` dispatch backend, see :func:`_validate_static_backend`);
+   the ``static`` dispatch backend, see :func:`.validation.static_backend_post_init`);
 5. with ``offload_backend="paged"``: rebinds ``FineGrainedActivationOffloadingInterface``
    everywhere to the paged offloading backend (:mod:`.offloading.backend`) over the same API, and
    applies the offloading lifts of :mod:`.offloading.shims`; with ``"mcore"``, only the lifts
@@ -49,7 +49,6 @@ from megatron_paging.env import check_megatron_core_version
 from megatron_paging.mcore import ddp_stream
 from megatron_paging.mcore.api import MCorePagingAPI
 from megatron_paging.mcore.dispatcher import (
-    STATIC_BACKEND,
     PagingFlexTokenDispatcher,
     keeping_expert_inputs,
     numbering_dispatcher,
@@ -57,6 +56,7 @@ from megatron_paging.mcore.dispatcher import (
 from megatron_paging.mcore.flags import allow_static_backend
 from megatron_paging.mcore.offloading import shims
 from megatron_paging.mcore.offloading.backend import PagedOffloadManager, make_interface
+from megatron_paging.mcore.validation import CONFIG_MODULE, static_backend_post_init
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,6 @@ SCHEDULE_NODE_MODULE = "megatron.core.models.common.utils"
 PAGED_STASH_MODULE = "megatron.core.transformer.moe.paged_stash"
 MOE_LAYER_MODULE = "megatron.core.transformer.moe.moe_layer"
 TOKEN_DISPATCHER_MODULE = "megatron.core.transformer.moe.token_dispatcher"
-CONFIG_MODULE = "megatron.core.transformer.transformer_config"
 SCHEDULES_MODULE = "megatron.core.pipeline_parallel.schedules"
 OFFLOAD_MODULE = "megatron.core.pipeline_parallel.fine_grained_activation_offload"
 OFFLOAD_INTERFACE = "FineGrainedActivationOffloadingInterface"
@@ -146,36 +145,6 @@ class Rebinding:
     @property
     def module_name(self) -> str:
         return getattr(self.module, "__name__", repr(self.module))
-
-
-def _validate_static_backend(original_post_init):
-    """Wrap ``TransformerConfig.__post_init__`` so it accepts ``moe_flex_dispatcher_backend =
-    'static'``.
-
-    Megatron-Core 0.19.2 accepts ``moe_expert_rank_capacity_factor`` (required by
-    ``moe_paged_stash``) only with the ``hybridep`` backend plus the TE op fuser, or ``ncclep``.
-    Our ``static`` backend honours the same contract as those (a static permuted-token budget,
-    device-side counts, an over-budget flag) in plain PyTorch, so it is validated under
-    ``ncclep``'s rules (the ones without a TE requirement) and the name is restored after.
-    """
-
-    @functools.wraps(original_post_init)
-    def __post_init__(self):
-        if getattr(self, "moe_flex_dispatcher_backend", None) != STATIC_BACKEND:
-            return original_post_init(self)
-        if self.moe_token_dispatcher_type != "flex":
-            raise ValueError(
-                f"moe_flex_dispatcher_backend='{STATIC_BACKEND}' requires "
-                f"moe_token_dispatcher_type='flex', got {self.moe_token_dispatcher_type!r}"
-            )
-        self.moe_flex_dispatcher_backend = "ncclep"
-        try:
-            return original_post_init(self)
-        finally:
-            self.moe_flex_dispatcher_backend = STATIC_BACKEND
-
-    __post_init__.megatron_paging_shim = True
-    return __post_init__
 
 
 def _with_static_backend(add_megatron_arguments):
@@ -335,7 +304,7 @@ class PagingInstaller:
 
         config_cls = sys.modules[CONFIG_MODULE].TransformerConfig
         original_post_init = config_cls.__dict__["__post_init__"]
-        config_cls.__post_init__ = _validate_static_backend(original_post_init)
+        config_cls.__post_init__ = static_backend_post_init(original_post_init)
         self.rebindings.append(
             Rebinding(
                 config_cls,

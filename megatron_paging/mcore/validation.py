@@ -1,18 +1,26 @@
-"""Megatron's ``validate_args`` before Megatron starts, as the example's run applies it.
+"""Megatron's ``validate_args`` and ``TransformerConfig`` before Megatron starts, as the run
+applies them.
 
 The plan (:mod:`megatron_paging.plan.adapter`) and the example's preflight
 (``examples/preflight.py``) both need Megatron's own verdict on a launch line before anything is
 built: the plan to read the layout Megatron derives, the preflight so that a layout Megatron
 refuses is one line before torchrun starts rather than a traceback per rank. Both run it through
 the lifts the example's run applies (the static dispatcher under ``--fake-process-group``,
-offloading on the local spec), so neither refuses a line the run accepts.
+offloading on the local spec), so neither refuses a line the run accepts. The preflight also
+builds the model's ``TransformerConfig`` (:func:`validate_config`): its own checks (MoE,
+offloading, recompute) would otherwise end the run only when the model is built.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
 import io
 import warnings
+
+CONFIG_MODULE = "megatron.core.transformer.transformer_config"
+STATIC_BACKEND = "static"  # the flex dispatcher backend megatron_paging.mcore.dispatcher adds
 
 # validate_args asks the device's architecture (TP or CP > 1, grouped GEMM); without a GPU it is
 # answered for the one the plan was validated on, an H200 (sm90).
@@ -59,4 +67,73 @@ def validate(args, defaults: dict | None = None):
     return args
 
 
-__all__ = ["TARGET_CAPABILITY", "target_device", "validate"]
+def static_backend_post_init(original_post_init):
+    """Wrap ``TransformerConfig.__post_init__`` so it accepts ``moe_flex_dispatcher_backend =
+    'static'`` (``install()`` does; :func:`config_shims` for a config built before it).
+
+    Megatron-Core 0.19.2 accepts ``moe_expert_rank_capacity_factor`` (required by
+    ``moe_paged_stash``) only with the ``hybridep`` backend plus the TE op fuser, or ``ncclep``.
+    Our ``static`` backend honours the same contract as those (a static permuted-token budget,
+    device-side counts, an over-budget flag) in plain PyTorch, so it is validated under
+    ``ncclep``'s rules (the ones without a TE requirement) and the name is restored after.
+    """
+
+    @functools.wraps(original_post_init)
+    def __post_init__(self):
+        if getattr(self, "moe_flex_dispatcher_backend", None) != STATIC_BACKEND:
+            return original_post_init(self)
+        if self.moe_token_dispatcher_type != "flex":
+            raise ValueError(
+                f"moe_flex_dispatcher_backend='{STATIC_BACKEND}' requires "
+                f"moe_token_dispatcher_type='flex', got {self.moe_token_dispatcher_type!r}"
+            )
+        self.moe_flex_dispatcher_backend = "ncclep"
+        try:
+            return original_post_init(self)
+        finally:
+            self.moe_flex_dispatcher_backend = STATIC_BACKEND
+
+    __post_init__.megatron_paging_shim = True
+    return __post_init__
+
+
+@contextlib.contextmanager
+def config_shims(offload_backend: str | None = None):
+    """``TransformerConfig.__post_init__`` as ``install()`` leaves it for ``offload_backend``
+    (the static backend; the paged offloading backend's lift of expert modules), restored
+    after."""
+    from megatron_paging.mcore.offloading.shims import lifted_post_init
+
+    config_cls = importlib.import_module(CONFIG_MODULE).TransformerConfig
+    original = config_cls.__dict__["__post_init__"]
+    post_init = static_backend_post_init(original)
+    if offload_backend == "paged":
+        post_init = lifted_post_init(post_init)
+    config_cls.__post_init__ = post_init
+    try:
+        yield
+    finally:
+        config_cls.__post_init__ = original
+
+
+def validate_config(args, offload_backend: str | None = None):
+    """The model's ``TransformerConfig`` from validated ``args``, built as the run's model
+    provider builds it (``core_transformer_config_from_args``, under :func:`config_shims`). A
+    refusal is one ``ValueError`` line ("Megatron's TransformerConfig: ..."); returns the
+    config."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.training.arguments import core_transformer_config_from_args
+
+    try:
+        with config_shims(offload_backend), warnings.catch_warnings(), \
+                contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            return core_transformer_config_from_args(args)
+    except (AssertionError, ValueError, RuntimeError, TypeError, NotImplementedError) as error:
+        message = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+        raise ValueError(f"Megatron's TransformerConfig: {message}") from None
+
+
+__all__ = ["CONFIG_MODULE", "STATIC_BACKEND", "TARGET_CAPABILITY", "config_shims",
+           "static_backend_post_init", "target_device", "validate", "validate_config"]
