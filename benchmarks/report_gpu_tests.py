@@ -1,9 +1,10 @@
 """The GPU suite's record (scripts/gpu_check.sh ``tests``) as a result file: the GPU, the
 commit, counts, every failed test with its message's first line, every skipped test with its
-reason, and (from the stream) the slowest tests. Prints the one-line summary gpu_check.sh ends with. Reads either the test stream
-(``PAGING_TEST_STREAM``, tests/suite_stream.py: a line per test as it finishes, so it survives a
-suite that never ends cleanly) or pytest's JUnit XML. A suite stopped before its end is marked
-``interrupted``: its counts cover only the tests that finished.
+reason, and (from the stream) the slowest tests. Prints the one-line summary gpu_check.sh ends
+with. Reads either the test stream (``PAGING_TEST_STREAM``, tests/suite_stream.py: a line per
+test as it finishes, so it survives a suite that never ends cleanly) or pytest's JUnit XML. A
+suite stopped before its end is marked ``interrupted``: its counts cover only the tests that
+finished.
 
     python benchmarks/report_gpu_tests.py out/gpu_tests.jsonl --out out/gpu_tests.json
 

@@ -31,6 +31,7 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
+from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.core.utils import get_attr_wrapped_model
 from megatron.training import get_args, get_tokenizer, pretrain, print_rank_0
 from megatron.training.argument_utils import (
@@ -93,11 +94,29 @@ def get_batch(data_iterator, vp_stage=None):
     )
 
 
+# A microbatch loss this many times the largest seen so far counts as a spike (as Megatron's GPT
+# script has it): --check-for-spiky-loss re-runs its step in place.
+SPIKY_LOSS_FACTOR = 10
+
+
 def loss_func(loss_mask, output_tensor):
     losses = output_tensor.view(-1).float()
     loss_mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * loss_mask)
     num_tokens = loss_mask.sum().clone().detach().to(torch.int)
+    # Megatron's result validation, as its GPT script does it: a NaN, Inf or (asked for) spiky
+    # loss makes its rerun state machine run the step's forward-backward again in place, paging
+    # included; --rerun-mode report_stats re-runs every step and compares.
+    args, rerun = get_args(), get_rerun_state_machine()
+    if args.check_for_nan_in_loss_and_grad:
+        for reject, what in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
+            rerun.validate_result(result=loss, rejection_func=reject, tolerance=0.0, fatal=True,
+                                  message=f"found {what} in local forward loss calculation")
+    if args.check_for_spiky_loss:
+        rerun.validate_result(
+            result=loss, rejection_func=partial(rerun.is_unexpectedly_large,
+                                                threshold=SPIKY_LOSS_FACTOR, context="loss"),
+            message="Spiky loss", tolerance=0.0, fatal=False)
     # fp32 [loss, tokens]: the loss log reads the loss back exactly (StepProbe.on_step_end).
     report = {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
     return loss, num_tokens, report

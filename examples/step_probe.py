@@ -79,6 +79,7 @@ class StepProbe:
         self.runner = None  # the step runner train() built (its overflow counters are reported)
         self.peers = None  # EmulatedPeers under --fake-process-group (their counts are reported)
         self.grad_checksums: dict[int, float] = {}
+        self.loss_lines: list[str] = []  # the open iteration's loss-log lines (see on_step_end)
         self.model = self.optimizer = None  # what the runner trains (its memory is reported)
         self.recording = False
         self.memory_base_mib = 0.0  # allocated when the recorded iteration began
@@ -125,8 +126,8 @@ class StepProbe:
             self.profile_t0 = time.perf_counter()
 
     def on_step_end(self, losses_reduced) -> None:
-        """Note the forward-backward's peak (before the optimizer step) and append every
-        microbatch loss of the step, exactly (float.hex), to the loss log."""
+        """Note the forward-backward's peak (before the optimizer step) and every microbatch
+        loss of the step, exactly (float.hex), for the loss log."""
         self.fb_peaks[self.iteration] = torch.cuda.max_memory_allocated() / 2**20
         self.host_fb_ms[self.iteration] = (time.thread_time() - self.host_t0) * 1e3
         if self.recording:  # where activations peak; the step's peak may be the optimizer's
@@ -148,12 +149,11 @@ class StepProbe:
             )
         if not loss_log:
             return
-        rank = int(os.environ.get("RANK", "0"))
-        with open(f"{loss_log}.rank{rank}", "a") as f:
-            for report in losses_reduced or []:
-                loss, num_tokens = report["lm loss"].tolist()
-                f.write(f"{float(loss).hex()} {int(num_tokens)}\n")
-            f.write(f"grad {checksum.hex()}\n")
+        # Written when the iteration closes: a forward-backward that Megatron's rerun state
+        # machine runs again in place (same iteration) replaces these lines.
+        self.loss_lines = [f"{float(loss).hex()} {int(num_tokens)}\n" for loss, num_tokens in
+                           (report["lm loss"].tolist() for report in losses_reduced or [])]
+        self.loss_lines.append(f"grad {checksum.hex()}\n")
 
     def _update_dropped(self) -> bool:
         """Whether the step runner drops this step's update (an overflowing step under 'skip' or
@@ -165,6 +165,11 @@ class StepProbe:
     def close_step(self) -> None:
         if self.iteration is None:
             return
+        if self.loss_lines:
+            rank = int(os.environ.get("RANK", "0"))
+            with open(f"{os.environ[LOSS_LOG_ENV]}.rank{rank}", "a") as f:
+                f.writelines(self.loss_lines)
+            self.loss_lines = []
         peak = torch.cuda.max_memory_allocated() / 2**20
         self.step_peaks[self.iteration] = peak
         host = self.host_step_ms[self.iteration] = (time.thread_time() - self.host_t0) * 1e3

@@ -42,3 +42,29 @@ def test_example_feature_paged_bitwise_equal_to_unpaged(tmp_path, feature):
     assert _report(log)["paging_mode"] == "paged"
     assert len(unpaged) == 3 * MICROBATCHES and len(unpaged.grads) == 3
     assert paged == unpaged and paged.grads == unpaged.grads
+
+
+# Megatron's rerun state machine runs a step's forward-backward again in place, within one
+# training iteration: with --rerun-mode report_stats every step (its results compared), with an
+# injected transient error on the spiky-loss check every step after the first (the first is
+# never validated). Paging must serve both runs and leave the kept one equal to unpaged's.
+RERUNS = {
+    "rerun-mode-report-stats": (("--rerun-mode", "report_stats"), 2 * 3),
+    "spiky-loss-transient-error": (("--check-for-spiky-loss", "--error-injection-rate", "1",
+                                    "--error-injection-type", "transient_error"), 3 + 2),
+}
+
+
+@pytest.mark.parametrize("rerun", list(RERUNS))
+def test_example_step_rerun_in_place_paged_bitwise_equal_to_unpaged(tmp_path, rerun):
+    flags, least_steps = RERUNS[rerun]
+    unpaged, _ = _train(tmp_path, paged=False, extra=flags)
+    paged, log = _train(tmp_path, paged=True, extra=flags)
+    report = _report(log)
+    assert report["paging_mode"] == "paged"
+    # every paging step begun, calibration included: the in-place reruns are among them
+    assert int(report["paged_steps"]) >= least_steps, report["paged_steps"]
+    if "--error-injection-rate" in flags:
+        assert "Injecting error type" in log
+    assert len(unpaged) == 3 * MICROBATCHES and len(unpaged.grads) == 3
+    assert paged == unpaged and paged.grads == unpaged.grads
