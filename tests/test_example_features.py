@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_example_pretrain import MICROBATCHES, _report, _train
+from test_example_pretrain import MICROBATCHES, SMALL_POOL, _report, _train
 
 pytestmark = [
     pytest.mark.gpu,
@@ -67,4 +67,16 @@ def test_example_step_rerun_in_place_paged_bitwise_equal_to_unpaged(tmp_path, re
     if "--error-injection-rate" in flags:
         assert "Injecting error type" in log
     assert len(unpaged) == 3 * MICROBATCHES and len(unpaged.grads) == 3
+    assert paged == unpaged and paged.grads == unpaged.grads
+
+
+def test_example_expert_bias_through_a_forced_rerun_paged_bitwise_equal_to_unpaged(tmp_path):
+    """DeepSeek-V3's aux-loss-free routing: Megatron updates the expert bias at the end of every
+    forward-backward, so a rerun must start from the bias its step began with (the runner
+    restores it) to route, and update it, as the unpaged step did."""
+    bias = ("--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid")
+    unpaged, _ = _train(tmp_path, paged=False, extra=bias)
+    paged, log = _train(tmp_path, paged=True,
+                        extra=(*bias, *SMALL_POOL, "--paging-overflow-policy", "rerun"))
+    assert "(policy rerun: " in log
     assert paged == unpaged and paged.grads == unpaged.grads

@@ -60,12 +60,22 @@ class Dispatcher:
         self._comm_manager.over_budget.fill_(0)
 
 
+class Router(torch.nn.Module):
+    """Megatron-Core's router as the runner sees it: an aux-loss-free expert bias, which
+    finalize_model_grads updates at the end of every forward-backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("expert_bias", torch.zeros(3))
+
+
 class Chunk(torch.nn.Module):
     def __init__(self, config):
         super().__init__()
         self.config = config
         torch.manual_seed(0)
         self.weight = torch.nn.Parameter(torch.randn(HIDDEN, 3) * 0.3)
+        self.router = Router()
         mlp = SimpleNamespace(token_dispatcher=Dispatcher(config))
         self.decoder = SimpleNamespace(layers=[SimpleNamespace(mlp=mlp)])
         self.mtp_process = False
@@ -147,11 +157,13 @@ def make_forward_backward(paging, calls, budgets):
 
             with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
                 # Dropout draws from the RNG: a rerun must replay the attempt's draws.
-                out = F.dropout(tokens @ model[0].weight, p=0.25, training=not forward_only)
+                out = F.dropout(tokens @ model[0].weight + model[0].router.expert_bias, p=0.25,
+                                training=not forward_only)
             losses.append((out[:live].tanh() ** 2).sum())
         if not forward_only:
             for loss in losses:
                 loss.backward()
+            model[0].router.expert_bias.add_(0.125)  # finalize_model_grads' bias update
         return [float(loss.detach()) for loss in losses]
 
     return forward_backward
@@ -244,6 +256,8 @@ def test_rerun_policy_reruns_paged_in_grown_pools_bitwise_equal_to_unpaged():
     assert paged.budgets == [1.0] * 4
     assert paged.config.moe_paged_stash
     assert_equal_states(paged.state(), control.state())
+    # the rerun routed with, and updated once, the expert bias the step began with
+    assert torch.equal(paged.chunk.router.expert_bias, control.chunk.router.expert_bias)
 
 
 def test_a_paged_rerun_that_overflows_again_reruns_unpaged():

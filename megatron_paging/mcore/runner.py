@@ -16,7 +16,8 @@ this class (bound to the paging API through the ``paging`` keyword). What change
     through the pools as they are, when a dispatcher was over it (Megatron-Core reruns unpaged
     always); unpaged if that paged rerun overflows. The rerun
     restores the random state of the attempt (CPU, CUDA, Megatron's tracker) so it draws the
-    same dropout masks: bitwise equal to the unpaged control.
+    same dropout masks, and the router buffers the attempt's ``finalize_model_grads`` updated
+    (the expert bias), so it routes as the attempt did: bitwise equal to the unpaged control.
   - 'skip' / 'grow' drop a step whose flags are set (on any rank): parameters and optimizer
     state stay as they were; 'grow' then enlarges every pool's device tier. With fused torch
     optimizers nothing is read during the step (they take the flag as ``found_inf``; the flags
@@ -41,7 +42,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
@@ -86,6 +87,20 @@ def set_rng_state(state: dict) -> None:
             generator.set_state(saved)
             restored[name] = generator
     get_cuda_rng_tracker().set_states(restored)
+
+
+# Router buffers Megatron-Core's finalize_model_grads updates at the end of every
+# forward-backward (the aux-loss-free expert bias; quantile balancing's beta). A rerun comes after
+# the attempt's update, so it restores them first: it routes, and updates them, as the step
+# routed the first time, as the unpaged step did.
+STEP_UPDATED_BUFFERS = ("expert_bias", "qb_beta")
+
+
+def _step_updated_buffers(model) -> list[torch.Tensor]:
+    chunks = model if isinstance(model, list) else [model]
+    return [buffer for chunk in chunks for module in chunk.modules()
+            for buffer in (getattr(module, name, None) for name in STEP_UPDATED_BUFFERS)
+            if isinstance(buffer, torch.Tensor)]
 
 
 def _moe_layers(model) -> list:
@@ -141,6 +156,8 @@ class _Attempt:
     rng_before: dict
     training: bool
     result: object = None
+    # (buffer, its value before the attempt) for each of STEP_UPDATED_BUFFERS the model has
+    buffers_before: list = field(default_factory=list)
 
 
 class PagedStashRunner:
@@ -173,6 +190,7 @@ class PagedStashRunner:
         self.forward_backward_func = forward_backward_func
         self.paging = paging
         self.moe_layers = _moe_layers(model)
+        self.updated_buffers = _step_updated_buffers(model)  # restored before a rerun
         self._configs = {id(config): config}
         for chunk in model:
             root = get_attr_wrapped_model(chunk, "decoder", allow_none=False, return_model_obj=True)
@@ -336,7 +354,8 @@ class PagedStashRunner:
         saved_batches, kwargs["data_iterator"] = self.data_read(
             kwargs["data_iterator"], kwargs["model"], training, kwargs["num_microbatches"]
         )
-        attempt = _Attempt(kwargs, saved_batches, rng_state(), training)
+        attempt = _Attempt(kwargs, saved_batches, rng_state(), training,
+                           buffers_before=[(b, b.clone()) for b in self.updated_buffers])
         attempt.result = self.forward_backward_func(**kwargs)
         if self.paging is not None and graphs.replayed(self.forward_backward_func, training):
             graphs.note_replay(self.paging)
@@ -373,6 +392,8 @@ class PagedStashRunner:
             paged=paged,
         )
         set_rng_state(attempt.rng_before)
+        for buffer, before in attempt.buffers_before:
+            buffer.copy_(before)
         data = [None if batches is None else iter(batches) for batches in attempt.saved_batches]
         kwargs = dict(attempt.kwargs, data_iterator=data)
         try:
