@@ -260,6 +260,37 @@ def test_rerun_policy_reruns_paged_in_grown_pools_bitwise_equal_to_unpaged():
     assert torch.equal(paged.chunk.router.expert_bias, control.chunk.router.expert_bias)
 
 
+def test_a_rerun_leaves_the_steps_moe_metrics_as_the_unpaged_step_logs_them():
+    """The routers add each forward's load-balancing loss to Megatron-Core's metrics tracker
+    (reported and cleared once per step): a rerun must not add its own to the attempt's."""
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    tracker = get_moe_metrics_tracker()
+    tracker.clear()
+    control, paged = Run("rerun", ROOMY, paged=False), Run("rerun", TINY)
+    engine = paged.paging.engine
+    engine.grow = lambda factor: not setattr(engine, "pools", roomy_pools())
+    for run in (control, paged):
+        forward_backward = run.runner.forward_backward_func
+
+        def recording(*, _inner=forward_backward, **kwargs):
+            losses = _inner(**kwargs)
+            tracker.record("load_balancing_loss", torch.tensor(sum(losses)), 1, 1)
+            return losses
+
+        run.runner.forward_backward_func = recording
+    logged = []
+    try:
+        for run in (control, paged):
+            run.train_step(0)
+            logged.append(tracker.metrics["load_balancing_loss"].values.clone())
+            tracker.clear()
+    finally:
+        tracker.clear()
+    assert paged.runner.monitor.rerun_steps == 1
+    assert torch.equal(logged[1], logged[0])
+
+
 def test_a_paged_rerun_that_overflows_again_reruns_unpaged():
     control = Run("rerun", ROOMY, paged=False)
     paged = Run("rerun", TINY)

@@ -17,7 +17,8 @@ this class (bound to the paging API through the ``paging`` keyword). What change
     always); unpaged if that paged rerun overflows. The rerun
     restores the random state of the attempt (CPU, CUDA, Megatron's tracker) so it draws the
     same dropout masks, and the router buffers the attempt's ``finalize_model_grads`` updated
-    (the expert bias), so it routes as the attempt did: bitwise equal to the unpaged control.
+    (the expert bias), so it routes as the attempt did: bitwise equal to the unpaged control;
+    the MoE metrics logged for the step are the rerun's alone.
   - 'skip' / 'grow' drop a step whose flags are set (on any rank): parameters and optimizer
     state stay as they were; 'grow' then enlarges every pool's device tier. With fused torch
     optimizers nothing is read during the step (they take the flag as ``found_inf``; the flags
@@ -42,7 +43,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
@@ -103,6 +104,29 @@ def _step_updated_buffers(model) -> list[torch.Tensor]:
             if isinstance(buffer, torch.Tensor)]
 
 
+class _StepState:
+    """What a forward-backward changes besides gradients, as it was before an attempt: the
+    buffers above, and the MoE metrics the routers add up for the step's log line (a rerun
+    would add its own to the attempt's: load-balancing losses logged twice over)."""
+
+    def __init__(self, buffers: list[torch.Tensor]):
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+        self.tracker = get_moe_metrics_tracker()
+        self.buffers = [(b, b.clone()) for b in buffers]
+        self.metrics = {name: e.values.clone() for name, e in self.tracker.metrics.items()}
+
+    def restore(self) -> None:
+        for buffer, before in self.buffers:
+            buffer.copy_(before)
+        for name, entry in self.tracker.metrics.items():
+            before = self.metrics.get(name)
+            if before is None:  # a metric the attempt recorded first
+                entry.values.zero_()
+            else:
+                entry.values.copy_(before)
+
+
 def _moe_layers(model) -> list:
     """Every MoE MLP whose dispatcher reports an over-budget flag (as Megatron-Core collects)."""
     from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
@@ -156,8 +180,7 @@ class _Attempt:
     rng_before: dict
     training: bool
     result: object = None
-    # (buffer, its value before the attempt) for each of STEP_UPDATED_BUFFERS the model has
-    buffers_before: list = field(default_factory=list)
+    state_before: _StepState | None = None  # restored before a rerun
 
 
 class PagedStashRunner:
@@ -355,7 +378,7 @@ class PagedStashRunner:
             kwargs["data_iterator"], kwargs["model"], training, kwargs["num_microbatches"]
         )
         attempt = _Attempt(kwargs, saved_batches, rng_state(), training,
-                           buffers_before=[(b, b.clone()) for b in self.updated_buffers])
+                           state_before=_StepState(self.updated_buffers))
         attempt.result = self.forward_backward_func(**kwargs)
         if self.paging is not None and graphs.replayed(self.forward_backward_func, training):
             graphs.note_replay(self.paging)
@@ -392,8 +415,7 @@ class PagedStashRunner:
             paged=paged,
         )
         set_rng_state(attempt.rng_before)
-        for buffer, before in attempt.buffers_before:
-            buffer.copy_(before)
+        attempt.state_before.restore()
         data = [None if batches is None else iter(batches) for batches in attempt.saved_batches]
         kwargs = dict(attempt.kwargs, data_iterator=data)
         try:
