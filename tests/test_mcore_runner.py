@@ -262,11 +262,14 @@ def test_rerun_policy_reruns_paged_in_grown_pools_bitwise_equal_to_unpaged():
 
 def test_a_rerun_leaves_the_steps_moe_metrics_as_the_unpaged_step_logs_them():
     """The routers add each forward's load-balancing loss to Megatron-Core's metrics tracker
-    (reported and cleared once per step): a rerun must not add its own to the attempt's."""
+    and the MTP layers theirs to its MTP tracker (each reported and cleared once per step): a
+    rerun must not add its own to the attempt's."""
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-    tracker = get_moe_metrics_tracker()
+    tracker, mtp = get_moe_metrics_tracker(), MTPLossLoggingHelper.tracker
     tracker.clear()
+    mtp["loss_values"] = torch.zeros(1)
     control, paged = Run("rerun", ROOMY, paged=False), Run("rerun", TINY)
     engine = paged.paging.engine
     engine.grow = lambda factor: not setattr(engine, "pools", roomy_pools())
@@ -276,6 +279,7 @@ def test_a_rerun_leaves_the_steps_moe_metrics_as_the_unpaged_step_logs_them():
         def recording(*, _inner=forward_backward, **kwargs):
             losses = _inner(**kwargs)
             tracker.record("load_balancing_loss", torch.tensor(sum(losses)), 1, 1)
+            mtp["loss_values"] += losses[0]
             return losses
 
         run.runner.forward_backward_func = recording
@@ -283,12 +287,15 @@ def test_a_rerun_leaves_the_steps_moe_metrics_as_the_unpaged_step_logs_them():
     try:
         for run in (control, paged):
             run.train_step(0)
-            logged.append(tracker.metrics["load_balancing_loss"].values.clone())
+            logged.append((tracker.metrics["load_balancing_loss"].values.clone(),
+                           mtp["loss_values"].clone()))
             tracker.clear()
+            mtp["loss_values"].zero_()
     finally:
         tracker.clear()
+        mtp.clear()
     assert paged.runner.monitor.rerun_steps == 1
-    assert torch.equal(logged[1], logged[0])
+    assert all(torch.equal(got, want) for got, want in zip(logged[1], logged[0], strict=True))
 
 
 def test_a_paged_rerun_that_overflows_again_reruns_unpaged():

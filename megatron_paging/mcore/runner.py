@@ -104,27 +104,36 @@ def _step_updated_buffers(model) -> list[torch.Tensor]:
             if isinstance(buffer, torch.Tensor)]
 
 
+def _logged_metrics() -> dict:
+    """The tensors Megatron-Core's forward adds the step's log line into: its MoE metrics
+    tracker (load-balancing losses, per layer) and the multi-token-prediction losses."""
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    logged = {("moe", name): e.values for name, e in get_moe_metrics_tracker().metrics.items()}
+    logged.update({("mtp", key): value for key, value in MTPLossLoggingHelper.tracker.items()
+                   if isinstance(value, torch.Tensor)})
+    return logged
+
+
 class _StepState:
     """What a forward-backward changes besides gradients, as it was before an attempt: the
-    buffers above, and the MoE metrics the routers add up for the step's log line (a rerun
-    would add its own to the attempt's: load-balancing losses logged twice over)."""
+    buffers above, and the metrics logged for the step (a rerun would add its own to the
+    attempt's: load-balancing losses logged twice over)."""
 
     def __init__(self, buffers: list[torch.Tensor]):
-        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
-
-        self.tracker = get_moe_metrics_tracker()
         self.buffers = [(b, b.clone()) for b in buffers]
-        self.metrics = {name: e.values.clone() for name, e in self.tracker.metrics.items()}
+        self.logged = {key: value.clone() for key, value in _logged_metrics().items()}
 
     def restore(self) -> None:
         for buffer, before in self.buffers:
             buffer.copy_(before)
-        for name, entry in self.tracker.metrics.items():
-            before = self.metrics.get(name)
+        for key, value in _logged_metrics().items():
+            before = self.logged.get(key)
             if before is None:  # a metric the attempt recorded first
-                entry.values.zero_()
+                value.zero_()
             else:
-                entry.values.copy_(before)
+                value.copy_(before)
 
 
 def _moe_layers(model) -> list:
