@@ -70,13 +70,23 @@ def test_example_step_rerun_in_place_paged_bitwise_equal_to_unpaged(tmp_path, re
     assert paged == unpaged and paged.grads == unpaged.grads
 
 
-def test_example_expert_bias_through_a_forced_rerun_paged_bitwise_equal_to_unpaged(tmp_path):
-    """DeepSeek-V3's aux-loss-free routing: Megatron updates the expert bias at the end of every
-    forward-backward, so a rerun must start from the bias its step began with (the runner
-    restores it) to route, and update it, as the unpaged step did."""
-    bias = ("--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid")
-    unpaged, _ = _train(tmp_path, paged=False, extra=bias)
+# Through a forced overflow rerun: DeepSeek-V3's aux-loss-free routing (Megatron updates the
+# expert bias at the end of every forward-backward, so a rerun must start from the bias its step
+# began with, which the runner restores) and gradient reduction overlapped with the backward (a
+# rerun's buckets start from cleared buffers).
+THROUGH_RERUN = {
+    "expert-bias": ("--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid"),
+    "overlap-grad-reduce+distributed-optimizer": FEATURES[
+        "overlap-grad-reduce+distributed-optimizer"],
+}
+
+
+@pytest.mark.parametrize("feature", list(THROUGH_RERUN))
+def test_example_feature_through_a_forced_rerun_paged_bitwise_equal_to_unpaged(tmp_path,
+                                                                               feature):
+    flags = THROUGH_RERUN[feature]
+    unpaged, _ = _train(tmp_path, paged=False, extra=flags)
     paged, log = _train(tmp_path, paged=True,
-                        extra=(*bias, *SMALL_POOL, "--paging-overflow-policy", "rerun"))
+                        extra=(*flags, *SMALL_POOL, "--paging-overflow-policy", "rerun"))
     assert "(policy rerun: " in log
     assert paged == unpaged and paged.grads == unpaged.grads
