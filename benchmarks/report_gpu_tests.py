@@ -23,7 +23,8 @@ from pathlib import Path
 
 from portable import dumps
 
-SUITE_SETTINGS = ("PYTEST_WORKERS", "TESTS_LIMIT_S", "PYTEST_TARGETS", "PYTEST_EXTRA")
+SUITE_SETTINGS = ("PYTEST_WORKERS", "TESTS_LIMIT_S", "PYTEST_TARGETS", "PYTEST_MARKS",
+                  "PYTEST_EXTRA")
 SLOWEST = 15  # tests listed by duration in a stream's record
 
 

@@ -15,9 +15,12 @@
 #                       pytest-xdist, execnet), for a machine that has none
 #   PYTEST_WORKERS      pytest-xdist processes sharing the GPU (default 4; each takes the next
 #                       test when free); PYTEST_TARGETS test files or node ids (default
-#                       tests/); PYTEST_EXTRA more pytest arguments; TESTS_LIMIT_S the tests
-#                       step's limit (default 530 s; at the limit pytest is interrupted and still
-#                       reports what finished, marked interrupted)
+#                       tests/); PYTEST_MARKS the marker expression (default "gpu or multigpu
+#                       or build"; a suite larger than one call runs in two: "training_run" and
+#                       "(gpu or multigpu or build) and not training_run"); PYTEST_EXTRA more
+#                       pytest arguments; TESTS_LIMIT_S the tests step's limit (default 530 s; at
+#                       the limit pytest is interrupted and still reports what finished, marked
+#                       interrupted)
 #   BENCH_KERNELS_ARGS, BENCH_SCHEDULER_ARGS   more arguments for those benchmarks
 #   MCORE_LIMIT_S       the mcore step's limit (default 420 s); MODES, STEPS, EXTRA go to
 #                       scripts/mcore_gpu_run.sh
@@ -76,8 +79,8 @@ run_gpu_tests() {  # the GPU-marked tests, PYTEST_WORKERS processes side by side
   rm -f "$OUT/gpu_tests.xml"  # pytest writes it only at a clean end: never report an older one
   # shellcheck disable=SC2086
   PAGING_TEST_STREAM="$OUT/gpu_tests.jsonl" \
-  python3 -m pytest "${workers[@]}" -q -m "gpu or multigpu or build" -p no:cacheprovider \
-    --junitxml "$OUT/gpu_tests.xml" ${PYTEST_EXTRA:-} ${PYTEST_TARGETS:-tests}
+  python3 -m pytest "${workers[@]}" -q -m "${PYTEST_MARKS:-gpu or multigpu or build}" \
+    -p no:cacheprovider --junitxml "$OUT/gpu_tests.xml" ${PYTEST_EXTRA:-} ${PYTEST_TARGETS:-tests}
 }
 export -f run_gpu_tests
 export OUT

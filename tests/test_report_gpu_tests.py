@@ -79,6 +79,8 @@ def test_the_command_names_the_settings_the_suite_ran_under():
                      "bash scripts/gpu_check.sh info build tests")
     some = report_gpu_tests.command_line({"PYTEST_TARGETS": "tests/test_a.py tests/test_b.py"})
     assert "PYTEST_TARGETS='tests/test_a.py tests/test_b.py' bash" in some
+    half = report_gpu_tests.command_line({"PYTEST_MARKS": "training_run"})
+    assert "PYTEST_MARKS=training_run bash" in half
 
 
 def test_a_missing_file_is_refused_in_one_line(tmp_path, capsys):
