@@ -249,6 +249,11 @@ def check_model_flags(args) -> None:
         raise ValueError("--cpu-offloading-num-layers: Megatron-Core's layer-level CPU "
                          "offloading needs Transformer Engine (not installed); use "
                          "--fine-grained-activation-offloading")
+    if (getattr(args, "check_for_spiky_loss", False)
+            and getattr(args, "cuda_graph_impl", "none") == "full_iteration"):
+        raise ValueError("--check-for-spiky-loss reads every loss on the host, which a "
+                         "full-iteration CUDA graph cannot capture; drop one of them (as "
+                         "Megatron requires --no-check-for-nan-in-loss-and-grad there)")
     if getattr(args, "context_parallel_size", 1) != 1:
         raise ValueError(
             "--context-parallel-size: the example's SDPA core attention has no context "

@@ -306,3 +306,17 @@ def test_layer_level_cpu_offloading_without_transformer_engine_is_refused(megatr
     assert done.value.code == 2
     _one_error_line(capsys.readouterr().err, "--cpu-offloading-num-layers",
                     "--fine-grained-activation-offloading")
+
+
+def test_a_host_read_loss_check_with_full_iteration_graphs_is_refused(megatron_argv, capsys):
+    """The example validates each loss as Megatron's GPT script does: a spike check reads it on
+    the host, which a captured iteration cannot."""
+    import preflight
+
+    line = _launch(DRY_RUN="1").stdout.split()
+    megatron_argv(*line, "--check-for-spiky-loss", "--cuda-graph-impl", "full_iteration",
+                  "--no-check-for-nan-in-loss-and-grad")
+    with pytest.raises(SystemExit) as done:
+        preflight.check(environ={})
+    assert done.value.code == 2
+    _one_error_line(capsys.readouterr().err, "--check-for-spiky-loss", "full-iteration")
