@@ -77,8 +77,8 @@ BENCHMARKS_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 def benchmarks() -> dict[str, Path]:
-    """The source checkout's ``benchmarks/bench_*.py`` by name (``bench_host_cost.py``:
-    ``host-cost``); empty where megatron-paging is installed without its source tree."""
+    """The source checkout's ``benchmarks/bench_*.py`` by name (``bench_step_ratio.py``:
+    ``step-ratio``); empty where megatron-paging is installed without its source tree."""
     scripts = sorted(BENCHMARKS_DIR.glob("bench_*.py"))
     return {script.stem.removeprefix("bench_").replace("_", "-"): script for script in scripts}
 

@@ -1,4 +1,5 @@
-"""Everything that knows Megatron-Core (the only package here that imports megatron). It only
+"""Everything that knows Megatron-Core (with ``plan/adapter.py``, which reads a launch line, the
+only code here that imports megatron). It only
 translates Megatron-Core to the runtime (:mod:`megatron_paging.runtime.engine`,
 :mod:`megatron_paging.runtime.context`).
 

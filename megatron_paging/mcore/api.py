@@ -3,7 +3,7 @@
 :class:`MCorePagingAPI` holds what Megatron-Core keeps in its ``PagedStashManager`` singleton (the
 VP stage, layer and microbatch counters) and one
 :class:`~megatron_paging.runtime.context.PagingContext` over one
-:class:`~megatron_paging.runtime.engine.PagingEngine`; :func:`megatron_paging.mcore.install.install`
+:class:`~megatron_paging.runtime.engine.PagingEngine`; :func:`megatron_paging.mcore.install`
 rebinds Megatron-Core's module-level names to the *bound methods* of one instance, so no module
 global holds paging state. Every method accepts exactly Megatron-Core's call signature:
 

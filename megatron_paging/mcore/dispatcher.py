@@ -1,7 +1,7 @@
 """A sync-free static-capacity dispatch backend for Megatron-Core's ``MoEFlexTokenDispatcher``.
 
 Select it with ``--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend static`` (after
-:func:`megatron_paging.mcore.install.install`). It honours ``_HybridEPManager``'s contract in
+:func:`megatron_paging.mcore.install`). It honours ``_HybridEPManager``'s contract in
 plain PyTorch, without HybridEP, NCCL-EP or Transformer Engine:
 
 * a static permuted-token budget ``num_permuted_tokens = ceil(tokens x topk x

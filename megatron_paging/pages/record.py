@@ -17,8 +17,8 @@ pages back in the same order. For one segment this is Megatron-Core 0.19.2's lay
 the stash overflowed). Unused slots of ``page_record`` hold 0.
 
 ``state`` (int64 ``[1]``) says whether the record holds pages: every stash writes
-:data:`RECORD_STASHED` when it took pages and :data:`RECORD_EMPTY` when it took none (overflow,
-invalid live count); every reload writes :data:`RECORD_RELOADED`. A reload without an overflow
+:data:`RECORD_STASHED` when it fit (no live rows: no pages) and :data:`RECORD_EMPTY` when it
+did not (overflow, invalid live count); every reload writes :data:`RECORD_RELOADED`. A reload without an overflow
 checks it: a record that holds no pages (reloaded already, or never stashed) gives nothing back
 and sets the ``invalid_live`` flag's reload bit (``pool.py``), so its pages can never be on a
 freelist twice. A stash accepts any state, so a record is stashed again after its reload (the

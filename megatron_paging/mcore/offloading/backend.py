@@ -25,7 +25,7 @@ stash):
 * ``forced_released_tensors`` are released (storage resized to 0) only if this group offloaded
   their storage: eagerly at once with ``record_stream`` on the paging stream, inside a CUDA-graph
   capture when the compute stream has waited on the copy (``SourceLifetimes``);
-* which groups offload after the calibration step: :mod:`.offload_plan` (Megatron-Core's margin,
+* which groups offload after the calibration step: :mod:`.groups` (Megatron-Core's margin,
   ``--delta-offload-bytes-across-pp-ranks`` and ``--activation-offload-fraction``).
 
 Without ``--moe-paged-stash`` the schedules never begin a paging step, so the manager begins it
