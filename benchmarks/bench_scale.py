@@ -65,6 +65,32 @@ def planned_pool_factor(argv: list[str], layout, rank: int) -> float:
     return plan.pools.rows[0].cuda_factor
 
 
+PREDICTED_OOM = "out of memory (predicted)"
+
+
+def predicted_peak_mib(layout, rank: int, arm: str, capacity_factor: float) -> float:
+    """The plan's whole-step peak for the arm's launch line (its plan arm's, in MiB)."""
+    from megatron_paging.plan import plan_from_argv
+    from megatron_paging.plan.report import to_dict
+
+    argv, _ = arm_argv(layout, rank, arm, capacity_factor)
+    plan = plan_from_argv(argv, layout.world_size, rank)
+    return to_dict(plan)["arms"][ARMS[arm].plan_arm]["peak_mib"]
+
+
+def predicted_out_of_memory(layout, rank: int, arm: str, factor: float, margin: float,
+                            device_mib: float) -> dict | None:
+    """``--skip-predicted-oom``: the record of an arm left unrun because the plan puts its peak
+    above the GPU's memory by more than ``margin`` (a fraction), else None (run it)."""
+    peak = predicted_peak_mib(layout, rank, arm, factor)
+    if peak <= device_mib * (1 + margin):
+        return None
+    return {"layout": layout.name, "rank": rank, "stage": layout.stage(rank), "arm": arm,
+            "capacity_factor": factor, "flags": arm_argv(layout, rank, arm, factor)[0],
+            "env": ARMS[arm].env, "status": PREDICTED_OOM, "predicted_peak_mib": round(peak, 1),
+            "wall_s": 0.0}
+
+
 def arm_argv(layout, rank: int, arm: str, capacity_factor: float
              ) -> tuple[list[str], float | None]:
     """The Megatron flags one arm launches the example with, and the planned pool factor it
@@ -282,6 +308,10 @@ def main(argv=None) -> int:
     parser.add_argument("--retry-out-of-memory", action="store_true",
                         help="run again the arms the result file records as out of memory "
                         "(after a change that lowers memory); their records are replaced")
+    parser.add_argument("--skip-predicted-oom", type=float, default=None, metavar="MARGIN",
+                        help="record an arm whose planned peak exceeds the GPU's memory by more "
+                        f"than this fraction as '{PREDICTED_OOM}' without running it (saves GPU "
+                        "time where the plan leaves no doubt; default: run every arm)")
     parser.add_argument("--out", type=Path, default=None,
                         help="result file; arms already in it are not run again (default: "
                         "benchmarks/results/scale_<gpu>.json)")
@@ -314,7 +344,12 @@ def main(argv=None) -> int:
             break
         print(f"[{index}/{len(todo)}] {layout.name} rank {rank} (stage {layout.stage(rank)}) "
               f"{arm} cf {factor:g} ({elapsed:.0f} s)", flush=True)
-        record = run_arm(layout, rank, arm, factor, tmp, args.arm_timeout)
+        record = None
+        if args.skip_predicted_oom is not None and call_header.get("device_memory_mib"):
+            record = predicted_out_of_memory(layout, rank, arm, factor, args.skip_predicted_oom,
+                                             call_header["device_memory_mib"])
+        if record is None:
+            record = run_arm(layout, rank, arm, factor, tmp, args.arm_timeout)
         record.update(this_call)
         print(f"    {record['status']} in {record['wall_s']} s", flush=True)
         failed = failed or record["status"] == "failed"

@@ -235,3 +235,42 @@ def test_a_record_launched_with_other_flags_runs_again(tmp_path, monkeypatch):
     runs = json.loads(out.read_text())["runs"]
     assert sorted((r["rank"], r["commit"], r["status"]) for r in runs) == [
         (0, "old", "out of memory"), (224, "new", "out of memory")]
+
+
+def test_an_arm_the_plan_puts_well_above_the_gpu_is_recorded_as_predicted_not_run(
+        tmp_path, monkeypatch):
+    """``--skip-predicted-oom 0.1``: an arm planned at more than 1.1x the GPU's memory is
+    recorded as predicted out of memory, with the plan's peak, and not launched; a later call
+    without the option runs it and replaces the record."""
+    monkeypatch.setattr(bench_scale, "require_gpu", lambda benchmark: None)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(bench_scale, "scale_header", lambda: {
+        "benchmark": "scale", "gpu": "H200", "date": "today", "commit": "c",
+        "device_memory_mib": 1000.0})
+    monkeypatch.setattr(bench_scale, "predicted_peak_mib",
+                        lambda layout, rank, arm, factor: 1200.0 if rank == 0 else 1050.0)
+    calls = []
+    monkeypatch.setattr(bench_scale.subprocess, "run", lambda cmd, **kw: (
+        calls.append(cmd), subprocess.CompletedProcess(cmd, 0, LOG, ""))[1])
+    out = tmp_path / "scale.json"
+    argv = ["--layouts", "qwen3_235b", "--arms", "unpaged", "--capacity-factors", "2.0",
+            "--out", str(out)]
+    assert bench_scale.main([*argv, "--skip-predicted-oom", "0.1"]) == 0
+    runs = {r["rank"]: r for r in json.loads(out.read_text())["runs"]}
+    assert runs[0]["status"] == bench_scale.PREDICTED_OOM and runs[0]["predicted_peak_mib"] == 1200
+    assert runs[224]["status"] == "ok" and len(calls) == 1  # within the margin: it ran
+    assert bench_scale.main(argv) == 0 and len(calls) == 2
+    assert {r["rank"]: r["status"] for r in json.loads(out.read_text())["runs"]} == {
+        0: "ok", 224: "ok"}
+
+
+def test_the_predicted_peak_is_the_plans_for_the_arm_the_line_launches():
+    """The plan run on the arm's own launch line (CPU, seconds): Qwen3-235B's stage 0 unpaged at
+    capacity factor 2 is planned above an H200's 143,156 MiB, its paged arm below."""
+    from plan_predictions import predict
+
+    layout = LAYOUTS["qwen3_235b"]
+    unpaged = bench_scale.predicted_peak_mib(layout, 0, "unpaged", 2.0)
+    paged = bench_scale.predicted_peak_mib(layout, 0, "paged", 2.0)
+    assert unpaged == predict(layout, 0, "unpaged", 2.0)["predicted"]["peak_mib"]
+    assert paged < 143_156 < unpaged
