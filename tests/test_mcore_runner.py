@@ -9,9 +9,11 @@ through real pools with the stash/reload kernels.
 from __future__ import annotations
 
 import os
+import random
 import tempfile
 from types import SimpleNamespace
 
+import numpy
 import pytest
 import torch
 import torch.distributed as dist
@@ -157,8 +159,11 @@ def make_forward_backward(paging, calls, budgets):
 
             with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
                 # Dropout draws from the RNG: a rerun must replay the attempt's draws.
-                out = F.dropout(tokens @ model[0].weight + model[0].router.expert_bias, p=0.25,
-                                training=not forward_only)
+                # Python's and NumPy's generators too (Megatron's error injection draws there)
+                noise = 1.0 if forward_only else (
+                    1.0 + 1e-3 * (random.random() + float(numpy.random.rand())))
+                out = F.dropout(tokens @ model[0].weight * noise + model[0].router.expert_bias,
+                                p=0.25, training=not forward_only)
             losses.append((out[:live].tanh() ** 2).sum())
         if not forward_only:
             for loss in losses:
@@ -204,6 +209,8 @@ class Run:
     def train_step(self, step, over_budget_step=None):
         """What megatron.training.train_step does around the runner."""
         torch.manual_seed(1000 + step)  # every run starts each step from the same RNG state
+        random.seed(1000 + step)
+        numpy.random.seed(1000 + step)
         self.chunk.zero_grad_buffer()
         losses = self.runner(
             model=[self.chunk],
@@ -473,7 +480,7 @@ def test_rng_snapshot_restores_graph_safe_generators_by_value():
     place: a rerun must rewind them, not re-install the advanced objects."""
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-    from megatron_paging.mcore.runner import rng_state, set_rng_state
+    from megatron_paging.mcore.step_state import rng_state, set_rng_state
 
     tracker = get_cuda_rng_tracker()
     saved_states = tracker.get_states()

@@ -46,94 +46,20 @@ import logging
 from dataclasses import dataclass
 
 import torch
-from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.transformer.moe import paged_stash as mcore_paged_stash
 from megatron.core.utils import get_attr_wrapped_model, log_single_rank
 
 from megatron_paging.mcore import graphs
+from megatron_paging.mcore.step_state import (
+    StepState,
+    rng_state,
+    set_rng_state,
+    step_updated_buffers,
+)
 from megatron_paging.overflow.monitor import OverflowMonitor
 from megatron_paging.overflow.policy import RerunPolicy, StepFlags
 
 logger = logging.getLogger(__name__)
-
-
-def _snapshot(value):
-    # With CUDA graphs Megatron's tracker holds graph-safe torch.Generator objects, which every
-    # draw advances in place: keep their state by value, not the objects themselves.
-    if isinstance(value, torch.Generator):
-        return (value, value.get_state())
-    return (None, value.clone() if isinstance(value, torch.Tensor) else value)
-
-
-def rng_state() -> dict:
-    """Every generator a forward-backward draws from (dropout): CPU, CUDA, Megatron's tracker
-    (by value, whether it holds state tensors or graph-safe generators). Host-side state only
-    (seed and offset): no device synchronization."""
-    tracker = {name: _snapshot(v) for name, v in get_cuda_rng_tracker().get_states().items()}
-    state = {"cpu": torch.get_rng_state(), "tracker": tracker}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"])
-    restored = {}
-    for name, (generator, saved) in state["tracker"].items():
-        if generator is None:
-            restored[name] = saved
-        else:
-            generator.set_state(saved)
-            restored[name] = generator
-    get_cuda_rng_tracker().set_states(restored)
-
-
-# Router buffers Megatron-Core's finalize_model_grads updates at the end of every
-# forward-backward (the aux-loss-free expert bias; quantile balancing's beta). A rerun comes after
-# the attempt's update, so it restores them first: it routes, and updates them, as the step
-# routed the first time, as the unpaged step did.
-STEP_UPDATED_BUFFERS = ("expert_bias", "qb_beta")
-
-
-def _step_updated_buffers(model) -> list[torch.Tensor]:
-    chunks = model if isinstance(model, list) else [model]
-    return [buffer for chunk in chunks for module in chunk.modules()
-            for buffer in (getattr(module, name, None) for name in STEP_UPDATED_BUFFERS)
-            if isinstance(buffer, torch.Tensor)]
-
-
-def _logged_metrics() -> dict:
-    """The tensors Megatron-Core's forward adds the step's log line into: its MoE metrics
-    tracker (load-balancing losses, per layer) and the multi-token-prediction losses."""
-    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
-    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
-
-    logged = {("moe", name): e.values for name, e in get_moe_metrics_tracker().metrics.items()}
-    logged.update({("mtp", key): value for key, value in MTPLossLoggingHelper.tracker.items()
-                   if isinstance(value, torch.Tensor)})
-    return logged
-
-
-class _StepState:
-    """What a forward-backward changes besides gradients, as it was before an attempt: the
-    buffers above, and the metrics logged for the step (a rerun would add its own to the
-    attempt's: load-balancing losses logged twice over)."""
-
-    def __init__(self, buffers: list[torch.Tensor]):
-        self.buffers = [(b, b.clone()) for b in buffers]
-        self.logged = {key: value.clone() for key, value in _logged_metrics().items()}
-
-    def restore(self) -> None:
-        for buffer, before in self.buffers:
-            buffer.copy_(before)
-        for key, value in _logged_metrics().items():
-            before = self.logged.get(key)
-            if before is None:  # a metric the attempt recorded first
-                value.zero_()
-            else:
-                value.copy_(before)
 
 
 def _moe_layers(model) -> list:
@@ -189,7 +115,7 @@ class _Attempt:
     rng_before: dict
     training: bool
     result: object = None
-    state_before: _StepState | None = None  # restored before a rerun
+    state_before: StepState | None = None  # restored before a rerun
 
 
 class PagedStashRunner:
@@ -222,7 +148,7 @@ class PagedStashRunner:
         self.forward_backward_func = forward_backward_func
         self.paging = paging
         self.moe_layers = _moe_layers(model)
-        self.updated_buffers = _step_updated_buffers(model)  # restored before a rerun
+        self.updated_buffers = step_updated_buffers(model)  # restored before a rerun
         self._configs = {id(config): config}
         for chunk in model:
             root = get_attr_wrapped_model(chunk, "decoder", allow_none=False, return_model_obj=True)
@@ -387,7 +313,7 @@ class PagedStashRunner:
             kwargs["data_iterator"], kwargs["model"], training, kwargs["num_microbatches"]
         )
         attempt = _Attempt(kwargs, saved_batches, rng_state(), training,
-                           state_before=_StepState(self.updated_buffers))
+                           state_before=StepState(self.updated_buffers))
         attempt.result = self.forward_backward_func(**kwargs)
         if self.paging is not None and graphs.replayed(self.forward_backward_func, training):
             graphs.note_replay(self.paging)

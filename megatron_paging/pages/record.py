@@ -18,11 +18,12 @@ the stash overflowed). Unused slots of ``page_record`` hold 0.
 
 ``state`` (int64 ``[1]``) says whether the record holds pages: every stash writes
 :data:`RECORD_STASHED` when it fit (no live rows: no pages) and :data:`RECORD_EMPTY` when it
-did not (overflow, invalid live count); every reload writes :data:`RECORD_RELOADED`. A reload without an overflow
-checks it: a record that holds no pages (reloaded already, or never stashed) gives nothing back
-and sets the ``invalid_live`` flag's reload bit (``pool.py``), so its pages can never be on a
-freelist twice. A stash accepts any state, so a record is stashed again after its reload (the
-same record objects every CUDA-graph replay) with nothing to reset in between.
+did not (overflow, invalid live count); every reload writes :data:`RECORD_RELOADED`. A reload
+without an overflow checks it: a record that holds no pages (reloaded already, or never
+stashed) gives nothing back and sets the ``invalid_live`` flag's reload bit (``pool.py``), so
+its pages can never be on a freelist twice. A stash accepts any state, so a record is stashed
+again after its reload (the same record objects every CUDA-graph replay) with nothing to reset
+in between.
 
 ``needed_pages_negated`` (int64 ``[1]``, and ``segment_pages`` ``[num_segments]`` for several
 segments) is the step's demand count's scratch (``demand.py``): minus the pages its live rows
