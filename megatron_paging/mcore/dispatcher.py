@@ -39,7 +39,7 @@ from megatron.core.transformer.moe.token_dispatcher import (
     _DispatchManager,
 )
 
-from megatron_paging.mcore.validation import STATIC_BACKEND
+STATIC_BACKEND = "static"
 
 
 class _IndexedSum(torch.autograd.Function):

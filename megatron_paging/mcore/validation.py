@@ -19,8 +19,9 @@ import importlib
 import io
 import warnings
 
+from megatron_paging.mcore.dispatcher import STATIC_BACKEND
+
 CONFIG_MODULE = "megatron.core.transformer.transformer_config"
-STATIC_BACKEND = "static"  # the flex dispatcher backend megatron_paging.mcore.dispatcher adds
 
 # validate_args asks the device's architecture (TP or CP > 1, grouped GEMM); without a GPU it is
 # answered for the one the plan was validated on, an H200 (sm90).
@@ -135,5 +136,5 @@ def validate_config(args, offload_backend: str | None = None):
         raise ValueError(f"Megatron's TransformerConfig: {message}") from None
 
 
-__all__ = ["CONFIG_MODULE", "STATIC_BACKEND", "TARGET_CAPABILITY", "config_shims",
+__all__ = ["CONFIG_MODULE", "TARGET_CAPABILITY", "config_shims",
            "static_backend_post_init", "target_device", "validate", "validate_config"]
