@@ -57,7 +57,7 @@ POOL_FLAG = "--moe-paged-stash-buffer-size-factor-cuda"
 def planned_pool_factor(argv: list[str], layout, rank: int) -> float:
     """The device pool factor ``megatron-paging plan`` gives this launch line for
     ``POOL_OVERFLOW_RATE`` (CPU only, a few seconds)."""
-    from megatron_paging.plan import plan_from_argv
+    from megatron_paging.mcore.plan_inputs import plan_from_argv
 
     plan = plan_from_argv(argv, layout.world_size, rank, rates=(POOL_OVERFLOW_RATE,))
     if plan.pools is None:
@@ -70,7 +70,7 @@ PREDICTED_OOM = "out of memory (predicted)"
 
 def predicted_peak_mib(layout, rank: int, arm: str, capacity_factor: float) -> float:
     """The plan's whole-step peak for the arm's launch line (its plan arm's, in MiB)."""
-    from megatron_paging.plan import plan_from_argv
+    from megatron_paging.mcore.plan_inputs import plan_from_argv
     from megatron_paging.plan.report import to_dict
 
     argv, _ = arm_argv(layout, rank, arm, capacity_factor)

@@ -111,8 +111,8 @@ def check(config: dict, design_rate: float, steps: int, seed: int, trace_path: s
           plan_steps: int = 4000) -> dict:
     """One config: the plan's factor for ``design_rate``, its overflows over ``steps`` fresh
     steps, and (given a trace that fits) the trace target."""
+    from megatron_paging.mcore.plan_inputs import parse_megatron, plan_inputs, quiet
     from megatron_paging.plan import shapes as S
-    from megatron_paging.plan.adapter import parse_megatron, plan_inputs, quiet
     from megatron_paging.plan.arms import hint_rows, pool_keys
     from megatron_paging.plan.liveness import record_schedule
     from megatron_paging.plan.model import build_plan

@@ -3,11 +3,11 @@
 For each (layout, rank, arm, capacity factor) that ``bench_scale.py`` measures by default
 (``bench_scale.plan_runs``; layouts and arms from ``scale_layouts.py``), the launch line
 ``bench_scale.run_arm`` gives the example is planned through the Python API
-(``megatron_paging.plan.plan_from_argv``) with the model's frozen constants, and the arm that line
-runs is recorded: whole-step peak, forward-backward and optimizer-step peaks, parameters,
-gradients, optimizer state, activations by part, pool tiers (MiB). The CLI is timed on this
-machine for the DeepSeek-V3 line. ``report_plan.py`` later sets these beside a measured
-``scale_*.json``.
+(``megatron_paging.mcore.plan_inputs.plan_from_argv``) with the model's frozen constants, and the
+arm that line runs is recorded: whole-step peak, forward-backward and optimizer-step peaks,
+parameters, gradients, optimizer state, activations by part, pool tiers (MiB). The CLI is timed
+on this machine for the DeepSeek-V3 line. ``report_plan.py`` later sets these beside a
+measured ``scale_*.json``.
 
     python benchmarks/plan_predictions.py     # -> benchmarks/results/plan_predictions_frontier.json
 """
@@ -61,7 +61,7 @@ def _env(values: dict[str, str]):
 
 def predict(layout, rank: int, arm: str, capacity_factor: float) -> dict:
     """One entry: the line, the plan's arm for it, and its predicted memory in MiB."""
-    from megatron_paging.plan import plan_from_argv
+    from megatron_paging.mcore.plan_inputs import plan_from_argv
     from megatron_paging.plan.report import to_dict
 
     argv = bench_argv(layout, rank, arm, capacity_factor)

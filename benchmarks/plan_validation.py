@@ -82,7 +82,7 @@ def _spec(name: str) -> ArmSpec:
 def historical(records=RECORDS, constants: Constants = CONSTANTS):
     """``[(record, [Comparison, ...])]``: every record replayed through the plan (one Megatron
     parse per distinct launch line; the one-GPU layouts have one pipeline stage)."""
-    from megatron_paging.plan.adapter import parse_megatron, plan_inputs, quiet
+    from megatron_paging.mcore.plan_inputs import parse_megatron, plan_inputs, quiet
 
     inputs_of: dict[tuple, object] = {}
     out = []

@@ -119,7 +119,15 @@ def _configure_bench(parser: argparse.ArgumentParser) -> Handler:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from megatron_paging.plan.cli import main as plan_main
+    import warnings
+
+    from megatron_paging.env import without_cuda_runtime_notice
+
+    # megatron_paging.mcore imports Megatron-Core: its TE/apex notices and torch's CUDA notice
+    # say nothing about a plan, which reads no GPU
+    with warnings.catch_warnings(), without_cuda_runtime_notice():
+        warnings.simplefilter("ignore")
+        from megatron_paging.mcore.plan_cli import main as plan_main
 
     return plan_main(args.rest)
 
@@ -156,7 +164,7 @@ COMMANDS: tuple[Command, ...] = (
     Command(
         "plan",
         "predict each arm's per-rank memory for a launch line; size the page pools",
-        "",  # megatron_paging.plan.cli prints its own help
+        "",  # megatron_paging.mcore.plan_cli prints its own help
         _configure_plan,
         # Every argument, '--help' and Megatron's flags included, goes to the plan's own
         # parser: no prefix character argparse would treat as an option here.

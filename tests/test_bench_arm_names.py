@@ -43,29 +43,29 @@ def test_old_names_map_to_current_arms(benchmark):
 
 def test_plain_frontier_arms_are_the_lines_the_plan_derives_them_from():
     pytest.importorskip("megatron.training")
-    from megatron_paging.plan import adapter
+    from megatron_paging.mcore import plan_inputs
 
     for name, arm in frontier_arms.ARMS.items():
         if arm.variant:
             continue
         argv = frontier_arms.script_argv(frontier_arms.frontier_extra("small", name), arm.paged)
-        with adapter.quiet():
-            args = adapter.parse_megatron(argv, world_size=1)
-        assert adapter.as_launched(args, arm.env) == arm.plan_arm, name
+        with plan_inputs.quiet():
+            args = plan_inputs.parse_megatron(argv, world_size=1)
+        assert plan_inputs.as_launched(args, arm.env) == arm.plan_arm, name
 
 
 def test_plain_scale_arms_are_the_lines_the_plan_derives_them_from():
     pytest.importorskip("megatron.training")
-    from megatron_paging.plan import adapter
+    from megatron_paging.mcore import plan_inputs
 
     layout = scale_layouts.LAYOUTS["qwen3_235b"]
     for arm in scale_layouts.ARMS.values():
         if arm.variant:
             continue
         argv = [*layout.flags(0), "--moe-expert-rank-capacity-factor", "2.0", *arm.flags]
-        with adapter.quiet():
-            args = adapter.parse_megatron(argv, world_size=layout.world_size, rank=0)
-        assert adapter.as_launched(args, arm.env) == arm.plan_arm, arm.name
+        with plan_inputs.quiet():
+            args = plan_inputs.parse_megatron(argv, world_size=layout.world_size, rank=0)
+        assert plan_inputs.as_launched(args, arm.env) == arm.plan_arm, arm.name
 
 
 def test_an_old_frontier_file_resumes_under_the_current_names(tmp_path):

@@ -17,7 +17,7 @@ pytest.importorskip("megatron.training")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from plan_measured import EXAMPLE_LINE, PAGING_LINE  # noqa: E402
 
-from megatron_paging.plan import adapter  # noqa: E402
+from megatron_paging.mcore import plan_inputs  # noqa: E402
 from megatron_paging.plan.liveness import max_in_flight, one_f_one_b_ops  # noqa: E402
 
 DEEPSEEK_V3 = (
@@ -39,14 +39,14 @@ DEEPSEEK_V3 = (
 
 @pytest.fixture(scope="module")
 def example_args():
-    with adapter.quiet():
-        return adapter.parse_megatron([*EXAMPLE_LINE, *PAGING_LINE], world_size=1)
+    with plan_inputs.quiet():
+        return plan_inputs.parse_megatron([*EXAMPLE_LINE, *PAGING_LINE], world_size=1)
 
 
 @pytest.fixture(scope="module")
 def deepseek_args():
-    with adapter.quiet():
-        return adapter.parse_megatron(DEEPSEEK_V3, world_size=2048)
+    with plan_inputs.quiet():
+        return plan_inputs.parse_megatron(DEEPSEEK_V3, world_size=2048)
 
 
 def test_offloading_lines_map_to_their_arms():
@@ -59,13 +59,13 @@ def test_offloading_lines_map_to_their_arms():
             paging_recompute_expert_fc1=False, recompute_granularity=None,
             recompute_modules=None)
 
-    assert adapter.as_launched(line(["expert_fc1", "moe_act"]), {}) == "paged_offload_experts"
-    assert adapter.as_launched(line(["attn_norm", "mlp_norm"]), {}) == "paged_offload"
-    assert adapter.as_launched(line(["expert_fc1", "moe_act"], False, "mcore"), {}) == "offload"
+    assert plan_inputs.as_launched(line(["expert_fc1", "moe_act"]), {}) == "paged_offload_experts"
+    assert plan_inputs.as_launched(line(["attn_norm", "mlp_norm"]), {}) == "paged_offload"
+    assert plan_inputs.as_launched(line(["expert_fc1", "moe_act"], False, "mcore"), {}) == "offload"
 
 
 def test_example_line(example_args):
-    inputs = adapter.plan_inputs(example_args)
+    inputs = plan_inputs.plan_inputs(example_args)
     (stage,) = inputs.stages
     (chunk,) = stage.chunks
     assert chunk.embedding and chunk.loss and [layer.number for layer in chunk.layers] == list(
@@ -78,8 +78,8 @@ def test_example_line(example_args):
 
 def test_deepseek_layout_from_megatron(deepseek_args):
     assert deepseek_args.data_parallel_size == 128
-    with adapter.quiet():
-        chunks = {s: adapter.stage_chunks(deepseek_args, s) for s in (0, 1, 2, 15)}
+    with plan_inputs.quiet():
+        chunks = {s: plan_inputs.stage_chunks(deepseek_args, s) for s in (0, 1, 2, 15)}
 
     def summary(s):
         return [(c.embedding, c.loss, [(layer.number, layer.moe) for layer in c.layers])
@@ -91,7 +91,7 @@ def test_deepseek_layout_from_megatron(deepseek_args):
                           (False, False, [(34, True), (35, True)])]
     assert summary(2)[0][2] == [(4, True), (5, True)]
     assert summary(15) == [(False, False, [(30, True), (31, True)]), (False, True, [])]
-    pp_of, ep_of = adapter.rank_positions(deepseek_args)
+    pp_of, ep_of = plan_inputs.rank_positions(deepseek_args)
     assert (pp_of[300], ep_of[300]) == (2, 300 % 64)  # order tp-cp-ep-dp-pp
 
 
@@ -127,16 +127,16 @@ def test_interleaved_in_flight_matches_megatron_warmup(pp, vpp, microbatches, gr
     (["--mtp-num-layers", "1"], "--mtp-num-layers"),
 ])
 def test_one_line_errors(extra, message):
-    with pytest.raises(adapter.PlanError, match=message) as error, adapter.quiet():
-        adapter.parse_megatron([*EXAMPLE_LINE, *extra], world_size=1)
+    with pytest.raises(plan_inputs.PlanError, match=message) as error, plan_inputs.quiet():
+        plan_inputs.parse_megatron([*EXAMPLE_LINE, *extra], world_size=1)
     assert "\n" not in str(error.value)
 
 
 def test_megatron_validation_error_is_one_line():
     # the global batch of 8 over 3 data-parallel ranks
-    with pytest.raises(adapter.PlanError, match="Megatron's validate_args") as error:
-        with adapter.quiet():
-            adapter.parse_megatron(list(EXAMPLE_LINE), world_size=3)
+    with pytest.raises(plan_inputs.PlanError, match="Megatron's validate_args") as error:
+        with plan_inputs.quiet():
+            plan_inputs.parse_megatron(list(EXAMPLE_LINE), world_size=3)
     assert "\n" not in str(error.value)
 
 
@@ -149,8 +149,8 @@ def test_parsing_leaves_the_process_as_it_was():
 
     assert "--deterministic-mode" in EXAMPLE_LINE
     environ, mode = dict(os.environ), torch.are_deterministic_algorithms_enabled()
-    with adapter.quiet():
-        adapter.parse_megatron([*EXAMPLE_LINE, *PAGING_LINE], world_size=1, rank=0)
+    with plan_inputs.quiet():
+        plan_inputs.parse_megatron([*EXAMPLE_LINE, *PAGING_LINE], world_size=1, rank=0)
     assert dict(os.environ) == environ and torch.are_deterministic_algorithms_enabled() == mode
 
 
@@ -176,7 +176,7 @@ def test_plan_options_do_not_shadow_megatron_flags():
     from megatron.training.arguments import add_megatron_arguments
 
     from megatron_paging.mcore.flags import add_paging_args
-    from megatron_paging.plan.cli import PLAN_OPTIONS, build_parser
+    from megatron_paging.mcore.plan_cli import PLAN_OPTIONS, build_parser
 
     megatron = add_paging_args(add_megatron_arguments(argparse.ArgumentParser()))
     assert not set(PLAN_OPTIONS) & set(megatron._option_string_actions)
@@ -187,11 +187,11 @@ def test_plan_options_do_not_shadow_megatron_flags():
 
 def test_deepseek_v3_at_2048_ranks():
     """Timed and printed (the 2-core machine is shared: no bound asserted here)."""
-    from megatron_paging.plan.cli import main
+    from megatron_paging.mcore.plan_cli import main
     from megatron_paging.plan.report import format_table
 
     start = time.perf_counter()
-    plan = adapter.plan_from_argv(DEEPSEEK_V3, world_size=2048)
+    plan = plan_inputs.plan_from_argv(DEEPSEEK_V3, world_size=2048)
     total = time.perf_counter() - start
     print(f"\n{format_table(plan)}\nDeepSeek-V3 plan in-process: {total:.2f} s "
           f"(model {plan.model_seconds:.2f} s)")
@@ -220,8 +220,8 @@ def _dense_line() -> list[str]:
 
 def test_a_dense_model_is_refused_in_one_line():
     """Every arm of a dense model would be the same: refused rather than eight equal rows."""
-    with pytest.raises(adapter.PlanError, match="--num-experts") as error:
-        adapter.plan_from_argv(_dense_line(), world_size=1, steps=50)
+    with pytest.raises(plan_inputs.PlanError, match="--num-experts") as error:
+        plan_inputs.plan_from_argv(_dense_line(), world_size=1, steps=50)
     assert "\n" not in str(error.value)
 
 
@@ -240,7 +240,7 @@ def _cli_refusal(capsys, *argv) -> str:
 
 def test_cli_without_megatron_flags_says_which_are_needed(capsys):
     line = _cli_refusal(capsys)
-    assert "usage:" in line and all(flag in line for flag in adapter.REQUIRED_FLAGS)
+    assert "usage:" in line and all(flag in line for flag in plan_inputs.REQUIRED_FLAGS)
 
 
 def test_cli_names_the_missing_flags(capsys):

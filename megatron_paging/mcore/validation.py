@@ -1,7 +1,7 @@
 """Megatron's ``validate_args`` and ``TransformerConfig`` before Megatron starts, as the run
 applies them.
 
-The plan (:mod:`megatron_paging.plan.adapter`) and the example's preflight
+The plan (:mod:`megatron_paging.mcore.plan_inputs`) and the example's preflight
 (``examples/preflight.py``) both need Megatron's own verdict on a launch line before anything is
 built: the plan to read the layout Megatron derives, the preflight so that a layout Megatron
 refuses is one line before torchrun starts rather than a traceback per rank. Both run it through

@@ -1,7 +1,8 @@
 """The plan of one rank: every arm's memory (:mod:`.arms`) and the pool advice (:mod:`.pools`).
 
-:class:`PlanInputs` is everything the model reads, in plain Python: the Megatron adapter
-(:mod:`.adapter`) fills it from a launch line, tests build it by hand. :func:`build_plan` picks
+:class:`PlanInputs` is everything the model reads, in plain Python:
+:mod:`megatron_paging.mcore.plan_inputs` fills it from a launch line, tests build it by hand.
+:func:`build_plan` picks
 the rank (the pipeline stage whose as-launched arm peaks highest, unless one was asked for),
 evaluates every arm there and sizes the pools by Monte-Carlo.
 """

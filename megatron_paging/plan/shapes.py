@@ -1,7 +1,7 @@
 """Tensor shapes of one rank: parameter counts and, per layer and microbatch, the bytes autograd
 keeps for backward and the working set of the layer's backward.
 
-Pure Python (no torch, no Megatron): the Megatron adapter (:mod:`.adapter`) fills
+Pure Python (no torch, no Megatron): :mod:`megatron_paging.mcore.plan_inputs` fills
 :class:`ModelShape`, :class:`Parallel` and the per-stage :class:`Chunk` lists from Megatron's own
 flags and functions. Every byte count below names the tensors it is made of; they follow the
 modules the example builds (Megatron-Core's local spec: torch norms, fused SDPA core attention,

@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     options, megatron_argv = parser.parse_known_args(argv)
-    from megatron_paging.plan.adapter import EXAMPLE, REQUIRED_FLAGS, PlanError, plan_from_argv
+    from megatron_paging.mcore.plan_inputs import EXAMPLE, REQUIRED_FLAGS, PlanError, plan_from_argv
 
     if not megatron_argv:
         parser.error(f"usage: megatron-paging plan [OPTIONS] MEGATRON_FLAGS: give the launch "

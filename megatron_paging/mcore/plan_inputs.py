@@ -1,5 +1,5 @@
-"""A Megatron launch line -> :class:`~megatron_paging.plan.model.PlanInputs` (the plan package's
-only Megatron import).
+"""A Megatron launch line -> :class:`~megatron_paging.plan.model.PlanInputs`: what the plan
+(pure Python, :mod:`megatron_paging.plan`) needs of Megatron.
 
 Nothing here re-derives what Megatron decides: the flags go through Megatron's own
 ``parse_args(extra_args_provider=add_paging_args)`` and ``validate_args`` (world size and rank
