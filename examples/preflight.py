@@ -162,7 +162,7 @@ def launch_layout(environ) -> Layout:
 def check_layout(args, layout: Layout, environ) -> None:
     """The job's layout against the flags, then Megatron's own ``validate_args`` and the model's
     ``TransformerConfig`` on a copy, as every rank would run them after torchrun started them."""
-    from megatron_paging.mcore.flags import paging_args
+    from megatron_paging.mcore.flags import offload_backend
     from megatron_paging.mcore.validation import validate, validate_config
 
     fake = bool(getattr(args, "fake_process_group", False))
@@ -200,8 +200,7 @@ def check_layout(args, layout: Layout, environ) -> None:
     trial = copy.deepcopy(args)
     trial.world_size, trial.rank = layout.world, layout.rank or 0
     validate(trial, EXAMPLE_DEFAULTS)
-    offloading = getattr(trial, "fine_grained_activation_offloading", False)
-    validate_config(trial, paging_args(trial).paging_offload_backend if offloading else None)
+    validate_config(trial, offload_backend(trial))
 
 
 # Megatron flags that shape a model this example's provider does not build (it builds the local

@@ -119,14 +119,9 @@ def _configure_bench(parser: argparse.ArgumentParser) -> Handler:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    import warnings
+    from megatron_paging.env import quiet_megatron_import
 
-    from megatron_paging.env import without_cuda_runtime_notice
-
-    # megatron_paging.mcore imports Megatron-Core: its TE/apex notices and torch's CUDA notice
-    # say nothing about a plan, which reads no GPU
-    with warnings.catch_warnings(), without_cuda_runtime_notice():
-        warnings.simplefilter("ignore")
+    with quiet_megatron_import():  # megatron_paging.mcore imports Megatron-Core
         from megatron_paging.mcore.plan_cli import main as plan_main
 
     return plan_main(args.rest)

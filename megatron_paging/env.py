@@ -8,6 +8,7 @@ import importlib.metadata
 import logging
 import os
 import platform
+import warnings
 from pathlib import Path
 
 from megatron_paging.config import DEFAULT_MAX_CTAS, MAX_CTAS_ENV, ConfigError, max_ctas_from_env
@@ -105,6 +106,15 @@ def without_cuda_runtime_notice():
         yield
     finally:
         logger.removeFilter(_not_the_cuda_notice)
+
+
+@contextlib.contextmanager
+def quiet_megatron_import():
+    """Around an import of Megatron-Core where no model is built (the plan, start-up checks): its
+    Transformer-Engine/apex-missing warnings and torch's CUDA notice say nothing there."""
+    with warnings.catch_warnings(), without_cuda_runtime_notice():
+        warnings.simplefilter("ignore")
+        yield
 
 
 def git_commit() -> str:

@@ -231,12 +231,20 @@ def paging_config(
         raise ConfigError(flag_of_field(error.field), error.problem) from None
 
 
+def offload_backend(args) -> str | None:
+    """The offloading backend :func:`megatron_paging.mcore.install` installs for ``args``
+    (``--paging-offload-backend`` when fine-grained offloading is on), else None."""
+    if not getattr(args, "fine_grained_activation_offloading", False):
+        return None
+    return paging_args(args).paging_offload_backend
+
+
 def install_options(args, config: PagingConfig | None = None, mcore_manager: bool = False) -> dict:
     """Keyword arguments of :func:`megatron_paging.mcore.install` from ``args`` and the config
     :func:`paging_config` built from them (none with Megatron-Core's own manager)."""
     options = {}
-    if getattr(args, "fine_grained_activation_offloading", False):
-        options["offload_backend"] = paging_args(args).paging_offload_backend
+    if offload_backend(args) is not None:
+        options["offload_backend"] = offload_backend(args)
     if getattr(args, "fake_process_group", False):
         from megatron_paging.mcore.peers import EmulatedPeers  # a diagnostic: imported here only
         from megatron_paging.tools.peer_load import parse_load
@@ -259,6 +267,7 @@ __all__ = [
     "flag_of_field",
     "install_options",
     "mend_help",
+    "offload_backend",
     "paging_args",
     "paging_config",
 ]

@@ -22,10 +22,9 @@ import io
 import logging
 import os
 import sys
-import warnings
 from types import SimpleNamespace
 
-from megatron_paging.env import without_cuda_runtime_notice
+from megatron_paging.env import quiet_megatron_import
 from megatron_paging.plan import shapes as S
 from megatron_paging.plan.arms import PagingSettings
 from megatron_paging.plan.model import PlanInputs, StageInputs
@@ -89,8 +88,7 @@ def _environment(world_size: int | None, rank: int | None, argv: list[str]):
 
 def parse_megatron(argv: list[str], world_size: int | None = None, rank: int | None = None):
     """Megatron's parsed and validated ``args`` for ``argv``; PlanError (one line) otherwise."""
-    with warnings.catch_warnings(), without_cuda_runtime_notice():
-        warnings.simplefilter("ignore")  # TE/apex-missing notices at import
+    with quiet_megatron_import():
         from megatron.training import arguments
 
         from megatron_paging.mcore.flags import add_paging_args, paging_config
@@ -185,8 +183,7 @@ def quiet():
     level = logger.level
     logger.setLevel(logging.WARNING)
     try:
-        with warnings.catch_warnings(), without_cuda_runtime_notice():
-            warnings.simplefilter("ignore")
+        with quiet_megatron_import():
             yield
     finally:
         logger.setLevel(level)
