@@ -265,6 +265,20 @@ def check_model_flags(args) -> None:
         )
 
 
+def check_rerun_mode(args) -> None:
+    """Refuse a ``--rerun-mode`` Megatron's parser offers but its rerun state machine lacks
+    (0.19.2 parses ``report_stats``; its ``RerunMode`` calls that mode
+    ``report_determinism_stats``, so ``initialize_megatron`` fails with a traceback)."""
+    from megatron.core.rerun_state_machine import RerunMode
+
+    modes = [mode.value for mode in RerunMode]
+    mode = getattr(args, "rerun_mode", RerunMode.DISABLED.value)
+    if mode not in modes:
+        raise ValueError(f"--rerun-mode {mode}: this Megatron-Core cannot start with it (its "
+                         f"rerun state machine has {', '.join(modes)}); use validate_results "
+                         "or disabled")
+
+
 def check(args=None, environ=None):
     """``(args, PagingConfig, BenchControls)`` of this run; exit 2 with one line if refused."""
     environ = os.environ if environ is None else environ
@@ -290,6 +304,7 @@ def check(args=None, environ=None):
         if args.num_experts is None:
             raise ValueError("--num-experts: this example trains an MoE model; pass it")
         check_model_flags(args)
+        check_rerun_mode(args)
         if args.fake_process_group and "WORLD_SIZE" not in environ:
             raise ValueError(
                 "--fake-process-group emulates one rank of a larger job: set WORLD_SIZE (and "

@@ -320,3 +320,22 @@ def test_a_host_read_loss_check_with_full_iteration_graphs_is_refused(megatron_a
         preflight.check(environ={})
     assert done.value.code == 2
     _one_error_line(capsys.readouterr().err, "--check-for-spiky-loss", "full-iteration")
+
+
+def test_a_rerun_mode_megatron_cannot_start_with_is_refused(megatron_argv, capsys):
+    """Megatron-Core 0.19.2's parser offers ``--rerun-mode report_stats`` but its rerun state
+    machine has no such mode: one line here, not a traceback from initialize_megatron."""
+    import preflight
+
+    line = _launch(DRY_RUN="1").stdout.split()
+    megatron_argv(*line, "--rerun-mode", "report_stats")
+    with pytest.raises(SystemExit) as done:
+        preflight.check(environ={})
+    assert done.value.code == 2
+    _one_error_line(capsys.readouterr().err, "--rerun-mode report_stats", "validate_results")
+    megatron_argv(*line, "--rerun-mode", "validate_results")
+    try:
+        preflight.check(environ={})
+    except SystemExit:
+        # without a GPU the last check refuses; nothing before it did
+        assert "no CUDA GPU" in _one_error_line(capsys.readouterr().err)
