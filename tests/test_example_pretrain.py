@@ -50,6 +50,22 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
+# Exit codes of Megatron's rerun state machine (megatron/core/rerun_state_machine.py).
+MEGATRON_EXIT_CODES = {16: " (Megatron: resume from a checkpoint to disambiguate a result)",
+                       17: " (Megatron: a result failed validation)"}
+
+
+def _cause(returncode: int, log: str) -> str:
+    """The run's exit code and its last error line: the first line of a failed assertion, which
+    the GPU suite's summary (tests/suite_stream.py) records."""
+    errors = [line.strip() for line in log.splitlines()
+              if re.search(r"^\W*(error:|\w*(Error|Exception)\b)", line.strip())]
+    cause = errors[-1] if errors else "no error line in its output"
+    workers = re.findall(r"exitcode\s*:\s*(-?\d+)", log)  # torchrun's report of its worker
+    code = int(workers[-1]) if workers else returncode
+    return f"exit {code}{MEGATRON_EXIT_CODES.get(code, '')}: {cause}"
+
+
 def _train(
     tmp_path: Path, paged: bool, nproc: int = 1, extra: tuple[str, ...] = (), env_extra=None
 ) -> tuple[list[str], str]:
@@ -83,7 +99,7 @@ def _train(
         log = result.stdout + result.stderr
         if result.returncode == 0 or not PORT_TAKEN.search(log):
             break
-    assert result.returncode == 0, log[-4000:]
+    assert result.returncode == 0, f"{_cause(result.returncode, log)}\n{log[-4000:]}"
     # Every rank that computes a loss (the last pipeline stage; every rank with EP) logs it:
     # one line per microbatch of the step's final result (a rerun replaces its attempt), and
     # every rank one line per step with its gradients' float64 sum ("grad <hex>").
