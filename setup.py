@@ -24,6 +24,8 @@ setup(
         "numpy",
         "matplotlib",
         "ninja",
+        # Megatron-Core's torch_dist checkpoint writer imports it at save time, undeclared
+        "psutil",
     ],
     extras_require={
         "test": ["pytest", "pytest-xdist", "hypothesis", "ruff"],

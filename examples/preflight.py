@@ -279,6 +279,15 @@ def check_rerun_mode(args) -> None:
                          "or disabled")
 
 
+def check_checkpointing(args) -> None:
+    """Refuse a ``--save`` Megatron-Core's torch_dist writer would fail at the first save, after
+    the run's first interval (it imports psutil then; megatron-core does not declare it)."""
+    if (getattr(args, "save", None) and getattr(args, "ckpt_format", "torch_dist") == "torch_dist"
+            and importlib.util.find_spec("psutil") is None):
+        raise ValueError("--save: Megatron-Core's torch_dist checkpoint writer needs psutil (not "
+                         "installed in this interpreter); pip install psutil")
+
+
 def check(args=None, environ=None):
     """``(args, PagingConfig, BenchControls)`` of this run; exit 2 with one line if refused."""
     environ = os.environ if environ is None else environ
@@ -305,6 +314,7 @@ def check(args=None, environ=None):
             raise ValueError("--num-experts: this example trains an MoE model; pass it")
         check_model_flags(args)
         check_rerun_mode(args)
+        check_checkpointing(args)
         if args.fake_process_group and "WORLD_SIZE" not in environ:
             raise ValueError(
                 "--fake-process-group emulates one rank of a larger job: set WORLD_SIZE (and "

@@ -12,7 +12,7 @@
 #   GIT_COMMIT          the commit every result file records (default: this checkout's HEAD;
 #                       "unknown" in a tree copied without .git)
 #   .whl/*.whl          wheels installed into /tmp/site with no package index (megatron-core,
-#                       pytest-xdist, execnet), for a machine that has none
+#                       pytest-xdist, execnet, psutil), for a machine that has none
 #   PYTEST_WORKERS      pytest-xdist processes sharing the GPU (default 4; each takes the next
 #                       test when free); PYTEST_TARGETS test files or node ids (default
 #                       tests/); PYTEST_MARKS the marker expression (default "gpu or multigpu

@@ -5,8 +5,9 @@ checksums, or a one-line refusal at start-up naming the flag.
 The features here are those that reach paging's code paths without a test elsewhere: gradient
 reduction overlapped with the backward (its buckets fire from autograd hooks while our engine
 reloads pages), Megatron's token-dropping expert capacity beside the static rank capacity,
-the shared expert overlapped with dispatch, and PyTorch's FSDP2 in place of Megatron's DDP (whose
-hooks reshard parameters around the layers that page). The router's padding for quantized GEMMs
+the shared expert overlapped with dispatch, PyTorch's FSDP2 and Megatron-FSDP in place of
+Megatron's DDP (whose hooks reshard parameters around the layers that page), and a checkpoint
+saved and resumed. The router's padding for quantized GEMMs
 needs fp8, hence Transformer Engine, and is not tested here."""
 
 from __future__ import annotations
@@ -29,9 +30,11 @@ FEATURES = {
     "moe-expert-capacity-factor": ("--moe-expert-capacity-factor", "1.0"),
     "moe-shared-expert-overlap": (*SHARED_EXPERT, "--moe-shared-expert-overlap"),
     "use-torch-fsdp2": ("--use-torch-fsdp2", "--ckpt-format", "torch_dist"),
+    "use-megatron-fsdp": ("--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"),
 }
 # Megatron's validate_args: FSDP needs more than one hardware queue.
-ENV = {"use-torch-fsdp2": {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}}
+ENV = {feature: {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}
+       for feature in ("use-torch-fsdp2", "use-megatron-fsdp")}
 
 
 @pytest.mark.parametrize("feature", list(FEATURES))
@@ -91,3 +94,46 @@ def test_example_feature_through_a_forced_rerun_paged_bitwise_equal_to_unpaged(t
                         extra=(*flags, *SMALL_POOL, "--paging-overflow-policy", "rerun"))
     assert "(policy rerun: " in log
     assert paged == unpaged and paged.grads == unpaged.grads
+
+
+# Megatron's checkpoint save and resume (torch_dist; optimizer, RNG and data position included):
+# a run stopped after step 2 (--exit-interval) and resumed from its checkpoint trains steps 3-4 as
+# the uninterrupted run does, paged and unpaged alike. Paging keeps nothing in the checkpoint (the
+# resumed run calibrates again at its first step); the experts save Megatron-Core's expert layout
+# (mcore/experts_checkpoint.py), which the distributed optimizer's fully reshardable format
+# also writes its states in.
+RESUME = ("--train-iters", "4")
+OPTIMIZER_FORMATS = {
+    "distributed-optimizer": ("--use-distributed-optimizer",),
+    "distributed-optimizer-fully-reshardable": ("--use-distributed-optimizer",
+                                                "--dist-ckpt-optim-fully-reshardable"),
+}
+
+
+def _stop_and_resume(tmp_path, paged: bool, flags=()):
+    """The uninterrupted run, its first two steps saved, and the two steps resumed from there."""
+    name = "paged" if paged else "unpaged"
+    checkpoint = str(tmp_path / f"{name}_checkpoint")
+    whole, _ = _train(tmp_path / f"{name}_whole", paged=paged, extra=(*RESUME, *flags))
+    first, _ = _train(tmp_path / f"{name}_first", paged=paged,
+                      extra=(*RESUME, *flags, "--save", checkpoint, "--save-interval", "2",
+                             "--exit-interval", "2"))
+    resumed, log = _train(tmp_path / f"{name}_resumed", paged=paged,
+                          extra=(*RESUME, *flags, "--load", checkpoint))
+    assert len(whole) == 4 * MICROBATCHES and len(whole.grads) == 4
+    assert first == whole[:2 * MICROBATCHES] and first.grads == whole.grads[:2]
+    assert resumed == whole[2 * MICROBATCHES:] and resumed.grads == whole.grads[2:]
+    if paged:
+        assert _report(log)["paging_mode"] == "paged"
+    return whole
+
+
+def test_example_checkpoint_resume_equals_the_uninterrupted_run_paged_and_unpaged(tmp_path):
+    paged = _stop_and_resume(tmp_path, paged=True)
+    unpaged = _stop_and_resume(tmp_path, paged=False)
+    assert paged == unpaged and paged.grads == unpaged.grads
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZER_FORMATS))
+def test_example_checkpoint_resume_with_the_distributed_optimizer(tmp_path, optimizer):
+    _stop_and_resume(tmp_path, paged=True, flags=OPTIMIZER_FORMATS[optimizer])

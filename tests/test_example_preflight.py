@@ -339,3 +339,35 @@ def test_a_rerun_mode_megatron_cannot_start_with_is_refused(megatron_argv, capsy
     except SystemExit:
         # without a GPU the last check refuses; nothing before it did
         assert "no CUDA GPU" in _one_error_line(capsys.readouterr().err)
+
+
+def test_a_save_the_checkpoint_writer_cannot_make_is_refused(megatron_argv, capsys, monkeypatch):
+    """Megatron-Core's torch_dist writer imports psutil only when it first saves: without it a
+    run would fail after its first save interval, so the start refuses."""
+    import importlib.util
+
+    import preflight
+
+    line = _launch(DRY_RUN="1").stdout.split()
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "psutil" else real_find_spec(name, *a))
+    megatron_argv(*line, "--save", "/tmp/checkpoints")
+    with pytest.raises(SystemExit) as done:
+        preflight.check(environ={})
+    assert done.value.code == 2
+    _one_error_line(capsys.readouterr().err, "--save", "psutil")
+
+
+def test_a_bare_megatron_assertion_names_its_source_line(megatron_argv, capsys):
+    """Most of validate_args' checks are bare asserts: the refusal quotes the assertion and
+    where it is, not ``AssertionError()`` (here: --save without --save-interval)."""
+    import preflight
+
+    line = _launch(DRY_RUN="1").stdout.split()
+    megatron_argv(*line, "--save", "/tmp/checkpoints")
+    with pytest.raises(SystemExit) as done:
+        preflight.check(environ={})
+    assert done.value.code == 2
+    _one_error_line(capsys.readouterr().err, "assert args.save_interval is not None",
+                    "megatron/training/arguments.py:")

@@ -44,8 +44,10 @@ from megatron.core.tensor_parallel.random import (
 )
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe import paged_stash as mcore_paged_stash
+from megatron.core.utils import get_pg_size
 
 from megatron_paging.mcore.expert_activation import expert_activation
+from megatron_paging.mcore.experts_checkpoint import experts_sharded_state_dict
 from megatron_paging.mcore.offloading.backend import LIVE_ROWS_ATTR
 
 GEMM_BACKENDS = ("auto", "grouped", "loop")
@@ -233,7 +235,12 @@ class PagedGroupedMLP(MegatronModule):
                 "PagedGroupedMLP does not support delay_wgrad_compute=True (weight gradients "
                 "are computed in backward)"
             )
+        if get_pg_size(getattr(pg_collection, "expt_tp", None)) > 1:
+            # the weights hold whole experts: a split over expert TP would be silently wrong
+            raise ValueError("PagedGroupedMLP does not support expert tensor parallelism "
+                             "(--expert-tensor-parallel-size must be 1)")
         self.num_local_experts = num_local_experts
+        self.pg_collection = pg_collection
         self.gemm_backend = gemm_backend
         self.name = name
         offloading = getattr(config, "fine_grained_activation_offloading", False)
@@ -339,6 +346,20 @@ class PagedGroupedMLP(MegatronModule):
             output = _ActFc2.apply(fc1, probs, self.weight2, offs, counts, self.activation)
         output = act_manager.group_offload(output, forced_released_tensors=[fc1])
         return output
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """Megatron-Core's expert checkpoint layout (``mcore/experts_checkpoint.py``): each
+        expert a slice of the global expert axis, interchangeable with Megatron-Core's experts."""
+        return experts_sharded_state_dict(self, prefix, sharded_offsets)
+
+    def get_extra_state(self):
+        """Nothing: the key exists so that Megatron-Core's per-expert extra states have a place
+        in this module's checkpoint (``mcore/experts_checkpoint.py``)."""
+        return None
+
+    def set_extra_state(self, state):
+        """Megatron-Core's per-expert extra states, loaded from its checkpoint: these experts
+        keep no fp8 metadata, so they are dropped."""
 
     def backward_dw(self):
         """Weight gradients are computed in backward (delay_wgrad_compute is rejected)."""

@@ -17,6 +17,8 @@ import contextlib
 import functools
 import importlib
 import io
+import os
+import traceback
 import warnings
 
 from megatron_paging.mcore.dispatcher import STATIC_BACKEND
@@ -45,6 +47,21 @@ def target_device(arguments):
         arguments.get_device_arch_version, torch.cuda.get_device_capability = saved
 
 
+def refusal_line(error: BaseException) -> str:
+    """The first line of Megatron's refusal; for a bare ``assert`` (no message, as most of
+    validate_args' are), the assertion's own source line and where it is."""
+    message = str(error).strip()
+    if message:
+        return message.splitlines()[0]
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return repr(error)
+    where = frames[-1]
+    path = where.filename.replace(os.sep, "/")
+    short = path[path.rfind("megatron/"):] if "megatron/" in path else os.path.basename(path)
+    return f"{(where.line or repr(error)).strip()} ({short}:{where.lineno})"
+
+
 def validate(args, defaults: dict | None = None):
     """Megatron's ``validate_args(args, defaults)`` in place, with the example's lifts; its
     argument dump is dropped. A refusal is one ``ValueError`` line ("Megatron's validate_args:
@@ -63,8 +80,7 @@ def validate(args, defaults: dict | None = None):
             warnings.simplefilter("ignore")
             run(args, dict(defaults or {}))
     except (AssertionError, ValueError, RuntimeError, TypeError) as error:
-        message = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
-        raise ValueError(f"Megatron's validate_args: {message}") from None
+        raise ValueError(f"Megatron's validate_args: {refusal_line(error)}") from None
     return args
 
 
@@ -132,9 +148,8 @@ def validate_config(args, offload_backend: str | None = None):
             warnings.simplefilter("ignore")
             return core_transformer_config_from_args(args)
     except (AssertionError, ValueError, RuntimeError, TypeError, NotImplementedError) as error:
-        message = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
-        raise ValueError(f"Megatron's TransformerConfig: {message}") from None
+        raise ValueError(f"Megatron's TransformerConfig: {refusal_line(error)}") from None
 
 
-__all__ = ["CONFIG_MODULE", "TARGET_CAPABILITY", "config_shims",
+__all__ = ["CONFIG_MODULE", "TARGET_CAPABILITY", "config_shims", "refusal_line",
            "static_backend_post_init", "target_device", "validate", "validate_config"]
