@@ -75,6 +75,19 @@ def _one_error_line(stderr: str, *named: str) -> str:
     return errors[0]
 
 
+def _refused(megatron_argv, capsys, extra, *named, paged="1", env=None) -> str:
+    """The example's launch line plus ``extra`` through the preflight: exit 2 and one error line
+    naming each of ``named``."""
+    import preflight
+
+    line = _launch(DRY_RUN="1", PAGED=paged).stdout.split()
+    megatron_argv(*line, *extra, **(env or {}))
+    with pytest.raises(SystemExit) as done:
+        preflight.check(environ=env or {})
+    assert done.value.code == 2
+    return _one_error_line(capsys.readouterr().err, *named)
+
+
 def test_a_bad_choice_on_the_launch_line_is_one_line_without_usage():
     result = _launch("--paging-overflow-policy", "bogus")
     assert result.returncode == 2
@@ -207,14 +220,7 @@ FAKE_LINE = ("--fake-process-group", "--pipeline-model-parallel-size", "2",
 )
 def test_the_layout_is_validated_before_megatron_starts(env, extra, named, megatron_argv,
                                                         capsys):
-    import preflight
-
-    line = _launch(DRY_RUN="1").stdout.split()
-    megatron_argv(*line, *extra, **env)
-    with pytest.raises(SystemExit) as done:
-        preflight.check(environ=env)
-    assert done.value.code == 2
-    _one_error_line(capsys.readouterr().err, *named)
+    _refused(megatron_argv, capsys, extra, *named, env=env)
 
 
 @pytest.mark.parametrize("env", [{"WORLD_SIZE": "16", "RANK": "8"}, {"WORLD_SIZE": "8"}])
@@ -237,27 +243,14 @@ def test_a_valid_layout_passes(env, megatron_argv, capsys):
 def test_what_the_example_experts_cannot_compute_is_refused_before_megatron_starts(
         extra, megatron_argv, capsys):
     """Else PagedGroupedMLP refuses it while the model is built, in a traceback."""
-    import preflight
-
-    line = _launch(DRY_RUN="1").stdout.split()
-    megatron_argv(*line, *extra)
-    with pytest.raises(SystemExit) as done:
-        preflight.check(environ={})
-    assert done.value.code == 2
-    _one_error_line(capsys.readouterr().err, extra[0], "PagedGroupedMLP")
+    _refused(megatron_argv, capsys, extra, extra[0], "PagedGroupedMLP")
 
 
 def test_the_fused_router_without_transformer_engine_is_refused(megatron_argv, capsys):
     """Megatron-Core's fused router kernels are Transformer Engine's: without it the first
     forward fails in a traceback."""
-    import preflight
-
-    line = _launch(DRY_RUN="1").stdout.split()
-    megatron_argv(*line, "--moe-router-fusion")
-    with pytest.raises(SystemExit) as done:
-        preflight.check(environ={})
-    assert done.value.code == 2
-    _one_error_line(capsys.readouterr().err, "--moe-router-fusion", "Transformer Engine")
+    _refused(megatron_argv, capsys, ("--moe-router-fusion",), "--moe-router-fusion",
+             "Transformer Engine")
 
 
 @pytest.mark.parametrize(("extra", "named"), [
@@ -270,14 +263,7 @@ def test_what_megatrons_transformer_config_refuses_is_one_line_before_megatron_s
         extra, named, megatron_argv, capsys):
     """The model's TransformerConfig is built at start-up (on a copy, with the run's shims):
     its refusals would otherwise be a traceback per rank when the model is built."""
-    import preflight
-
-    line = _launch(DRY_RUN="1").stdout.split()
-    megatron_argv(*line, *extra)
-    with pytest.raises(SystemExit) as done:
-        preflight.check(environ={})
-    assert done.value.code == 2
-    _one_error_line(capsys.readouterr().err, "Megatron's TransformerConfig", named)
+    _refused(megatron_argv, capsys, extra, "Megatron's TransformerConfig", named)
 
 
 def test_the_config_check_leaves_megatrons_transformer_config_as_it_was():
@@ -297,29 +283,16 @@ def test_layer_level_cpu_offloading_without_transformer_engine_is_refused(megatr
                                                                           capsys):
     """Megatron-Core asserts it when the model is built (and refuses it beside the paged stash
     in its TransformerConfig): one line first, naming the flag and the alternative."""
-    import preflight
-
-    line = _launch(DRY_RUN="1", PAGED="0").stdout.split()
-    megatron_argv(*line, "--cpu-offloading-num-layers", "1")
-    with pytest.raises(SystemExit) as done:
-        preflight.check(environ={})
-    assert done.value.code == 2
-    _one_error_line(capsys.readouterr().err, "--cpu-offloading-num-layers",
-                    "--fine-grained-activation-offloading")
+    _refused(megatron_argv, capsys, ("--cpu-offloading-num-layers", "1"),
+             "--cpu-offloading-num-layers", "--fine-grained-activation-offloading", paged="0")
 
 
 def test_a_host_read_loss_check_with_full_iteration_graphs_is_refused(megatron_argv, capsys):
     """The example validates each loss as Megatron's GPT script does: a spike check reads it on
     the host, which a captured iteration cannot."""
-    import preflight
-
-    line = _launch(DRY_RUN="1").stdout.split()
-    megatron_argv(*line, "--check-for-spiky-loss", "--cuda-graph-impl", "full_iteration",
-                  "--no-check-for-nan-in-loss-and-grad")
-    with pytest.raises(SystemExit) as done:
-        preflight.check(environ={})
-    assert done.value.code == 2
-    _one_error_line(capsys.readouterr().err, "--check-for-spiky-loss", "full-iteration")
+    _refused(megatron_argv, capsys,
+             ("--check-for-spiky-loss", "--cuda-graph-impl", "full_iteration",
+              "--no-check-for-nan-in-loss-and-grad"), "--check-for-spiky-loss", "full-iteration")
 
 
 def test_a_rerun_mode_megatron_cannot_start_with_is_refused(megatron_argv, capsys):
@@ -327,12 +300,9 @@ def test_a_rerun_mode_megatron_cannot_start_with_is_refused(megatron_argv, capsy
     machine has no such mode: one line here, not a traceback from initialize_megatron."""
     import preflight
 
+    _refused(megatron_argv, capsys, ("--rerun-mode", "report_stats"), "--rerun-mode report_stats",
+             "validate_results")
     line = _launch(DRY_RUN="1").stdout.split()
-    megatron_argv(*line, "--rerun-mode", "report_stats")
-    with pytest.raises(SystemExit) as done:
-        preflight.check(environ={})
-    assert done.value.code == 2
-    _one_error_line(capsys.readouterr().err, "--rerun-mode report_stats", "validate_results")
     megatron_argv(*line, "--rerun-mode", "validate_results")
     try:
         preflight.check(environ={})
@@ -346,28 +316,14 @@ def test_a_save_the_checkpoint_writer_cannot_make_is_refused(megatron_argv, caps
     run would fail after its first save interval, so the start refuses."""
     import importlib.util
 
-    import preflight
-
-    line = _launch(DRY_RUN="1").stdout.split()
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "psutil" else real_find_spec(name, *a))
-    megatron_argv(*line, "--save", "/tmp/checkpoints")
-    with pytest.raises(SystemExit) as done:
-        preflight.check(environ={})
-    assert done.value.code == 2
-    _one_error_line(capsys.readouterr().err, "--save", "psutil")
+    _refused(megatron_argv, capsys, ("--save", "/tmp/checkpoints"), "--save", "psutil")
 
 
 def test_a_bare_megatron_assertion_names_its_source_line(megatron_argv, capsys):
     """Most of validate_args' checks are bare asserts: the refusal quotes the assertion and
     where it is, not ``AssertionError()`` (here: --save without --save-interval)."""
-    import preflight
-
-    line = _launch(DRY_RUN="1").stdout.split()
-    megatron_argv(*line, "--save", "/tmp/checkpoints")
-    with pytest.raises(SystemExit) as done:
-        preflight.check(environ={})
-    assert done.value.code == 2
-    _one_error_line(capsys.readouterr().err, "assert args.save_interval is not None",
-                    "megatron/training/arguments.py:")
+    _refused(megatron_argv, capsys, ("--save", "/tmp/checkpoints"),
+             "assert args.save_interval is not None", "megatron/training/arguments.py:")
