@@ -223,6 +223,13 @@ def check_fake_process_group(args) -> None:
             f"--cuda-graph-impl {args.cuda_graph_impl} cannot be combined with "
             "--fake-process-group (the emulated peers run host code at every exchange)"
         )
+    for flag in ("save", "load"):
+        if getattr(args, flag, None):
+            # the checkpoint's metadata is gathered over the whole (fake) world: nothing fills it
+            raise ValueError(
+                f"--{flag} cannot be combined with --fake-process-group: an emulated rank's "
+                "peers hold no state, so no job checkpoint can be written or read"
+            )
     try:
         parse_load(getattr(args, "paging_emulated_load", "lognormal:0.3"))
     except ValueError as error:
