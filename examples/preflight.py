@@ -32,6 +32,8 @@ import os
 import sys
 from dataclasses import dataclass
 
+from feature_checks import check_features  # beside this script (its sys.path[0])
+
 IMPLEMENTATION_ENV = "MEGATRON_PAGING_BENCH_IMPLEMENTATION"
 KERNEL_BACKEND_ENV = "MEGATRON_PAGING_BENCH_KERNEL_BACKEND"
 NO_OVERLAP_ENV = "MEGATRON_PAGING_BENCH_NO_OVERLAP"
@@ -200,92 +202,39 @@ def check_layout(args, layout: Layout, environ) -> None:
     trial = copy.deepcopy(args)
     trial.world_size, trial.rank = layout.world, layout.rank or 0
     validate(trial, EXAMPLE_DEFAULTS)
-    validate_config(trial, offload_backend(trial))
+    return trial, validate_config(trial, offload_backend(trial))
 
 
-# Megatron flags that shape a model this example's provider does not build (it builds the local
-# decoder block with megatron-paging's experts and attention, nothing else): refused by name
-# rather than silently ignored.
-IGNORED_MODEL_FLAGS = {
-    "mtp_num_layers": "multi-token-prediction layers",
-    "spec": "a custom layer spec",
-    "heterogeneous_layers_config_path": "heterogeneous layers",
-    "experimental_attention_variant": "experimental attention variants",
-    "use_kitchen": "Kitchen modules",
-}
+# Megatron rewrites flags after the paging checks read them: validate_args turns
+# --recompute-activations into selective recompute and --enable-cuda-graph / --external-cuda-graph
+# into --cuda-graph-impl local / transformer_engine; the model's TransformerConfig turns
+# --moe-layer-recompute into --recompute-modules moe.
+REWRITTEN = ("cuda_graph_impl", "recompute_granularity", "recompute_method", "recompute_modules")
 
 
-# What the example's experts (PagedGroupedMLP: bf16 GEMMs, no Transformer Engine) refuse when
-# they are built; refused here instead, in one line before Megatron starts.
-EXPERT_REFUSED_FLAGS = {
-    "fp8": "--fp8-format",
-    "fp4": "--fp4-format",
-    "moe_apply_probs_on_input": "--moe-apply-probs-on-input",
-    "moe_latent_size": "--moe-latent-size",
-}
+def check_as_megatron_runs_it(raw, validated, transformer_config, environ, mcore_manager):
+    """The paging checks again, on the line as Megatron will run it; a refusal names what
+    Megatron set."""
+    from megatron_paging.mcore.flags import paging_config
 
-
-def check_model_flags(args) -> None:
-    """Refuse layout flags the example's model provider would ignore, and what its experts
-    cannot compute."""
-    for dest, what in IGNORED_MODEL_FLAGS.items():
-        value = getattr(args, dest, None)
-        if value:
-            flag = "--" + dest.replace("_", "-")
-            raise ValueError(f"{flag}: this example builds no {what}; drop the flag")
-    if getattr(args, "moe_router_fusion", False) and importlib.util.find_spec(
-            "transformer_engine") is None:
-        raise ValueError("--moe-router-fusion needs Transformer Engine's fused router (not "
-                         "installed); drop the flag")
-    for dest, flag in EXPERT_REFUSED_FLAGS.items():
-        if getattr(args, dest, None):
-            raise ValueError(
-                f"{flag}: the example's experts (PagedGroupedMLP, without Transformer Engine) "
-                "do not support it; drop the flag"
-            )
-    if getattr(args, "cpu_offloading_num_layers", 0) > 0 and importlib.util.find_spec(
-            "transformer_engine") is None:
-        raise ValueError("--cpu-offloading-num-layers: Megatron-Core's layer-level CPU "
-                         "offloading needs Transformer Engine (not installed); use "
-                         "--fine-grained-activation-offloading")
-    if (getattr(args, "check_for_spiky_loss", False)
-            and getattr(args, "cuda_graph_impl", "none") == "full_iteration"):
-        raise ValueError("--check-for-spiky-loss reads every loss on the host, which a "
-                         "full-iteration CUDA graph cannot capture; drop one of them (as "
-                         "Megatron requires --no-check-for-nan-in-loss-and-grad there)")
-    if getattr(args, "context_parallel_size", 1) != 1:
-        raise ValueError(
-            "--context-parallel-size: the example's SDPA core attention has no context "
-            "parallelism; use 1"
-        )
-    if getattr(args, "transformer_impl", "local") != "local":
-        raise ValueError(
-            f"--transformer-impl {args.transformer_impl}: this example builds the local "
-            "(Transformer-Engine-free) spec; pass --transformer-impl local"
-        )
-
-
-def check_rerun_mode(args) -> None:
-    """Refuse a ``--rerun-mode`` Megatron's parser offers but its rerun state machine lacks
-    (0.19.2 parses ``report_stats``; its ``RerunMode`` calls that mode
-    ``report_determinism_stats``, so ``initialize_megatron`` fails with a traceback)."""
-    from megatron.core.rerun_state_machine import RerunMode
-
-    modes = [mode.value for mode in RerunMode]
-    mode = getattr(args, "rerun_mode", RerunMode.DISABLED.value)
-    if mode not in modes:
-        raise ValueError(f"--rerun-mode {mode}: this Megatron-Core cannot start with it (its "
-                         f"rerun state machine has {', '.join(modes)}); use validate_results "
-                         "or disabled")
-
-
-def check_checkpointing(args) -> None:
-    """Refuse a ``--save`` Megatron-Core's torch_dist writer would fail at the first save, after
-    the run's first interval (it imports psutil then; megatron-core does not declare it)."""
-    if (getattr(args, "save", None) and getattr(args, "ckpt_format", "torch_dist") == "torch_dist"
-            and importlib.util.find_spec("psutil") is None):
-        raise ValueError("--save: Megatron-Core's torch_dist checkpoint writer needs psutil (not "
-                         "installed in this interpreter); pip install psutil")
+    for field in REWRITTEN[1:]:
+        if hasattr(transformer_config, field):
+            setattr(validated, field, getattr(transformer_config, field))
+    try:
+        paging_config(validated, environ, mcore_manager=mcore_manager)
+    except ValueError as error:
+        rewritten = []
+        selective = getattr(validated, "recompute_granularity", None) == "selective"
+        for field in REWRITTEN:
+            value = getattr(validated, field, None)
+            if field == "recompute_modules" and not selective:
+                continue  # a default Megatron keeps without selective recompute
+            if value != getattr(raw, field, None) and value is not None:
+                shown = " ".join(value) if isinstance(value, list) else value
+                rewritten.append(f"--{field.replace('_', '-')} {shown}")
+        if not rewritten:
+            raise
+        raise ValueError(f"{error} (Megatron sets {', '.join(rewritten)} from this line)") from None
 
 
 def check(args=None, environ=None):
@@ -312,15 +261,15 @@ def check(args=None, environ=None):
             )
         if args.num_experts is None:
             raise ValueError("--num-experts: this example trains an MoE model; pass it")
-        check_model_flags(args)
-        check_rerun_mode(args)
-        check_checkpointing(args)
+        check_features(args)
         if args.fake_process_group and "WORLD_SIZE" not in environ:
             raise ValueError(
                 "--fake-process-group emulates one rank of a larger job: set WORLD_SIZE (and "
                 "RANK) to the layout's (docs/scale.md)"
             )
-        check_layout(args, layout, environ)
+        validated, transformer_config = check_layout(args, layout, environ)
+        check_as_megatron_runs_it(args, validated, transformer_config, environ,
+                                  controls.mcore_manager)
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if gpus == 0:
             raise ValueError(

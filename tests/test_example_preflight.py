@@ -159,7 +159,7 @@ def test_launching_before_set_up_says_to_run_make_demo(tmp_path):
 
     clone = tmp_path / "clone"
     (clone / "examples").mkdir(parents=True)
-    for name in ("run_pretrain_1gpu.sh", "preflight.py"):
+    for name in ("run_pretrain_1gpu.sh", "preflight.py", "feature_checks.py"):
         shutil.copy(ROOT / "examples" / name, clone / "examples" / name)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -327,3 +327,36 @@ def test_a_bare_megatron_assertion_names_its_source_line(megatron_argv, capsys):
     where it is, not ``AssertionError()`` (here: --save without --save-interval)."""
     _refused(megatron_argv, capsys, ("--save", "/tmp/checkpoints"),
              "assert args.save_interval is not None", "megatron/training/arguments.py:")
+
+
+@pytest.mark.parametrize(("extra", "named"), [
+    (("--expert-tensor-parallel-size", "2"), ("--expert-tensor-parallel-size 2",)),
+    (("--window-size", "128,0"), ("--window-size", "SDPAttention")),
+    (("--softmax-type", "off-by-one"), ("--softmax-type", "SDPAttention")),
+    (("--moe-use-upcycling",), ("--moe-use-upcycling", "PagedGroupedMLP")),
+    (("--inprocess-restart",), ("--inprocess-restart",)),
+    (("--use-checkpoint-args",), ("--use-checkpoint-args",)),
+] + ([] if importlib.util.find_spec("transformer_engine") else [
+    (("--use-precision-aware-optimizer",), ("--use-precision-aware-optimizer",
+                                            "Transformer Engine")),
+    (("--optimizer-cpu-offload",), ("--optimizer-cpu-offload", "Transformer Engine")),
+    (("--moe-flex-dispatcher-backend", "ncclep"), ("ncclep", "Transformer Engine")),
+]), ids=lambda value: value[0] if isinstance(value, tuple) else None)
+def test_what_would_fail_after_the_start_or_do_nothing_is_refused_at_start_up(
+        extra, named, megatron_argv, capsys):
+    """Each of these passes Megatron's checks, then fails after the run began (a traceback per
+    rank) or is silently skipped by the example."""
+    _refused(megatron_argv, capsys, extra, *named)
+
+
+@pytest.mark.parametrize(("extra", "named"), [
+    (("--enable-cuda-graph",), ("cannot be combined", "Megatron sets --cuda-graph-impl local")),
+    (("--recompute-activations", "--recompute-modules", "moe"),
+     ("pages nothing", "Megatron sets --recompute-granularity selective")),
+    (("--moe-layer-recompute",), ("pages nothing", "--recompute-modules core_attn moe")),
+], ids=["enable-cuda-graph", "recompute-activations", "moe-layer-recompute"])
+def test_flags_megatron_rewrites_are_checked_as_it_runs_them(extra, named, megatron_argv,
+                                                             capsys):
+    """validate_args and the TransformerConfig turn these into flags paging refuses, after the
+    paging checks read the line: the checks run again on the line as Megatron runs it."""
+    _refused(megatron_argv, capsys, extra, *named)

@@ -190,6 +190,10 @@ OFFLOAD = ["--fine-grained-activation-offloading", "--paging-offload-backend", "
         (BASE + ["--num-experts", "8", "--fake-process-group", "--cuda-graph-impl",
                  "full_iteration"], {},
          "--cuda-graph-impl full_iteration cannot be combined with --fake-process-group"),
+        (BASE + ["--paging-overflow-policy", "skip", "--optimizer-cuda-graph"], {},
+         "--optimizer-cuda-graph with --paging-overflow-policy skip"),
+        (BASE + ["--paging-overflow-policy", "grow", "--fp16"], {},
+         "--fp16 with --paging-overflow-policy grow"),
         (BASE + ["--num-experts", "8", "--fake-process-group", "--save", "/tmp/c",
                  "--save-interval", "2"], {},
          "--save cannot be combined with --fake-process-group"),
@@ -332,8 +336,12 @@ def test_recompute_without_checkpoint_without_output_runs_without_te(parser, mod
           "--recompute-num-layers", "1"],
          "--moe-paged-stash with --recompute-granularity full --recompute-method uniform pages "
          "nothing"),
+        (["--num-layers", "8", "--pipeline-model-parallel-size", "2", "--recompute-granularity",
+          "full", "--recompute-method", "block", "--recompute-num-layers", "4"],
+         "--moe-paged-stash with --recompute-method block --recompute-num-layers 4 pages nothing "
+         "(each pipeline chunk holds 4 layers"),
     ],
-    ids=["selective-moe", "full-uniform"],
+    ids=["selective-moe", "full-uniform", "full-block-every-layer"],
 )
 def test_recompute_of_every_moe_layer_is_refused_with_paged_stash(parser, recompute, message):
     args = parser.parse_args(BASE + recompute)
@@ -342,9 +350,12 @@ def test_recompute_of_every_moe_layer_is_refused_with_paged_stash(parser, recomp
     assert "\n" not in str(error.value)
 
 
-def test_block_recompute_of_some_layers_pages_the_others(parser):
-    args = parser.parse_args(BASE + ["--recompute-granularity", "full", "--recompute-method",
-                                     "block", "--recompute-num-layers", "2"])
+@pytest.mark.parametrize("layout", [[], ["--num-layers", "8", "--pipeline-model-parallel-size",
+                                          "2"]])
+def test_block_recompute_of_some_layers_pages_the_others(parser, layout):
+    args = parser.parse_args(BASE + layout + ["--recompute-granularity", "full",
+                                              "--recompute-method", "block",
+                                              "--recompute-num-layers", "3"])
     assert flags.paging_config(args, environ={}, cuda_available=False, te_available=False) == (
         PagingConfig(pool_residency="step"))
 

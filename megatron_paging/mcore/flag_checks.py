@@ -71,6 +71,32 @@ def check_megatron_combinations(args, refuse_recompute: bool = True) -> None:
             "pages nothing (every layer is recomputed in the backward); use --recompute-method "
             "block to recompute some layers and page the others"
         )
+    if granularity == "full" and getattr(args, "recompute_method", None) == "block":
+        chunks = (getattr(args, "pipeline_model_parallel_size", 1) or 1) * (
+            getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
+        layers_per_chunk = -(-(getattr(args, "num_layers", 0) or 0) // chunks)
+        recomputed = getattr(args, "recompute_num_layers", None) or 0
+        if layers_per_chunk and recomputed >= layers_per_chunk:
+            raise ValueError(
+                f"--moe-paged-stash with --recompute-method block --recompute-num-layers "
+                f"{recomputed} pages nothing (each pipeline chunk holds {layers_per_chunk} "
+                "layers, all recomputed in the backward); recompute fewer layers"
+            )
+    policy = getattr(args, "paging_overflow_policy", "rerun")
+    if policy in ("skip", "grow"):
+        # both drop an overflowed step's update on the device (overflow/optimizer_skip.py)
+        if getattr(args, "optimizer_cuda_graph", False):
+            raise ValueError(
+                f"--optimizer-cuda-graph with --paging-overflow-policy {policy}: the captured "
+                "optimizer step would read the skip flag of the step it was captured in; use "
+                "--paging-overflow-policy rerun"
+            )
+        if getattr(args, "fp16", False):
+            raise ValueError(
+                f"--fp16 with --paging-overflow-policy {policy}: a dropped step's gradients "
+                "still reach Megatron's loss scaler, which backs off on them; use "
+                "--paging-overflow-policy rerun or --bf16"
+            )
     graph_impl = getattr(args, "cuda_graph_impl", "none")
     if graph_impl in UNSUPPORTED_GRAPH_IMPLS:
         raise ValueError(
