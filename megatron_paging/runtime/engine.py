@@ -101,6 +101,7 @@ class PagingEngine:
             self._device = pools.device
         self._layouts: dict = {}  # record layouts, validated once per run
         self.steps = 0  # paging steps begun in Python (calibration and graph captures included)
+        self.nothing_to_page = False  # a calibration step saw no record: the rank runs unpaged
         self.replays = 0  # graph calls that ran a captured paged step (capture calls replay too)
         self.unreloaded_records = 0  # records a finished step never reloaded (should stay 0)
         # The pool groups of the last demand_values() (what its values are), and the pages
@@ -134,13 +135,9 @@ class PagingEngine:
                     "Megatron's forward_backward_func)"
                 )
             self.end_step()  # drivers that never end a step explicitly
+        if paging and self.pools is None and self.nothing_to_page:
+            paging = False  # eagerly, captured or not: this rank keeps nothing to page
         if paging and self.pools is None and capturing:  # refused before any state changes
-            if self.steps:  # eager paging steps ran, and none saved a record to page
-                raise CaptureError(
-                    f"paging: a CUDA-graph capture began, but the {self.steps} eager paging "
-                    "step(s) before it saved no record to page, so no page pools exist (is "
-                    "every MoE layer recomputed, or nothing marked?)"
-                )
             raise CaptureError(
                 "paging: a CUDA-graph capture began before the page pools were calibrated; "
                 "the first paging step must run eagerly (with --cuda-graph-impl "
@@ -194,6 +191,13 @@ class PagingEngine:
                 self.steps,
             )
         offloaded = calibrating and offload_calibrator.saw_records
+        if calibrating and not (calibrator.saw_records or offloaded):
+            # A pipeline stage without MoE layers (dense-first layers, embedding or loss
+            # alone): its layers save nothing to page, now or later, so it runs unpaged
+            # rather than calibrating again every step (and a capture proceeds without pools).
+            self.nothing_to_page = True
+            logger.info("paging: step %d saved no record to page (a stage without MoE layers?): "
+                        "this rank runs unpaged", self.steps)
         if calibrating and (calibrator.saw_records or offloaded):
             if offloaded:
                 self._set_offload_pools(offload_calibrator.size(
