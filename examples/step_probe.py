@@ -327,11 +327,11 @@ def observe_training_steps(probe: StepProbe) -> None:
     runner_cls = training.PagedStashRunner
 
     def observed_runner(config, copy_main_params, model, optimizer, *args, **kwargs):
-        runner = probe.runner = runner_cls(config, copy_main_params, model, optimizer, *args,
-                                           **kwargs)
-        probe.model, probe.optimizer = model, optimizer
-        if DROPPED_ITERATIONS:
-            drop_updates(runner, probe, DROPPED_ITERATIONS)
+        runner = runner_cls(config, copy_main_params, model, optimizer, *args, **kwargs)
+        if optimizer is not None:  # evaluate() builds runners of its own, without one
+            probe.runner, probe.model, probe.optimizer = runner, model, optimizer
+            if DROPPED_ITERATIONS:
+                drop_updates(runner, probe, DROPPED_ITERATIONS)
 
         def forward_backward(**step):
             training_step = not step["forward_only"]

@@ -31,6 +31,15 @@ FEATURES = {
     "moe-shared-expert-overlap": (*SHARED_EXPERT, "--moe-shared-expert-overlap"),
     "use-torch-fsdp2": ("--use-torch-fsdp2", "--ckpt-format", "torch_dist"),
     "use-megatron-fsdp": ("--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"),
+    # evaluation between training steps runs unpaged, through runners of its own
+    "evaluation": ("--eval-iters", "2", "--eval-interval", "2"),
+    "micro-batch-size-2": ("--micro-batch-size", "2", "--global-batch-size", "8"),
+    "calculate-per-token-loss": ("--calculate-per-token-loss",),
+    # the first layer recomputed in the backward, the second paged
+    "recompute-block": ("--recompute-granularity", "full", "--recompute-method", "block",
+                        "--recompute-num-layers", "1"),
+    "recompute-selective": (*SHARED_EXPERT, "--recompute-granularity", "selective",
+                            "--recompute-modules", "core_attn", "shared_experts"),
 }
 # Megatron's validate_args: FSDP needs more than one hardware queue.
 ENV = {feature: {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}
@@ -80,6 +89,9 @@ def test_example_step_rerun_in_place_paged_bitwise_equal_to_unpaged(tmp_path, re
 # rerun's buckets start from cleared buffers).
 THROUGH_RERUN = {
     "expert-bias": ("--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid"),
+    # Qwen3's balancing: its global token counts are reset at the end of each forward-backward
+    "global-aux-loss": ("--moe-router-load-balancing-type", "global_aux_loss"),
+    "seq-aux-loss": ("--moe-router-load-balancing-type", "seq_aux_loss"),
     "overlap-grad-reduce+distributed-optimizer": FEATURES[
         "overlap-grad-reduce+distributed-optimizer"],
 }
