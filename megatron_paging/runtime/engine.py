@@ -101,7 +101,7 @@ class PagingEngine:
             self._device = pools.device
         self._layouts: dict = {}  # record layouts, validated once per run
         self.steps = 0  # paging steps begun in Python (calibration and graph captures included)
-        self.nothing_to_page = False  # a calibration step saw no record: the rank runs unpaged
+        self.nothing_to_page = False  # a calibration saw no record: a capture runs unpaged
         self.replays = 0  # graph calls that ran a captured paged step (capture calls replay too)
         self.unreloaded_records = 0  # records a finished step never reloaded (should stay 0)
         # The pool groups of the last demand_values() (what its values are), and the pages
@@ -135,8 +135,8 @@ class PagingEngine:
                     "Megatron's forward_backward_func)"
                 )
             self.end_step()  # drivers that never end a step explicitly
-        if paging and self.pools is None and self.nothing_to_page:
-            paging = False  # eagerly, captured or not: this rank keeps nothing to page
+        if paging and self.pools is None and capturing and self.nothing_to_page:
+            paging = False  # the eager steps before found nothing to page: capture unpaged
         if paging and self.pools is None and capturing:  # refused before any state changes
             raise CaptureError(
                 "paging: a CUDA-graph capture began before the page pools were calibrated; "
@@ -193,11 +193,13 @@ class PagingEngine:
         offloaded = calibrating and offload_calibrator.saw_records
         if calibrating and not (calibrator.saw_records or offloaded):
             # A pipeline stage without MoE layers (dense-first layers, embedding or loss
-            # alone): its layers save nothing to page, now or later, so it runs unpaged
-            # rather than calibrating again every step (and a capture proceeds without pools).
+            # alone) saves nothing to page: eager steps calibrate again (cheap without
+            # records; a later step with records sizes the pools), a capture runs unpaged.
+            if not self.nothing_to_page:
+                logger.info("paging: step %d saved no record to page (a stage without MoE "
+                            "layers?): a CUDA-graph capture on this rank runs unpaged",
+                            self.steps)
             self.nothing_to_page = True
-            logger.info("paging: step %d saved no record to page (a stage without MoE layers?): "
-                        "this rank runs unpaged", self.steps)
         if calibrating and (calibrator.saw_records or offloaded):
             if offloaded:
                 self._set_offload_pools(offload_calibrator.size(
@@ -283,10 +285,12 @@ class PagingEngine:
         return reports
 
     def release_pools(self) -> None:
-        """Drop the pools; the next paging step calibrates again."""
+        """Drop the pools; the next paging step calibrates again (also after one that found
+        nothing to page)."""
         self.end_step()
         self.pools = None
         self.offload_pools = None
+        self.nothing_to_page = False
 
     def _set_pools(self, pools: PagePools) -> None:
         kernels.prepare(pools, self.config.kernel_backend)  # outside any capture
