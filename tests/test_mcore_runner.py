@@ -496,3 +496,19 @@ def test_rng_snapshot_restores_graph_safe_generators_by_value():
         assert torch.equal(states["plain"], torch.tensor([1, 2, 3]))
     finally:
         tracker.set_states(saved_states)
+
+
+@pytest.mark.parametrize(("recompute", "message"), [
+    (dict(recompute_granularity="selective", recompute_modules=["core_attn", "moe"]),
+     "--recompute-modules moe pages nothing"),
+    (dict(cuda_graph_impl="local"), "--cuda-graph-impl local cannot be combined"),
+])
+def test_the_runner_refuses_what_start_up_refuses_as_megatron_runs_it(recompute, message):
+    """The model's config holds what Megatron set from other flags (--moe-layer-recompute,
+    --enable-cuda-graph): a driver without the example's start-up check meets the refusal
+    before its first step."""
+    run = Run("rerun", ROOMY)
+    config = SimpleNamespace(**vars(run.config), **recompute)
+    with pytest.raises(ValueError, match=message):
+        PagedStashRunner(config, False, [run.chunk], run.optimizer, None, paging=run.paging)
+    PagedStashRunner(config, False, [run.chunk], None, None)  # Megatron-Core's manager: as is

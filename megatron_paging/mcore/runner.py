@@ -50,6 +50,7 @@ from megatron.core.transformer.moe import paged_stash as mcore_paged_stash
 from megatron.core.utils import get_attr_wrapped_model, log_single_rank
 
 from megatron_paging.mcore import graphs
+from megatron_paging.mcore.flag_checks import check_megatron_combinations
 from megatron_paging.mcore.step_state import (
     StepState,
     rng_state,
@@ -153,6 +154,12 @@ class PagedStashRunner:
         for chunk in model:
             root = get_attr_wrapped_model(chunk, "decoder", allow_none=False, return_model_obj=True)
             self._configs.setdefault(id(root.config), root.config)
+        if paging is not None and getattr(config, "moe_paged_stash", False):
+            # The model's config is the line as Megatron runs it, the flags it rewrote from
+            # others included (--enable-cuda-graph, --moe-layer-recompute, ...): what the
+            # start-up checks refuse is refused here too, before the first step, whatever the
+            # driver.
+            check_megatron_combinations(config)
         self.eval_reruns = 0  # evaluations rerun without paging / static budget
         self.graph_invalidations = 0  # captured graphs dropped by 'grow'
         engine = getattr(paging, "engine", None)
