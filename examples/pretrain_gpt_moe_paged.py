@@ -206,13 +206,20 @@ def main() -> None:
     use_prebuilt_dataset_helpers()
     cfg = pretrain_cfg_container_from_args(args)
     cfg.model = None  # build through model_provider (our layer spec)
-    pretrain(
-        cfg,
-        train_valid_test_datasets_provider,
-        ModelType.encoder_or_decoder,
-        forward_step,
-        model_provider=model_provider,
-    )
+    try:
+        pretrain(
+            cfg,
+            train_valid_test_datasets_provider,
+            ModelType.encoder_or_decoder,
+            forward_step,
+            model_provider=model_provider,
+        )
+    except SystemExit as stop:
+        # --exit-interval, --exit-duration-in-mins or the exit signal: Megatron ends train()
+        # with sys.exit(0) after its checkpoint; the last iteration's losses and the report
+        # below still belong to the run. Any other code is a failure: passed on.
+        if stop.code not in (None, 0):
+            raise
     report_memory(api, "mcore" if controls.mcore_manager else "ours")
     if recorder is not None:
         from megatron.core.num_microbatches_calculator import get_num_microbatches
