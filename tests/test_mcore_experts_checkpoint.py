@@ -192,3 +192,34 @@ def test_a_checkpoint_loads_across_paged_and_megatron_core_experts(installed, mo
 def test_expert_tensor_parallelism_is_refused(installed, model_parallel):  # noqa: F811
     with pytest.raises(ValueError, match="--expert-tensor-parallel-size"):
         PagedGroupedMLP(2, moe_config(), pg_collection=SimpleNamespace(expt_tp=_Group(0, 2)))
+
+
+def test_optimizer_states_are_saved_in_the_experts_layout(installed, model_parallel):  # noqa: F811
+    """Megatron's optimizer checkpoint maps each state of a parameter onto that parameter's
+    sharded form (optim_state_to_sharding_state, as its non-distributed optimizers call it):
+    Adam's moments are saved per expert under Megatron-Core's expert keys."""
+    from megatron.core.dist_checkpointing.optimizer import (
+        get_param_id_to_sharded_param_map,
+        optim_state_to_sharding_state,
+    )
+
+    ours, _ = _modules(gated=True)
+    params = [ours.weight1, ours.weight2]
+    optimizer = torch.optim.Adam(params, lr=0.1)
+    for param in params:
+        param.grad = torch.randn_like(param)
+    optimizer.step()
+    state = optimizer.state_dict()
+    optim_state_to_sharding_state(
+        state, get_param_id_to_sharded_param_map(ours.sharded_state_dict(PREFIX, LAYER_OFFSETS),
+                                                 params), exclude_keys="step")
+    shards = _shards(state["state"])
+    for moment in ("exp_avg", "exp_avg_sq"):
+        for param, name in ((ours.weight1, "linear_fc1"), (ours.weight2, "linear_fc2")):
+            key = f"optimizer.state.{moment}.{PREFIX}experts.{name}.weight"
+            mine = [s for s in shards if s[0] == key]
+            halves = 2 if name == "linear_fc1" else 1  # the gated fc1's gate and up rows
+            assert len(mine) == LOCAL_EXPERTS * halves
+            want = [part for expert in optimizer.state[param][moment]
+                    for part in expert.chunk(halves)]
+            assert all(torch.equal(got[5], part) for got, part in zip(mine, want, strict=True))
