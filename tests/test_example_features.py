@@ -33,6 +33,11 @@ FEATURES = {
     "use-megatron-fsdp": ("--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"),
     # evaluation between training steps runs unpaged, through runners of its own
     "evaluation": ("--eval-iters", "2", "--eval-interval", "2"),
+    # ... and under full-iteration graphs (calibrated at step 1, captured at 2, replayed at 3;
+    # evaluation captures a graph of its own)
+    "evaluation+cuda-graphs": ("--eval-iters", "1", "--eval-interval", "2", "--cuda-graph-impl",
+                               "full_iteration", "--cuda-graph-warmup-steps", "1",
+                               "--no-check-for-nan-in-loss-and-grad"),
     "micro-batch-size-2": ("--micro-batch-size", "2", "--global-batch-size", "8"),
     "calculate-per-token-loss": ("--calculate-per-token-loss",),
     # the first layer recomputed in the backward, the second paged
