@@ -161,9 +161,10 @@ def launch_layout(environ) -> Layout:
     return Layout(world, "WORLD_SIZE", rank, local)
 
 
-def check_layout(args, layout: Layout, environ) -> None:
+def check_layout(args, layout: Layout, environ):
     """The job's layout against the flags, then Megatron's own ``validate_args`` and the model's
-    ``TransformerConfig`` on a copy, as every rank would run them after torchrun started them."""
+    ``TransformerConfig`` on a copy, as every rank would run them after torchrun started them.
+    Returns ``(validated args, TransformerConfig)``: the line as Megatron runs it."""
     from megatron_paging.mcore.flags import offload_backend
     from megatron_paging.mcore.validation import validate, validate_config
 
