@@ -89,7 +89,16 @@ def check_rerun_mode(args) -> None:
 
 def check_checkpointing(args) -> None:
     """Refuse a ``--save`` Megatron-Core's torch_dist writer would fail at the first save, after
-    the run's first interval (it imports psutil then; megatron-core does not declare it)."""
+    the run's first interval (it imports psutil then; megatron-core does not declare it), and a
+    checkpoint of FSDP-sharded experts (mcore/experts_checkpoint.py splits whole local experts;
+    Megatron-FSDP's fsdp_dtensor format finds experts by Megatron-Core's own module keys)."""
+    for fsdp in ("use_torch_fsdp2", "use_megatron_fsdp"):
+        for flag in ("save", "load"):
+            if getattr(args, fsdp, False) and getattr(args, flag, None):
+                raise ValueError(
+                    f"--{flag} with --{fsdp.replace('_', '-')}: the example's experts "
+                    "(PagedGroupedMLP) checkpoint whole local experts, not FSDP-sharded ones; "
+                    "use Megatron's DDP (with --use-distributed-optimizer) to checkpoint")
     if (getattr(args, "save", None) and getattr(args, "ckpt_format", "torch_dist") == "torch_dist"
             and not _installed("psutil")):
         raise ValueError("--save: Megatron-Core's torch_dist checkpoint writer needs psutil (not "

@@ -336,6 +336,10 @@ def test_a_bare_megatron_assertion_names_its_source_line(megatron_argv, capsys):
     (("--moe-use-upcycling",), ("--moe-use-upcycling", "PagedGroupedMLP")),
     (("--inprocess-restart",), ("--inprocess-restart",)),
     (("--use-checkpoint-args",), ("--use-checkpoint-args",)),
+    (("--use-torch-fsdp2", "--ckpt-format", "torch_dist", "--save", "c", "--save-interval", "2"),
+     ("--save with --use-torch-fsdp2", "PagedGroupedMLP")),
+    (("--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor", "--load", "c"),
+     ("--load with --use-megatron-fsdp",)),
 ] + ([] if importlib.util.find_spec("transformer_engine") else [
     (("--use-precision-aware-optimizer",), ("--use-precision-aware-optimizer",
                                             "Transformer Engine")),
