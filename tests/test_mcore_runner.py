@@ -92,9 +92,17 @@ class Engine:
     def __init__(self, cuda_rows, policy):
         self.config = PagingConfig.from_args(PagingArgs(paging_overflow_policy=policy),
                                              page_size=PAGE)
-        self.pools = PagePools(PAGE)
-        self.pools.add(ROW_BYTES, cuda_rows)
+        self.cuda_rows = cuda_rows
+        self.releases = 0
+        self.release_pools()
+        self.releases = 0
         self.paged = False
+
+    def release_pools(self):
+        """Stands in for PagingEngine.release_pools, whose next step calibrates new pools."""
+        self.pools = PagePools(PAGE)
+        self.pools.add(ROW_BYTES, self.cuda_rows)
+        self.releases += 1
 
     @property
     def flags(self):
@@ -174,10 +182,10 @@ def make_forward_backward(paging, calls, budgets):
     return forward_backward
 
 
-def batches(step, over_budget_step=None):
+def batches(step, over_budget_step=None, count=MICROBATCHES):
     gen = torch.Generator().manual_seed(step)
     out = []
-    for _ in range(MICROBATCHES):
+    for _ in range(count):
         live = int(torch.randint(CAPACITY // 2, CAPACITY + 1, (1,), generator=gen))
         tokens = torch.randn(CAPACITY, HIDDEN, generator=gen)
         tokens[live:] = 9.0
@@ -512,3 +520,19 @@ def test_the_runner_refuses_what_start_up_refuses_as_megatron_runs_it(recompute,
     with pytest.raises(ValueError, match=message):
         PagedStashRunner(config, False, [run.chunk], run.optimizer, None, paging=run.paging)
     PagedStashRunner(config, False, [run.chunk], None, None)  # Megatron-Core's manager: as is
+
+
+@pytest.mark.parametrize(("pp", "vpp", "releases"),
+                         [(4, None, 2), (2, 2, 2), (2, None, 1), (1, None, 0)])
+def test_more_microbatches_per_step_recalibrate_only_while_the_pipeline_fills(pp, vpp, releases):
+    """--rampup-batch-size: a pipeline rank keeps min(microbatches, warm-up depth) alive, so
+    pools sized while steps had fewer microbatches than that are dropped and calibrated again;
+    past the depth (pp * (vpp + 1) bounds every schedule's), or at PP = 1, they stay."""
+    run = Run("skip", ROOMY * 4)
+    run.config.pipeline_model_parallel_size = pp
+    run.config.virtual_pipeline_model_parallel_size = vpp
+    for step, count in enumerate([2, 2, 4, 8, 12, 4]):
+        run.runner(model=[run.chunk], data_iterator=[iter(batches(step, count=count))],
+                   num_microbatches=count, seq_length=CAPACITY, forward_only=False)
+        evaluate(run, step)  # an evaluation's count is not a training step's
+    assert run.paging.engine.releases == releases == run.runner.recalibrations

@@ -98,6 +98,13 @@ def check_megatron_combinations(args, refuse_recompute: bool = True) -> None:
                 "--paging-overflow-policy rerun or --bf16"
             )
     graph_impl = getattr(args, "cuda_graph_impl", "none")
+    if graph_impl == "full_iteration" and getattr(args, "rampup_batch_size", None):
+        # FullCudaGraphWrapper captures once and replays that step's microbatch count
+        raise ValueError(
+            "--rampup-batch-size with --cuda-graph-impl full_iteration: Megatron-Core 0.19.2 "
+            "replays the graph captured at the first step's microbatch count for every later "
+            "count (the added microbatches never train); drop one of them"
+        )
     if graph_impl in UNSUPPORTED_GRAPH_IMPLS:
         raise ValueError(
             f"--cuda-graph-impl {graph_impl} cannot be combined with --moe-paged-stash "

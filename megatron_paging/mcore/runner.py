@@ -161,6 +161,8 @@ class PagedStashRunner:
             # driver.
             check_megatron_combinations(config)
         self.eval_reruns = 0  # evaluations rerun without paging / static budget
+        self.recalibrations = 0  # pools dropped because a step ran more microbatches
+        self._microbatches: int | None = None  # per training step, as last run
         self.graph_invalidations = 0  # captured graphs dropped by 'grow'
         engine = getattr(paging, "engine", None)
         self.monitor = OverflowMonitor(
@@ -316,6 +318,8 @@ class PagedStashRunner:
             raise TypeError(f"PagedStashRunner: missing keyword argument(s) {missing}")
         self.finish()  # deferred: the previous step's flags, before this step's data
         training = not kwargs["forward_only"]
+        if training:
+            self._note_microbatches(kwargs["num_microbatches"])
         saved_batches, kwargs["data_iterator"] = self.data_read(
             kwargs["data_iterator"], kwargs["model"], training, kwargs["num_microbatches"]
         )
@@ -331,6 +335,29 @@ class PagedStashRunner:
         else:
             self._check_evaluation(reduced, rerun)
         return attempt.result
+
+    def _note_microbatches(self, count: int) -> None:
+        """``--rampup-batch-size``: a pipeline rank keeps min(count, its warm-up depth)
+        microbatches alive, so pools calibrated while a step had fewer microbatches than the
+        pipeline holds would overflow on every later step (and 'skip' would drop them all). Such
+        pools are dropped and the step calibrates again; at PP = 1, or once the count is past
+        the depth, the pools stay."""
+        previous, self._microbatches = self._microbatches, count
+        engine = getattr(self.paging, "engine", None)
+        if previous is None or count <= previous or getattr(engine, "pools", None) is None:
+            return
+        pp = getattr(self.config, "pipeline_model_parallel_size", 1) or 1
+        vpp = getattr(self.config, "virtual_pipeline_model_parallel_size", None) or 1
+        if pp == 1 or previous >= pp * (vpp + 1):  # past every schedule's warm-up depth
+            return
+        engine.release_pools()
+        graphs.invalidate(self.forward_backward_func, training=True)
+        self.recalibrations += 1
+        log_single_rank(
+            logger, logging.INFO,
+            f"paging: {previous} -> {count} microbatches per step (--rampup-batch-size) changes "
+            "what a pipeline rank keeps alive; the pools calibrate again on this step",
+        )
 
     def _check_evaluation(self, reduced: torch.Tensor, rerun) -> None:
         """An evaluation has no optimizer step to defer to: its flags are read now."""
