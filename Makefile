@@ -7,11 +7,11 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat setup.py megatron_paging/version.py | cksum | cut -d' ' -f1)
 # `make test`: ruff, then the CPU suite (GPU/multigpu/build tests skip without their hardware).
 # PYTEST_WORKERS=N (or auto) spreads it over N pytest-xdist processes, each test file whole on one
-# worker (tests/conftest.py says why). The default is one process: on the shared 2-core machine
-# `-n 2` measured slower than no xdist (the other users keep the cores busy, and every worker
-# imports torch + megatron and collects all tests again); use it on an idle or larger machine.
+# worker (tests/conftest.py says why); 0 runs one process. On the 2-core machine 2 workers took
+# 292 s against 339 s for one process (same machine, back to back); when other work keeps the
+# cores busy one process can be faster (each worker imports torch + megatron and collects again).
 # pyproject.toml's -rfE lists failures and errors only, so the run ends on pytest's count line.
-PYTEST_WORKERS ?= 0
+PYTEST_WORKERS ?= 2
 XDIST_ARGS = $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile)
 PYTEST_ARGS ?=
 

@@ -91,27 +91,27 @@ def predicted_out_of_memory(layout, rank: int, arm: str, factor: float, margin: 
             "wall_s": 0.0}
 
 
-def arm_argv(layout, rank: int, arm: str, capacity_factor: float
-             ) -> tuple[list[str], float | None]:
+def arm_argv(layout, rank: int, arm: str, capacity_factor: float,
+             train_iters: int = TRAIN_ITERS) -> tuple[list[str], float | None]:
     """The Megatron flags one arm launches the example with, and the planned pool factor it
     adds to a paged arm (None for the others)."""
     flags = ARMS[arm].flags
     argv = [*layout.flags(rank), "--moe-expert-rank-capacity-factor", str(capacity_factor),
-            "--train-iters", str(TRAIN_ITERS), *flags]
+            "--train-iters", str(train_iters), *flags]
     if "--moe-paged-stash" not in flags or POOL_FLAG in flags:
         return argv, None
     pool_factor = planned_pool_factor(argv, layout, rank)
     return [*argv, POOL_FLAG, f"{pool_factor:.3f}"], pool_factor
 
 
-def run_arm(layout, rank: int, arm: str, capacity_factor: float, tmp: Path, timeout: float
-            ) -> dict:
+def run_arm(layout, rank: int, arm: str, capacity_factor: float, tmp: Path, timeout: float,
+            train_iters: int = TRAIN_ITERS) -> dict:
     """One run of the example; the parsed report (or why it did not finish)."""
     env = ARMS[arm].env
     log_path = tmp / f"{layout.name}_{rank}_{arm}_{capacity_factor:g}"
     for stale in tmp.glob(f"{log_path.name}.rank*"):
         stale.unlink()
-    argv, pool_factor = arm_argv(layout, rank, arm, capacity_factor)
+    argv, pool_factor = arm_argv(layout, rank, arm, capacity_factor, train_iters)
     run_env = {**os.environ, **layout.env(rank), **env, "PAGED": "0",
                "MEGATRON_PAGING_BENCH_LOSS_LOG": str(log_path), "PYTHON": sys.executable}
     started = time.perf_counter()
@@ -201,7 +201,8 @@ def key(record: dict) -> tuple:
     return record["layout"], record["rank"], record["arm"], record["capacity_factor"]
 
 
-def stale_runs(runs: list[dict], planned: list[tuple]) -> set[tuple]:
+def stale_runs(runs: list[dict], planned: list[tuple], train_iters: int = TRAIN_ITERS
+               ) -> set[tuple]:
     """The planned runs whose record was launched with other flags than the arm launches now
     (a changed layout, arm or planned pool factor): they run again and replace the record."""
     wanted = set(planned)
@@ -210,7 +211,7 @@ def stale_runs(runs: list[dict], planned: list[tuple]) -> set[tuple]:
         if key(record) not in wanted or "flags" not in record:
             continue
         name, rank, arm, factor = key(record)
-        if record["flags"] != arm_argv(LAYOUTS[name], rank, arm, factor)[0]:
+        if record["flags"] != arm_argv(LAYOUTS[name], rank, arm, factor, train_iters)[0]:
             print(f"{name} rank {rank} {arm} cf {factor:g}: recorded with other flags than it "
                   "launches now; it runs again", flush=True)
             stale.add(key(record))
@@ -312,10 +313,16 @@ def main(argv=None) -> int:
                         help="record an arm whose planned peak exceeds the GPU's memory by more "
                         f"than this fraction as '{PREDICTED_OOM}' without running it (saves GPU "
                         "time where the plan leaves no doubt; default: run every arm)")
+    parser.add_argument("--train-iters", type=int, default=TRAIN_ITERS,
+                        help="steps per arm (steps from 3 on are steady: more of them narrow a "
+                        "step-time comparison; records launched with another count run again)")
     parser.add_argument("--out", type=Path, default=None,
                         help="result file; arms already in it are not run again (default: "
                         "benchmarks/results/scale_<gpu>.json)")
     args = parser.parse_args(argv)
+    if args.train_iters < 3:
+        parser.error(f"--train-iters must be >= 3 (steps from 3 on are steady), got "
+                     f"{args.train_iters}")
     require_gpu("scale")
     args.out = args.out or default_out("scale")
     started = time.perf_counter()
@@ -324,7 +331,7 @@ def main(argv=None) -> int:
                plan_runs(args.layouts, args.arms, args.capacity_factors, args.all_ranks)]
     # An out-of-memory record is a result: only a retry of that same arm replaces it.
     retried = set(planned) if args.retry_out_of_memory else set()
-    stale = stale_runs(result["runs"], planned)
+    stale = stale_runs(result["runs"], planned, args.train_iters)
     done = {key(r) for r in result["runs"] if key(r) not in stale and (r["status"] == "ok" or
             (r["status"] == "out of memory" and key(r) not in retried))}
     result["runs"] = [r for r in result["runs"] if key(r) in done]
@@ -349,7 +356,8 @@ def main(argv=None) -> int:
             record = predicted_out_of_memory(layout, rank, arm, factor, args.skip_predicted_oom,
                                              call_header["device_memory_mib"])
         if record is None:
-            record = run_arm(layout, rank, arm, factor, tmp, args.arm_timeout)
+            record = run_arm(layout, rank, arm, factor, tmp, args.arm_timeout,
+                             args.train_iters)
         record.update(this_call)
         print(f"    {record['status']} in {record['wall_s']} s", flush=True)
         failed = failed or record["status"] == "failed"

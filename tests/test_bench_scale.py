@@ -274,3 +274,32 @@ def test_the_predicted_peak_is_the_plans_for_the_arm_the_line_launches():
     paged = bench_scale.predicted_peak_mib(layout, 0, "paged", 2.0)
     assert unpaged == predict(layout, 0, "unpaged", 2.0)["predicted"]["peak_mib"]
     assert paged < 143_156 < unpaged
+
+
+def test_more_steps_per_arm_reach_the_launch_line_and_rerun_records_of_another_count(
+        tmp_path, monkeypatch, capsys):
+    """``--train-iters 12``: ten steady steps for a step-time comparison; a record of the
+    default five steps is another launch line, so it runs again; fewer than 3 is refused."""
+    monkeypatch.setattr(bench_scale, "require_gpu", lambda benchmark: None)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(bench_scale, "scale_header", lambda: {
+        "benchmark": "scale", "gpu": "H200", "date": "today", "commit": "new"})
+    layout = LAYOUTS["qwen3_235b"]
+    five = {"layout": "qwen3_235b", "rank": 0, "stage": 0, "arm": "unpaged",
+            "capacity_factor": 2.0, "status": "out of memory",
+            "flags": bench_scale.arm_argv(layout, 0, "unpaged", 2.0)[0]}
+    out = tmp_path / "scale.json"
+    out.write_text(json.dumps({"benchmark": "scale", "commit": "old", "date": "then",
+                               "arm_naming": "plan_arm[.variant]", "runs": [five]}))
+    launched = []
+    monkeypatch.setattr(bench_scale.subprocess, "run", lambda cmd, **kw: (
+        launched.append(cmd[cmd.index("--train-iters") + 1]), subprocess.CompletedProcess(
+            cmd, 1, "", "torch.OutOfMemoryError: CUDA out of memory"))[1])
+    argv = ["--layouts", "qwen3_235b", "--arms", "unpaged", "--capacity-factors", "2.0",
+            "--out", str(out)]
+    assert bench_scale.main(argv) == 0 and launched == ["5"]  # rank 224 only: rank 0 is kept
+    assert bench_scale.main([*argv, "--train-iters", "12"]) == 0
+    assert launched == ["5", "12", "12"]  # both ranks again, at 12 steps
+    with pytest.raises(SystemExit):
+        bench_scale.main([*argv, "--train-iters", "2"])
+    assert "--train-iters must be >= 3" in capsys.readouterr().err
