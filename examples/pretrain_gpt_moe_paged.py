@@ -303,6 +303,7 @@ def report_memory(api, implementation: str) -> None:
     actions = dict(monitor.actions) if monitor is not None else {}
     replays = api.engine.replays if implementation != "mcore" else 0
     dropped = getattr(PROBE.runner, "graph_invalidations", 0)  # graphs 'grow' made stale
+    recalibrated = getattr(PROBE.runner, "recalibrations", 0)  # --rampup-batch-size
     state = _state_mib(PROBE.model, PROBE.optimizer)
     # Steady state: from the third step on (step 1 calibrates, step 2 allocates the pools and
     # the optimizer's lazy state).
@@ -319,7 +320,7 @@ def report_memory(api, implementation: str) -> None:
         f"pool_cuda_mib={cuda_bytes / mib:.1f} pool_host_mib={host_bytes / mib:.1f} "
         + "".join(f"{k}={v:.1f} " for k, v in state.items())
         + f"paging_mode={mode} paged_steps={steps} graph_replays={replays} "
-        f"graphs_dropped={dropped} "
+        f"graphs_dropped={dropped} pools_recalibrated={recalibrated} "
         f"overflow_actions={','.join(f'{k}:{v}' for k, v in sorted(actions.items())) or '-'}"
         + "".join(f" {k}={v:.1f}" for k, v in offload.items())
         + _peers_report()

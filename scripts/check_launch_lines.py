@@ -61,7 +61,8 @@ def launch_lines():
             runs += [(f"emulated {stage}", layout, env),
                      (f"emulated {stage} interleaved", layout + emulated.INTERLEAVED, env),
                      (f"emulated {stage} MLA",
-                      layout + emulated.INTERLEAVED + emulated.MLA, env)]
+                      layout + emulated.INTERLEAVED + emulated.MLA, env),
+                     (f"emulated {stage} batch rampup", layout + emulated.RAMPUP, env)]
         runs += [(f"golden {name}", tuple(layout.flags), layout.env())
                  for name, layout in golden_values.LAYOUTS.items()]
         for modules in (pretrain.EXPERT_MODULES, pretrain.DENSE_MODULES):
