@@ -93,15 +93,18 @@ class Engine:
         self.config = PagingConfig.from_args(PagingArgs(paging_overflow_policy=policy),
                                              page_size=PAGE)
         self.cuda_rows = cuda_rows
-        self.releases = 0
-        self.release_pools()
+        self.pools = self._new_pools()
         self.releases = 0
         self.paged = False
 
+    def _new_pools(self):
+        pools = PagePools(PAGE)
+        pools.add(ROW_BYTES, self.cuda_rows)
+        return pools
+
     def release_pools(self):
         """Stands in for PagingEngine.release_pools, whose next step calibrates new pools."""
-        self.pools = PagePools(PAGE)
-        self.pools.add(ROW_BYTES, self.cuda_rows)
+        self.pools = self._new_pools()
         self.releases += 1
 
     @property
