@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from arm_names import NAMING, NAMING_KEY, current_name, named_by_plan  # noqa: E402
 from common import default_out, header, print_table, require_gpu  # noqa: E402
+from hot_step import TRACE_TOKEN, rerun_extra, write_trace  # noqa: E402
 from portable import dumps  # noqa: E402
 from scale_layouts import (  # noqa: E402
     ARMS,
@@ -38,6 +39,7 @@ from scale_layouts import (  # noqa: E402
     LAYOUTS,
     PARITY_PAIR,
     POOL_OVERFLOW_RATE,
+    RERUN_PAIR,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,6 +76,8 @@ def predicted_peak_mib(layout, rank: int, arm: str, capacity_factor: float) -> f
     from megatron_paging.plan.report import to_dict
 
     argv, _ = arm_argv(layout, rank, arm, capacity_factor)
+    if TRACE_TOKEN in argv:  # the plan sizes memory for the lognormal load of the other steps
+        argv = argv[:argv.index(TRACE_TOKEN) - 1]
     plan = plan_from_argv(argv, layout.world_size, rank)
     return to_dict(plan)["arms"][ARMS[arm].plan_arm]["peak_mib"]
 
@@ -93,15 +97,17 @@ def predicted_out_of_memory(layout, rank: int, arm: str, factor: float, margin: 
 
 def arm_argv(layout, rank: int, arm: str, capacity_factor: float,
              train_iters: int = TRAIN_ITERS) -> tuple[list[str], float | None]:
-    """The Megatron flags one arm launches the example with, and the planned pool factor it
-    adds to a paged arm (None for the others)."""
-    flags = ARMS[arm].flags
+    """The Megatron flags one arm launches the example with, and the pool factor it adds to a
+    paged arm (None for the others): the planned one, times the arm's ``pool_scale``. A hot-step
+    arm's load is :data:`TRACE_TOKEN`, which ``run_arm`` replaces by the trace it writes."""
+    spec = ARMS[arm]
     argv = [*layout.flags(rank), "--moe-expert-rank-capacity-factor", str(capacity_factor),
-            "--train-iters", str(train_iters), *flags]
-    if "--moe-paged-stash" not in flags or POOL_FLAG in flags:
+            "--train-iters", str(train_iters), *spec.flags]
+    if "--moe-paged-stash" not in spec.flags or POOL_FLAG in spec.flags:
         return argv, None
-    pool_factor = planned_pool_factor(argv, layout, rank)
-    return [*argv, POOL_FLAG, f"{pool_factor:.3f}"], pool_factor
+    pool_factor = planned_pool_factor(argv, layout, rank) * spec.pool_scale
+    hot = ["--paging-emulated-load", TRACE_TOKEN] if spec.hot_step else []
+    return [*argv, POOL_FLAG, f"{pool_factor:.3f}", *hot], pool_factor
 
 
 def run_arm(layout, rank: int, arm: str, capacity_factor: float, tmp: Path, timeout: float,
@@ -112,11 +118,18 @@ def run_arm(layout, rank: int, arm: str, capacity_factor: float, tmp: Path, time
     for stale in tmp.glob(f"{log_path.name}.rank*"):
         stale.unlink()
     argv, pool_factor = arm_argv(layout, rank, arm, capacity_factor, train_iters)
+    launched = argv
+    if TRACE_TOKEN in argv:
+        trace = tmp / f"{log_path.name}.trace.json"
+        write_trace(argv[:argv.index(TRACE_TOKEN) - 1], layout.world_size, rank, train_iters,
+                    trace)
+        launched = [str(trace) if a == TRACE_TOKEN else a for a in argv]
     run_env = {**os.environ, **layout.env(rank), **env, "PAGED": "0",
                "MEGATRON_PAGING_BENCH_LOSS_LOG": str(log_path), "PYTHON": sys.executable}
     started = time.perf_counter()
     try:
-        result = subprocess.run(["bash", str(ROOT / "examples" / "run_pretrain_1gpu.sh"), *argv],
+        script = str(ROOT / "examples" / "run_pretrain_1gpu.sh")
+        result = subprocess.run(["bash", script, *launched],
                                 cwd=ROOT, env=run_env, capture_output=True, text=True,
                                 timeout=timeout)
         log, returncode = result.stdout + result.stderr, result.returncode
@@ -230,7 +243,7 @@ def plan_runs(layouts, arms, factors, all_ranks: bool):
                 if arm not in arms:
                     continue
                 both = all_ranks or (arm in ("unpaged", "paged") and factor == 2.0)
-                one = layout.ranks[-1:] if arm in PARITY_PAIR else layout.ranks[:1]
+                one = layout.ranks[-1:] if arm in PARITY_PAIR + RERUN_PAIR else layout.ranks[:1]
                 for rank in layout.ranks if both else one:
                     yield layout, rank, arm, factor
 
@@ -262,6 +275,8 @@ def summarize(records: list[dict]) -> list[dict]:
             if r["arm"] == "unpaged" and r["status"] == "ok"}
     parity_base = {(r["layout"], r["rank"], r["capacity_factor"]): r for r in records
                    if r["arm"] == PARITY_PAIR[0] and r["status"] == "ok"}
+    fits = {(r["layout"], r["rank"], r["capacity_factor"]): r for r in records
+            if r["arm"] == RERUN_PAIR[1] and r["status"] == "ok"}
     for r in records:
         row = {k: r[k] for k in ("layout", "rank", "stage", "arm", "capacity_factor", "status")}
         if r["status"] == "ok":
@@ -280,7 +295,12 @@ def summarize(records: list[dict]) -> list[dict]:
                     row["step_vs_unpaged"] = (r["median_steady_iteration_ms"]
                                               / control["median_steady_iteration_ms"])
             row["overflow_actions"] = rep.get("overflow_actions")
-            row.update(rerun_cost(r))
+            if r["arm"] == RERUN_PAIR[0]:
+                twin = fits.get((r["layout"], r["rank"], r["capacity_factor"]))
+                if twin is not None:
+                    row.update(rerun_extra(r, twin, r.get("pool_factor_rate")))
+            elif r["arm"] != RERUN_PAIR[1]:
+                row.update(rerun_cost(r))
             twin = parity_base.get((r["layout"], r["rank"], r["capacity_factor"]))
             if r["arm"] == PARITY_PAIR[1] and twin is not None:
                 row["bitwise"] = (r["losses"] == twin["losses"]

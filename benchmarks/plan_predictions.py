@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from arm_names import NAMING, NAMING_KEY  # noqa: E402
 from bench_scale import arm_argv, plan_runs  # noqa: E402
 from portable import dumps  # noqa: E402
-from scale_layouts import ARMS, CAPACITY_FACTORS, LAYOUTS  # noqa: E402
+from scale_layouts import ARMS, CAPACITY_FACTORS, LAYOUTS, MEMORY_ARMS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -167,7 +167,7 @@ def fmt_row(entry: dict) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layouts", nargs="+", choices=tuple(LAYOUTS), default=list(LAYOUTS))
-    parser.add_argument("--arms", nargs="+", choices=tuple(ARMS), default=list(ARMS))
+    parser.add_argument("--arms", nargs="+", choices=MEMORY_ARMS, default=list(MEMORY_ARMS))
     parser.add_argument("--capacity-factors", nargs="+", type=float, default=[2.0, 1.5, 3.0],
                         choices=tuple(CAPACITY_FACTORS))
     parser.add_argument("--all-ranks", action="store_true",

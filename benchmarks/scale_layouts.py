@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from arm_names import arm_name
+from hot_step import FITS_POOL_SCALE
 
 COMMON = (
     "--seq-length 4096 --max-position-embeddings 4096 --micro-batch-size 1 "
@@ -108,6 +109,8 @@ class Arm:
     variant: str  # what the run changes beside the plan's arm ("" for none)
     flags: tuple[str, ...]
     env: dict = field(default_factory=dict)
+    hot_step: bool = False  # replays hot_step.py's trace (one step with more rows)
+    pool_scale: float = 1.0  # times the planned pool factor
 
     @property
     def name(self) -> str:
@@ -129,8 +132,15 @@ ARMS = {a.name: a for a in (
     # (the arms above run as users launch them, where atomics make two runs of one arm differ).
     Arm("unpaged", "deterministic", ("--deterministic-mode",)),
     Arm("paged", "deterministic", ("--moe-paged-stash", "--deterministic-mode")),
+    # The rerun pair (hot_step.py): one step overflows the planned pool and reruns; the twin's
+    # pool holds it. Their times for that step differ by the rerun. Not memory measurements.
+    Arm("paged", "hot_step", ("--moe-paged-stash",), hot_step=True),
+    Arm("paged", "hot_step_fits", ("--moe-paged-stash",), hot_step=True,
+        pool_scale=FITS_POOL_SCALE),
 )}
 PARITY_PAIR = ("unpaged.deterministic", "paged.deterministic")
+RERUN_PAIR = ("paged.hot_step", "paged.hot_step_fits")
+MEMORY_ARMS = tuple(name for name, arm in ARMS.items() if not arm.hot_step)  # the plan's to predict
 CAPACITY_FACTORS = {2.0: tuple(ARMS), 1.5: ("unpaged", "paged"), 3.0: ("unpaged", "paged")}
 # Paged arms get the device pool factor that `megatron-paging plan` gives for this overflow rate
 # (a rerun costs about one step, so 1e-2 costs about 1% of the step time on average).

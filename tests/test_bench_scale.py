@@ -25,16 +25,16 @@ LOG = "\n".join([
 ])
 
 
-def test_runs_alternate_arms_and_the_parity_pair_runs_where_unpaged_fits():
+def test_runs_alternate_arms_and_the_parity_and_rerun_pairs_run_where_unpaged_fits():
     runs = [(layout.name, rank, arm, cf) for layout, rank, arm, cf in
             bench_scale.plan_runs(["qwen3_235b"], list(bench_scale.ARMS), [2.0, 1.5], False)]
     first, second = LAYOUTS["qwen3_235b"].ranks
     assert runs[:3] == [("qwen3_235b", first, "unpaged", 2.0),
                         ("qwen3_235b", second, "unpaged", 2.0),
                         ("qwen3_235b", first, "paged", 2.0)]
-    assert {arm for _, rank, arm, _ in runs if rank == second} == {"unpaged", "paged",
-                                                                    *bench_scale.PARITY_PAIR}
-    assert not {arm for _, rank, arm, _ in runs if rank == first} & set(bench_scale.PARITY_PAIR)
+    pairs = {*bench_scale.PARITY_PAIR, *bench_scale.RERUN_PAIR}
+    assert {arm for _, rank, arm, _ in runs if rank == second} == {"unpaged", "paged", *pairs}
+    assert not {arm for _, rank, arm, _ in runs if rank == first} & pairs
     assert [arm for _, _, arm, cf in runs if cf == 1.5] == ["unpaged", "paged"]
 
 
