@@ -124,7 +124,10 @@ def run_arm(layout, rank: int, arm: str, capacity_factor: float, tmp: Path, time
         write_trace(argv[:argv.index(TRACE_TOKEN) - 1], layout.world_size, rank, train_iters,
                     trace)
         launched = [str(trace) if a == TRACE_TOKEN else a for a in argv]
-    run_env = {**os.environ, **layout.env(rank), **env, "PAGED": "0",
+    # One hardware queue (the example's default) unless the arm names more: a caller's
+    # environment must not change what an arm measures.
+    run_env = {**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1", **layout.env(rank), **env,
+               "PAGED": "0",
                "MEGATRON_PAGING_BENCH_LOSS_LOG": str(log_path), "PYTHON": sys.executable}
     started = time.perf_counter()
     try:

@@ -119,6 +119,7 @@ class Arm:
 
 EXPERT_OFFLOAD = ("--fine-grained-activation-offloading", "--offload-modules", "expert_fc1",
                   "moe_act", "--paging-offload-backend")
+CONNECTIONS_32 = {"CUDA_DEVICE_MAX_CONNECTIONS": "32"}
 # Named as benchmarks/arm_names.py says. Capacity factor 2 runs all; 1.5 and 3 the first two.
 ARMS = {a.name: a for a in (
     Arm("unpaged", "", ()),
@@ -128,6 +129,12 @@ ARMS = {a.name: a for a in (
     Arm("offload", "", (*EXPERT_OFFLOAD, "mcore")),
     Arm("paged_offload_experts", "", ("--moe-paged-stash", *EXPERT_OFFLOAD, "paged")),
     Arm("paged_recompute_fc1", "", ("--moe-paged-stash", "--paging-recompute-expert-fc1")),
+    # The offload arms with more hardware queues (the example defaults to one): a copy-engine
+    # copy then runs beside the compute, Megatron-Core's whole buffers and our live-row prefix
+    # alike (docs/offload.md). Which of the two settings is faster is the layout's to say.
+    Arm("offload", "connections_32", (*EXPERT_OFFLOAD, "mcore"), CONNECTIONS_32),
+    Arm("paged_offload_experts", "connections_32", ("--moe-paged-stash", *EXPERT_OFFLOAD, "paged"),
+        CONNECTIONS_32),
     # The parity pair: deterministic kernels, so paged and unpaged can be compared bit for bit
     # (the arms above run as users launch them, where atomics make two runs of one arm differ).
     Arm("unpaged", "deterministic", ("--deterministic-mode",)),

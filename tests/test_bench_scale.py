@@ -126,6 +126,23 @@ def test_every_layout_flag_is_a_megatron_flag():
         assert json.dumps(layout.env(layout.ranks[0]))
 
 
+def test_offload_arms_run_with_one_hardware_queue_unless_the_arm_names_more(tmp_path,
+                                                                           monkeypatch):
+    queues = []
+
+    def fake_run(cmd, **kwargs):
+        if "env" in kwargs:  # the example's launch, not a helper's query
+            queues.append(kwargs["env"]["CUDA_DEVICE_MAX_CONNECTIONS"])
+        return subprocess.CompletedProcess(cmd, 0, LOG, "")
+
+    monkeypatch.setattr(bench_scale.subprocess, "run", fake_run)
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")  # the caller's: never an arm's
+    layout = LAYOUTS["qwen3_235b"]
+    for arm in ("offload", "offload.connections_32", "paged_offload_experts.connections_32"):
+        bench_scale.run_arm(layout, layout.ranks[0], arm, 2.0, tmp_path, timeout=10)
+    assert queues == ["1", "32", "32"]
+
+
 def test_a_failed_arm_fails_the_call(tmp_path, monkeypatch):
     """Out of memory is a result; an arm that failed is not, and the call says so."""
     monkeypatch.setattr(bench_scale, "require_gpu", lambda benchmark: None)
