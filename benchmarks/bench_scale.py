@@ -41,6 +41,12 @@ from scale_layouts import (  # noqa: E402
     POOL_OVERFLOW_RATE,
     RERUN_PAIR,
 )
+from scale_profile import (  # noqa: E402
+    perturbed_iterations,
+    profile_env,
+    profile_line,
+    read_profile,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 REPORT = re.compile(r"paging-example rank \d+: (.*)")
@@ -111,11 +117,15 @@ def arm_argv(layout, rank: int, arm: str, capacity_factor: float,
 
 
 def run_arm(layout, rank: int, arm: str, capacity_factor: float, tmp: Path, timeout: float,
-            train_iters: int = TRAIN_ITERS) -> dict:
-    """One run of the example; the parsed report (or why it did not finish)."""
+            train_iters: int = TRAIN_ITERS, profile_iteration: int | None = None,
+            profile_dir: Path | None = None) -> dict:
+    """One run of the example; the parsed report (or why it did not finish). With
+    ``profile_iteration``, that iteration's kernel timeline goes to ``profile_dir`` and its
+    summary into the record (scale_profile.py)."""
     env = ARMS[arm].env
     log_path = tmp / f"{layout.name}_{rank}_{arm}_{capacity_factor:g}"
-    for stale in tmp.glob(f"{log_path.name}.rank*"):
+    timeline = tmp / f"{log_path.name}.timeline"  # the profiled iteration's, when asked for
+    for stale in [*tmp.glob(f"{log_path.name}.rank*"), *tmp.glob(f"{timeline.name}.rank*")]:
         stale.unlink()
     argv, pool_factor = arm_argv(layout, rank, arm, capacity_factor, train_iters)
     launched = argv
@@ -127,7 +137,7 @@ def run_arm(layout, rank: int, arm: str, capacity_factor: float, tmp: Path, time
     # One hardware queue (the example's default) unless the arm names more: a caller's
     # environment must not change what an arm measures.
     run_env = {**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1", **layout.env(rank), **env,
-               "PAGED": "0",
+               "PAGED": "0", **profile_env(profile_iteration, timeline),
                "MEGATRON_PAGING_BENCH_LOSS_LOG": str(log_path), "PYTHON": sys.executable}
     started = time.perf_counter()
     try:
@@ -141,7 +151,7 @@ def run_arm(layout, rank: int, arm: str, capacity_factor: float, tmp: Path, time
     record = {"layout": layout.name, "rank": rank, "stage": layout.stage(rank), "arm": arm,
               "capacity_factor": capacity_factor, "flags": argv, "env": env,
               "wall_s": round(time.perf_counter() - started, 1), "returncode": returncode,
-              "pool_factor": pool_factor,
+              "pool_factor": pool_factor, "profile_iteration": profile_iteration,
               "pool_factor_rate": POOL_OVERFLOW_RATE if pool_factor is not None else None}
     if returncode != 0:
         record["status"] = "out of memory" if OOM.search(log) else "failed"
@@ -151,7 +161,8 @@ def run_arm(layout, rank: int, arm: str, capacity_factor: float, tmp: Path, time
         return record
     fields = read_report(log)
     times = {int(i): float(ms) for i, ms in ITERATION.findall(log)}
-    steady = [ms for i, ms in times.items() if i >= 3]
+    skip = perturbed_iterations(profile_iteration)
+    steady = [ms for i, ms in times.items() if i >= 3 and i not in skip]
     losses, grads = read_loss_log(log_path)
     record.update(
         status="ok",
@@ -167,6 +178,8 @@ def run_arm(layout, rank: int, arm: str, capacity_factor: float, tmp: Path, time
     owners = [line.strip()[:300] for line in log.splitlines() if PEAK_OWNERS in line]
     if owners:
         record["peak_owners"] = owners[:120]
+    if profile_iteration is not None:
+        record["profile"] = read_profile(timeline, rank, profile_dir or tmp)
     return record
 
 
@@ -217,19 +230,21 @@ def key(record: dict) -> tuple:
     return record["layout"], record["rank"], record["arm"], record["capacity_factor"]
 
 
-def stale_runs(runs: list[dict], planned: list[tuple], train_iters: int = TRAIN_ITERS
-               ) -> set[tuple]:
+def stale_runs(runs: list[dict], planned: list[tuple], train_iters: int = TRAIN_ITERS,
+               profile_iteration: int | None = None) -> set[tuple]:
     """The planned runs whose record was launched with other flags than the arm launches now
-    (a changed layout, arm or planned pool factor): they run again and replace the record."""
+    (a changed layout, arm or planned pool factor) or profiled otherwise: they run again and
+    replace the record."""
     wanted = set(planned)
     stale = set()
     for record in runs:
         if key(record) not in wanted or "flags" not in record:
             continue
         name, rank, arm, factor = key(record)
-        if record["flags"] != arm_argv(LAYOUTS[name], rank, arm, factor, train_iters)[0]:
-            print(f"{name} rank {rank} {arm} cf {factor:g}: recorded with other flags than it "
-                  "launches now; it runs again", flush=True)
+        if (record["flags"] != arm_argv(LAYOUTS[name], rank, arm, factor, train_iters)[0]
+                or record.get("profile_iteration") != profile_iteration):
+            print(f"{name} rank {rank} {arm} cf {factor:g}: recorded with other flags (or "
+                  "profiling) than it launches now; it runs again", flush=True)
             stale.add(key(record))
     return stale
 
@@ -339,6 +354,11 @@ def main(argv=None) -> int:
     parser.add_argument("--train-iters", type=int, default=TRAIN_ITERS,
                         help="steps per arm (steps from 3 on are steady: more of them narrow a "
                         "step-time comparison; records launched with another count run again)")
+    parser.add_argument("--profile-iteration", type=int, default=None, metavar="N",
+                        help="profile iteration N of every arm run (3 <= N < --train-iters): "
+                        "its kernel timeline, gzipped, beside --out, its summary in the record "
+                        "(benchmarks/scale_profile.py); N and N+1 leave the median step. A "
+                        "diagnostic: give it its own --out")
     parser.add_argument("--out", type=Path, default=None,
                         help="result file; arms already in it are not run again (default: "
                         "benchmarks/results/scale_<gpu>.json)")
@@ -346,6 +366,9 @@ def main(argv=None) -> int:
     if args.train_iters < 3:
         parser.error(f"--train-iters must be >= 3 (steps from 3 on are steady), got "
                      f"{args.train_iters}")
+    if args.profile_iteration is not None and not 3 <= args.profile_iteration < args.train_iters:
+        parser.error(f"--profile-iteration must be in [3, --train-iters), got "
+                     f"{args.profile_iteration} with --train-iters {args.train_iters}")
     require_gpu("scale")
     args.out = args.out or default_out("scale")
     started = time.perf_counter()
@@ -354,7 +377,7 @@ def main(argv=None) -> int:
                plan_runs(args.layouts, args.arms, args.capacity_factors, args.all_ranks)]
     # An out-of-memory record is a result: only a retry of that same arm replaces it.
     retried = set(planned) if args.retry_out_of_memory else set()
-    stale = stale_runs(result["runs"], planned, args.train_iters)
+    stale = stale_runs(result["runs"], planned, args.train_iters, args.profile_iteration)
     done = {key(r) for r in result["runs"] if key(r) not in stale and (r["status"] == "ok" or
             (r["status"] == "out of memory" and key(r) not in retried))}
     result["runs"] = [r for r in result["runs"] if key(r) in done]
@@ -380,9 +403,12 @@ def main(argv=None) -> int:
                                              call_header["device_memory_mib"])
         if record is None:
             record = run_arm(layout, rank, arm, factor, tmp, args.arm_timeout,
-                             args.train_iters)
+                             args.train_iters, args.profile_iteration,
+                             args.out.parent / f"{args.out.stem}_timelines")
         record.update(this_call)
         print(f"    {record['status']} in {record['wall_s']} s", flush=True)
+        if record.get("profile"):
+            print(f"    {profile_line(record['profile'])}", flush=True)
         failed = failed or record["status"] == "failed"
         result["runs"].append(record)
         result["summary"] = summarize(result["runs"])

@@ -320,3 +320,49 @@ def test_more_steps_per_arm_reach_the_launch_line_and_rerun_records_of_another_c
     with pytest.raises(SystemExit):
         bench_scale.main([*argv, "--train-iters", "2"])
     assert "--train-iters must be >= 3" in capsys.readouterr().err
+
+
+def test_a_profiled_arm_keeps_its_timeline_and_leaves_the_profiled_steps_out_of_its_median(
+        tmp_path, monkeypatch):
+    # The example's timeline record of the profiled iteration (tools/kernel_timeline.py rows:
+    # [name index, stream, start us, duration us]): a GEMM, then a paging kernel alone for 2 ms.
+    timeline = {"iteration": 4, "wall_ms": 9.0, "names": ["gemm", "paging_bulk_kernel"],
+                "rows": [[0, 7, 0.0, 5000.0], [1, 9, 3000.0, 4000.0], [0, 7, 7000.0, 1000.0]],
+                "launch_us": [0.0, 1.0, 2.0]}
+    report = [line for line in LOG.splitlines() if "elapsed time" not in line]
+    slow_log = "\n".join([ITER.format(3, 2000.0), ITER.format(4, 2600.0),
+                          ITER.format(5, 2500.0), ITER.format(6, 2100.0), *report])
+
+    def fake_run(cmd, **kwargs):
+        env = kwargs.get("env")
+        if env is None:
+            return subprocess.CompletedProcess(cmd, 0, "", "")
+        assert env["MEGATRON_PAGING_BENCH_PROFILE_ITER"] == "4"
+        Path(f"{env['MEGATRON_PAGING_BENCH_PROFILE_JSON']}.rank{env['RANK']}").write_text(
+            json.dumps(timeline))
+        return subprocess.CompletedProcess(cmd, 0, slow_log, "")
+
+    monkeypatch.setattr(bench_scale.subprocess, "run", fake_run)
+    layout = LAYOUTS["qwen3_235b"]
+    record = bench_scale.run_arm(layout, layout.ranks[0], "unpaged", 2.0, tmp_path, timeout=10,
+                                 train_iters=6, profile_iteration=4,
+                                 profile_dir=tmp_path / "timelines")
+    profile = record["profile"]
+    assert profile["paging_sum_ms"] == 4.0 and profile["paging_hidden_ms"] == 2.0
+    assert profile["exposed_paging"]["exposed_ms"] == 2.0  # 5-7 ms: paging alone, GEMM queued
+    assert profile["exposed_paging"]["queued_ms"] == 2.0
+    assert (tmp_path / "timelines" / profile["timeline"]).exists()
+    assert record["median_steady_iteration_ms"] == 2050.0  # steps 3 and 6: not 4 and 5
+    assert "profile it 4" in bench_scale.profile_line(profile)
+    # A record profiled otherwise (or not at all) runs again.
+    record.update(layout=layout.name)
+    planned = [(layout.name, layout.ranks[0], "unpaged", 2.0)]
+    monkeypatch.setattr(bench_scale, "arm_argv", lambda *a: (record["flags"], None))
+    assert bench_scale.stale_runs([record], planned, 6, None) == set(planned)
+    assert bench_scale.stale_runs([record], planned, 6, 4) == set()
+
+
+def test_profile_iteration_outside_the_steady_steps_is_refused(monkeypatch, capsys):
+    with pytest.raises(SystemExit):
+        bench_scale.main(["--profile-iteration", "5", "--train-iters", "5"])
+    assert "--profile-iteration must be in [3, --train-iters)" in capsys.readouterr().err
