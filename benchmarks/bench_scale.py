@@ -116,6 +116,15 @@ def arm_argv(layout, rank: int, arm: str, capacity_factor: float,
     return [*argv, POOL_FLAG, f"{pool_factor:.3f}", *hot], pool_factor
 
 
+def with_trace(argv: list[str], layout, rank: int, train_iters: int, trace: Path) -> list[str]:
+    """``argv`` as launched: a rerun-pair arm's trace placeholder replaced by the path of the
+    trace (hot_step.py) written for it; other lines as they are."""
+    if TRACE_TOKEN not in argv:
+        return argv
+    write_trace(argv[:argv.index(TRACE_TOKEN) - 1], layout.world_size, rank, train_iters, trace)
+    return [str(trace) if a == TRACE_TOKEN else a for a in argv]
+
+
 def run_arm(layout, rank: int, arm: str, capacity_factor: float, tmp: Path, timeout: float,
             train_iters: int = TRAIN_ITERS, profile_iteration: int | None = None,
             profile_dir: Path | None = None) -> dict:
@@ -128,12 +137,7 @@ def run_arm(layout, rank: int, arm: str, capacity_factor: float, tmp: Path, time
     for stale in [*tmp.glob(f"{log_path.name}.rank*"), *tmp.glob(f"{timeline.name}.rank*")]:
         stale.unlink()
     argv, pool_factor = arm_argv(layout, rank, arm, capacity_factor, train_iters)
-    launched = argv
-    if TRACE_TOKEN in argv:
-        trace = tmp / f"{log_path.name}.trace.json"
-        write_trace(argv[:argv.index(TRACE_TOKEN) - 1], layout.world_size, rank, train_iters,
-                    trace)
-        launched = [str(trace) if a == TRACE_TOKEN else a for a in argv]
+    launched = with_trace(argv, layout, rank, train_iters, tmp / f"{log_path.name}.trace.json")
     # One hardware queue (the example's default) unless the arm names more: a caller's
     # environment must not change what an arm measures.
     run_env = {**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1", **layout.env(rank), **env,

@@ -17,6 +17,7 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -36,8 +37,10 @@ def example_line(paged: bool) -> tuple[str, ...]:
                           capture_output=True, text=True, check=True).stdout.split())
 
 
-def launch_lines():
-    """``(name, argv, environment)`` of every line the GPU runs start the example with."""
+def launch_lines(traces: Path):
+    """``(name, argv, environment)`` of every line the GPU runs start the example with; the
+    rerun pair's peer-load traces are written to ``traces`` (a directory), as bench_scale.py
+    writes them."""
     import bench_scale
     import golden_values
     import test_example_emulated as emulated
@@ -76,6 +79,8 @@ def launch_lines():
     for layout, rank, arm, factor in bench_scale.plan_runs(
             list(bench_scale.LAYOUTS), list(bench_scale.ARMS), [2.0, 1.5, 3.0], True):
         argv, _ = bench_scale.arm_argv(layout, rank, arm, factor)
+        argv = bench_scale.with_trace(argv, layout, rank, bench_scale.TRAIN_ITERS,
+                                      traces / f"{layout.name}_{rank}_{arm}_{factor:g}.json")
         yield (f"scale {layout.name} rank {rank} {arm} cf {factor:g}",
                [*example_line(False), *argv], {**layout.env(rank), **bench_scale.ARMS[arm].env})
 
@@ -100,7 +105,8 @@ def main() -> int:
 
     preflight.check_as_megatron_runs_it = with_runner_check
     refused = total = 0
-    for name, argv, env in launch_lines():
+    traces = tempfile.TemporaryDirectory()
+    for name, argv, env in launch_lines(Path(traces.name)):
         total += 1
         sys.argv = ["preflight.py", *argv]
         environ = {**{k: v for k, v in os.environ.items() if k not in LAYOUT_VARIABLES}, **env}

@@ -6,6 +6,7 @@ validate_args). Every refusal is one error line naming the flag or variable, exi
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -364,3 +365,34 @@ def test_flags_megatron_rewrites_are_checked_as_it_runs_them(extra, named, megat
     """validate_args and the TransformerConfig turn these into flags paging refuses, after the
     paging checks read the line: the checks run again on the line as Megatron runs it."""
     _refused(megatron_argv, capsys, extra, *named)
+
+
+@pytest.mark.parametrize("recorded_for", ["this rank", "another EP rank"])
+def test_a_peer_load_trace_is_checked_against_the_layout_at_start_up(recorded_for, tmp_path,
+                                                                     megatron_argv, capsys):
+    """A trace recorded for another layout is refused before Megatron builds anything, naming
+    what differs (the peers would otherwise find out at their first exchange)."""
+    import preflight
+
+    from megatron_paging.mcore.plan_inputs import parse_megatron, quiet, route_shape
+    from megatron_paging.tools.peer_load import TRACE_FORMAT
+
+    env = {"WORLD_SIZE": "16", "RANK": "9"}
+    line = _launch(DRY_RUN="1").stdout.split()
+    with quiet():
+        shape = route_shape(parse_megatron([*line, *FAKE_LINE], 16, 9), 9)
+    assert (shape.ep, shape.rank) == (4, 1)  # ranks 8-11 are stage 1's first EP group
+    trace = tmp_path / "trace.json"
+    rank = shape.rank if recorded_for == "this rank" else shape.rank + 1
+    trace.write_text(json.dumps({
+        "format": TRACE_FORMAT, "num_experts": shape.num_experts, "ep": shape.ep, "rank": rank,
+        "tokens_per_peer": shape.tokens, "topk": shape.topk, "microbatches_per_step": 1,
+        "layers": {}}))
+    megatron_argv(*line, *FAKE_LINE, "--paging-emulated-load", str(trace), **env)
+    with pytest.raises(SystemExit):
+        preflight.check(environ=env)
+    error = _one_error_line(capsys.readouterr().err)
+    if recorded_for == "this rank":
+        assert "no CUDA GPU" in error  # without a GPU the last check refuses; nothing before it
+    else:
+        assert "--paging-emulated-load" in error and f"rank={rank}" in error, error

@@ -120,3 +120,31 @@ def test_the_plan_is_not_compared_with_the_rerun_pair():
                                        {"runs": [hot], "arm_naming": "plan_arm[.variant]"})
     assert result["runs"] == [] and result["measured_without_prediction"] == []
     assert result["timing_only"] == [["qwen3_235b", 224, RERUN_PAIR[0], 2.0]]
+
+
+@pytest.mark.parametrize("layout_name", sorted(LAYOUTS))
+def test_the_rerun_pairs_launched_lines_pass_the_examples_start_up(layout_name, tmp_path,
+                                                                   monkeypatch, capsys):
+    """The line as launched (the trace written, its path in place of the token) passes the
+    example's start-up checks, the trace's layout included (examples/preflight.py), as
+    scripts/check_launch_lines.py checks every GPU line."""
+    root = Path(__file__).resolve().parent.parent
+    sys.path[:0] = [str(root / "examples"), str(root / "scripts")]
+    import preflight
+    from check_launch_lines import ACCEPTED, LAYOUT_VARIABLES, example_line
+
+    for name in LAYOUT_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    layout = LAYOUTS[layout_name]
+    rank = layout.ranks[-1]
+    monkeypatch.setattr(bench_scale, "planned_pool_factor", lambda argv, lay, rank: 1.1)
+    for arm in RERUN_PAIR:
+        argv, _ = bench_scale.arm_argv(layout, rank, arm, 2.0)
+        launched = bench_scale.with_trace(argv, layout, rank, bench_scale.TRAIN_ITERS,
+                                          tmp_path / f"{arm}.json")
+        assert hot_step.TRACE_TOKEN not in launched
+        monkeypatch.setattr(sys, "argv", ["preflight.py", *example_line(False), *launched])
+        try:
+            preflight.check(environ={**layout.env(rank), **bench_scale.ARMS[arm].env})
+        except SystemExit:  # without a GPU the checks end at the device, having passed the rest
+            assert ACCEPTED in capsys.readouterr().err.strip().splitlines()[-1]

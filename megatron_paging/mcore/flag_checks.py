@@ -264,9 +264,26 @@ def check_fake_process_group(args) -> None:
                 "peers hold no state, so no job checkpoint can be written or read"
             )
     try:
-        parse_load(getattr(args, "paging_emulated_load", "lognormal:0.3"))
+        load = parse_load(getattr(args, "paging_emulated_load", "lognormal:0.3"))
+        shape = _route_shape(args)
+        if shape is not None and hasattr(load, "check"):
+            load.check(shape)  # a trace recorded for another layout: here, not after the build
     except ValueError as error:
         raise ValueError(f"--paging-emulated-load {error}") from None
+
+
+def _route_shape(args):
+    """The peers' route shape of a validated line (Megatron set its world size, rank and DP
+    size), else None: the peers check a trace again at their first exchange."""
+    from megatron_paging.mcore.plan_inputs import PlanError, route_shape
+
+    rank = getattr(args, "rank", None)
+    if rank is None or not getattr(args, "data_parallel_size", None):
+        return None
+    try:
+        return route_shape(args, rank)
+    except (PlanError, KeyError):  # a line the plan does not model
+        return None
 
 
 __all__ = [

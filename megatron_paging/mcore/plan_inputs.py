@@ -277,6 +277,17 @@ def rank_positions(args) -> tuple[dict[int, int], dict[int, int]]:
     return pp_of, ep_of
 
 
+def route_shape(args, rank: int):
+    """What the emulated peers route to global ``rank`` of a validated line (a
+    :class:`~megatron_paging.tools.peer_load.RouteShape`: tokens per dispatch, top-k, experts,
+    EP size, this rank's EP position): the layout a peer-load trace must be recorded for."""
+    from megatron_paging.tools.peer_load import RouteShape
+
+    model, par = model_shape(args), parallel(args)
+    return RouteShape(S.dims(model, par).stream_tokens, model.topk, model.num_experts, par.ep,
+                      rank_positions(args)[1][rank])
+
+
 def as_launched(args, environ=None) -> str:
     """The arm the launch line itself runs."""
     environ = os.environ if environ is None else environ
@@ -347,4 +358,4 @@ def plan_from_argv(argv: list[str], world_size: int | None = None, rank: int | N
 
 __all__ = ["REQUIRED_FLAGS", "PlanError", "as_launched", "check_required", "model_shape",
            "parallel", "parse_megatron", "plan_from_argv", "plan_inputs", "rank_positions",
-           "stage_chunks", "stage_ops"]
+           "route_shape", "stage_chunks", "stage_ops"]
