@@ -32,9 +32,8 @@ def write_trace(argv: list[str], world_size: int, rank: int, iterations: int, pa
                 hot_iteration: int = HOT_ITERATION, hot_rows: float = HOT_ROWS) -> dict:
     """Write the trace for this launch line (its layout, rank, microbatches and load) covering
     ``iterations`` steps; returns its shape fields (not the rows)."""
-    from megatron_paging.mcore.plan_inputs import parse_megatron, plan_inputs, quiet
-    from megatron_paging.plan import shapes as S
-    from megatron_paging.tools.peer_load import TRACE_FORMAT, RouteShape, parse_load
+    from megatron_paging.mcore.plan_inputs import parse_megatron, plan_inputs, quiet, route_shape
+    from megatron_paging.tools.peer_load import TRACE_FORMAT, parse_load
 
     if not 1 <= hot_iteration <= iterations:
         raise ValueError(f"hot iteration {hot_iteration} is not one of the run's {iterations}")
@@ -42,9 +41,7 @@ def write_trace(argv: list[str], world_size: int, rank: int, iterations: int, pa
         args = parse_megatron(argv, world_size, rank)
         inputs = plan_inputs(args, rank)
     stage = inputs.stages[inputs.requested_stage]
-    model, par = inputs.model, inputs.parallel
-    tokens = S.dims(model, par).stream_tokens
-    shape = RouteShape(tokens, model.topk, model.num_experts, par.ep, stage.ep_rank)
+    shape = route_shape(args, rank)  # what the run's start-up checks the trace against
     load = parse_load(args.paging_emulated_load, args.seed)
     moe_layers = [layer.number for chunk in stage.chunks for layer in chunk.layers if layer.moe]
     hot_step = hot_iteration - 1  # the peers key a step by Megatron's curr_iteration
@@ -55,11 +52,11 @@ def write_trace(argv: list[str], world_size: int, rank: int, iterations: int, pa
         return np.floor(drawn * scale + 0.5).astype(np.int64).tolist()
 
     # one entry per (step, microbatch), steps 0..iterations-1 in order: the trace never wraps
-    layers = {str(layer): [[rows(step, layer, mb, peer) for peer in range(par.ep)]
+    layers = {str(layer): [[rows(step, layer, mb, peer) for peer in range(shape.ep)]
                            for step in range(iterations) for mb in range(inputs.microbatches)]
               for layer in moe_layers}
-    fields = {"format": TRACE_FORMAT, "num_experts": model.num_experts, "ep": par.ep,
-              "rank": stage.ep_rank, "tokens_per_peer": tokens, "topk": model.topk,
+    fields = {"format": TRACE_FORMAT, "num_experts": shape.num_experts, "ep": shape.ep,
+              "rank": shape.rank, "tokens_per_peer": shape.tokens, "topk": shape.topk,
               "microbatches_per_step": inputs.microbatches,
               "source": f"{load.name()} (seed {args.seed}), iteration {hot_iteration} "
                         f"x{hot_rows:g}"}
