@@ -262,7 +262,7 @@ def plan_runs(layouts, arms, factors, all_ranks: bool):
         layout = LAYOUTS[name]
         for factor in factors:
             for arm in CAPACITY_FACTORS[factor]:
-                if arm not in arms:
+                if arm not in arms or name not in (ARMS[arm].layouts or (name,)):
                     continue
                 both = all_ranks or (arm in ("unpaged", "paged") and factor == 2.0)
                 one = layout.ranks[-1:] if arm in PARITY_PAIR + RERUN_PAIR else layout.ranks[:1]

@@ -111,6 +111,7 @@ class Arm:
     env: dict = field(default_factory=dict)
     hot_step: bool = False  # replays hot_step.py's trace (one step with more rows)
     pool_scale: float = 1.0  # times the planned pool factor
+    layouts: tuple[str, ...] | None = None  # the layouts it applies to (None: every one)
 
     @property
     def name(self) -> str:
@@ -129,6 +130,11 @@ ARMS = {a.name: a for a in (
     Arm("offload", "", (*EXPERT_OFFLOAD, "mcore")),
     Arm("paged_offload_experts", "", ("--moe-paged-stash", *EXPERT_OFFLOAD, "paged")),
     Arm("paged_recompute_fc1", "", ("--moe-paged-stash", "--paging-recompute-expert-fc1")),
+    # Paging with MLA's up projections recomputed (DeepSeek-V3's attention keeps ~3/4 less):
+    # what may let a stage whose paged arm does not fit run without MoE recompute or offload.
+    Arm("paged", "recompute_mla_up_proj", ("--moe-paged-stash", "--recompute-granularity",
+                                           "selective", "--recompute-modules", "mla_up_proj"),
+        layouts=("deepseek_v3",)),
     # The offload arms with more hardware queues (the example defaults to one): a copy-engine
     # copy then runs beside the compute, Megatron-Core's whole buffers and our live-row prefix
     # alike (docs/offload.md). Which of the two settings is faster is the layout's to say.

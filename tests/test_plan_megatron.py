@@ -132,6 +132,20 @@ def test_one_line_errors(extra, message):
     assert "\n" not in str(error.value)
 
 
+def test_mla_up_proj_recompute_is_planned_from_the_line():
+    mla = ["--multi-latent-attention", "--q-lora-rank", "64", "--kv-lora-rank", "32",
+           "--qk-head-dim", "32", "--qk-pos-emb-head-dim", "16", "--v-head-dim", "32"]
+    with plan_inputs.quiet():
+        kept = plan_inputs.parse_megatron([*EXAMPLE_LINE, *mla], world_size=1)
+        line = [*EXAMPLE_LINE, *mla, "--recompute-granularity", "selective",
+                "--recompute-modules", "mla_up_proj"]
+        recomputed = plan_inputs.parse_megatron(line, world_size=1)
+    assert not plan_inputs.model_shape(kept).mla.recompute_up_proj
+    assert plan_inputs.model_shape(recomputed).mla.recompute_up_proj
+    assert plan_inputs.as_launched(recomputed, environ={}) == plan_inputs.as_launched(
+        kept, environ={})  # a modifier of the arm, not an arm
+
+
 def test_megatron_validation_error_is_one_line():
     # the global batch of 8 over 3 data-parallel ranks
     with pytest.raises(plan_inputs.PlanError, match="Megatron's validate_args") as error:

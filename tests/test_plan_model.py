@@ -86,6 +86,21 @@ def test_parameters_by_hand():
     assert (attn.dense, attn.dense_1d) == (32 + 32 + 24 + 20 + 32, 14)
 
 
+def test_mla_up_proj_recompute_keeps_no_query_key_value_and_makes_them_in_backward():
+    shape = S.MLAShape(q_lora_rank=4, kv_lora_rank=2, qk_head_dim=3, qk_pos_dim=1, v_head_dim=2)
+    kept = dataclasses.replace(TINY, mla=shape)
+    recomputed = dataclasses.replace(TINY, mla=dataclasses.replace(shape, recompute_up_proj=True))
+    d = S.dims(kept, ONE)
+    # 4 tokens x 2 heads: query and key (3 + 1 rope) and value (2), bf16
+    assert S.mla_up_proj_saved(shape, d) == 2 * 4 * 2 * (2 * 4 + 2) == 160
+    # q down output + norm 2*2*4*4, kv down (2+1) + norm 2 (bf16), out 2*4*2*2, lse 4*4*2
+    assert S.attention_saved(recomputed, d) == 64 + 24 + 16 + 32 + 32
+    # ... and, kept, those 160 bytes plus rope's cos/sin (2 x bf16 x 4 tokens x 1)
+    assert S.attention_saved(kept, d) == S.attention_saved(recomputed, d) + 160 + 16
+    assert (S.attention_working_set(recomputed, d)
+            == S.attention_working_set(kept, d) + 160)  # made again for the layer's backward
+
+
 def test_unpaged_arm_by_hand():
     ops = one_f_one_b_ops(1, 0, 2)
     m = evaluate(TINY, ONE, CHUNK, ops, 0, arm("unpaged"), PagingSettings(page_size=4),

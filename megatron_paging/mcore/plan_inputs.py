@@ -31,7 +31,7 @@ from megatron_paging.plan.model import PlanInputs, StageInputs
 
 IMPLEMENTATION_ENV = "MEGATRON_PAGING_BENCH_IMPLEMENTATION"  # examples/preflight.py's control
 EXPERT_OFFLOAD = {"expert_fc1", "moe_act"}
-MODELED_RECOMPUTE = {"moe", "core_attn"}
+MODELED_RECOMPUTE = {"moe", "core_attn", "mla_up_proj"}
 
 
 # What the plan needs of a launch line (Megatron requires some; its refusal of a missing one is
@@ -127,8 +127,9 @@ def _refuse_unmodeled(args) -> None:
                         "moe (the recompute arm) only")
     other = set(args.recompute_modules or []) - MODELED_RECOMPUTE
     if args.recompute_granularity == "selective" and other:
-        raise PlanError(f"--recompute-modules {' '.join(sorted(other))}: the plan models moe "
-                        "(and core_attn, which saves nothing a fused attention keeps)")
+        raise PlanError(f"--recompute-modules {' '.join(sorted(other))}: the plan models moe, "
+                        "mla_up_proj (and core_attn, which saves nothing a fused attention "
+                        "keeps)")
     if not args.vocab_size:
         raise PlanError("--vocab-size is needed (the plan builds no tokenizer)")
 
@@ -139,8 +140,10 @@ def model_shape(args) -> S.ModelShape:
     heads = args.num_attention_heads
     mla = None
     if args.multi_latent_attention:
+        up_proj = (args.recompute_granularity == "selective"
+                   and "mla_up_proj" in (args.recompute_modules or []))
         mla = S.MLAShape(args.q_lora_rank, args.kv_lora_rank, args.qk_head_dim,
-                         args.qk_pos_emb_head_dim, args.v_head_dim)
+                         args.qk_pos_emb_head_dim, args.v_head_dim, recompute_up_proj=up_proj)
     rope = args.position_embedding_type == "rope" and mla is None
     vocab = args.padded_vocab_size or vocab_size_with_padding(args.vocab_size, args, False)
     dtype = str(args.params_dtype)

@@ -41,6 +41,9 @@ class MLAShape:
     qk_head_dim: int
     qk_pos_dim: int
     v_head_dim: int
+    # --recompute-modules mla_up_proj: the up projections and rope run again in backward, so
+    # the query, key and value they make (SDPA's inputs) are not kept between the passes.
+    recompute_up_proj: bool = False
 
 
 @dataclass(frozen=True)
@@ -275,12 +278,17 @@ def attention_saved(model: ModelShape, d: Dims) -> int:
         cos_sin = 2 * BF16 * t * model.rotary_dim
         return qkv + new_qk + cos_sin + qk_norms_saved(model, d) + BF16 * t * n * hd + FP32 * t * n
     m = model.mla
-    qk = m.qk_head_dim + m.qk_pos_dim
     q_lora = 2 * BF16 * t * m.q_lora_rank if m.q_lora_rank else 0  # down output + its norm
     kv_lora = BF16 * t * (m.kv_lora_rank + m.qk_pos_dim) + BF16 * t * m.kv_lora_rank
-    qkv = BF16 * t * n * (2 * qk + m.v_head_dim)  # query, key (rope concatenated), value
-    cos_sin = 2 * BF16 * t * m.qk_pos_dim
-    return q_lora + kv_lora + qkv + cos_sin + BF16 * t * n * m.v_head_dim + FP32 * t * n
+    # the up projections' work: query, key (rope concatenated), value, and rope's cos/sin
+    up_proj = 0 if m.recompute_up_proj else mla_up_proj_saved(m, d) + 2 * BF16 * t * m.qk_pos_dim
+    return q_lora + kv_lora + up_proj + BF16 * t * n * m.v_head_dim + FP32 * t * n
+
+
+def mla_up_proj_saved(m: MLAShape, d: Dims) -> int:
+    """Query, key (rope concatenated) and value of one MLA layer: what SDPA keeps, and what
+    ``mla_up_proj`` recompute makes again in backward."""
+    return BF16 * d.tokens * d.heads * (2 * (m.qk_head_dim + m.qk_pos_dim) + m.v_head_dim)
 
 
 def qk_norms_saved(model: ModelShape, d: Dims) -> int:
@@ -356,7 +364,8 @@ def attention_working_set(model: ModelShape, d: Dims) -> int:
     m = model.mla
     qk = m.qk_head_dim + m.qk_pos_dim
     grads = BF16 * t * n * (m.v_head_dim + 2 * qk + m.v_head_dim)
-    return grads + BF16 * t * n * (m.qk_head_dim + m.v_head_dim)
+    recomputed = mla_up_proj_saved(m, d) if m.recompute_up_proj else 0  # made again here
+    return grads + BF16 * t * n * (m.qk_head_dim + m.v_head_dim) + recomputed
 
 
 def mlp_working_set(model: ModelShape, d: Dims, ffn: int) -> int:
