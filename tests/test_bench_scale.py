@@ -36,6 +36,11 @@ def test_runs_alternate_arms_and_the_parity_and_rerun_pairs_run_where_unpaged_fi
     assert {arm for _, rank, arm, _ in runs if rank == second} == {"unpaged", "paged", *pairs}
     assert not {arm for _, rank, arm, _ in runs if rank == first} & pairs
     assert [arm for _, _, arm, cf in runs if cf == 1.5] == ["unpaged", "paged"]
+    # an arm for MLA layouts only: Megatron refuses mla_up_proj without MLA
+    mla_only = "paged.recompute_mla_up_proj"
+    assert mla_only not in {arm for _, _, arm, _ in runs}
+    assert mla_only in {arm for _, _, arm, _ in bench_scale.plan_runs(
+        ["deepseek_v3"], list(bench_scale.ARMS), [2.0], False)}
 
 
 def test_an_arm_is_read_from_the_examples_output(tmp_path, monkeypatch):
