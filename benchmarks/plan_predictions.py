@@ -35,7 +35,7 @@ from scale_layouts import ARMS, CAPACITY_FACTORS, LAYOUTS, MEMORY_ARMS  # noqa: 
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
-DEVICE = "none (CPU prediction, made before any GPU validation run)"
+DEVICE = "none (CPU prediction: no GPU is used to make it)"
 MODEL_SECONDS = re.compile(r"megatron-paging plan: ([\d.]+) s \(model ([\d.]+) s\)")
 
 
@@ -207,8 +207,9 @@ def main(argv=None) -> int:
                 "makes (its default set), from the exact launch line it gives the example; "
                 "peak = torch.cuda.max_memory_allocated over a steady step",
         "constants": constants(),
-        "validated_on": "one-GPU configs only (python benchmarks/plan_validation.py); these "
-                        "layouts have not run on a GPU",
+        "validated_on": "the constant fitted on the one-GPU example only (python "
+                        "benchmarks/plan_validation.py); against these layouts' GPU runs: "
+                        "python benchmarks/report_plan.py <scale.json>",
         "entries": entries,
     }
     if args.cli_runs and "deepseek_v3" in LAYOUTS:
