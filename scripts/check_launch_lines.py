@@ -73,6 +73,10 @@ def launch_lines(traces: Path):
                          small + pretrain._offloading("paged", modules), {}))
         for name, extra, env in runs:
             yield f"{arm} {name}", [*base, *extra], env
+    for name, flags in features.FEATURES.items():
+        for paged in (True, False):
+            yield (f"feature {name} {'paged' if paged else 'unpaged'}",
+                   [*example_line(paged), *small, *flags], features.ENV.get(name, {}))
     for name, flags in features.THROUGH_RERUN.items():
         extra = small + flags + pretrain.SMALL_POOL + ("--paging-overflow-policy", "rerun")
         yield f"through rerun {name}", [*example_line(True), *extra], {}

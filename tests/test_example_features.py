@@ -45,6 +45,13 @@ FEATURES = {
                         "--recompute-num-layers", "1"),
     "recompute-selective": (*SHARED_EXPERT, "--recompute-granularity", "selective",
                             "--recompute-modules", "core_attn", "shared_experts"),
+    # DeepSeek-V3's attention with its up projections recomputed in the backward (their outputs
+    # discarded after SDPA, whose saved inputs they are): the scale arm paged.recompute_mla_up_proj
+    "recompute-mla-up-proj": (
+        "--multi-latent-attention", "--q-lora-rank", "64", "--kv-lora-rank", "32",
+        "--qk-head-dim", "64", "--qk-pos-emb-head-dim", "32", "--v-head-dim", "64",
+        "--kv-channels", "64", "--recompute-granularity", "selective",
+        "--recompute-modules", "mla_up_proj"),
 }
 # Megatron's validate_args: FSDP needs more than one hardware queue.
 ENV = {feature: {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}
