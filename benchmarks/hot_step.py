@@ -32,7 +32,8 @@ def write_trace(argv: list[str], world_size: int, rank: int, iterations: int, pa
                 hot_iteration: int = HOT_ITERATION, hot_rows: float = HOT_ROWS) -> dict:
     """Write the trace for this launch line (its layout, rank, microbatches and load) covering
     ``iterations`` steps; returns its shape fields (not the rows)."""
-    from megatron_paging.mcore.plan_inputs import parse_megatron, plan_inputs, quiet, route_shape
+    from megatron_paging.mcore.grid import route_shape
+    from megatron_paging.mcore.plan_inputs import parse_megatron, plan_inputs, quiet
     from megatron_paging.tools.peer_load import TRACE_FORMAT, parse_load
 
     if not 1 <= hot_iteration <= iterations:

@@ -374,7 +374,8 @@ def test_a_peer_load_trace_is_checked_against_the_layout_at_start_up(recorded_fo
     what differs (the peers would otherwise find out at their first exchange)."""
     import preflight
 
-    from megatron_paging.mcore.plan_inputs import parse_megatron, quiet, route_shape
+    from megatron_paging.mcore.grid import route_shape
+    from megatron_paging.mcore.plan_inputs import parse_megatron, quiet
     from megatron_paging.tools.peer_load import TRACE_FORMAT
 
     env = {"WORLD_SIZE": "16", "RANK": "9"}

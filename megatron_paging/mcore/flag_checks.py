@@ -265,8 +265,8 @@ def check_fake_process_group(args) -> None:
             )
     try:
         load = parse_load(getattr(args, "paging_emulated_load", "lognormal:0.3"))
-        shape = _route_shape(args)
-        if shape is not None and hasattr(load, "check"):
+        shape = _route_shape(args) if hasattr(load, "check") else None
+        if shape is not None:
             load.check(shape)  # a trace recorded for another layout: here, not after the build
     except ValueError as error:
         raise ValueError(f"--paging-emulated-load {error}") from None
@@ -275,15 +275,12 @@ def check_fake_process_group(args) -> None:
 def _route_shape(args):
     """The peers' route shape of a validated line (Megatron set its world size, rank and DP
     size), else None: the peers check a trace again at their first exchange."""
-    from megatron_paging.mcore.plan_inputs import PlanError, route_shape
+    from megatron_paging.mcore.grid import route_shape
 
     rank = getattr(args, "rank", None)
     if rank is None or not getattr(args, "data_parallel_size", None):
         return None
-    try:
-        return route_shape(args, rank)
-    except (PlanError, KeyError):  # a line the plan does not model
-        return None
+    return route_shape(args, rank)
 
 
 __all__ = [

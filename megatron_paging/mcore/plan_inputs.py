@@ -25,6 +25,7 @@ import sys
 from types import SimpleNamespace
 
 from megatron_paging.env import quiet_megatron_import
+from megatron_paging.mcore.grid import parallel, rank_positions
 from megatron_paging.plan import shapes as S
 from megatron_paging.plan.arms import PagingSettings
 from megatron_paging.plan.model import PlanInputs, StageInputs
@@ -165,19 +166,6 @@ def model_shape(args) -> S.ModelShape:
     )
 
 
-def parallel(args) -> S.Parallel:
-    return S.Parallel(
-        world=args.world_size, tp=args.tensor_model_parallel_size,
-        pp=args.pipeline_model_parallel_size,
-        vpp=args.virtual_pipeline_model_parallel_size or 1,
-        ep=args.expert_model_parallel_size,
-        etp=args.expert_tensor_parallel_size or args.tensor_model_parallel_size,
-        cp=args.context_parallel_size, sequence_parallel=bool(args.sequence_parallel),
-        distributed_optimizer=bool(args.use_distributed_optimizer),
-        grads_fp32=bool(args.accumulate_allreduce_grads_in_fp32),
-    )
-
-
 @contextlib.contextmanager
 def quiet():
     """Megatron's import-time warnings and INFO logs (the layout it parsed, the rank it could not
@@ -264,33 +252,6 @@ def stage_ops(args, pp_rank: int, microbatches: int):
                              delay_wgrad=bool(args.delay_wgrad_compute)))
 
 
-def rank_positions(args) -> tuple[dict[int, int], dict[int, int]]:
-    """Global rank -> (pipeline rank, expert-parallel rank), from Megatron's RankGenerator."""
-    from megatron.core.parallel_state import RankGenerator
-
-    order = "tp-cp-ep-pp-dp" if args.use_tp_pp_dp_mapping else "tp-cp-ep-dp-pp"
-    tp, pp, cp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                  args.context_parallel_size)
-    ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size or tp
-    dense = RankGenerator(tp=tp, ep=1, dp=args.data_parallel_size, pp=pp, cp=cp, order=order)
-    expert = RankGenerator(tp=etp, ep=ep, dp=args.world_size // (etp * ep * pp), pp=pp, cp=1,
-                           order=order)
-    pp_of = {r: i for group in dense.get_ranks("pp") for i, r in enumerate(group)}
-    ep_of = {r: i for group in expert.get_ranks("ep") for i, r in enumerate(group)}
-    return pp_of, ep_of
-
-
-def route_shape(args, rank: int):
-    """What the emulated peers route to global ``rank`` of a validated line (a
-    :class:`~megatron_paging.tools.peer_load.RouteShape`: tokens per dispatch, top-k, experts,
-    EP size, this rank's EP position): the layout a peer-load trace must be recorded for."""
-    from megatron_paging.tools.peer_load import RouteShape
-
-    model, par = model_shape(args), parallel(args)
-    return RouteShape(S.dims(model, par).stream_tokens, model.topk, model.num_experts, par.ep,
-                      rank_positions(args)[1][rank])
-
-
 def as_launched(args, environ=None) -> str:
     """The arm the launch line itself runs."""
     environ = os.environ if environ is None else environ
@@ -361,4 +322,4 @@ def plan_from_argv(argv: list[str], world_size: int | None = None, rank: int | N
 
 __all__ = ["REQUIRED_FLAGS", "PlanError", "as_launched", "check_required", "model_shape",
            "parallel", "parse_megatron", "plan_from_argv", "plan_inputs", "rank_positions",
-           "route_shape", "stage_chunks", "stage_ops"]
+           "stage_chunks", "stage_ops"]

@@ -177,9 +177,15 @@ class Dims:
     expected_live: int  # tokens x topk routed to this rank on average
 
 
+def token_counts(seq: int, micro_batch: int, par: Parallel) -> tuple[int, int]:
+    """(tokens of a microbatch on this rank, tokens of its residual stream: split over TP
+    under sequence parallelism), the latter what each MoE dispatch routes."""
+    tokens = seq * micro_batch // par.cp
+    return tokens, tokens // par.tp if par.sequence_parallel else tokens
+
+
 def dims(model: ModelShape, par: Parallel) -> Dims:
-    tokens = model.seq * model.micro_batch // par.cp
-    stream = tokens // par.tp if par.sequence_parallel else tokens
+    tokens, stream = token_counts(model.seq, model.micro_batch, par)
     moe_tokens = stream  # MoE with TP > 1 needs sequence parallelism: tokens arrive split
     expert_ffn = model.moe_ffn // par.etp
     routed = moe_tokens * model.topk
