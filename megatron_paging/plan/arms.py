@@ -151,11 +151,8 @@ def _dense_offloaded(model: S.ModelShape, d: S.Dims) -> tuple[int, int]:
     """(attention, residual) bytes the dense-module offload moves per layer: everything the
     attention keeps but rope's cos/sin, and the first norm's input and output and the second
     norm's input (attn_norm, qkv_linear, core_attn, attn_proj, mlp_norm)."""
-    if model.mla is not None and model.mla.recompute_up_proj:
-        cos_sin = 0  # recomputed in backward with the up projections: not kept
-    else:
-        cos_sin = 2 * S.BF16 * d.tokens * (model.mla.qk_pos_dim if model.mla else model.rotary_dim)
-    return S.attention_saved(model, d) - cos_sin, 3 * S.BF16 * d.stream_tokens * model.hidden
+    offloaded = S.attention_saved(model, d) - S.rope_saved(model, d)
+    return offloaded, 3 * S.BF16 * d.stream_tokens * model.hidden
 
 
 def layer_terms(model: S.ModelShape, d: S.Dims, layer: S.Layer, arm: ArmSpec,

@@ -281,14 +281,23 @@ def attention_saved(model: ModelShape, d: Dims) -> int:
         qkv = BF16 * t * (n + 2 * g) * hd  # the fused qkv output: value is a view into it
         # rope's (or, without rope, the qk norms') new q and k
         new_qk = BF16 * t * (n + g) * hd if model.rotary_dim or model.qk_layernorm else 0
-        cos_sin = 2 * BF16 * t * model.rotary_dim
-        return qkv + new_qk + cos_sin + qk_norms_saved(model, d) + BF16 * t * n * hd + FP32 * t * n
+        return (qkv + new_qk + rope_saved(model, d) + qk_norms_saved(model, d)
+                + BF16 * t * n * hd + FP32 * t * n)
     m = model.mla
     q_lora = 2 * BF16 * t * m.q_lora_rank if m.q_lora_rank else 0  # down output + its norm
     kv_lora = BF16 * t * (m.kv_lora_rank + m.qk_pos_dim) + BF16 * t * m.kv_lora_rank
     # the up projections' work: query, key (rope concatenated), value, and rope's cos/sin
-    up_proj = 0 if m.recompute_up_proj else mla_up_proj_saved(m, d) + 2 * BF16 * t * m.qk_pos_dim
-    return q_lora + kv_lora + up_proj + BF16 * t * n * m.v_head_dim + FP32 * t * n
+    up_proj = 0 if m.recompute_up_proj else mla_up_proj_saved(m, d)
+    return q_lora + kv_lora + up_proj + rope_saved(model, d) + BF16 * t * n * m.v_head_dim \
+        + FP32 * t * n
+
+
+def rope_saved(model: ModelShape, d: Dims) -> int:
+    """Rope's cos and sin, kept for its backward (none with MLA's up projections recomputed:
+    rope runs inside that recompute)."""
+    if model.mla is not None:
+        return 0 if model.mla.recompute_up_proj else 2 * BF16 * d.tokens * model.mla.qk_pos_dim
+    return 2 * BF16 * d.tokens * model.rotary_dim
 
 
 def mla_up_proj_saved(m: MLAShape, d: Dims) -> int:
