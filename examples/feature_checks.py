@@ -7,6 +7,7 @@ Each refusal is one ``ValueError`` line; :func:`check_features` runs them all.""
 from __future__ import annotations
 
 import importlib.util
+import os
 
 
 def _installed(module: str) -> bool:
@@ -98,11 +99,30 @@ def check_checkpointing(args) -> None:
                 raise ValueError(
                     f"--{flag} with --{fsdp.replace('_', '-')}: the example's experts "
                     "(PagedGroupedMLP) checkpoint whole local experts, not FSDP-sharded ones; "
-                    "use Megatron's DDP (with --use-distributed-optimizer) to checkpoint")
+                    "use Megatron's DDP to checkpoint")
     if (getattr(args, "save", None) and getattr(args, "ckpt_format", "torch_dist") == "torch_dist"
             and not _installed("psutil")):
         raise ValueError("--save: Megatron-Core's torch_dist checkpoint writer needs psutil (not "
                          "installed in this interpreter); pip install psutil")
+    if (getattr(args, "use_distributed_optimizer", False) and _loads_optimizer_state(args)
+            and not (_installed("transformer_engine") or _installed("apex"))):
+        # DistributedOptimizer.state_dict reads torch Adam's per-parameter 'step' to build the
+        # load template, before any step made one (an AssertionError per rank).
+        raise ValueError(
+            f"--load {args.load} with --use-distributed-optimizer: this Megatron-Core cannot "
+            "load the distributed optimizer's state without Transformer Engine or Apex (not "
+            "installed); install one, or pass --no-load-optim to resume without Adam's state")
+
+
+def _loads_optimizer_state(args) -> bool:
+    """Whether Megatron would load an optimizer state from ``--load``: a checkpoint is there
+    (its tracker file, or ``--ckpt-step``) and neither ``--no-load-optim`` nor ``--finetune``
+    is set. A first launch with ``--load`` naming the ``--save`` directory loads nothing."""
+    load = getattr(args, "load", None)
+    if not load or getattr(args, "no_load_optim", False) or getattr(args, "finetune", False):
+        return False
+    tracker = os.path.join(load, "latest_checkpointed_iteration.txt")
+    return bool(getattr(args, "ckpt_step", None)) or os.path.isfile(tracker)
 
 
 # Flags the run accepts and only fails on after it began, or silently skips.

@@ -202,7 +202,7 @@ def main() -> None:
         args.do_train = (args.train_iters or 0) > 0
         args.do_valid = args.do_test = (args.eval_iters or 0) > 0
     recorder = start_recording(args)
-    observe_training_steps(PROBE)
+    observe_training_steps(PROBE, step_mode=lambda: api.engine.mode)
     use_prebuilt_dataset_helpers()
     cfg = pretrain_cfg_container_from_args(args)
     cfg.model = None  # build through model_provider (our layer spec)
@@ -294,7 +294,8 @@ def report_memory(api, implementation: str) -> None:
     else:
         pools = api.engine.pools
         cuda_bytes, host_bytes = pools.total_bytes() if pools is not None else (0, 0)
-        mode, steps = api.engine.mode, api.engine.steps
+        # the last training step's (an evaluation after it runs unpaged)
+        mode, steps = PROBE.training_mode or api.engine.mode, api.engine.steps
     mib = 2**20
     if hasattr(PROBE.runner, "finish"):  # ours: the last step's deferred flag read
         PROBE.runner.finish()
@@ -303,7 +304,7 @@ def report_memory(api, implementation: str) -> None:
     actions = dict(monitor.actions) if monitor is not None else {}
     replays = api.engine.replays if implementation != "mcore" else 0
     dropped = getattr(PROBE.runner, "graph_invalidations", 0)  # graphs 'grow' made stale
-    recalibrated = getattr(PROBE.runner, "recalibrations", 0)  # --rampup-batch-size
+    recalibrated = getattr(PROBE.runner, "recalibrations", 0)  # --step-batch-size-schedule
     state = _state_mib(PROBE.model, PROBE.optimizer)
     # Steady state: from the third step on (step 1 calibrates, step 2 allocates the pools and
     # the optimizer's lazy state).

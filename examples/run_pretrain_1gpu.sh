@@ -44,8 +44,11 @@ MOE=(
   --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend static
   --moe-expert-rank-capacity-factor 1.5
 )
+# Megatron refuses a global batch beside a batch schedule: the default gives way to one
+BATCH=(--global-batch-size 8)
+case " $* " in *" --step-batch-size-schedule "*) BATCH=() ;; esac
 TRAIN=(
-  --micro-batch-size 1 --global-batch-size 8 --train-iters 20
+  --micro-batch-size 1 "${BATCH[@]}" --train-iters 20
   --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --lr-warmup-iters 2
   --weight-decay 0.1 --clip-grad 1.0 --bf16 --seed 1234
   --mock-data --tokenizer-type NullTokenizer --vocab-size 32000

@@ -77,6 +77,7 @@ class StepProbe:
         self.count_iterations = count_iterations
         self.counter = None  # torch.profiler of a kernel-count iteration
         self.runner = None  # the step runner train() built (its overflow counters are reported)
+        self.training_mode = None  # the paging mode of the last training step
         self.peers = None  # EmulatedPeers under --fake-process-group (their counts are reported)
         self.grad_checksums: dict[int, float] = {}
         self.loss_lines: list[str] = []  # the open iteration's loss-log lines (see on_step_end)
@@ -319,10 +320,12 @@ def drop_updates(runner, probe: StepProbe, iterations: tuple[int, ...]) -> None:
         torch_optimizer.step = maybe_step
 
 
-def observe_training_steps(probe: StepProbe) -> None:
+def observe_training_steps(probe: StepProbe, step_mode=None) -> None:
     """Wrap the step runner ``train()`` builds (ours or Megatron-Core's ``PagedStashRunner``,
     used whenever ``--moe-expert-rank-capacity-factor`` is set) so that ``probe`` sees the start
-    and the result of every training forward-backward, outside any CUDA graph."""
+    and the result of every training forward-backward, outside any CUDA graph. ``step_mode()``,
+    read after each training step, is kept as ``probe.training_mode``: the engine's mode at the
+    end of the run may be an evaluation's (unpaged), not the training steps'."""
     training = sys.modules["megatron.training.training"]
     runner_cls = training.PagedStashRunner
 
@@ -340,6 +343,8 @@ def observe_training_steps(probe: StepProbe) -> None:
             result = runner(**step)
             if training_step:
                 probe.on_step_end(result)
+                if step_mode is not None:
+                    probe.training_mode = step_mode()
             return result
 
         return forward_backward

@@ -29,12 +29,14 @@ ACCEPTED = "no CUDA GPU"
 
 
 @functools.cache
-def example_line(paged: bool) -> tuple[str, ...]:
-    """The example script's own flags (its DRY_RUN output)."""
+def example_line(paged: bool, *extra: str) -> tuple[str, ...]:
+    """The example script's flags followed by ``extra`` (its DRY_RUN output: a default such as
+    its global batch gives way to a flag in ``extra``)."""
     env = {k: v for k, v in os.environ.items() if k not in LAYOUT_VARIABLES}
     env.update(DRY_RUN="1", PAGED="1" if paged else "0", PYTHON=sys.executable)
-    return tuple(subprocess.run(["bash", str(ROOT / "examples" / "run_pretrain_1gpu.sh")], env=env,
-                          capture_output=True, text=True, check=True).stdout.split())
+    return tuple(subprocess.run(["bash", str(ROOT / "examples" / "run_pretrain_1gpu.sh"), *extra],
+                                env=env, capture_output=True, text=True,
+                                check=True).stdout.splitlines())
 
 
 def launch_lines(traces: Path):
@@ -49,7 +51,7 @@ def launch_lines(traces: Path):
 
     small = tuple(pretrain.SMALL)
     for paged in (True, False):
-        base, arm = example_line(paged), "paged" if paged else "unpaged"
+        arm = "paged" if paged else "unpaged"
         runs = [("small", small, {}), ("graphs", small + pretrain.GRAPHS, {}),
                 ("eager long", small + pretrain.EAGER_LONG, {})]
         runs += [(f"feature {k}", small + v, features.ENV.get(k, {}))
@@ -65,14 +67,15 @@ def launch_lines(traces: Path):
                      (f"emulated {stage} interleaved", layout + emulated.INTERLEAVED, env),
                      (f"emulated {stage} MLA",
                       layout + emulated.INTERLEAVED + emulated.MLA, env),
-                     (f"emulated {stage} batch rampup", layout + emulated.RAMPUP, env)]
+                     (f"emulated {stage} batch schedule",
+                      emulated.SCHEDULE_BASE + emulated.SCHEDULE_LAYOUT, env)]
         runs += [(f"golden {name}", tuple(layout.flags), layout.env())
                  for name, layout in golden_values.LAYOUTS.items()]
         for modules in (pretrain.EXPERT_MODULES, pretrain.DENSE_MODULES):
             runs.append((f"offload paged {len(modules)} modules",
                          small + pretrain._offloading("paged", modules), {}))
         for name, extra, env in runs:
-            yield f"{arm} {name}", [*base, *extra], env
+            yield f"{arm} {name}", list(example_line(paged, *extra)), env
     for name, flags in features.FEATURES.items():
         for paged in (True, False):
             yield (f"feature {name} {'paged' if paged else 'unpaged'}",

@@ -11,7 +11,7 @@ import json
 
 import pytest
 import torch
-from test_example_pretrain import _report, _train
+from test_example_pretrain import SMALL, _report, _train
 
 pytestmark = [
     pytest.mark.gpu,
@@ -55,8 +55,20 @@ def _actions(log: str) -> dict[str, int]:
 
 POOL = "--moe-paged-stash-buffer-size-factor-cuda"
 POLICY = "--paging-overflow-policy"
-# Global batch 8, 16, then 32 from step 3 on: 1, 2, then 4 microbatches per step (DP 8)
-RAMPUP = ("--rampup-batch-size", "8", "8", "24", "--train-iters", "6")
+
+
+def _without_global_batch(flags) -> tuple[str, ...]:
+    """Megatron refuses --global-batch-size beside --step-batch-size-schedule."""
+    flags = list(flags)
+    at = flags.index("--global-batch-size")
+    return tuple(flags[:at] + flags[at + 2:])
+
+
+# A growing batch: 8, 16, then 32 samples from step 3 on (thresholds in tokens, 256 a sample):
+# 1, 2, then 4 microbatches per step (DP 8)
+SCHEDULE_BASE = _without_global_batch(SMALL)
+SCHEDULE_LAYOUT = (*_without_global_batch(LAYOUT), "--step-batch-size-schedule",
+                   "0:8 2048:16 6144:32", "--train-iters", "6")
 
 
 def test_emulated_first_stage_1f1b_pages_bitwise(tmp_path):
@@ -140,20 +152,22 @@ def test_emulated_combined_1f1b_pages_bitwise(tmp_path, stage):
     assert len(paged.grads) == 4 and paged == unpaged and paged.grads == unpaged.grads
 
 
-def test_emulated_batch_rampup_calibrates_again_while_the_pipeline_fills(tmp_path):
-    """``--rampup-batch-size`` on stage 0 of PP 2: a step of one microbatch keeps one alive, the
-    later steps two. Pools calibrated at step 1 would overflow on every later step (under 'skip'
-    every update after the ramp would be dropped); the runner drops them when the count grows,
-    so steps 2 and 3 calibrate again and keep their updates, and every kept step equals an
-    unpaged run that drops the same updates, bit for bit."""
-    paged, log = _train(tmp_path / "p", paged=True, extra=(*LAYOUT, *RAMPUP, POLICY, "skip"),
-                        env_extra=STAGE_0)
+def test_emulated_batch_schedule_calibrates_again_while_the_pipeline_fills(tmp_path):
+    """``--step-batch-size-schedule`` on stage 0 of PP 2: a step of one microbatch keeps one
+    alive, the later steps two. Pools calibrated at step 1 would overflow on every later step
+    (under 'skip' every update after the ramp would be dropped); the runner drops them when
+    the count grows, so steps 2 and 3 calibrate again and keep their updates, and every kept
+    step equals an unpaged run that drops the same updates, bit for bit."""
+    paged, log = _train(tmp_path / "p", paged=True, extra=(*SCHEDULE_LAYOUT, POLICY, "skip"),
+                        env_extra=STAGE_0, base=SCHEDULE_BASE)
     report = _report(log)
-    assert int(report["pools_recalibrated"]) == 2, report
+    paging_lines = [line for line in log.splitlines() if "paging" in line or "microbatch" in line]
+    assert int(report["pools_recalibrated"]) == 2, "\n".join(paging_lines[-40:])
     dropped = sorted({r["step"] for r in json.loads(report["overflow"])})
     assert not {1, 2, 3} & set(dropped), dropped  # calibration steps page nothing
     drop = {**STAGE_0, "MEGATRON_PAGING_BENCH_DROP_ITERS": ",".join(map(str, dropped))}
-    unpaged, _ = _train(tmp_path / "u", paged=False, extra=(*LAYOUT, *RAMPUP), env_extra=drop)
+    unpaged, _ = _train(tmp_path / "u", paged=False, extra=SCHEDULE_LAYOUT, env_extra=drop,
+                        base=SCHEDULE_BASE)
     assert len(paged.grads) == len(unpaged.grads) == 6
     kept = [i for i in range(6) if i + 1 not in dropped]
     assert [paged.grads[i] for i in kept] == [unpaged.grads[i] for i in kept]

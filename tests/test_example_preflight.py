@@ -323,6 +323,30 @@ def test_a_save_the_checkpoint_writer_cannot_make_is_refused(megatron_argv, caps
     _refused(megatron_argv, capsys, ("--save", "/tmp/checkpoints"), "--save", "psutil")
 
 
+@pytest.mark.skipif(any(importlib.util.find_spec(m) for m in ("transformer_engine", "apex")),
+                    reason="Megatron-Core loads the distributed optimizer with TE or Apex")
+def test_resuming_the_distributed_optimizer_without_te_or_apex_is_refused(
+        megatron_argv, capsys, tmp_path):
+    """Without TE or Apex, Megatron-Core 0.19.2's DistributedOptimizer.state_dict reads torch
+    Adam's 'step' before any step made one: every rank fails loading its checkpoint. A first
+    launch whose --load names an empty directory loads nothing and starts; --no-load-optim
+    resumes without the optimizer's state."""
+    import preflight
+
+    dist_opt = ("--use-distributed-optimizer", "--load", str(tmp_path))
+    line = _launch(DRY_RUN="1").stdout.split()
+    for extra in (dist_opt, (*dist_opt, "--no-load-optim")):
+        (tmp_path / "latest_checkpointed_iteration.txt").unlink(missing_ok=True)
+        if "--no-load-optim" in extra:
+            (tmp_path / "latest_checkpointed_iteration.txt").write_text("2")
+        megatron_argv(*line, *extra)
+        with pytest.raises(SystemExit):  # without a GPU the last check refuses, nothing before
+            preflight.check(environ={})
+        assert "no CUDA GPU" in _one_error_line(capsys.readouterr().err)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("2")
+    _refused(megatron_argv, capsys, dist_opt, "--use-distributed-optimizer", "--no-load-optim")
+
+
 def test_a_bare_megatron_assertion_names_its_source_line(megatron_argv, capsys):
     """Most of validate_args' checks are bare asserts: the refusal quotes the assertion and
     where it is, not ``AssertionError()`` (here: --save without --save-interval)."""

@@ -67,7 +67,8 @@ def _cause(returncode: int, log: str) -> str:
 
 
 def _train(
-    tmp_path: Path, paged: bool, nproc: int = 1, extra: tuple[str, ...] = (), env_extra=None
+    tmp_path: Path, paged: bool, nproc: int = 1, extra: tuple[str, ...] = (), env_extra=None,
+    base: tuple[str, ...] = tuple(SMALL),
 ) -> tuple[list[str], str]:
     pytest.importorskip("megatron.training")
     tmp_path.mkdir(parents=True, exist_ok=True)
@@ -89,7 +90,7 @@ def _train(
         for stale in tmp_path.glob(f"{loss_log.name}.rank*"):
             stale.unlink()
         result = subprocess.run(
-            ["bash", str(ROOT / "examples" / "run_pretrain_1gpu.sh"), *SMALL, *extra],
+            ["bash", str(ROOT / "examples" / "run_pretrain_1gpu.sh"), *base, *extra],
             cwd=ROOT,
             env=env,
             capture_output=True,

@@ -528,7 +528,7 @@ def test_the_runner_refuses_what_start_up_refuses_as_megatron_runs_it(recompute,
 @pytest.mark.parametrize(("pp", "vpp", "releases"),
                          [(4, None, 2), (2, 2, 2), (2, None, 1), (1, None, 0)])
 def test_more_microbatches_per_step_recalibrate_only_while_the_pipeline_fills(pp, vpp, releases):
-    """--rampup-batch-size: a pipeline rank keeps min(microbatches, warm-up depth) alive, so
+    """--step-batch-size-schedule: a pipeline rank keeps min(microbatches, warm-up depth) alive, so
     pools sized while steps had fewer microbatches than that are dropped and calibrated again;
     past the depth (pp * (vpp + 1) bounds every schedule's), or at PP = 1, they stay."""
     run = Run("skip", ROOMY * 4)

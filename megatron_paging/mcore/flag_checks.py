@@ -97,13 +97,19 @@ def check_megatron_combinations(args, refuse_recompute: bool = True) -> None:
                 "still reach Megatron's loss scaler, which backs off on them; use "
                 "--paging-overflow-policy rerun or --bf16"
             )
+    if getattr(args, "rampup_batch_size", None):
+        # its init_num_microbatches_calculator no longer passes the ramp on (deprecated)
+        raise ValueError(
+            "--rampup-batch-size: Megatron-Core 0.19.2 parses it but never ramps (every step "
+            "runs the full --global-batch-size); use --step-batch-size-schedule"
+        )
     graph_impl = getattr(args, "cuda_graph_impl", "none")
-    if graph_impl == "full_iteration" and getattr(args, "rampup_batch_size", None):
+    if graph_impl == "full_iteration" and getattr(args, "step_batch_size_schedule", None):
         # FullCudaGraphWrapper captures once and replays that step's microbatch count
         raise ValueError(
-            "--rampup-batch-size with --cuda-graph-impl full_iteration: Megatron-Core 0.19.2 "
-            "replays the graph captured at the first step's microbatch count for every later "
-            "count (the added microbatches never train); drop one of them"
+            "--step-batch-size-schedule with --cuda-graph-impl full_iteration: Megatron-Core "
+            "0.19.2 replays the graph captured at the first step's microbatch count for every "
+            "later count (the added microbatches never train); drop one of them"
         )
     if graph_impl in UNSUPPORTED_GRAPH_IMPLS:
         raise ValueError(

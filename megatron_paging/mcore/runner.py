@@ -337,11 +337,11 @@ class PagedStashRunner:
         return attempt.result
 
     def _note_microbatches(self, count: int) -> None:
-        """``--rampup-batch-size``: a pipeline rank keeps min(count, its warm-up depth)
-        microbatches alive, so pools calibrated while a step had fewer microbatches than the
-        pipeline holds would overflow on every later step (and 'skip' would drop them all). Such
-        pools are dropped and the step calibrates again; at PP = 1, or once the count is past
-        the depth, the pools stay."""
+        """A growing batch (``--step-batch-size-schedule``): a pipeline rank keeps min(count,
+        its warm-up depth) microbatches alive, so pools calibrated while a step had fewer
+        microbatches than the pipeline holds would overflow on every later step (and 'skip'
+        would drop them all). Such pools are dropped and the step calibrates again; at PP = 1,
+        or once the count is past the depth, the pools stay."""
         previous, self._microbatches = self._microbatches, count
         engine = getattr(self.paging, "engine", None)
         if previous is None or count <= previous or getattr(engine, "pools", None) is None:
@@ -355,8 +355,8 @@ class PagedStashRunner:
         self.recalibrations += 1
         log_single_rank(
             logger, logging.INFO,
-            f"paging: {previous} -> {count} microbatches per step (--rampup-batch-size) changes "
-            "what a pipeline rank keeps alive; the pools calibrate again on this step",
+            f"paging: {previous} -> {count} microbatches per step (--step-batch-size-schedule) "
+            "changes what a pipeline rank keeps alive; the pools calibrate again on this step",
         )
 
     def _check_evaluation(self, reduced: torch.Tensor, rerun) -> None:
