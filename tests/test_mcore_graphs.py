@@ -10,9 +10,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from megatron.core import full_cuda_graph  # noqa: E402
-from megatron.core.full_cuda_graph import FullCudaGraphWrapper  # noqa: E402
-from test_mcore_runner import (  # noqa: E402
+from mcore_runner_harness import (  # noqa: E402
     MICROBATCHES,
     PAGE,
     ROOMY,
@@ -23,6 +21,8 @@ from test_mcore_runner import (  # noqa: E402
     batches,
     roomy_pools,
 )
+from megatron.core import full_cuda_graph  # noqa: E402
+from megatron.core.full_cuda_graph import FullCudaGraphWrapper  # noqa: E402
 
 from megatron_paging.mcore import graphs  # noqa: E402
 
