@@ -4,8 +4,8 @@
 # logs, test XML and loss files in $OUT/logs.tar.gz; a summary table prints last.
 #
 #   bash scripts/gpu_check.sh [steps...]          (default: info build tests)
-#   steps: info build tests sanitizer bench-kernels bench-scheduler bench-offload bench-swiglu
-#          mcore frontier step-ratio scale
+#   steps: info build tests sanitizer bench-kernels profile-kernels bench-scheduler bench-offload
+#          bench-swiglu mcore frontier step-ratio scale
 #
 # Each step has its own time limit, so one hang cannot take the whole run; `build tests` is sized
 # for one 10-minute call (the build ~40 s when not cached, the tests TESTS_LIMIT_S). Environment:
@@ -21,7 +21,8 @@
 #                       pytest arguments; TESTS_LIMIT_S the tests step's limit (default 530 s; at
 #                       the limit pytest is interrupted and still reports what finished, marked
 #                       interrupted)
-#   BENCH_KERNELS_ARGS, BENCH_SCHEDULER_ARGS   more arguments for those benchmarks
+#   BENCH_KERNELS_ARGS, BENCH_SCHEDULER_ARGS, PROFILE_KERNELS_ARGS   more arguments for those
+#                       benchmarks (profile-kernels: Nsight Compute counters, needs ncu)
 #   MCORE_LIMIT_S       the mcore step's limit (default 420 s); MODES, STEPS, EXTRA go to
 #                       scripts/mcore_gpu_run.sh
 #   FRONTIER_TIME_S     benchmarks/bench_frontier.py's time budget (default 500 s; the step's
@@ -114,6 +115,9 @@ PY
     # shellcheck disable=SC2086
     bench-kernels) run_step bench-kernels 300 python3 benchmarks/bench_kernels.py \
                      --out "$OUT/kernels.json" ${BENCH_KERNELS_ARGS:-} ;;
+    # shellcheck disable=SC2086
+    profile-kernels) run_step profile-kernels 240 python3 benchmarks/profile_kernels.py \
+                       --out "$OUT/kernels_profile.json" ${PROFILE_KERNELS_ARGS:-} ;;
     # shellcheck disable=SC2086
     bench-scheduler) run_step bench-scheduler 240 python3 benchmarks/bench_scheduler.py \
                        --out "$OUT/scheduler.json" ${BENCH_SCHEDULER_ARGS:-} ;;
