@@ -65,10 +65,11 @@ def workload(regime_index: int) -> None:
 
 def kernel_op(kernel_name: str) -> str:
     """Which op a profiled kernel is: our kernels are templated on reload (``<0, ...>`` stash,
-    ``<1, ...>`` reload); anything else in the windows is the streaming kernel's."""
+    ``<1, ...>`` reload); the streaming kernel is PyTorch's bitwise-or; anything else a window
+    launched is recorded as ``other``."""
     if "bulk_kernel<" in kernel_name or "tile_kernel<" in kernel_name:
         return "reload" if "_kernel<1" in kernel_name.replace(" ", "") else "stash"
-    return "streaming"
+    return "streaming" if "bitwiseor" in kernel_name.lower().replace("_", "") else "other"
 
 
 def number(text: str) -> float | str:
@@ -109,8 +110,8 @@ def profile_regime(ncu: str, regime_index: int, tmp: Path) -> list[dict]:
                           "--print-kernel-base", "demangled"],  # template arguments name the op
                          check=True, capture_output=True, text=True).stdout
     kernels = parse_raw_csv(raw)
-    found = sorted(k["op"] for k in kernels)
-    if found != sorted(OPS):
+    found = [k["op"] for k in kernels]
+    if any(found.count(op) != 1 for op in OPS):
         raise RuntimeError(f"regime {regime_index}: expected one kernel per op {OPS}, Nsight "
                            f"Compute profiled {[k['kernel'] for k in kernels]}")
     return kernels

@@ -53,6 +53,7 @@ def test_raw_csv_names_each_kernels_op_and_keeps_the_chosen_metrics():
 def test_tile_kernels_are_named_by_their_template_argument_too():
     assert profile.kernel_op("void tile_kernel<1, 1024>(PagingArgs, Segments<1024>)") == "reload"
     assert profile.kernel_op("void tile_kernel<0, 8>(PagingArgs, Segments<8>)") == "stash"
+    assert profile.kernel_op("void at::native::elementwise_kernel<128, 2, FillFunctor>") == "other"
 
 
 def test_an_empty_report_is_an_error_not_an_empty_file():
