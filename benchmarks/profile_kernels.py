@@ -34,6 +34,9 @@ from common import default_out, header, print_table, require_gpu, write
 SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "WarpStateStats", "LaunchStats")
 KEPT_PREFIXES = ("gpu__time_duration", "dram__", "launch__grid_size", "launch__block_size",
                  "smsp__average_warps_issue_stalled_", "sm__throughput", "lts__t_bytes.")
+# Asked for by name too, in case a section of this Nsight Compute version leaves one out.
+METRICS = ("gpu__time_duration.sum", "dram__bytes_read.sum", "dram__bytes_write.sum",
+           "dram__throughput.avg.pct_of_peak_sustained_elapsed", "launch__grid_size")
 OPS = ("stash", "reload", "streaming")
 
 
@@ -103,7 +106,8 @@ def parse_raw_csv(text: str) -> list[dict]:
 def profile_regime(ncu: str, regime_index: int, tmp: Path) -> list[dict]:
     report = tmp / f"regime{regime_index}"
     sections = [arg for s in SECTIONS for arg in ("--section", s)]
-    command = [ncu, "--profile-from-start", "off", *sections, "-f", "-o", str(report),
+    command = [ncu, "--profile-from-start", "off", *sections, "--metrics", ",".join(METRICS),
+               "-f", "-o", str(report),
                sys.executable, __file__, "--workload", str(regime_index)]
     subprocess.run(command, check=True)
     raw = subprocess.run([ncu, "--import", f"{report}.ncu-rep", "--page", "raw", "--csv",
@@ -169,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     result = header(
         "kernels_profile",
         command=f"ncu --profile-from-start off {' '.join('--section ' + s for s in SECTIONS)} "
+                f"--metrics {','.join(METRICS)} "
                 "(one process per regime; clocks locked to base, caches flushed per kernel)",
         streaming_kernel="torch.bitwise_or(src, 0, out=dst) on int64 views of the live rows: "
                          "copy_'s bytes through an SM kernel (copy_ is a cudaMemcpyAsync)",
