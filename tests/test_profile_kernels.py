@@ -4,26 +4,10 @@ and ``ncu`` (``scripts/gpu_check.sh profile-kernels``)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from frontier_bench import load_script
 
-BENCH_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def _load(name):
-    if str(BENCH_DIR) not in sys.path:
-        sys.path.insert(0, str(BENCH_DIR))  # common.py, bench_kernels.py
-    spec = importlib.util.spec_from_file_location(name, BENCH_DIR / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-profile = _load("profile_kernels")
+profile = load_script("profile_kernels")
 
 RAW = "\n".join([
     "==PROF== Connected to process 1",
