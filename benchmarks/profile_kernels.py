@@ -121,9 +121,29 @@ def profile_regime(ncu: str, regime_index: int, tmp: Path) -> list[dict]:
     return kernels
 
 
-def metric(kernel: dict, name: str) -> float | None:
-    value = kernel["metrics"].get(name, {}).get("value")
-    return value if isinstance(value, float) else None
+# Nsight Compute picks each value's unit itself (a 0.6 MB write prints as 639 Kbyte).
+UNIT_SCALE = {"": 1.0, "%": 1.0, "byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9,
+              "ns": 1e-3, "us": 1.0, "ms": 1e3, "usecond": 1.0, "nsecond": 1e-3,
+              "msecond": 1e3}
+
+
+def metric(kernel: dict, name: str, per: float = 1.0) -> float | None:
+    """The metric in the table's unit: microseconds for times, `per` bytes for bytes."""
+    entry = kernel["metrics"].get(name, {})
+    value, unit = entry.get("value"), entry.get("unit", "")
+    if not isinstance(value, float):
+        return None
+    if unit not in UNIT_SCALE:
+        raise RuntimeError(f"{name}: unknown Nsight Compute unit {unit!r}")
+    return value * UNIT_SCALE[unit] / per
+
+
+def streaming_share(kernels: list[dict], op: str) -> float | None:
+    """The streaming kernel's time over the op's: 1.0 means the op moves its bytes as fast."""
+    times = {k["op"]: metric(k, "gpu__time_duration.sum") for k in kernels}
+    if not times.get(op) or times.get("streaming") is None:
+        return None
+    return times["streaming"] / times[op]
 
 
 def summary_rows(results: list[dict]) -> list[list[object]]:
@@ -132,10 +152,11 @@ def summary_rows(results: list[dict]) -> list[list[object]]:
         for kernel in result["kernels"]:
             rows.append([result["regime"], kernel["op"],
                          metric(kernel, "gpu__time_duration.sum"),
-                         metric(kernel, "dram__bytes_read.sum"),
-                         metric(kernel, "dram__bytes_write.sum"),
+                         metric(kernel, "dram__bytes_read.sum", per=1e6),
+                         metric(kernel, "dram__bytes_write.sum", per=1e6),
                          metric(kernel, "dram__throughput.avg.pct_of_peak_sustained_elapsed"),
-                         metric(kernel, "launch__grid_size")])
+                         metric(kernel, "launch__grid_size"),
+                         streaming_share(result["kernels"], kernel["op"])])
     return rows
 
 
@@ -168,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                             * torch.empty(0, dtype=regime.dtype).element_size(),
                             "kernels": profile_regime(ncu, index, Path(tmp))})
             print(f"profiled {regime.name}", flush=True)
-    print_table(["regime", "op", "duration", "DRAM read", "DRAM write", "DRAM % peak", "grid"],
+    print_table(["regime", "op", "us", "DRAM read MB", "DRAM write MB", "DRAM % peak", "grid",
+                 "streaming/op"],
                 summary_rows(results))
     result = header(
         "kernels_profile",

@@ -56,6 +56,7 @@ fi
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(info build tests)
 declare -A status seconds
+ran=()
 
 run_step() {  # name, limit seconds, command... (STEP_SIGNAL: what the limit sends, default TERM)
   local name=$1 limit=$2; shift 2
@@ -64,6 +65,7 @@ run_step() {  # name, limit seconds, command... (STEP_SIGNAL: what the limit sen
   timeout -s "${STEP_SIGNAL:-TERM}" --kill-after=20 "$limit" "$@" 2>&1 | tee -a "$LOG" | tail -n 40
   local rc=${PIPESTATUS[0]}
   seconds[$name]=$((SECONDS - t0))
+  ran+=("$name")
   if [ "$rc" -eq 0 ]; then status[$name]=ok; else status[$name]="FAIL($rc)"; fi
 }
 
@@ -151,9 +153,8 @@ done
 echo
 echo "==================== gpu_check summary ===================="
 printf '%-18s %-10s %s\n' step status seconds
-for step in info build tests memcheck racecheck bench-kernels bench-scheduler bench-offload \
-            bench-swiglu mcore frontier step-ratio scale; do
-  [ -n "${status[$step]:-}" ] && printf '%-18s %-10s %s\n' "$step" "${status[$step]}" "${seconds[$step]}"
+for step in "${ran[@]}"; do  # every step that ran, in the order it ran
+  printf '%-18s %-10s %s\n' "$step" "${status[$step]}" "${seconds[$step]}"
 done
 if [ -s "$OUT/gpu_tests.jsonl" ]; then
   python3 benchmarks/report_gpu_tests.py "$OUT/gpu_tests.jsonl" --out "$OUT/gpu_tests.json"
