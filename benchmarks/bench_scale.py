@@ -154,6 +154,8 @@ def run_arm(layout, rank: int, arm: str, capacity_factor: float, tmp: Path, time
         log, returncode = (expired.stdout or b"").decode() + (expired.stderr or b"").decode(), -1
     record = {"layout": layout.name, "rank": rank, "stage": layout.stage(rank), "arm": arm,
               "capacity_factor": capacity_factor, "flags": argv, "env": env,
+              # The caller's allocator setting reaches the arm: recorded, since it decides fits.
+              "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
               "wall_s": round(time.perf_counter() - started, 1), "returncode": returncode,
               "pool_factor": pool_factor, "profile_iteration": profile_iteration,
               "pool_factor_rate": POOL_OVERFLOW_RATE if pool_factor is not None else None}
