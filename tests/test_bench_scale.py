@@ -56,8 +56,10 @@ def test_an_arm_is_read_from_the_examples_output(tmp_path, monkeypatch):
 
     monkeypatch.setattr(bench_scale.subprocess, "run", fake_run)
     monkeypatch.setattr(bench_scale, "planned_pool_factor", lambda argv, lay, rank: 1.234)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     record = bench_scale.run_arm(layout, 256, "paged", 2.0, tmp_path, timeout=10)
     assert record["status"] == "ok" and record["stage"] == 2
+    assert record["alloc_conf"] == "expandable_segments:True"  # inherited, so recorded
     assert record["pool_factor"] == 1.234
     assert record["pool_factor_rate"] == bench_scale.POOL_OVERFLOW_RATE
     assert record["median_steady_iteration_ms"] == 2090.0
