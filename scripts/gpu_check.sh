@@ -4,8 +4,8 @@
 # logs, test XML and loss files in $OUT/logs.tar.gz; a summary table prints last.
 #
 #   bash scripts/gpu_check.sh [steps...]          (default: info build tests)
-#   steps: info build tests sanitizer bench-kernels profile-kernels bench-scheduler bench-offload
-#          bench-swiglu mcore frontier step-ratio scale
+#   steps: info build tests sanitizer bench-kernels profile-kernels kernels-ab bench-scheduler
+#          bench-offload bench-swiglu mcore frontier step-ratio scale
 #
 # Each step has its own time limit, so one hang cannot take the whole run; `build tests` is sized
 # for one 10-minute call (the build ~40 s when not cached, the tests TESTS_LIMIT_S). Environment:
@@ -23,6 +23,11 @@
 #                       interrupted)
 #   BENCH_KERNELS_ARGS, BENCH_SCHEDULER_ARGS, PROFILE_KERNELS_ARGS   more arguments for those
 #                       benchmarks (profile-kernels: Nsight Compute counters, needs ncu)
+#   AB_TREES            kernels-ab: source trees to A/B against this one, space separated (each
+#                       from `git archive <commit> megatron_paging benchmarks/bench_kernels.py
+#                       benchmarks/common.py benchmarks/portable.py`, untracked so it travels);
+#                       KERNELS_AB_ARGS more arguments for benchmarks/kernels_ab.py
+#                       (--baseline-commit per tree, --chain 20, --max-ctas 32 64)
 #   MCORE_LIMIT_S       the mcore step's limit (default 420 s); MODES, STEPS, EXTRA go to
 #                       scripts/mcore_gpu_run.sh
 #   FRONTIER_TIME_S     benchmarks/bench_frontier.py's time budget (default 500 s; the step's
@@ -118,6 +123,17 @@ PY
     bench-kernels) run_step bench-kernels 300 python3 benchmarks/bench_kernels.py \
                      --out "$OUT/kernels.json" ${BENCH_KERNELS_ARGS:-} ;;
     # shellcheck disable=SC2086
+    kernels-ab)
+      ab_args=()
+      for tree in ${AB_TREES:-}; do ab_args+=(--baseline "$tree"); done
+      if [ ${#ab_args[@]} -eq 0 ]; then
+        echo "kernels-ab: AB_TREES names no source tree to compare with" | tee -a "$LOG"
+        status[kernels-ab]="FAIL(no AB_TREES)"; seconds[kernels-ab]=0; ran+=(kernels-ab)
+      else
+        # shellcheck disable=SC2086
+        run_step kernels-ab 420 python3 benchmarks/kernels_ab.py "${ab_args[@]}" \
+          --out "$OUT/kernels_ab.json" ${KERNELS_AB_ARGS:-}
+      fi ;;
     profile-kernels) run_step profile-kernels 240 python3 benchmarks/profile_kernels.py \
                        --out "$OUT/kernels_profile.json" ${PROFILE_KERNELS_ARGS:-} ;;
     # shellcheck disable=SC2086
