@@ -122,7 +122,6 @@ PY
     # shellcheck disable=SC2086
     bench-kernels) run_step bench-kernels 300 python3 benchmarks/bench_kernels.py \
                      --out "$OUT/kernels.json" ${BENCH_KERNELS_ARGS:-} ;;
-    # shellcheck disable=SC2086
     kernels-ab)
       ab_args=()
       for tree in ${AB_TREES:-}; do ab_args+=(--baseline "$tree"); done
@@ -134,6 +133,7 @@ PY
         run_step kernels-ab 420 python3 benchmarks/kernels_ab.py "${ab_args[@]}" \
           --out "$OUT/kernels_ab.json" ${KERNELS_AB_ARGS:-}
       fi ;;
+    # shellcheck disable=SC2086
     profile-kernels) run_step profile-kernels 240 python3 benchmarks/profile_kernels.py \
                        --out "$OUT/kernels_profile.json" ${PROFILE_KERNELS_ARGS:-} ;;
     # shellcheck disable=SC2086
