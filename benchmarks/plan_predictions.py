@@ -204,8 +204,9 @@ def main(argv=None) -> int:
         "commit": git_commit(),
         "device": DEVICE,
         "what": "megatron-paging plan's per-rank memory for every run benchmarks/bench_scale.py "
-                "makes (its default set), from the exact launch line it gives the example; "
-                "peak = torch.cuda.max_memory_allocated over a steady step",
+                f"makes ({'with --all-ranks' if args.all_ranks else 'its default set'}), from "
+                "the exact launch line it gives the example; peak = "
+                "torch.cuda.max_memory_allocated over a steady step",
         "constants": constants(),
         "validated_on": "the constant fitted on the one-GPU example only (python "
                         "benchmarks/plan_validation.py); against these layouts' GPU runs: "
