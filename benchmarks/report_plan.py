@@ -132,10 +132,12 @@ def compare_files(predictions: dict, measured: dict) -> dict:
 
 
 def format_rows(result: dict) -> str:
-    lines = [f"{'layout':<12}{'rank':>6} {'arm':<22}{'cf':>4}{'pred peak':>11}{'meas peak':>11}"
-             f"{'rel':>8}{'pred fb':>11}{'meas fb':>11}{'rel':>8}"]
+    # The arm column as wide as the longest name (".connections_32" variants run long).
+    width = max([22, *(len(name) + 1 for name in result["per_arm"])])
+    lines = [f"{'layout':<12}{'rank':>6} {'arm':<{width}}{'cf':>4}{'pred peak':>11}"
+             f"{'meas peak':>11}{'rel':>8}{'pred fb':>11}{'meas fb':>11}{'rel':>8}"]
     for r in result["runs"]:
-        head = f"{r['layout']:<12}{r['rank']:>6} {r['arm']:<22}{r['capacity_factor']:>4g}"
+        head = f"{r['layout']:<12}{r['rank']:>6} {r['arm']:<{width}}{r['capacity_factor']:>4g}"
         if r["status"] != "ok":
             lines.append(f"{head}{r['predicted_peak_mib']:>11.1f}  ({r['status']})")
             continue
@@ -153,7 +155,7 @@ def format_rows(result: dict) -> str:
         peak = s.get("peak_relative_error")
         text = (f"peak rel. error {100 * peak['min']:+.2f}..{100 * peak['max']:+.2f} % "
                 f"(mean |e| {100 * peak['mean_abs']:.2f} %)" if peak else "no finished run")
-        lines.append(f"{arm:<22}{s['runs']} run(s), {s['not_ok']} not finished: {text}")
+        lines.append(f"{arm:<{width}}{s['runs']} run(s), {s['not_ok']} not finished: {text}")
     return "\n".join(lines)
 
 

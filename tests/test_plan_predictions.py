@@ -145,6 +145,17 @@ def test_report_computes_relative_error_per_run_and_per_arm(tmp_path):
     assert (tmp_path / "o.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the figure beside it
 
 
+def test_report_columns_stay_aligned_past_a_long_arm_name():
+    long = "paged_offload_experts.connections_32"
+    measured = {**MEASURED, "runs": [{**MEASURED["runs"][0], "arm": long}]}
+    predictions = {**PREDICTIONS, "entries": [{**PREDICTIONS["entries"][0], "arm": long}]}
+    lines = report_plan.format_rows(report_plan.compare_files(predictions, measured)).splitlines()
+    header, row, summary = lines[0], lines[1], lines[3]
+    # the measured-peak column ends where its header does, and the summary names the arm whole
+    assert row.index("%") + 1 == header.index("rel") + len("rel")
+    assert summary.startswith(long + " ") and "run(s)" in summary
+
+
 def _chunks():
     return (S.Chunk(0, (S.Layer(1, False), S.Layer(2, True), S.Layer(3, True))),
             S.Chunk(1, (S.Layer(7, True),)))
