@@ -39,7 +39,8 @@ from scale_layouts import (  # noqa: E402
     LAYOUTS,
     PARITY_PAIR,
     POOL_OVERFLOW_RATE,
-    RERUN_PAIR,
+    RERUN_ARMS,
+    RERUN_PAIRS,
 )
 from scale_profile import (  # noqa: E402
     perturbed_iterations,
@@ -267,7 +268,7 @@ def plan_runs(layouts, arms, factors, all_ranks: bool):
                 if arm not in arms or name not in (ARMS[arm].layouts or (name,)):
                     continue
                 both = all_ranks or (arm in ("unpaged", "paged") and factor == 2.0)
-                one = layout.ranks[-1:] if arm in PARITY_PAIR + RERUN_PAIR else layout.ranks[:1]
+                one = layout.ranks[-1:] if arm in PARITY_PAIR + RERUN_ARMS else layout.ranks[:1]
                 for rank in layout.ranks if both else one:
                     yield layout, rank, arm, factor
 
@@ -299,8 +300,9 @@ def summarize(records: list[dict]) -> list[dict]:
             if r["arm"] == "unpaged" and r["status"] == "ok"}
     parity_base = {(r["layout"], r["rank"], r["capacity_factor"]): r for r in records
                    if r["arm"] == PARITY_PAIR[0] and r["status"] == "ok"}
-    fits = {(r["layout"], r["rank"], r["capacity_factor"]): r for r in records
-            if r["arm"] == RERUN_PAIR[1] and r["status"] == "ok"}
+    twin_of = dict(RERUN_PAIRS)  # overflowing arm -> the twin whose pool holds its hot step
+    fits = {(r["layout"], r["rank"], r["capacity_factor"], r["arm"]): r for r in records
+            if r["arm"] in twin_of.values() and r["status"] == "ok"}
     for r in records:
         row = {k: r[k] for k in ("layout", "rank", "stage", "arm", "capacity_factor", "status")}
         if r["status"] == "ok":
@@ -319,11 +321,11 @@ def summarize(records: list[dict]) -> list[dict]:
                     row["step_vs_unpaged"] = (r["median_steady_iteration_ms"]
                                               / control["median_steady_iteration_ms"])
             row["overflow_actions"] = rep.get("overflow_actions")
-            if r["arm"] == RERUN_PAIR[0]:
-                twin = fits.get((r["layout"], r["rank"], r["capacity_factor"]))
+            if r["arm"] in twin_of:
+                twin = fits.get((r["layout"], r["rank"], r["capacity_factor"], twin_of[r["arm"]]))
                 if twin is not None:
                     row.update(rerun_extra(r, twin, r.get("pool_factor_rate")))
-            elif r["arm"] != RERUN_PAIR[1]:
+            elif r["arm"] not in RERUN_ARMS:
                 row.update(rerun_cost(r))
             twin = parity_base.get((r["layout"], r["rank"], r["capacity_factor"]))
             if r["arm"] == PARITY_PAIR[1] and twin is not None:

@@ -4,8 +4,8 @@ A paged arm of the scale table gets the plan's pool factor for 1e-2 overflowing 
 five-step run no step overflows and the cost of a rerun goes unmeasured. This module writes a
 peer-load trace (``--paging-emulated-load``, megatron_paging.tools.peer_load) that is the run's
 own lognormal load draw for draw, except that in iteration :data:`HOT_ITERATION` every EMULATED
-peer sends :data:`HOT_ROWS` times the rows (capped at the static block, as always). Two arms
-replay it at the parity rank:
+peer sends :data:`HOT_ROWS` times the rows (capped at the static block, as always). Each rerun
+pair (``scale_layouts.RERUN_PAIRS``) replays it at the parity rank:
 
 * ``paged.hot_step``: the planned pool; the hot step overflows and, under ``rerun``, runs again
   in pools grown to what it needed;

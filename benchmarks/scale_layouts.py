@@ -121,6 +121,8 @@ class Arm:
 EXPERT_OFFLOAD = ("--fine-grained-activation-offloading", "--offload-modules", "expert_fc1",
                   "moe_act", "--paging-offload-backend")
 CONNECTIONS_32 = {"CUDA_DEVICE_MAX_CONNECTIONS": "32"}
+MLA_UP_PROJ_RECOMPUTE = ("--recompute-granularity", "selective", "--recompute-modules",
+                         "mla_up_proj")
 # Named as benchmarks/arm_names.py says. Capacity factor 2 runs all; 1.5 and 3 the first two.
 ARMS = {a.name: a for a in (
     Arm("unpaged", "", ()),
@@ -132,8 +134,7 @@ ARMS = {a.name: a for a in (
     Arm("paged_recompute_fc1", "", ("--moe-paged-stash", "--paging-recompute-expert-fc1")),
     # Paging with MLA's up projections recomputed (DeepSeek-V3's attention keeps ~3/4 less):
     # what may let a stage whose paged arm does not fit run without MoE recompute or offload.
-    Arm("paged", "recompute_mla_up_proj", ("--moe-paged-stash", "--recompute-granularity",
-                                           "selective", "--recompute-modules", "mla_up_proj"),
+    Arm("paged", "recompute_mla_up_proj", ("--moe-paged-stash", *MLA_UP_PROJ_RECOMPUTE),
         layouts=("deepseek_v3",)),
     # The offload arms with more hardware queues (the example defaults to one): a copy-engine
     # copy then runs beside the compute, Megatron-Core's whole buffers and our live-row prefix
@@ -150,9 +151,21 @@ ARMS = {a.name: a for a in (
     Arm("paged", "hot_step", ("--moe-paged-stash",), hot_step=True),
     Arm("paged", "hot_step_fits", ("--moe-paged-stash",), hot_step=True,
         pool_scale=FITS_POOL_SCALE),
+    # The same pair with MLA's up projections recomputed: the rerun grows the device pool by
+    # about half, which DeepSeek-V3's last-stage paged arm (1 GiB under an 80 GB GPU) cannot
+    # hold; this arm leaves ~18 GiB for it.
+    Arm("paged", "recompute_mla_up_proj_hot_step", ("--moe-paged-stash", *MLA_UP_PROJ_RECOMPUTE),
+        hot_step=True, layouts=("deepseek_v3",)),
+    Arm("paged", "recompute_mla_up_proj_hot_step_fits",
+        ("--moe-paged-stash", *MLA_UP_PROJ_RECOMPUTE), hot_step=True, pool_scale=FITS_POOL_SCALE,
+        layouts=("deepseek_v3",)),
 )}
 PARITY_PAIR = ("unpaged.deterministic", "paged.deterministic")
-RERUN_PAIR = ("paged.hot_step", "paged.hot_step_fits")
+# (overflowing arm, its twin whose pool holds the hot step)
+RERUN_PAIRS = (("paged.hot_step", "paged.hot_step_fits"),
+               ("paged.recompute_mla_up_proj_hot_step",
+                "paged.recompute_mla_up_proj_hot_step_fits"))
+RERUN_ARMS = tuple(name for pair in RERUN_PAIRS for name in pair)
 MEMORY_ARMS = tuple(name for name, arm in ARMS.items() if not arm.hot_step)  # the plan's to predict
 CAPACITY_FACTORS = {2.0: tuple(ARMS), 1.5: ("unpaged", "paged"), 3.0: ("unpaged", "paged")}
 # Paged arms get the device pool factor that `megatron-paging plan` gives for this overflow rate

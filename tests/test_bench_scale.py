@@ -32,15 +32,20 @@ def test_runs_alternate_arms_and_the_parity_and_rerun_pairs_run_where_unpaged_fi
     assert runs[:3] == [("qwen3_235b", first, "unpaged", 2.0),
                         ("qwen3_235b", second, "unpaged", 2.0),
                         ("qwen3_235b", first, "paged", 2.0)]
-    pairs = {*bench_scale.PARITY_PAIR, *bench_scale.RERUN_PAIR}
+    pairs = {*bench_scale.PARITY_PAIR, *bench_scale.RERUN_PAIRS[0]}  # the MLA pair: DeepSeek-V3
     assert {arm for _, rank, arm, _ in runs if rank == second} == {"unpaged", "paged", *pairs}
     assert not {arm for _, rank, arm, _ in runs if rank == first} & pairs
     assert [arm for _, _, arm, cf in runs if cf == 1.5] == ["unpaged", "paged"]
     # an arm for MLA layouts only: Megatron refuses mla_up_proj without MLA
     mla_only = "paged.recompute_mla_up_proj"
     assert mla_only not in {arm for _, _, arm, _ in runs}
-    assert mla_only in {arm for _, _, arm, _ in bench_scale.plan_runs(
-        ["deepseek_v3"], list(bench_scale.ARMS), [2.0], False)}
+    deepseek = [(rank, arm) for _, rank, arm, _ in bench_scale.plan_runs(
+        ["deepseek_v3"], list(bench_scale.ARMS), [2.0], False)]
+    assert mla_only in {arm for _, arm in deepseek}
+    # both rerun pairs on the last stage only (the paged pair's rerun may not fit beside it)
+    last = LAYOUTS["deepseek_v3"].ranks[-1]
+    assert {(rank, arm) for rank, arm in deepseek if "hot_step" in arm} == {
+        (last, arm) for arm in bench_scale.RERUN_ARMS}
 
 
 def test_an_arm_is_read_from_the_examples_output(tmp_path, monkeypatch):

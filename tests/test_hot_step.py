@@ -16,7 +16,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import bench_scale  # noqa: E402
 import hot_step  # noqa: E402
 import report_plan  # noqa: E402
-from scale_layouts import LAYOUTS, MEMORY_ARMS, RERUN_PAIR  # noqa: E402
+from scale_layouts import ARMS, LAYOUTS, MEMORY_ARMS, RERUN_ARMS, RERUN_PAIRS  # noqa: E402
+
+RERUN_PAIR = RERUN_PAIRS[0]  # paged.hot_step and its twin
 
 from megatron_paging.tools.peer_load import LognormalLoad, RouteShape, TraceLoad  # noqa: E402
 
@@ -113,8 +115,23 @@ def test_the_rerun_is_the_hot_steps_time_beyond_its_twins():
                       "fits_overflow_steps": []}
 
 
+def test_each_rerun_pair_is_measured_against_its_own_twin():
+    """Two pairs on one rank: each hot arm's cost comes from its twin, never the other pair's."""
+    (hot_a, fits_a), (hot_b, fits_b) = RERUN_PAIRS
+    records = [_record(hot_a, {3: 100.0, 4: 260.0, 5: 100.0}, [4]),
+               _record(fits_a, {3: 100.0, 4: 140.0, 5: 100.0}, []),
+               _record(hot_b, {3: 100.0, 4: 300.0, 5: 100.0}, [4]),
+               _record(fits_b, {3: 100.0, 4: 100.0, 5: 100.0}, [])]
+    rows = {r["arm"]: r for r in bench_scale.summarize(records)}
+    assert rows[hot_a]["rerun_extra_ms"] == 120.0 and rows[hot_b]["rerun_extra_ms"] == 200.0
+    assert "rerun_extra_ms" not in rows[fits_a] and "overflow_steps" not in rows[fits_b]
+    # a pair's flags differ only by the twin's pool
+    for hot, fits in RERUN_PAIRS:
+        assert ARMS[hot].flags == ARMS[fits].flags and ARMS[fits].pool_scale > 1.0
+
+
 def test_the_plan_is_not_compared_with_the_rerun_pair():
-    assert not set(RERUN_PAIR) & set(MEMORY_ARMS)
+    assert not set(RERUN_ARMS) & set(MEMORY_ARMS)
     hot = _record(RERUN_PAIR[0], {4: 1.0}, [4])
     result = report_plan.compare_files({"entries": [], "arm_naming": "plan_arm[.variant]"},
                                        {"runs": [hot], "arm_naming": "plan_arm[.variant]"})
@@ -138,7 +155,7 @@ def test_the_rerun_pairs_launched_lines_pass_the_examples_start_up(layout_name, 
     layout = LAYOUTS[layout_name]
     rank = layout.ranks[-1]
     monkeypatch.setattr(bench_scale, "planned_pool_factor", lambda argv, lay, rank: 1.1)
-    for arm in RERUN_PAIR:
+    for arm in (a for a in RERUN_ARMS if layout_name in (ARMS[a].layouts or (layout_name,))):
         argv, _ = bench_scale.arm_argv(layout, rank, arm, 2.0)
         launched = bench_scale.with_trace(argv, layout, rank, bench_scale.TRAIN_ITERS,
                                           tmp_path / f"{arm}.json")
