@@ -96,6 +96,33 @@ def test_a_paged_rerun_that_overflows_again_reruns_unpaged():
     assert_equal_states(paged.state(), control.state())
 
 
+@pytest.mark.parametrize("paged_rerun", [True, False])
+def test_a_rerun_that_runs_out_of_memory_ends_with_one_line_naming_the_fix(paged_rerun):
+    run = Run("rerun", TINY)
+    engine = run.paging.engine
+    # grown pools for the paged rerun, or pools that stay short (the rerun then runs unpaged)
+    engine.grow = (lambda factor: not setattr(engine, "pools", roomy_pools())) if paged_rerun \
+        else (lambda factor: False)
+    forward_backward, calls = run.runner.forward_backward_func, []
+    failing_call = 2 if paged_rerun else 3  # the attempt, the paged rerun, the unpaged rerun
+
+    def short_of_memory(**kwargs):
+        calls.append(kwargs["forward_only"])
+        if len(calls) == failing_call:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 896.00 MiB")
+        return forward_backward(**kwargs)
+
+    run.runner.forward_backward_func = short_of_memory
+    with pytest.raises(torch.OutOfMemoryError) as raised:
+        run.train_step(0)
+    message = str(raised.value)
+    assert "--paging-overflow-policy skip" in message and "\n" not in message
+    assert ("grown to what it needed" in message) == paged_rerun
+    assert ("unpaged rerun" in message) == (not paged_rerun)
+    assert "Tried to allocate" in str(raised.value.__cause__)  # the allocator's own words kept
+    assert run.config.moe_paged_stash  # the runner's settings restored on the way out
+
+
 def test_paged_without_overflow_matches_control_and_recycles_pages():
     control = Run("skip", ROOMY, paged=False)
     paged = Run("skip", ROOMY)

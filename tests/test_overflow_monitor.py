@@ -240,6 +240,40 @@ def test_monitor_rerun_replaces_the_skip_flag_and_must_come_back_clean():
     assert monitor.skip is skip  # an evaluation's rerun leaves the training step's flag
 
 
+@pytest.mark.parametrize("paged, training, names", [
+    (True, True, ("grown to what it needed", "--paging-overflow-policy skip")),
+    (False, True, ("unpaged rerun", "--paging-overflow-policy skip")),
+    (False, False, ("evaluation", "--moe-expert-rank-capacity-factor")),
+])
+def test_a_rerun_out_of_memory_ends_with_one_line_naming_the_fix(paged, training, names):
+    """Both drivers rerun through the monitor: the allocator's error becomes the cause of one
+    line that says which rerun ran short and which flag to change."""
+    monitor = OverflowMonitor(RerunPolicy())
+
+    def short(flags, paged_rerun):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    with pytest.raises(torch.OutOfMemoryError) as raised:
+        monitor.rerun(short, StepFlags(overflow_ranks=1), training=training, paged=paged)
+    message = str(raised.value)
+    assert message.startswith("paging: ") and "\n" not in message
+    assert all(name in message for name in names)
+    assert "Tried to allocate" in str(raised.value.__cause__)
+
+
+@pytest.mark.parametrize("policy", [RerunPolicy(), GrowPolicy()])
+def test_pools_that_cannot_grow_end_with_one_line_naming_the_fix(policy):
+    def grow(factor):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 12.00 GiB")
+
+    monitor = OverflowMonitor(policy, grow=grow)
+    expected = r"^paging: growing the pools .* skip"
+    with pytest.raises(torch.OutOfMemoryError, match=expected) as raised:
+        monitor.after_forward_backward(monitor.reduce(overflowed()), no_rerun)
+        monitor.settle()  # grow decides when the next step starts
+    assert "12.00 GiB" in str(raised.value.__cause__)
+
+
 class LateRerunPolicy(OverflowPolicy):
     name = "late"
     reads_before_optimizer = False

@@ -116,6 +116,26 @@ def skip_flag(reduced: torch.Tensor) -> torch.Tensor:
     return (reduced[OVERFLOW] + reduced[INVALID_LIVE] + reduced[OVER_BUDGET]) > 0
 
 
+def _run_short_of_memory(run: Rerun, flags: StepFlags, paged: bool, training: bool):
+    """``run(flags, paged)``; a rerun that runs out of memory ends with one line that says
+    which rerun it was and what to set (the allocator's own message stays as its cause)."""
+    try:
+        return run(flags, paged)
+    except torch.OutOfMemoryError as err:
+        if not training:
+            what = ("an evaluation that dropped tokens or overflowed, rerun unpaged, ran out of "
+                    "memory; raise --moe-expert-rank-capacity-factor or "
+                    "--moe-paged-stash-buffer-size-factor-cuda so evaluations fit")
+        else:
+            what = ("the rerun of an overflowing step, in pools grown to what it needed,"
+                    if paged else "the unpaged rerun of an overflowing step (it needs the "
+                    "unpaged peak)")
+            what += (" ran out of memory; use --paging-overflow-policy skip (the step's update "
+                     "is dropped) or a pool factor `megatron-paging plan` sizes for rarer "
+                     "overflows (--moe-paged-stash-buffer-size-factor-cuda), if it fits")
+        raise torch.OutOfMemoryError(f"paging: {what}") from err
+
+
 @dataclass(frozen=True)
 class Decision:
     """What the policy did about one step, and the flags it saw."""
@@ -135,7 +155,13 @@ class _Control:
         self.run_again(paged)
 
     def grow_pools(self, factor: float) -> bool:
-        return self.grow is not None and self.grow(factor) is not False
+        try:
+            return self.grow is not None and self.grow(factor) is not False
+        except torch.OutOfMemoryError as err:
+            raise torch.OutOfMemoryError(
+                "paging: growing the pools to what an overflowing step needed ran out of memory; "
+                "use --paging-overflow-policy skip (the step's update is dropped)"
+            ) from err
 
 
 class OverflowMonitor:
@@ -255,7 +281,7 @@ class OverflowMonitor:
         optimizer then follows the rerun's flags, which must be clean (an evaluation leaves the
         training step's skip flag). A paged rerun that still overflows (a need that was not
         counted) runs once more without paging."""
-        reduced = run(flags, paged)
+        reduced = _run_short_of_memory(run, flags, paged, training)
         still = self.read(reduced)
         if paged and still.discard and not still.invalid_live_ranks:
             logger.warning(
@@ -263,7 +289,8 @@ class OverflowMonitor:
                 "re-running it without paging", self.steps, still.overflow_ranks,
             )
             self.unpaged_reruns += 1
-            reduced = run(flags, False)  # the attempt's flags: an over-budget step stays so
+            # the attempt's flags: an over-budget step stays so
+            reduced = _run_short_of_memory(run, flags, False, training)
             still = self.read(reduced)
         if training:
             self.skip = skip_flag(reduced)
