@@ -30,8 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from arm_names import NAMING, NAMING_KEY, current_name, named_by_plan  # noqa: E402
-from common import default_out, header, print_table, require_gpu  # noqa: E402
-from hot_step import TRACE_TOKEN, rerun_extra, write_trace  # noqa: E402
+from common import default_out, header, require_gpu  # noqa: E402
+from hot_step import TRACE_TOKEN, write_trace  # noqa: E402
 from portable import dumps  # noqa: E402
 from scale_layouts import (  # noqa: E402
     ARMS,
@@ -40,7 +40,6 @@ from scale_layouts import (  # noqa: E402
     PARITY_PAIR,
     POOL_OVERFLOW_RATE,
     RERUN_ARMS,
-    RERUN_PAIRS,
 )
 from scale_profile import (  # noqa: E402
     perturbed_iterations,
@@ -48,6 +47,7 @@ from scale_profile import (  # noqa: E402
     profile_line,
     read_profile,
 )
+from scale_summary import fastest_fits, print_summary, summarize  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 REPORT = re.compile(r"paging-example rank \d+: (.*)")
@@ -273,66 +273,15 @@ def plan_runs(layouts, arms, factors, all_ranks: bool):
                     yield layout, rank, arm, factor
 
 
-def rerun_cost(record: dict) -> dict:
-    """What overflows cost a paged arm: the planned overflow rate its pool factor was sized
-    for, the steps that overflowed, and where a step reran, its time beyond the median steady
-    step and the expected cost per step at the planned rate (rate x that extra / median)."""
-    rate = record.get("pool_factor_rate")
-    if rate is None:
-        return {}
-    reports = json.loads(record["report"].get("overflow") or "[]")
-    steps = sorted({int(report["step"]) for report in reports})
-    times = {int(i): float(ms) for i, ms in (record.get("iteration_ms") or {}).items()}
-    median = record.get("median_steady_iteration_ms")
-    extra = [times[s] - median for s in steps if s in times and median]
-    cost = {"overflow_rate_planned": rate, "overflow_steps": steps}
-    if extra:
-        cost["rerun_extra_ms"] = statistics.mean(extra)
-        cost["expected_rerun_cost"] = rate * statistics.mean(extra) / median
-    return cost
-
-
-def summarize(records: list[dict]) -> list[dict]:
-    """Per layout, rank and capacity factor: each arm against unpaged (peaks, step ratio) and,
-    for the deterministic paged arm, parity with the deterministic unpaged one (bitwise)."""
-    rows = []
-    base = {(r["layout"], r["rank"], r["capacity_factor"]): r for r in records
-            if r["arm"] == "unpaged" and r["status"] == "ok"}
-    parity_base = {(r["layout"], r["rank"], r["capacity_factor"]): r for r in records
-                   if r["arm"] == PARITY_PAIR[0] and r["status"] == "ok"}
-    twin_of = dict(RERUN_PAIRS)  # overflowing arm -> the twin whose pool holds its hot step
-    fits = {(r["layout"], r["rank"], r["capacity_factor"], r["arm"]): r for r in records
-            if r["arm"] in twin_of.values() and r["status"] == "ok"}
-    for r in records:
-        row = {k: r[k] for k in ("layout", "rank", "stage", "arm", "capacity_factor", "status")}
-        if r["status"] == "ok":
-            rep = r["report"]
-            row.update(
-                peak_mib=float(rep.get("steady_peak_allocated_mib", "nan")),
-                fb_peak_mib=float(rep.get("steady_fb_peak_allocated_mib", "nan")),
-                pool_cuda_mib=float(rep.get("pool_cuda_mib", 0)),
-                iteration_ms=r["median_steady_iteration_ms"],
-            )
-            control = base.get((r["layout"], r["rank"], r["capacity_factor"]))
-            if control is not None and r is not control:
-                row["peak_vs_unpaged"] = row["peak_mib"] / float(
-                    control["report"]["steady_peak_allocated_mib"])
-                if r["median_steady_iteration_ms"] and control["median_steady_iteration_ms"]:
-                    row["step_vs_unpaged"] = (r["median_steady_iteration_ms"]
-                                              / control["median_steady_iteration_ms"])
-            row["overflow_actions"] = rep.get("overflow_actions")
-            if r["arm"] in twin_of:
-                twin = fits.get((r["layout"], r["rank"], r["capacity_factor"], twin_of[r["arm"]]))
-                if twin is not None:
-                    row.update(rerun_extra(r, twin, r.get("pool_factor_rate")))
-            elif r["arm"] not in RERUN_ARMS:
-                row.update(rerun_cost(r))
-            twin = parity_base.get((r["layout"], r["rank"], r["capacity_factor"]))
-            if r["arm"] == PARITY_PAIR[1] and twin is not None:
-                row["bitwise"] = (r["losses"] == twin["losses"]
-                                  and r["grad_checksums"] == twin["grad_checksums"])
-        rows.append(row)
-    return rows
+def report_only(path: Path | None) -> int:
+    """The summary of an existing result file, recomputed from its runs and written back."""
+    if path is None or not path.is_file():
+        raise SystemExit(f"bench_scale: --report-only needs --out naming a result file, got {path}")
+    result = json.loads(path.read_text())
+    result["summary"], result["fastest"] = summarize(result["runs"]), fastest_fits(result["runs"])
+    path.write_text(dumps(result))
+    print_summary(result)
+    return 0
 
 
 def main(argv=None) -> int:
@@ -370,7 +319,11 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=None,
                         help="result file; arms already in it are not run again (default: "
                         "benchmarks/results/scale_<gpu>.json)")
+    parser.add_argument("--report-only", action="store_true",
+                        help="no runs (no GPU): recompute --out's summary, print it, write it")
     args = parser.parse_args(argv)
+    if args.report_only:
+        return report_only(args.out)
     if args.train_iters < 3:
         parser.error(f"--train-iters must be >= 3 (steps from 3 on are steady), got "
                      f"{args.train_iters}")
@@ -420,20 +373,10 @@ def main(argv=None) -> int:
         failed = failed or record["status"] == "failed"
         result["runs"].append(record)
         result["summary"] = summarize(result["runs"])
+        result["fastest"] = fastest_fits(result["runs"])
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(dumps({**result, **call_header}))
-    rows = result.get("summary", [])
-    print_table(
-        ["layout", "rank", "arm", "cf", "status", "peak MiB", "fb MiB", "x unpaged", "step x",
-         "overflow", "rerun cost", "bitwise"],
-        [[r["layout"], r["rank"], r["arm"], r["capacity_factor"], r["status"],
-          r.get("peak_mib", "-"), r.get("fb_peak_mib", "-"), r.get("peak_vs_unpaged", "-"),
-          r.get("step_vs_unpaged", "-"), r.get("overflow_actions", "-"),
-          r.get("expected_rerun_cost", "-"), r.get("bitwise", "-")]
-         for r in rows],
-        floats=".3g",
-    )
-    print("step times are compute only (collectives emulated)", flush=True)
+    print_summary(result)
     return 1 if failed else 0  # an out-of-memory arm is a result; a failed one is not
 
 

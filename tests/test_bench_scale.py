@@ -1,5 +1,5 @@
-"""bench_scale.py on the CPU: which runs it plans (round robin, resumable), how it reads the
-example's output, and its summary against the unpaged arm (no GPU: the example is faked)."""
+"""bench_scale.py on the CPU: which runs it plans (round robin, resumable) and how it reads the
+example's output (no GPU: the example is faked). Its summary: test_scale_summary.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import bench_scale  # noqa: E402
-from scale_layouts import LAYOUTS  # noqa: E402
+from scale_layouts import LAYOUTS, RERUN_PAIRS  # noqa: E402
 
 ITER = " [2026-12-04] iteration {}/ 5 | consumed samples: 1 | elapsed time per iteration (ms): {} |"
 LOG = "\n".join([
@@ -32,7 +32,7 @@ def test_runs_alternate_arms_and_the_parity_and_rerun_pairs_run_where_unpaged_fi
     assert runs[:3] == [("qwen3_235b", first, "unpaged", 2.0),
                         ("qwen3_235b", second, "unpaged", 2.0),
                         ("qwen3_235b", first, "paged", 2.0)]
-    pairs = {*bench_scale.PARITY_PAIR, *bench_scale.RERUN_PAIRS[0]}  # the MLA pair: DeepSeek-V3
+    pairs = {*bench_scale.PARITY_PAIR, *RERUN_PAIRS[0]}  # the MLA pair: DeepSeek-V3
     assert {arm for _, rank, arm, _ in runs if rank == second} == {"unpaged", "paged", *pairs}
     assert not {arm for _, rank, arm, _ in runs if rank == first} & pairs
     assert [arm for _, _, arm, cf in runs if cf == 1.5] == ["unpaged", "paged"]
@@ -97,29 +97,6 @@ def test_out_of_memory_is_recorded_not_raised(tmp_path, monkeypatch):
     assert record["status"] == "out of memory" and "log_tail" in record
     assert progress[0] not in record["log_tail"]
     assert record["progress"] == [*progress, "torch.OutOfMemoryError: CUDA out of memory"]
-
-
-def test_summary_compares_each_arm_with_unpaged():
-    def rec(arm, peak, ms, losses):
-        return {"layout": "l", "rank": 0, "stage": 0, "arm": arm, "capacity_factor": 2.0,
-                "status": "ok", "median_steady_iteration_ms": ms, "losses": losses,
-                "grad_checksums": ["g"],
-                "report": {"steady_peak_allocated_mib": str(peak),
-                           "steady_fb_peak_allocated_mib": str(peak - 1)}}
-
-    rows = bench_scale.summarize([rec("unpaged", 100.0, 10.0, ["a"]),
-                                  rec("paged", 60.0, 10.2, ["c"]),
-                                  rec("recompute", 50.0, 13.0, ["b"]),
-                                  rec("unpaged.deterministic", 100.0, 11.0, ["d"]),
-                                  rec("paged.deterministic", 60.0, 11.0, ["d"]),
-                                  rec("unpaged.deterministic", 100.0, 11.0, ["e"]) | {"rank": 1},
-                                  rec("paged.deterministic", 60.0, 11.0, ["f"]) | {"rank": 1}])
-    paged, recompute = rows[1], rows[2]
-    assert paged["peak_vs_unpaged"] == pytest.approx(0.6)
-    assert paged["step_vs_unpaged"] == pytest.approx(1.02)
-    # parity only from the deterministic pair (the others run with nondeterministic kernels)
-    assert "bitwise" not in paged and "bitwise" not in recompute
-    assert rows[4]["bitwise"] is True and rows[6]["bitwise"] is False
 
 
 def test_every_layout_flag_is_a_megatron_flag():
@@ -207,21 +184,6 @@ def test_resumed_runs_keep_their_commit_and_out_of_memory_arms_can_be_retried(tm
     runs = json.loads(out.read_text())["runs"]
     assert sorted((r["rank"], r["commit"]) for r in runs if r["arm"] == "unpaged") == [
         (0, "new"), (224, "new")]
-
-
-def test_rerun_cost_is_the_extra_time_of_reran_steps_at_the_planned_rate():
-    """A paged arm sized for a 1% overflow rate whose step 4 overflowed and reran: the rerun's
-    time beyond the median steady step, and 1% of it relative to that step, is the expected
-    cost; an arm without a planned pool factor has none, one without an overflow no time."""
-    record = {"pool_factor_rate": 0.01, "median_steady_iteration_ms": 100.0,
-              "iteration_ms": {"3": 100.0, "4": 230.0, "5": 100.0},  # keys as JSON reads them
-              "report": {"overflow": json.dumps([{"step": 4, "layer": 3}, {"step": 4}])}}
-    cost = bench_scale.rerun_cost(record)
-    assert cost["overflow_steps"] == [4] and cost["rerun_extra_ms"] == 130.0
-    assert cost["expected_rerun_cost"] == pytest.approx(0.013)
-    assert bench_scale.rerun_cost({**record, "pool_factor_rate": None}) == {}
-    quiet = bench_scale.rerun_cost({**record, "report": {"overflow": "[]"}})
-    assert quiet == {"overflow_rate_planned": 0.01, "overflow_steps": []}
 
 
 def test_the_file_records_the_gpus_memory(monkeypatch):
