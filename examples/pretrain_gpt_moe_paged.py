@@ -293,7 +293,7 @@ def report_memory(api, implementation: str) -> None:
         )
     else:
         pools = api.engine.pools
-        cuda_bytes, host_bytes = pools.total_bytes() if pools is not None else (0, 0)
+        cuda_bytes, host_bytes = pools.total_bytes if pools is not None else (0, 0)
         # the last training step's (an evaluation after it runs unpaged)
         mode, steps = PROBE.training_mode or api.engine.mode, api.engine.steps
     mib = 2**20

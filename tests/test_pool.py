@@ -151,7 +151,7 @@ def test_pools_share_flags_and_sum_bytes():
     assert a.flags is b.flags is pools.flags
     assert (b.num_cuda_pages, b.num_host_pages) == (2, 1)
     assert list(pools) == [a, b] and len(pools) == 2 and pools[224] is b
-    assert pools.total_bytes() == (8 * 16 + 8 * 224, 4 * 224)
+    assert pools.total_bytes == (8 * 16 + 8 * 224, 4 * 224)
 
 
 def test_pools_duplicate_row_bytes_rejected():

@@ -40,7 +40,7 @@ def test_step_residency_frees_the_pages_between_steps_and_pages_exactly():
         pool.cuda_pages  # noqa: B018 - the property is what is tested
     assert "\n" not in str(error.value)
     # The sizes survive the release: they are what the next step allocates.
-    assert pool.num_cuda_pages == 3 and pools.total_bytes() == (3 * PAGE * ROW_BYTES, 0)
+    assert pool.num_cuda_pages == 3 and pools.total_bytes == (3 * PAGE * ROW_BYTES, 0)
 
     released = []
     for live in (5, 7, 0):

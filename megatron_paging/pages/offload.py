@@ -152,7 +152,7 @@ class OffloadPools:
 
     def host_bytes(self) -> int:
         arenas = sum(a.nbytes for a in (self.arena, self.prefix_arena) if a is not None)
-        return self.pools.total_bytes()[1] + arenas
+        return self.pools.total_bytes[1] + arenas
 
     def prefix_for(self, capacity_rows: int, row_bytes: int) -> int:
         """Rows of such a buffer the copy engine moves (0: all through the kernels)."""

@@ -375,7 +375,9 @@ class PagePools:
     def device_tiers_resident(self) -> bool:
         return all(pool.device_tier_resident for pool in self._pools.values())
 
+    @property
     def total_bytes(self) -> tuple[int, int]:
+        """(device tier bytes, host tier bytes) of every pool, as :attr:`PagePool.total_bytes`."""
         cuda = sum(p.total_bytes[0] for p in self._pools.values())
         host = sum(p.total_bytes[1] for p in self._pools.values())
         return cuda, host
