@@ -153,7 +153,7 @@ ARMS = {a.name: a for a in (
         pool_scale=FITS_POOL_SCALE),
     # The same pair with MLA's up projections recomputed: the rerun grows the device pool by
     # about half, which DeepSeek-V3's last-stage paged arm (1 GiB under an 80 GB GPU) cannot
-    # hold; this arm leaves ~18 GiB for it.
+    # hold; this arm leaves ~20 GiB for it (docs/scale.md).
     Arm("paged", "recompute_mla_up_proj_hot_step", ("--moe-paged-stash", *MLA_UP_PROJ_RECOMPUTE),
         hot_step=True, layouts=("deepseek_v3",)),
     Arm("paged", "recompute_mla_up_proj_hot_step_fits",
