@@ -51,6 +51,23 @@ def test_the_predicted_line_is_the_one_bench_scale_launches(tmp_path, monkeypatc
         assert seen["argv"] == plan_predictions.bench_argv(layout, 256, arm, 1.5)
 
 
+def test_the_committed_predictions_cover_every_memory_run_of_the_scale_benchmark():
+    """Every run ``bench_scale.py --all-ranks`` makes (memory arms: the rerun pairs are timing
+    only) has its prediction in the committed file, so report_plan never lacks one; rerun
+    ``python benchmarks/plan_predictions.py --all-ranks`` after adding an arm or a layout."""
+    from scale_layouts import CAPACITY_FACTORS, MEMORY_ARMS
+
+    path = Path(report_plan.PREDICTIONS)
+    entries = json.loads(path.read_text())["entries"]
+    predicted = {(e["layout"], int(e["rank"]), e["arm"], float(e["capacity_factor"]))
+                 for e in entries}
+    runs = {(layout.name, rank, arm, factor) for layout, rank, arm, factor in
+            bench_scale.plan_runs(list(LAYOUTS), list(MEMORY_ARMS), list(CAPACITY_FACTORS),
+                                  True)}
+    assert runs - predicted == set(), f"not predicted in {path.name}"
+    assert len(entries) == len(predicted)  # one prediction per run
+
+
 def test_predictions_on_a_tiny_layout_write_every_field(tmp_path, monkeypatch):
     pytest.importorskip("megatron.training")
     import plan_predictions
