@@ -47,7 +47,7 @@ from scale_profile import (  # noqa: E402
     profile_line,
     read_profile,
 )
-from scale_summary import fastest_fits, print_summary, summarize  # noqa: E402
+from scale_summary import print_summary, summarize_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 REPORT = re.compile(r"paging-example rank \d+: (.*)")
@@ -277,8 +277,7 @@ def report_only(path: Path | None) -> int:
     """The summary of an existing result file, recomputed from its runs and written back."""
     if path is None or not path.is_file():
         raise SystemExit(f"bench_scale: --report-only needs --out naming a result file, got {path}")
-    result = json.loads(path.read_text())
-    result["summary"], result["fastest"] = summarize(result["runs"]), fastest_fits(result["runs"])
+    result = summarize_result(json.loads(path.read_text()))
     path.write_text(dumps(result))
     print_summary(result)
     return 0
@@ -372,8 +371,7 @@ def main(argv=None) -> int:
             print(f"    {profile_line(record['profile'])}", flush=True)
         failed = failed or record["status"] == "failed"
         result["runs"].append(record)
-        result["summary"] = summarize(result["runs"])
-        result["fastest"] = fastest_fits(result["runs"])
+        result = summarize_result(result)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(dumps({**result, **call_header}))
     print_summary(result)

@@ -110,6 +110,12 @@ def fastest_fits(records: list[dict]) -> list[dict]:
     return rows
 
 
+def summarize_result(result: dict) -> dict:
+    """``result`` (a scale file) with its ``summary`` and ``fastest`` recomputed from its runs."""
+    runs = result["runs"]
+    return {**result, "summary": summarize(runs), "fastest": fastest_fits(runs)}
+
+
 def print_summary(result: dict) -> None:
     rows = result.get("summary", [])
     print_table(

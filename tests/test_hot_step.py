@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import bench_scale  # noqa: E402
 import hot_step  # noqa: E402
 import report_plan  # noqa: E402
+import scale_summary  # noqa: E402
 from scale_layouts import ARMS, LAYOUTS, MEMORY_ARMS, RERUN_ARMS, RERUN_PAIRS  # noqa: E402
 
 RERUN_PAIR = RERUN_PAIRS[0]  # paged.hot_step and its twin
@@ -105,7 +106,7 @@ def test_the_rerun_is_the_hot_steps_time_beyond_its_twins():
     assert cost["rerun_measured"] and cost["rerun_extra_ms"] == 120.0
     assert cost["step_ms"] == 100.0  # the twin's steady steps but the hot one
     assert cost["expected_rerun_cost"] == pytest.approx(0.012)
-    row = next(r for r in bench_scale.summarize([hot, fits]) if r["arm"] == RERUN_PAIR[0])
+    row = next(r for r in scale_summary.summarize([hot, fits]) if r["arm"] == RERUN_PAIR[0])
     assert row["expected_rerun_cost"] == pytest.approx(0.012)
     # a twin that overflowed too, or a hot arm that did not: nothing measured, said so
     assert not hot_step.rerun_extra(hot, _record(RERUN_PAIR[1], {4: 1.0}, [4]), 0.01)[
@@ -122,7 +123,7 @@ def test_each_rerun_pair_is_measured_against_its_own_twin():
                _record(fits_a, {3: 100.0, 4: 140.0, 5: 100.0}, []),
                _record(hot_b, {3: 100.0, 4: 300.0, 5: 100.0}, [4]),
                _record(fits_b, {3: 100.0, 4: 100.0, 5: 100.0}, [])]
-    rows = {r["arm"]: r for r in bench_scale.summarize(records)}
+    rows = {r["arm"]: r for r in scale_summary.summarize(records)}
     assert rows[hot_a]["rerun_extra_ms"] == 120.0 and rows[hot_b]["rerun_extra_ms"] == 200.0
     assert "rerun_extra_ms" not in rows[fits_a] and "overflow_steps" not in rows[fits_b]
     # a pair's flags differ only by the twin's pool
