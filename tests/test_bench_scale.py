@@ -255,6 +255,29 @@ def test_an_arm_the_plan_puts_well_above_the_gpu_is_recorded_as_predicted_not_ru
         0: "ok", 224: "ok"}
 
 
+def test_a_call_for_other_arms_keeps_every_record_it_does_not_plan(tmp_path, monkeypatch):
+    """Resuming a file for a few arms leaves the others' records as they are, predicted out of
+    memory included (a call for three arms once dropped every other predicted record)."""
+    monkeypatch.setattr(bench_scale, "require_gpu", lambda benchmark: None)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(bench_scale, "scale_header", lambda: {
+        "benchmark": "scale", "gpu": "H200", "date": "today", "commit": "new"})
+    kept = [{"layout": "qwen3_235b", "rank": rank, "stage": 0, "arm": "unpaged",
+             "capacity_factor": 2.0, "status": status}
+            for rank, status in ((0, bench_scale.PREDICTED_OOM), (224, "failed"))]
+    out = tmp_path / "scale.json"
+    out.write_text(json.dumps({"benchmark": "scale", "commit": "old", "date": "then",
+                               "arm_naming": "plan_arm[.variant]", "runs": kept}))
+    monkeypatch.setattr(bench_scale.subprocess, "run", lambda cmd, **kw: (
+        subprocess.CompletedProcess(cmd, 0, LOG, "")))
+    argv = ["--layouts", "qwen3_235b", "--arms", "recompute", "--capacity-factors", "2.0",
+            "--out", str(out)]
+    assert bench_scale.main(argv) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert sorted((r["arm"], r["rank"], r["status"]) for r in runs) == [
+        ("recompute", 0, "ok"), ("unpaged", 0, bench_scale.PREDICTED_OOM), ("unpaged", 224, "failed")]
+
+
 def test_the_predicted_peak_is_the_plans_for_the_arm_the_line_launches():
     """The plan run on the arm's own launch line (CPU, seconds): Qwen3-235B's stage 0 unpaged at
     capacity factor 2 is planned above an H200's 143,156 MiB, its paged arm below."""
