@@ -275,7 +275,8 @@ def test_a_call_for_other_arms_keeps_every_record_it_does_not_plan(tmp_path, mon
     assert bench_scale.main(argv) == 0
     runs = json.loads(out.read_text())["runs"]
     assert sorted((r["arm"], r["rank"], r["status"]) for r in runs) == [
-        ("recompute", 0, "ok"), ("unpaged", 0, bench_scale.PREDICTED_OOM), ("unpaged", 224, "failed")]
+        ("recompute", 0, "ok"), ("unpaged", 0, bench_scale.PREDICTED_OOM),
+        ("unpaged", 224, "failed")]
 
 
 def test_the_predicted_peak_is_the_plans_for_the_arm_the_line_launches():
