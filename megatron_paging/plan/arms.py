@@ -176,11 +176,18 @@ def layer_terms(model: S.ModelShape, d: S.Dims, layer: S.Layer, arm: ArmSpec,
     work_moe = S.expert_working_set(model, d, rc)
     if d.shared_ffn:
         work_moe = max(work_moe, S.mlp_working_set(model, d, d.shared_ffn))
+    pooled = arm.manager is not None or arm.offload_experts
+    # The dispatcher's backward runs after the experts' backward freed their x and fc1; by then
+    # the stash and Megatron-Core's offload hold the layer below's reloaded x and fc1 instead
+    # (prefetched at the experts' input, counted in `resident`), our live-row offload not yet.
+    dispatch_work = S.dispatch_working_set(model, d)
+    if not pooled or arm.offload_live_rows:
+        dispatch_work -= capacity
+    work_moe = max(work_moe, dispatch_work)
     if arm.recompute_moe:  # only the input (the norm output in `residual`) is kept
         recomputed = router + dispatch + capacity + shared
         return _Terms(S.Parts(attention=attn, residual=res), live, host,
                       max(work_attn, recomputed + work_moe))
-    pooled = arm.manager is not None or arm.offload_experts
     if arm.offload_live_rows:  # each record's expected live rows, in whole pages
         host += S.expert_bytes(model, d, -(-d.expected_live // page) * page, rc)
     elif arm.offload_experts:
@@ -304,21 +311,30 @@ def evaluate(model: S.ModelShape, par: S.Parallel, chunks, ops, pipeline_rank: i
     records = peak_records(chunks, ops)
     pool_device, pool_host = pools(model, d, arm, records, paging)
     constant = int(constants.workspace_mib * MIB)
+    # A stash's sources go once the host sees its copy end, or when the backward of the same
+    # chunk-microbatch begins; a host ahead of the GPU has not seen the last stash of the
+    # forward just before another chunk-microbatch's backward (1F1B) end, so that layer's
+    # sources are still allocated through the backward's first layer.
+    stale = (S.expert_bytes(model, d, d.capacity, arm.recompute_fc1)
+             if moe_layers and arm.manager and not arm.offload_live_rows else 0)
 
     full_totals = [t.full.parts.total for t in terms]
     best, best_total = None, -1
     for m in moments(ops, len(chunks)):
         own_full = full_totals[m.chunk] if m.kind == "backward" else 0
         kept = sum(n * total for n, total in zip(m.alive, full_totals, strict=True)) - own_full
+        held = 0
         if m.kind == "forward":
             candidates = [_Terms(S.Parts(), work=terms[m.chunk].forward_work)]
         else:
             candidates = terms[m.chunk].backward
+            held = stale if _follows_another_forward(ops, m, chunks) else 0
         for own in candidates:
-            total = kept + own.parts.total + own.work
+            total = kept + own.parts.total + own.work + held
             if total > best_total:
-                best_total, best = total, (m, own)
-    moment, alive = best if best is not None else (None, _Terms(S.Parts()))
+                best_total, best = total, (m, own, held)
+    moment, alive, held = best if best is not None else (None, _Terms(S.Parts()), 0)
+    resident = resident + _Terms(S.Parts(experts=held))
     if moment is not None:  # the breakdown of the winning moment
         for c, n in enumerate(moment.alive):
             full = terms[c].full
@@ -350,6 +366,16 @@ def evaluate(model: S.ModelShape, par: S.Parallel, chunks, ops, pipeline_rank: i
         peak_phase=phase, peak_moment=_describe(moment, chunks),
         in_flight=moment.in_flight if moment else 0,
     )
+
+
+def _follows_another_forward(ops, moment, chunks) -> bool:
+    """Whether the op before this backward is the forward of another chunk-microbatch that
+    stashes (its chunk has MoE layers)."""
+    if moment.index == 0:
+        return False
+    prev = ops[moment.index - 1]
+    return (prev.kind == "F" and chunks[prev.chunk].moe_layers > 0
+            and (prev.chunk, prev.microbatch) != (moment.chunk, moment.microbatch))
 
 
 def _describe(moment, chunks) -> str:
