@@ -173,9 +173,6 @@ def layer_terms(model: S.ModelShape, d: S.Dims, layer: S.Layer, arm: ArmSpec,
     router, dispatch = S.router_saved(model, d), S.dispatch_saved(model, d)
     capacity = S.expert_bytes(model, d, d.capacity, rc)
     live = S.expert_bytes(model, d, d.expected_live, rc)
-    work_moe = S.expert_working_set(model, d, rc)
-    if d.shared_ffn:
-        work_moe = max(work_moe, S.mlp_working_set(model, d, d.shared_ffn))
     pooled = arm.manager is not None or arm.offload_experts
     # The dispatcher's backward runs after the experts' backward freed their x and fc1; by then
     # the stash and Megatron-Core's offload hold the layer below's reloaded x and fc1 instead
@@ -183,9 +180,20 @@ def layer_terms(model: S.ModelShape, d: S.Dims, layer: S.Layer, arm: ArmSpec,
     dispatch_work = S.dispatch_working_set(model, d)
     if not pooled or arm.offload_live_rows:
         dispatch_work -= capacity
-    work_moe = max(work_moe, dispatch_work)
+    # MoELayer's forward runs the shared experts first, so the engine (latest node first) runs
+    # their backward last: the MoE output's gradient (the hidden dropout's, a new tensor) waits
+    # for them through the routed backward; a recomputed layer's checkpoint holds it throughout.
+    held = (S.BF16 * d.stream_tokens * model.hidden
+            if model.hidden_dropout and (d.shared_ffn or arm.recompute_moe) else 0)
+    work_moe = max(S.expert_working_set(model, d, rc), dispatch_work) + held
+    if d.shared_ffn:
+        work_moe = max(work_moe, S.mlp_working_set(model, d, d.shared_ffn))
     if arm.recompute_moe:  # only the input (the norm output in `residual`) is kept
+        # Backward first runs the layer's forward again: at its combine, beside the x and fc1
+        # the experts saved, the regroup gather holds the experts' output, its rows and their
+        # masked copy (then the block exchange's input and output): three [C, h] again.
         recomputed = router + dispatch + capacity + shared
+        work_moe = max(work_moe, S.dispatch_working_set(model, d) + held)
         return _Terms(S.Parts(attention=attn, residual=res), live, host,
                       max(work_attn, recomputed + work_moe))
     if arm.offload_live_rows:  # each record's expected live rows, in whole pages
@@ -207,8 +215,9 @@ class _ChunkTerms:
 def chunk_terms(model: S.ModelShape, d: S.Dims, chunk: S.Chunk, arm: ArmSpec,
                 pipelined: bool = False, page: int = 1) -> _ChunkTerms:
     """A chunk-microbatch's saved activations and its backward's candidate moments. Pipelined,
-    a chunk keeps the input it received (its first norm's input) and Megatron's
-    ``deallocate_output_tensor`` frees the data of the output it sent."""
+    a chunk keeps the input it received (its first norm's input), Megatron's
+    ``deallocate_output_tensor`` frees the data of the output it sent, and the gradient it
+    receives for that output stays referenced until its backward ends."""
     stream = S.BF16 * d.stream_tokens * model.hidden
     received = stream if pipelined and not chunk.embedding else 0
     base = _Terms(S.Parts(
@@ -223,6 +232,8 @@ def chunk_terms(model: S.ModelShape, d: S.Dims, chunk: S.Chunk, arm: ArmSpec,
         sent = S.Parts(residual=-stream)
         running = _Terms(running.parts + sent, running.live, running.host, running.work)
         prefixes[-1] = running
+        # backward_step keeps the output gradient it received through the whole backward
+        prefixes = [_Terms(p.parts, p.live, p.host, p.work + stream) for p in prefixes]
     top = _Terms(running.parts, running.live, running.host, 0)
     loss_work = 0
     if chunk.loss:

@@ -356,8 +356,9 @@ def dispatch_saved(model: ModelShape, d: Dims) -> int:
 
 
 def dispatch_working_set(model: ModelShape, d: Dims) -> int:
-    """The static dispatcher's backward of its regroup gather: the experts' input gradient
-    [C, h], the rows it gathers and their masked copy, both [C, h]."""
+    """The static dispatcher's regroup gather: in backward the experts' input gradient, the
+    rows it gathers and their masked copy; in forward's combine the experts' output, the rows
+    and their copy (all [C, h])."""
     return 3 * BF16 * d.capacity * model.hidden
 
 
