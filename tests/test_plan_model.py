@@ -93,10 +93,15 @@ def test_mla_up_proj_recompute_keeps_no_query_key_value_and_makes_them_in_backwa
     d = S.dims(kept, ONE)
     # 4 tokens x 2 heads: query and key (3 + 1 rope) and value (2), bf16
     assert S.mla_up_proj_saved(shape, d) == 2 * 4 * 2 * (2 * 4 + 2) == 160
-    # q down output + norm 2*2*4*4, kv down (2+1) + norm 2 (bf16), out 2*4*2*2, lse 4*4*2
-    assert S.attention_saved(recomputed, d) == 64 + 24 + 16 + 32 + 32
-    # ... and, kept, those 160 bytes plus rope's cos/sin (2 x bf16 x 4 tokens x 1)
-    assert S.attention_saved(kept, d) == S.attention_saved(recomputed, d) + 160 + 16
+    # q down output 2*4*4, kv down (2+1) (bf16), out 2*4*2*2, lse 4*4*2; without
+    # --qk-layernorm the local spec builds q/kv_layernorm as identities: no norm outputs
+    assert S.attention_saved(recomputed, d) == 32 + 24 + 32 + 32
+    # with it, their outputs: q 2*4*4 and kv 2*4*2
+    normed = dataclasses.replace(recomputed, qk_layernorm=True)
+    assert S.attention_saved(normed, d) == S.attention_saved(recomputed, d) + 32 + 16
+    # ... and, kept, those 160 bytes plus rope's cos/sin for query and key (2 x 2 x bf16 x 4
+    # tokens x 1: each apply_rotary_pos_emb call makes its own)
+    assert S.attention_saved(kept, d) == S.attention_saved(recomputed, d) + 160 + 32
     assert (S.attention_working_set(recomputed, d)
             == S.attention_working_set(kept, d) + 160)  # made again for the layer's backward
 
@@ -139,8 +144,9 @@ def test_recompute_and_offload_arms():
     paging = PagingSettings(page_size=4)
     recompute = evaluate(TINY, ONE, CHUNK, ops, 0, arm("recompute"), paging, NO_CONSTANT)
     assert (recompute.router, recompute.dispatch, recompute.experts) == (0, 0, 0)
-    # its backward recomputes router, dispatch and experts (448 + 508 + 480) under 1248
-    assert recompute.workspace == 448 + 508 + 480 + 1248
+    # its backward recomputes router, dispatch and experts (448 + 508 + 480) under 1248, while
+    # the checkpoint holds the MoE output's gradient (the hidden dropout's, bf16 [4, 8])
+    assert recompute.workspace == 448 + 508 + 480 + 1248 + 64
     offload = evaluate(TINY, ONE, CHUNK, ops, 0, arm("offload"), paging, NO_CONSTANT)
     assert (offload.experts, offload.host_offload, offload.pool_device) == (480, 480, 0)
 
@@ -210,3 +216,41 @@ def test_pipeline_stage_keeps_its_input_and_frees_its_output():
     assert chunk_terms(TINY, d, first, unpaged, True).full.parts.residual == 352 - stream
     assert chunk_terms(TINY, d, last, unpaged, True).full.parts.residual == 352 + stream
     assert chunk_terms(TINY, d, CHUNK[0], unpaged, False).full.parts.residual == 352
+
+
+def test_recomputed_forward_peaks_at_the_combine_when_its_gather_outweighs_the_experts():
+    # moe-ffn 1: the experts' backward (at most 368 B) is below the combine's three [12, 8]
+    narrow = dataclasses.replace(TINY, moe_ffn=1)
+    d = S.dims(narrow, ONE)
+    assert S.expert_working_set(narrow, d, False) == 368
+    m = evaluate(narrow, ONE, CHUNK, one_f_one_b_ops(1, 0, 1), 0, arm("recompute"),
+                 PagingSettings(page_size=4), NO_CONSTANT)
+    capacity = S.expert_bytes(narrow, d, d.capacity, False)  # x and fc1, saved again
+    # router + dispatch + x and fc1 + the experts' output, the gathered rows and their masked
+    # copy + the MoE output's gradient the checkpoint holds
+    assert m.workspace == 448 + 508 + capacity + 3 * 2 * 12 * 8 + 64
+
+
+def test_a_pipelined_chunk_holds_its_received_output_gradient_through_its_backward():
+    from megatron_paging.plan.arms import chunk_terms
+    d = S.dims(TINY, ONE)
+    middle = S.Chunk(0, (MOE,))
+    alone = chunk_terms(TINY, d, middle, arm("paged"))
+    piped = chunk_terms(TINY, d, middle, arm("paged"), pipelined=True)
+    # bf16 [4, 8]: referenced by backward_step until the chunk's backward ends
+    assert [t.work for t in piped.backward] == [t.work + 64 for t in alone.backward]
+    last = S.Chunk(0, (MOE,), loss=True)  # the loss chunk receives no gradient
+    assert ([t.work for t in chunk_terms(TINY, d, last, arm("paged"), pipelined=True).backward]
+            == [t.work for t in chunk_terms(TINY, d, last, arm("paged")).backward])
+
+
+def test_shared_experts_hold_the_moe_output_gradient_through_the_routed_backward():
+    from megatron_paging.plan.arms import layer_terms
+    shared = dataclasses.replace(TINY, shared_ffn=2)
+    d = S.dims(shared, ONE)
+    routed = S.expert_working_set(shared, d, False)
+    assert routed > max(S.mlp_working_set(shared, d, 2), S.attention_working_set(shared, d))
+    # their backward runs last: the dropout's gradient (bf16 [4, 8]) waits for it
+    assert layer_terms(shared, d, MOE, arm("paged")).work == routed + 64
+    no_dropout = dataclasses.replace(shared, hidden_dropout=False)  # it is the layer's own
+    assert layer_terms(no_dropout, d, MOE, arm("paged")).work == routed

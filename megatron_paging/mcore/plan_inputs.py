@@ -158,6 +158,8 @@ def model_shape(args) -> S.ModelShape:
         hidden_dropout=args.hidden_dropout > 0,
         rotary_dim=int(args.kv_channels * args.rotary_percent) if rope else 0, mla=mla,
         num_experts=args.num_experts or 0, topk=args.moe_router_topk or 0,
+        router_sigmoid=args.moe_router_score_function == "sigmoid",
+        router_groups=args.moe_router_num_groups or 0,
         moe_ffn=args.moe_ffn_hidden_size or args.ffn_hidden_size,
         shared_ffn=args.moe_shared_expert_intermediate_size or 0,
         capacity_factor=args.moe_expert_rank_capacity_factor,

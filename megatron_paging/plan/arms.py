@@ -173,14 +173,29 @@ def layer_terms(model: S.ModelShape, d: S.Dims, layer: S.Layer, arm: ArmSpec,
     router, dispatch = S.router_saved(model, d), S.dispatch_saved(model, d)
     capacity = S.expert_bytes(model, d, d.capacity, rc)
     live = S.expert_bytes(model, d, d.expected_live, rc)
-    work_moe = S.expert_working_set(model, d, rc)
+    pooled = arm.manager is not None or arm.offload_experts
+    # The dispatcher's backward runs after the experts' backward freed their x and fc1; by then
+    # the stash and Megatron-Core's offload hold the layer below's reloaded x and fc1 instead
+    # (prefetched at the experts' input, counted in `resident`), our live-row offload not yet.
+    dispatch_work = S.dispatch_working_set(model, d)
+    if not pooled or arm.offload_live_rows:
+        dispatch_work -= capacity
+    # MoELayer's forward runs the shared experts first, so the engine (latest node first) runs
+    # their backward last: the MoE output's gradient (the hidden dropout's, a new tensor) waits
+    # for them through the routed backward; a recomputed layer's checkpoint holds it throughout.
+    held = (S.BF16 * d.stream_tokens * model.hidden
+            if model.hidden_dropout and (d.shared_ffn or arm.recompute_moe) else 0)
+    work_moe = max(S.expert_working_set(model, d, rc), dispatch_work) + held
     if d.shared_ffn:
         work_moe = max(work_moe, S.mlp_working_set(model, d, d.shared_ffn))
     if arm.recompute_moe:  # only the input (the norm output in `residual`) is kept
+        # Backward first runs the layer's forward again: at its combine, beside the x and fc1
+        # the experts saved, the regroup gather holds the experts' output, its rows and their
+        # masked copy (then the block exchange's input and output): three [C, h] again.
         recomputed = router + dispatch + capacity + shared
+        work_moe = max(work_moe, S.dispatch_working_set(model, d) + held)
         return _Terms(S.Parts(attention=attn, residual=res), live, host,
                       max(work_attn, recomputed + work_moe))
-    pooled = arm.manager is not None or arm.offload_experts
     if arm.offload_live_rows:  # each record's expected live rows, in whole pages
         host += S.expert_bytes(model, d, -(-d.expected_live // page) * page, rc)
     elif arm.offload_experts:
@@ -200,8 +215,9 @@ class _ChunkTerms:
 def chunk_terms(model: S.ModelShape, d: S.Dims, chunk: S.Chunk, arm: ArmSpec,
                 pipelined: bool = False, page: int = 1) -> _ChunkTerms:
     """A chunk-microbatch's saved activations and its backward's candidate moments. Pipelined,
-    a chunk keeps the input it received (its first norm's input) and Megatron's
-    ``deallocate_output_tensor`` frees the data of the output it sent."""
+    a chunk keeps the input it received (its first norm's input), Megatron's
+    ``deallocate_output_tensor`` frees the data of the output it sent, and the gradient it
+    receives for that output stays referenced until its backward ends."""
     stream = S.BF16 * d.stream_tokens * model.hidden
     received = stream if pipelined and not chunk.embedding else 0
     base = _Terms(S.Parts(
@@ -216,6 +232,8 @@ def chunk_terms(model: S.ModelShape, d: S.Dims, chunk: S.Chunk, arm: ArmSpec,
         sent = S.Parts(residual=-stream)
         running = _Terms(running.parts + sent, running.live, running.host, running.work)
         prefixes[-1] = running
+        # backward_step keeps the output gradient it received through the whole backward
+        prefixes = [_Terms(p.parts, p.live, p.host, p.work + stream) for p in prefixes]
     top = _Terms(running.parts, running.live, running.host, 0)
     loss_work = 0
     if chunk.loss:
@@ -304,21 +322,30 @@ def evaluate(model: S.ModelShape, par: S.Parallel, chunks, ops, pipeline_rank: i
     records = peak_records(chunks, ops)
     pool_device, pool_host = pools(model, d, arm, records, paging)
     constant = int(constants.workspace_mib * MIB)
+    # A stash's sources go once the host sees its copy end, or when the backward of the same
+    # chunk-microbatch begins; a host ahead of the GPU has not seen the last stash of the
+    # forward just before another chunk-microbatch's backward (1F1B) end, so that layer's
+    # sources are still allocated through the backward's first layer.
+    stale = (S.expert_bytes(model, d, d.capacity, arm.recompute_fc1)
+             if moe_layers and arm.manager and not arm.offload_live_rows else 0)
 
     full_totals = [t.full.parts.total for t in terms]
     best, best_total = None, -1
     for m in moments(ops, len(chunks)):
         own_full = full_totals[m.chunk] if m.kind == "backward" else 0
         kept = sum(n * total for n, total in zip(m.alive, full_totals, strict=True)) - own_full
+        held = 0
         if m.kind == "forward":
             candidates = [_Terms(S.Parts(), work=terms[m.chunk].forward_work)]
         else:
             candidates = terms[m.chunk].backward
+            held = stale if _follows_another_forward(ops, m, chunks) else 0
         for own in candidates:
-            total = kept + own.parts.total + own.work
+            total = kept + own.parts.total + own.work + held
             if total > best_total:
-                best_total, best = total, (m, own)
-    moment, alive = best if best is not None else (None, _Terms(S.Parts()))
+                best_total, best = total, (m, own, held)
+    moment, alive, held = best if best is not None else (None, _Terms(S.Parts()), 0)
+    resident = resident + _Terms(S.Parts(experts=held))
     if moment is not None:  # the breakdown of the winning moment
         for c, n in enumerate(moment.alive):
             full = terms[c].full
@@ -350,6 +377,16 @@ def evaluate(model: S.ModelShape, par: S.Parallel, chunks, ops, pipeline_rank: i
         peak_phase=phase, peak_moment=_describe(moment, chunks),
         in_flight=moment.in_flight if moment else 0,
     )
+
+
+def _follows_another_forward(ops, moment, chunks) -> bool:
+    """Whether the op before this backward is the forward of another chunk-microbatch that
+    stashes (its chunk has MoE layers)."""
+    if moment.index == 0:
+        return False
+    prev = ops[moment.index - 1]
+    return (prev.kind == "F" and chunks[prev.chunk].moe_layers > 0
+            and (prev.chunk, prev.microbatch) != (moment.chunk, moment.microbatch))
 
 
 def _describe(moment, chunks) -> str:

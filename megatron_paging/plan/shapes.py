@@ -20,11 +20,15 @@ from dataclasses import dataclass, fields
 
 BF16 = 2
 FP32 = 4
-# The router and its load-balancing loss keep this many fp32 [tokens, experts] tensors per MoE
-# layer (logits, scores, probs, routing map, aux-loss scores, top-k values and their
+# The softmax router and its load-balancing loss keep this many fp32 [tokens, experts] tensors
+# per MoE layer (logits, scores, probs, routing map, aux-loss scores, top-k values and their
 # compiled-kernel buffers), counted per layer in an allocator memory trace of the moe_compute
 # frontier size (megatron_paging.tools.memory_trace).
 ROUTER_FP32_TENSORS = 7
+# The sigmoid router keeps two: the sigmoid's output for routing and for the aux loss (its probs
+# are [tokens, top-k]); group-limited routing adds its bool expert mask. Counted in the peak's
+# owners of DeepSeek-V3's last stage (benchmarks/results/scale_owners_h100.json).
+SIGMOID_ROUTER_FP32_TENSORS = 2
 # The unfused weighted activation (--no-bias-swiglu-fusion, Megatron-Core's torch expression)
 # has at its backward's peak, per C x ffn element: dinter, silu(gate), the linear half plus its
 # offset, silu*linear and inter in bf16 (5 x 2 B) and three fp32 temporaries (the gradient of
@@ -67,6 +71,8 @@ class ModelShape:
     mla: MLAShape | None = None
     num_experts: int = 0
     topk: int = 0
+    router_sigmoid: bool = False  # --moe-router-score-function sigmoid
+    router_groups: int = 0  # --moe-router-num-groups (group-limited routing)
     moe_ffn: int = 0
     shared_ffn: int = 0
     capacity_factor: float | None = None
@@ -284,8 +290,11 @@ def attention_saved(model: ModelShape, d: Dims) -> int:
         return (qkv + new_qk + rope_saved(model, d) + qk_norms_saved(model, d)
                 + BF16 * t * n * hd + FP32 * t * n)
     m = model.mla
-    q_lora = 2 * BF16 * t * m.q_lora_rank if m.q_lora_rank else 0  # down output + its norm
-    kv_lora = BF16 * t * (m.kv_lora_rank + m.qk_pos_dim) + BF16 * t * m.kv_lora_rank
+    # the down projections' outputs (the up projections' inputs) and, with --qk-layernorm,
+    # their norms' outputs (without it the local spec builds the norms as identities)
+    norms = 2 if model.qk_layernorm else 1
+    q_lora = norms * BF16 * t * m.q_lora_rank if m.q_lora_rank else 0
+    kv_lora = BF16 * t * (m.kv_lora_rank + m.qk_pos_dim) + (norms - 1) * BF16 * t * m.kv_lora_rank
     # the up projections' work: query, key (rope concatenated), value, and rope's cos/sin
     up_proj = 0 if m.recompute_up_proj else mla_up_proj_saved(m, d)
     return q_lora + kv_lora + up_proj + rope_saved(model, d) + BF16 * t * n * m.v_head_dim \
@@ -294,9 +303,10 @@ def attention_saved(model: ModelShape, d: Dims) -> int:
 
 def rope_saved(model: ModelShape, d: Dims) -> int:
     """Rope's cos and sin, kept for its backward (none with MLA's up projections recomputed:
-    rope runs inside that recompute)."""
+    rope runs inside that recompute). MLA applies rope twice (query, key), each call making its
+    own cos and sin."""
     if model.mla is not None:
-        return 0 if model.mla.recompute_up_proj else 2 * BF16 * d.tokens * model.mla.qk_pos_dim
+        return 0 if model.mla.recompute_up_proj else 4 * BF16 * d.tokens * model.mla.qk_pos_dim
     return 2 * BF16 * d.tokens * model.rotary_dim
 
 
@@ -332,7 +342,10 @@ def mlp_saved(model: ModelShape, d: Dims, ffn: int) -> int:
 
 
 def router_saved(model: ModelShape, d: Dims) -> int:
-    return ROUTER_FP32_TENSORS * FP32 * d.stream_tokens * model.num_experts
+    scores = d.stream_tokens * model.num_experts
+    if model.router_sigmoid:
+        return SIGMOID_ROUTER_FP32_TENSORS * FP32 * scores + (scores if model.router_groups else 0)
+    return ROUTER_FP32_TENSORS * FP32 * scores
 
 
 def dispatch_saved(model: ModelShape, d: Dims) -> int:
@@ -340,6 +353,13 @@ def dispatch_saved(model: ModelShape, d: Dims) -> int:
     rows (regroup, combine, send; 9 B a row), the combine map per route (token row, mask,
     expert: 17 B per token x topk); the experts keep the dispatched probs (fp32 per row)."""
     return 27 * d.capacity + 17 * d.stream_tokens * model.topk + FP32 * d.capacity
+
+
+def dispatch_working_set(model: ModelShape, d: Dims) -> int:
+    """The static dispatcher's regroup gather: in backward the experts' input gradient, the
+    rows it gathers and their masked copy; in forward's combine the experts' output, the rows
+    and their copy (all [C, h])."""
+    return 3 * BF16 * d.capacity * model.hidden
 
 
 def expert_bytes(model: ModelShape, d: Dims, rows: int, recompute_fc1: bool) -> int:
@@ -421,5 +441,6 @@ def expert_working_set(model: ModelShape, d: Dims, recompute_fc1: bool) -> int:
 
 __all__ = [
     "BF16", "FP32", "Chunk", "Dims", "Layer", "MLAShape", "ModelShape", "Parallel",
-    "ParamCounts", "Parts", "ROUTER_FP32_TENSORS", "UNFUSED_ACT_BYTES", "dims",
+    "ParamCounts", "Parts", "ROUTER_FP32_TENSORS", "SIGMOID_ROUTER_FP32_TENSORS",
+    "UNFUSED_ACT_BYTES", "dims",
 ]
