@@ -254,3 +254,56 @@ def test_shared_experts_hold_the_moe_output_gradient_through_the_routed_backward
     assert layer_terms(shared, d, MOE, arm("paged")).work == routed + 64
     no_dropout = dataclasses.replace(shared, hidden_dropout=False)  # it is the layer's own
     assert layer_terms(no_dropout, d, MOE, arm("paged")).work == routed
+
+
+def test_the_sigmoid_router_keeps_two_fp32_score_tensors_and_its_group_mask():
+    d = S.dims(TINY, ONE)
+    sigmoid = dataclasses.replace(TINY, router_sigmoid=True)
+    # the sigmoid's output for routing and for the aux loss, fp32 [4 tokens, 4 experts]
+    assert S.router_saved(sigmoid, d) == 2 * 4 * 4 * 4
+    grouped = dataclasses.replace(sigmoid, router_groups=2)  # + the bool expert mask
+    assert S.router_saved(grouped, d) == 2 * 4 * 4 * 4 + 4 * 4
+    assert S.router_saved(TINY, d) == 7 * 4 * 4 * 4  # softmax: the traced count
+
+
+def test_the_dispatcher_backward_sits_beside_the_prefetched_reload_of_pooled_arms():
+    from megatron_paging.plan.arms import layer_terms
+    # hidden 32, moe-ffn 1: the regroup's three [12, 32] outweigh every other backward moment
+    wide = dataclasses.replace(TINY, hidden=32, moe_ffn=1)
+    d = S.dims(wide, ONE)
+    three = S.dispatch_working_set(wide, d)
+    capacity = S.expert_bytes(wide, d, d.capacity, False)
+    others = max(S.expert_working_set(wide, d, False), S.attention_working_set(wide, d))
+    assert three == 3 * 2 * 12 * 32 and three - capacity > others
+    # paged, Megatron-Core's offload: the layer below's reloaded x and fc1 (the resident term)
+    assert layer_terms(wide, d, MOE, arm("paged")).work == three
+    assert layer_terms(wide, d, MOE, arm("offload")).work == three
+    # unpaged and our live-row offload: the layer's own x and fc1 are freed, nothing reloaded
+    assert layer_terms(wide, d, MOE, arm("unpaged")).work == three - capacity
+    assert layer_terms(wide, d, MOE, arm("paged_offload_experts")).work == three - capacity
+
+
+def test_a_backward_after_another_forward_still_holds_that_forwards_last_stash_sources():
+    from megatron_paging.plan.liveness import Moment
+    from megatron_paging.runtime.pipeline_ops import Op
+    paging = PagingSettings(page_size=4)
+    d = S.dims(TINY, ONE)
+    capacity = S.expert_bytes(TINY, d, d.capacity, False)
+    # PP = 1: each backward follows its own forward, whose sources it releases
+    alone = evaluate(TINY, ONE, CHUNK, one_f_one_b_ops(1, 0, 2), 0, arm("paged"), paging,
+                     NO_CONSTANT)
+    # 1F1B on stage 0 of 2: F0 F1 B0 F2 B1 ... — B0 follows F1, another microbatch's forward
+    ops = one_f_one_b_ops(2, 0, 2)
+    assert [(o.kind, o.microbatch) for o in ops[:3]] == [("F", 0), ("F", 1), ("B", 0)]
+    first = (S.Chunk(0, (MOE,), embedding=True),)
+    piped = dataclasses.replace(ONE, world=2, pp=2)
+    held = evaluate(TINY, piped, first, ops, 0, arm("paged"), paging, NO_CONSTANT)
+    unpaged = evaluate(TINY, piped, first, ops, 0, arm("unpaged"), paging, NO_CONSTANT)
+    assert alone.experts == capacity  # the resident reload only
+    assert held.experts == 2 * capacity  # + the stale sources
+    assert unpaged.experts == 2 * capacity  # two microbatches' saved x and fc1, nothing stale
+    from megatron_paging.plan.arms import _follows_another_forward
+    moment = Moment(2, "backward", 0, 0, (2,))
+    assert _follows_another_forward(ops, moment, first)
+    assert not _follows_another_forward([Op("F", 0, 0), Op("B", 0, 0)],
+                                        Moment(1, "backward", 0, 0, (1,)), first)
