@@ -337,11 +337,12 @@ def main(argv=None) -> int:
                plan_runs(args.layouts, args.arms, args.capacity_factors, args.all_ranks)]
     # An out-of-memory record is a result: only a retry of that same arm replaces it. A
     # predicted one is planned again (cheap). Records of arms this call does not plan all stay.
-    retried = set(planned) if args.retry_out_of_memory else set()
+    planned_keys = set(planned)
+    retried = planned_keys if args.retry_out_of_memory else set()
     stale = stale_runs(result["runs"], planned, args.train_iters, args.profile_iteration)
     done = {key(r) for r in result["runs"] if key(r) not in stale and (r["status"] == "ok" or
             (r["status"] == "out of memory" and key(r) not in retried))}
-    result["runs"] = [r for r in result["runs"] if key(r) in done or key(r) not in set(planned)]
+    result["runs"] = [r for r in result["runs"] if key(r) in done or key(r) not in planned_keys]
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / "bench_scale"
     tmp.mkdir(parents=True, exist_ok=True)
     todo = [(LAYOUTS[name], rank, arm, factor) for name, rank, arm, factor in planned

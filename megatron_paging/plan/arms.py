@@ -177,15 +177,14 @@ def layer_terms(model: S.ModelShape, d: S.Dims, layer: S.Layer, arm: ArmSpec,
     # The dispatcher's backward runs after the experts' backward freed their x and fc1; by then
     # the stash and Megatron-Core's offload hold the layer below's reloaded x and fc1 instead
     # (prefetched at the experts' input, counted in `resident`), our live-row offload not yet.
-    dispatch_work = S.dispatch_working_set(model, d)
-    if not pooled or arm.offload_live_rows:
-        dispatch_work -= capacity
+    regroup = S.dispatch_working_set(model, d)
+    dispatch_work = regroup - capacity if not pooled or arm.offload_live_rows else regroup
     # MoELayer's forward runs the shared experts first, so the engine (latest node first) runs
     # their backward last: the MoE output's gradient (the hidden dropout's, a new tensor) waits
     # for them through the routed backward; a recomputed layer's checkpoint holds it throughout.
-    held = (S.BF16 * d.stream_tokens * model.hidden
-            if model.hidden_dropout and (d.shared_ffn or arm.recompute_moe) else 0)
-    work_moe = max(S.expert_working_set(model, d, rc), dispatch_work) + held
+    output_grad = (S.BF16 * d.stream_tokens * model.hidden
+                   if model.hidden_dropout and (d.shared_ffn or arm.recompute_moe) else 0)
+    work_moe = max(S.expert_working_set(model, d, rc), dispatch_work) + output_grad
     if d.shared_ffn:
         work_moe = max(work_moe, S.mlp_working_set(model, d, d.shared_ffn))
     if arm.recompute_moe:  # only the input (the norm output in `residual`) is kept
@@ -193,7 +192,7 @@ def layer_terms(model: S.ModelShape, d: S.Dims, layer: S.Layer, arm: ArmSpec,
         # the experts saved, the regroup gather holds the experts' output, its rows and their
         # masked copy (then the block exchange's input and output): three [C, h] again.
         recomputed = router + dispatch + capacity + shared
-        work_moe = max(work_moe, S.dispatch_working_set(model, d) + held)
+        work_moe = max(work_moe, regroup + output_grad)
         return _Terms(S.Parts(attention=attn, residual=res), live, host,
                       max(work_attn, recomputed + work_moe))
     if arm.offload_live_rows:  # each record's expected live rows, in whole pages
