@@ -117,9 +117,13 @@ __device__ void walk_stash_tiles(const PagingArgs& a, const Segments<N>& seg, co
     int named = 0;  // tiles of the batch whose destination is named (uniform across the warp)
     auto name_next = [&]() {
       if (named == 0) {
-        // The first use of the page id: ordered after the loads issued so far.
-        my_paged = reinterpret_cast<unsigned long long>(
-            device::paged_address(a, d, bulk::after_issue(page_id), place.lo));
+        // The first use of the page id: ordered after the loads issued so far. An unusable
+        // id drops its tile after the load (nullptr: no store).
+        const int64_t id = bulk::after_issue(page_id);
+        my_paged = device::usable_page(a, d, id)
+                       ? reinterpret_cast<unsigned long long>(
+                             device::paged_address(a, d, id, place.lo))
+                       : 0ull;
       }
       const unsigned long long paged = __shfl_sync(0xffffffffu, my_paged, named);
       const long long bytes = __shfl_sync(0xffffffffu, my_bytes, named);

@@ -249,11 +249,15 @@ __device__ __forceinline__ int64_t popped_page(const PagingArgs& a, const Decisi
   return a.pool.ring[d.tier][(d.ring_start + g) % cap];
 }
 
-// The tile's address in the pool, or nullptr for a page id outside the tier: a corrupt ring or
-// record must not turn into a wild write.
+// Whether the page id may be used: a corrupt ring or record must not turn into a wild write.
+// A launch that moves no pages (a reload's zero fill) reads no id and has nothing to check.
+__device__ __forceinline__ bool usable_page(const PagingArgs& a, const Decision& d,
+                                            int64_t page_id) {
+  return !d.active || (page_id >= 0 && page_id < a.pool.num_pages[d.tier]);
+}
+
 __device__ __forceinline__ uint8_t* paged_address(const PagingArgs& a, const Decision& d,
                                                   int64_t page_id, int64_t lo) {
-  if (d.active && (page_id < 0 || page_id >= a.pool.num_pages[d.tier])) return nullptr;
   return a.pool.pages[d.tier] + page_id * a.pool.page_size * a.pool.row_bytes + lo;
 }
 
@@ -276,10 +280,8 @@ __device__ __forceinline__ Tile resolve_tile(const PagingArgs& a, const Segments
       a.pool.ring[d.tier][(d.ring_start + p.g) % cap] = page_id;
     }
   }
-  Tile tile{nullptr, nullptr, 0};
-  uint8_t* const paged = paged_address(a, d, page_id, p.lo);
-  if (paged == nullptr || p.bytes == 0) return tile;
-  return Tile{p.user, paged, p.bytes};
+  if (!usable_page(a, d, page_id) || p.bytes == 0) return Tile{nullptr, nullptr, 0};
+  return Tile{p.user, paged_address(a, d, page_id, p.lo), p.bytes};
 }
 
 // Stash: page_record slots that received no page hold 0 (the tiles wrote the others).
