@@ -88,6 +88,61 @@ using bulk::aligned16;
 using Pipe = bulk::BulkPipe<BulkConfig>;
 using Ring = bulk::BulkRing<BulkConfig>;
 
+// A stash's tiles through warp 0: the user-side bytes are known from the plan alone, only the
+// destination waits for the page id popped from the ring. So each batch's first kLoadsAhead
+// loads go out before any page id is waited for, and each tile's destination is named
+// kLoadsAhead loads later (just before the load that stores it): the page-id round trip overlaps
+// the loads instead of preceding them. The page records are written last, since a store of a
+// loaded id waits for it.
+template <int N>
+__device__ void walk_stash_tiles(const PagingArgs& a, const Segments<N>& seg, const Plan<N>& plan,
+                                 const Decision& d, Pipe& pipe, int64_t begin, int64_t end,
+                                 int64_t stride, int batch) {
+  constexpr int kLag = BulkConfig::kLoadsAhead;
+  const int lane = threadIdx.x & 31;
+  for (int64_t base = begin; base < end; base += batch * stride) {
+    const int64_t t = base + lane * stride;
+    const bool mine = lane < batch && t < end;
+    device::TilePlace place{0, 1, 0, 0, 0, nullptr};  // k = 1: writes no record
+    int64_t page_id = 0;
+    if (mine) {
+      place = device::place_tile(a, seg, plan, t);
+      page_id = device::popped_page(a, d, place.g);  // in flight until first named below
+    }
+    const int64_t left = (end - base + stride - 1) / stride;
+    const int count = left < batch ? static_cast<int>(left) : batch;
+    const auto my_user = reinterpret_cast<unsigned long long>(place.user);
+    const auto my_bytes = static_cast<long long>(place.bytes);
+    unsigned long long my_paged = 0;
+    int named = 0;  // tiles of the batch whose destination is named (uniform across the warp)
+    auto name_next = [&]() {
+      if (named == 0) {
+        // The first use of the page id: ordered after the loads issued so far. An unusable
+        // id drops its tile after the load (nullptr: no store).
+        const int64_t id = bulk::after_issue(page_id);
+        my_paged = device::usable_page(a, d, id)
+                       ? reinterpret_cast<unsigned long long>(
+                             device::paged_address(a, d, id, place.lo))
+                       : 0ull;
+      }
+      const unsigned long long paged = __shfl_sync(0xffffffffu, my_paged, named);
+      const long long bytes = __shfl_sync(0xffffffffu, my_bytes, named);
+      if (lane == 0 && bytes != 0) pipe.set_next_dst(reinterpret_cast<uint8_t*>(paged));
+      ++named;
+    };
+    for (int j = 0; j < count; ++j) {
+      if (j >= kLag) name_next();  // tile j - kLag: the load below may store it
+      const unsigned long long user = __shfl_sync(0xffffffffu, my_user, j);
+      const long long bytes = __shfl_sync(0xffffffffu, my_bytes, j);
+      if (lane == 0 && bytes != 0) {
+        pipe.load(reinterpret_cast<const uint8_t*>(user), static_cast<uint32_t>(bytes));
+      }
+    }
+    while (named < count) name_next();
+    if (mine && place.k == 0) a.page_record[place.slot] = page_id;
+  }
+}
+
 // Warp 0 alone walks the CTA's tiles when every tile may use the copy engine: its 32 lanes
 // resolve up to 32 tiles at once (their page-id loads in flight together, each lane writing its
 // tile's page record / recycling its page), then lane 0 issues their bulk copies. Tiles are
@@ -97,6 +152,10 @@ template <bool kReload, int N>
 __device__ void walk_tiles_solo(const PagingArgs& a, const Segments<N>& seg, const Plan<N>& plan,
                                 const Decision& d, Pipe& pipe, int64_t begin, int64_t end,
                                 int64_t stride, int batch = 32) {
+  if constexpr (!kReload) {
+    walk_stash_tiles(a, seg, plan, d, pipe, begin, end, stride, batch);
+    return;
+  }
   const int lane = threadIdx.x & 31;
   for (int64_t base = begin; base < end; base += batch * stride) {
     device::Tile tile{nullptr, nullptr, 0};

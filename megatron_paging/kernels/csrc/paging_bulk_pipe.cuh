@@ -35,6 +35,13 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 }
 #endif
 
+// v, ordered after every volatile asm before it (the bulk loads): the compiler may not hoist
+// the first use of a loaded value, and with it the wait for the load, above those loads.
+__device__ __forceinline__ int64_t after_issue(int64_t v) {
+  asm volatile("mov.b64 %0, %0;" : "+l"(v));
+  return v;
+}
+
 __device__ __forceinline__ bool aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
 }
@@ -50,6 +57,7 @@ struct BulkPipe {
   int load_stage;      // stage the next load goes to
   int store_stage;     // stage of the oldest load not yet stored
   uint32_t store_parity;  // phase parity that store_stage's current load completes
+  int dst_stage;       // stage whose destination is named next (set_next_dst)
   int pending;         // loads issued and not yet stored (<= kLoadsAhead between pushes)
   bool wrapped;        // every stage has held a load, so a refill must wait for the stage's store
 
@@ -59,6 +67,7 @@ struct BulkPipe {
     load_stage = 0;
     store_stage = 0;
     store_parity = 0;
+    dst_stage = 0;
     pending = 0;
     wrapped = false;
 #if MEGATRON_PAGING_BULK_ARCH
@@ -74,6 +83,22 @@ struct BulkPipe {
 
   // Move one tile: n bytes, 16-byte aligned on both sides, n <= C::kTileBytes.
   __device__ void push(uint8_t* dst, const uint8_t* src, uint32_t n) {
+    set_next_dst(dst);
+    load(src, n);
+  }
+
+  // Name where the oldest loaded (or next loaded) tile without a destination goes; nullptr: the
+  // tile is dropped after its load (a corrupt page id). Destinations are named in load order and
+  // a tile's must be named before kLoadsAhead younger tiles are loaded (that load stores it), so
+  // a stash can issue its user-side loads before its page ids arrive.
+  __device__ void set_next_dst(uint8_t* dst) {
+    ring->dst[dst_stage] = dst;
+    dst_stage = dst_stage + 1 == C::kStages ? 0 : dst_stage + 1;
+  }
+
+  // Load one tile into the next stage (n bytes, 16-byte aligned, n <= C::kTileBytes); once more
+  // than kLoadsAhead loads are pending, store the oldest.
+  __device__ void load(const uint8_t* src, uint32_t n) {
 #if MEGATRON_PAGING_BULK_ARCH
     const int s = load_stage;
     if (wrapped) {
@@ -84,7 +109,6 @@ struct BulkPipe {
     }
     const uint32_t bar = smem_u32(&ring->bar[s]);
     const uint32_t stage = smem_u32(stages + s * C::kTileBytes);
-    ring->dst[s] = dst;
     ring->bytes[s] = n;
     // The barrier expects one arrival: ours, which carries the n expected bytes in the same
     // instruction, so the phase cannot complete before every byte of this load has landed.
@@ -98,7 +122,6 @@ struct BulkPipe {
     wrapped |= load_stage == 0;
     if (++pending > C::kLoadsAhead) store_oldest();
 #else
-    (void)dst;
     (void)src;
     (void)n;
 #endif
@@ -127,9 +150,13 @@ struct BulkPipe {
     // this thread; the explicit fence makes the hand-back to the async proxy explicit too
     // instead of relying on that reading of the memory model (one fence per tile is cheap).
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(ring->dst[s]),
-                 "r"(smem_u32(stages + s * C::kTileBytes)), "r"(ring->bytes[s])
-                 : "memory");
+    if (ring->dst[s] != nullptr) {
+      asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+                   ::"l"(ring->dst[s]), "r"(smem_u32(stages + s * C::kTileBytes)),
+                   "r"(ring->bytes[s])
+                   : "memory");
+    }
+    // Committed even when empty: wait_group counts groups, one per stored stage.
     asm volatile("cp.async.bulk.commit_group;" ::: "memory");
     store_stage = s + 1 == C::kStages ? 0 : s + 1;
     store_parity ^= store_stage == 0 ? 1u : 0u;

@@ -214,41 +214,74 @@ __device__ __forceinline__ int last_at_or_below(const int64_t* keys, int n, int6
   return lo;
 }
 
-// Tile t of the launch (t < total_pages * tiles_per_page): resolve its page, let its page's first
-// tile write the page record (stash) or recycle the page (reload), and return its byte ranges.
-// `record_writer` is the one thread of the CTA that may write metadata.
+// Where tile t of the launch (t < total_pages * tiles_per_page) sits, from the plan alone (no
+// global-memory read, so a stash can start loading its user-side bytes before its page id is in).
+struct TilePlace {
+  int64_t g;      // page index in record order
+  int64_t k;      // tile index inside the page: tile 0 writes the page record / recycles the page
+  int64_t slot;   // the page's page_record slot
+  int64_t lo;     // byte offset of the tile inside the page
+  int64_t bytes;  // 0: the page's live rows end before this tile
+  uint8_t* user;
+};
+
+template <int N>
+__device__ __forceinline__ TilePlace place_tile(const PagingArgs& a, const Segments<N>& seg,
+                                                const Plan<N>& plan, int64_t t) {
+  const int64_t ps = a.pool.page_size;
+  const int64_t rb = a.pool.row_bytes;
+  TilePlace p;
+  p.g = t / a.tiles_per_page;
+  p.k = t - p.g * a.tiles_per_page;
+  const int s = last_at_or_below(plan.page_prefix, a.num_segments, p.g);
+  const int64_t j = p.g - plan.page_prefix[s];
+  p.slot = seg.slot_offset[s] + j;
+  const int64_t rows_here = min(ps, plan.copy_rows[s] - j * ps);
+  p.lo = p.k * a.tile_bytes;
+  p.bytes = max(min(p.lo + a.tile_bytes, rows_here * rb) - p.lo, int64_t{0});
+  p.user = a.user + (seg.start[s] + j * ps) * rb + p.lo;
+  return p;
+}
+
+// The stash's page id for page g of the record: the g-th page popped from the ring.
+__device__ __forceinline__ int64_t popped_page(const PagingArgs& a, const Decision& d, int64_t g) {
+  const int64_t cap = max(a.pool.capacity[d.tier], int64_t{1});
+  return a.pool.ring[d.tier][(d.ring_start + g) % cap];
+}
+
+// Whether the page id may be used: a corrupt ring or record must not turn into a wild write.
+// A launch that moves no pages (a reload's zero fill) reads no id and has nothing to check.
+__device__ __forceinline__ bool usable_page(const PagingArgs& a, const Decision& d,
+                                            int64_t page_id) {
+  return !d.active || (page_id >= 0 && page_id < a.pool.num_pages[d.tier]);
+}
+
+__device__ __forceinline__ uint8_t* paged_address(const PagingArgs& a, const Decision& d,
+                                                  int64_t page_id, int64_t lo) {
+  return a.pool.pages[d.tier] + page_id * a.pool.page_size * a.pool.row_bytes + lo;
+}
+
+// Tile t, resolved: its page id, its page record (stash) or recycled page (reload) written by the
+// page's first tile, and its byte ranges. `record_writer` is the one thread of the CTA that may
+// write metadata.
 template <bool kReload, int N>
 __device__ __forceinline__ Tile resolve_tile(const PagingArgs& a, const Segments<N>& seg,
                                              const Plan<N>& plan, const Decision& d, int64_t t,
                                              bool record_writer) {
-  const int64_t ps = a.pool.page_size;
-  const int64_t rb = a.pool.row_bytes;
-  const int64_t cap = max(a.pool.capacity[d.tier], int64_t{1});
-  int64_t* const ring = a.pool.ring[d.tier];
-  const int64_t g = t / a.tiles_per_page;  // page index in record order
-  const int64_t k = t - g * a.tiles_per_page;
-  const int s = last_at_or_below(plan.page_prefix, a.num_segments, g);
-  const int64_t j = g - plan.page_prefix[s];
-  const int64_t slot = seg.slot_offset[s] + j;
+  const TilePlace p = place_tile(a, seg, plan, t);
   int64_t page_id = 0;
   if constexpr (!kReload) {
-    page_id = ring[(d.ring_start + g) % cap];
-    if (k == 0 && record_writer) a.page_record[slot] = page_id;
+    page_id = popped_page(a, d, p.g);
+    if (p.k == 0 && record_writer) a.page_record[p.slot] = page_id;
   } else if (d.active) {
-    page_id = a.page_record[slot];
-    if (k == 0 && record_writer && !d.invalid) ring[(d.ring_start + g) % cap] = page_id;
+    page_id = a.page_record[p.slot];
+    if (p.k == 0 && record_writer && !d.invalid) {
+      const int64_t cap = max(a.pool.capacity[d.tier], int64_t{1});
+      a.pool.ring[d.tier][(d.ring_start + p.g) % cap] = page_id;
+    }
   }
-  Tile tile{nullptr, nullptr, 0};
-  // A corrupt ring or record must not turn into a wild write.
-  if (d.active && (page_id < 0 || page_id >= a.pool.num_pages[d.tier])) return tile;
-  const int64_t rows_here = min(ps, plan.copy_rows[s] - j * ps);
-  const int64_t lo = k * a.tile_bytes;
-  const int64_t hi = min(lo + a.tile_bytes, rows_here * rb);
-  if (lo >= hi) return tile;
-  tile.user = a.user + (seg.start[s] + j * ps) * rb + lo;
-  tile.paged = a.pool.pages[d.tier] + page_id * ps * rb + lo;
-  tile.bytes = hi - lo;
-  return tile;
+  if (!usable_page(a, d, page_id) || p.bytes == 0) return Tile{nullptr, nullptr, 0};
+  return Tile{p.user, paged_address(a, d, page_id, p.lo), p.bytes};
 }
 
 // Stash: page_record slots that received no page hold 0 (the tiles wrote the others).
