@@ -283,7 +283,7 @@ def test_the_dispatcher_backward_sits_beside_the_prefetched_reload_of_pooled_arm
     assert layer_terms(wide, d, MOE, arm("paged_offload_experts")).work == three - capacity
 
 
-def test_a_backward_after_another_forward_still_holds_that_forwards_last_stash_sources():
+def test_megatron_cores_manager_holds_a_forwards_last_stash_sources_into_the_next_backward():
     from megatron_paging.plan.liveness import Moment
     from megatron_paging.runtime.pipeline_ops import Op
     paging = PagingSettings(page_size=4)
@@ -297,10 +297,12 @@ def test_a_backward_after_another_forward_still_holds_that_forwards_last_stash_s
     assert [(o.kind, o.microbatch) for o in ops[:3]] == [("F", 0), ("F", 1), ("B", 0)]
     first = (S.Chunk(0, (MOE,), embedding=True),)
     piped = dataclasses.replace(ONE, world=2, pp=2)
-    held = evaluate(TINY, piped, first, ops, 0, arm("paged"), paging, NO_CONSTANT)
+    held = evaluate(TINY, piped, first, ops, 0, arm("mcore"), paging, NO_CONSTANT)
+    ours = evaluate(TINY, piped, first, ops, 0, arm("paged"), paging, NO_CONSTANT)
     unpaged = evaluate(TINY, piped, first, ops, 0, arm("unpaged"), paging, NO_CONSTANT)
     assert alone.experts == capacity  # the resident reload only
-    assert held.experts == 2 * capacity  # + the stale sources
+    assert held.experts == 2 * capacity  # Megatron-Core's manager: + the stale sources
+    assert ours.experts == capacity  # ours releases them when the backward begins
     assert unpaged.experts == 2 * capacity  # two microbatches' saved x and fc1, nothing stale
     from megatron_paging.plan.arms import _follows_another_forward
     moment = Moment(2, "backward", 0, 0, (2,))

@@ -211,25 +211,30 @@ def test_a_layer_opening_leaves_offload_groups_to_their_own_rules():
     assert offloaded[0].source is not None and stashed[0].source is None
 
 
-def test_eagerly_a_backward_drops_what_its_forward_left_after_a_compute_wait():
-    """A host ahead of the GPU begins a backward before its forward's last stashes are seen
-    done: their sources go then (the compute stream waits on the copies; the host does not),
-    not at some later poll — else they sit beside the reloads of the same rows."""
+def test_eagerly_a_backward_drops_every_stash_source_after_a_compute_wait():
+    """A host ahead of the GPU begins a backward before the last stashes are seen done: their
+    sources go then (the compute stream waits on the copies; the host does not), not at some
+    later poll — else they sit beside the reloads at the backward's peak. That holds for a later
+    forward's stashes too (1F1B: the forward just before this backward left its last layer's);
+    that forward's offloads (PCIe, milliseconds) keep their own rules."""
     backend = LaggingBackend()
     sources = SourceLifetimes(backend, stash_in_flight=4)  # no layer opens in between
     seen = group()
     seen_done = commit(sources, backend, seen)
-    mine = [group(), group()]
+    mine = [group(), group(), group("core_attn")]
     mine_done = [commit(sources, backend, handles) for handles in mine]
-    later = group(microbatch=1)  # a later forward (1F1B) whose copy may have just begun
-    commit(sources, backend, later)
+    later = group(microbatch=1)  # the forward just before this backward (1F1B)
+    later_done = commit(sources, backend, later)
+    later_offload = group("core_attn", microbatch=1)
+    commit(sources, backend, later_offload)
     backend.completed = seen_done.id  # the GPU got through the first copy only
     sources.backward_begins(chunk=0, microbatch=0)
-    assert all(h[0].source is None for h in [seen, *mine])
-    assert waited_on(backend) == [e.id for e in mine_done]  # the seen one needed no wait
-    assert later[0].source is not None and len(sources) == 1
+    assert all(h[0].source is None for h in [seen, *mine, later])
+    # the seen one needed no wait
+    assert waited_on(backend) == [*(e.id for e in mine_done), later_done.id]
+    assert later_offload[0].source is not None and len(sources) == 1
     sources.backward_begins(chunk=0, microbatch=0)  # the next slot of that backward: nothing
-    assert len(waited_on(backend)) == 2 and len(sources) == 1
+    assert len(waited_on(backend)) == 4 and len(sources) == 1
 
 
 def test_eagerly_without_a_bound_nothing_waits():

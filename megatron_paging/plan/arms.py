@@ -321,12 +321,13 @@ def evaluate(model: S.ModelShape, par: S.Parallel, chunks, ops, pipeline_rank: i
     records = peak_records(chunks, ops)
     pool_device, pool_host = pools(model, d, arm, records, paging)
     constant = int(constants.workspace_mib * MIB)
-    # A stash's sources go once the host sees its copy end, or when the backward of the same
-    # chunk-microbatch begins; a host ahead of the GPU has not seen the last stash of the
-    # forward just before another chunk-microbatch's backward (1F1B) end, so that layer's
-    # sources are still allocated through the backward's first layer.
+    # Megatron-Core's manager drops a stash's sources once it sees the copy end, or at the
+    # backward of the same chunk-microbatch; a host ahead of the GPU has not seen the last
+    # stash of the forward just before another chunk-microbatch's backward (1F1B) end, so that
+    # layer's sources are still allocated through the backward's first layer. Ours drops every
+    # stash source when any backward begins (runtime/sources.py).
     stale = (S.expert_bytes(model, d, d.capacity, arm.recompute_fc1)
-             if moe_layers and arm.manager and not arm.offload_live_rows else 0)
+             if moe_layers and arm.manager == "mcore" else 0)
 
     full_totals = [t.full.parts.total for t in terms]
     best, best_total = None, -1

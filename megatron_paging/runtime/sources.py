@@ -23,9 +23,10 @@ stream always waits on the copy, which orders every later reuse of the memory af
 * what a forward left of a module name once it passes a group of that name it keeps on the
   device (its last layer's, by Megatron-Core's margin: nothing of that name follows, and the
   copies had a layer of compute to finish), so they are gone before its loss needs memory;
-* and whatever a forward left when the backward of the same chunk and microbatch begins —
-  eagerly too, like the bound above: sources still in flight there would otherwise stay
-  allocated through the backward.
+* and, when a backward begins, every stash source still in flight (whichever forward left it:
+  in 1F1B the forward just before this backward left its last layer's) and whatever the
+  backward's own forward left of offloads — eagerly too, like the bound above: sources still
+  in flight there would otherwise stay allocated through the backward, at its peak.
 """
 
 from __future__ import annotations
@@ -130,28 +131,27 @@ class SourceLifetimes:
             else self._commits[entry.name] - entry.number > self.offload_in_flight))
 
     def release_forward_of(self, compute, chunk: int, microbatch: int, name=None) -> None:
-        """Inside a capture, when the backward of ``(chunk, microbatch)`` begins: its forward is
-        over, so every source it left is waited on and dropped (not those of forwards that run
-        between backward slots, as in 1F1B, whose copies may have just begun). With ``name``:
-        only that forward's offload sources of that module name (its window closed)."""
-        self._release(compute, lambda entry: (
-            entry.handles[0].notes.get("chunk") == chunk
-            and entry.handles[0].notes.get("microbatch") == microbatch
-            and (name is None or entry.name == name)))
+        """Every source the forward of ``(chunk, microbatch)`` left is waited on and dropped.
+        With ``name``: only its offload sources of that module name (its window closed)."""
+        self._release(compute, lambda entry: _left_by(entry, chunk, microbatch) and (
+            name is None or entry.name == name))
 
     def backward_begins(self, chunk: int, microbatch: int) -> None:
-        """When the backward of ``(chunk, microbatch)`` begins, what its forward left goes now
-        (``release_forward_of``), eagerly too: a host ahead of the GPU has not seen its last
-        stashes end, and polling alone would keep their capacity-sized sources allocated
-        through the backward beside the reloads of the same rows (one layer's sources at the
-        backward's peak; docs/scheduler.md, "Copy-input lifetimes"). The compute stream's wait
-        costs nothing in practice: the copy had the rest of the forward and the loss to
-        finish."""
+        """When the backward of ``(chunk, microbatch)`` begins, every stash source still in
+        flight goes now, eagerly too, and what its own forward left of offloads. A host ahead
+        of the GPU has not seen the last stashes end, and polling alone would keep their
+        capacity-sized sources allocated through the backward beside the reloads: in 1F1B the
+        forward just before this backward leaves its last layer's (at DeepSeek-V3's backward
+        peak one layer's x and fc1 output, 1.4 GiB; ``scale_owners_h100.json``). The compute
+        stream's wait costs at most one layer's HBM copy, which had that layer's fc2 and
+        combine to finish. Other forwards' offloads (PCIe copies, milliseconds) keep their
+        own rules."""
         if not self._entries:
             return
         self.poll()  # what is seen done goes without a wait
         if self._entries:
-            self.release_forward_of(self.backend.compute_stream(), chunk, microbatch)
+            self._release(self.backend.compute_stream(), lambda entry: (
+                entry.name is None or _left_by(entry, chunk, microbatch)))
 
     def close_offload_window(self, chunk: int, name, microbatch: int) -> None:
         """Inside a capture, when the forward of ``(chunk, microbatch)`` passed a group of
@@ -181,6 +181,11 @@ class SourceLifetimes:
             _drop(entry.handles)
             self.free_with_sources(entry.freed_with)
         self._commits.clear()
+
+
+def _left_by(entry: InFlight, chunk: int, microbatch: int) -> bool:
+    notes = entry.handles[0].notes
+    return notes.get("chunk") == chunk and notes.get("microbatch") == microbatch
 
 
 def _drop(handles) -> None:
