@@ -89,11 +89,11 @@ def predicted_peak_mib(layout, rank: int, arm: str, capacity_factor: float) -> f
     return to_dict(plan)["arms"][ARMS[arm].plan_arm]["peak_mib"]
 
 
-def predicted_out_of_memory(layout, rank: int, arm: str, factor: float, margin: float,
-                            device_mib: float) -> dict | None:
+def skipped_record(layout, rank: int, arm: str, factor: float, peak: float, margin: float,
+                   device_mib: float) -> dict | None:
     """``--skip-predicted-oom``: the record of an arm left unrun because the plan puts its peak
-    above the GPU's memory by more than ``margin`` (a fraction), else None (run it)."""
-    peak = predicted_peak_mib(layout, rank, arm, factor)
+    (``peak``, MiB) above the GPU's memory by more than ``margin`` (a fraction), else None (run
+    it)."""
     if peak <= device_mib * (1 + margin):
         return None
     return {"layout": layout.name, "rank": rank, "stage": layout.stage(rank), "arm": arm,
@@ -359,15 +359,18 @@ def main(argv=None) -> int:
             break
         print(f"[{index}/{len(todo)}] {layout.name} rank {rank} (stage {layout.stage(rank)}) "
               f"{arm} cf {factor:g} ({elapsed:.0f} s)", flush=True)
+        # The plan of the code that runs the arm, kept beside its measurement: a file resumed
+        # across commits then compares each run with its own commit's prediction.
+        peak = predicted_peak_mib(layout, rank, arm, factor)
         record = None
         if args.skip_predicted_oom is not None and call_header.get("device_memory_mib"):
-            record = predicted_out_of_memory(layout, rank, arm, factor, args.skip_predicted_oom,
-                                             call_header["device_memory_mib"])
+            record = skipped_record(layout, rank, arm, factor, peak, args.skip_predicted_oom,
+                                    call_header["device_memory_mib"])
         if record is None:
             record = run_arm(layout, rank, arm, factor, tmp, args.arm_timeout,
                              args.train_iters, args.profile_iteration,
                              args.out.parent / f"{args.out.stem}_timelines")
-        record.update(this_call)
+        record.update(this_call, predicted_peak_mib=round(peak, 1))
         print(f"    {record['status']} in {record['wall_s']} s", flush=True)
         if record.get("profile"):
             print(f"    {profile_line(record['profile'])}", flush=True)

@@ -4,7 +4,9 @@ and the relative error, per run and per arm.
 Reads ``plan_predictions.py``'s JSON (made before the GPU run) and ``bench_scale.py``'s JSON
 (``runs``: one record per layout, rank, arm and capacity factor, ``report`` the example's
 numbers) and pairs them by (layout, rank, arm, capacity factor). A pair whose launch lines differ
-is kept and marked (``flags_differ``): the prediction was for another line.
+is kept and marked (``flags_differ``): the prediction was for another line. A run that recorded
+the plan of its own commit (``predicted_peak_mib``) and whose plan differs from the file's is
+compared with its own, peak only (``plan_recorded_with_run``).
 
     python benchmarks/report_plan.py benchmarks/results/scale_h200.json
 """
@@ -42,6 +44,12 @@ def pair(prediction: dict, run: dict) -> dict:
     if run.get("flags") is not None and list(run["flags"]) != list(prediction["flags"]):
         row["flags_differ"] = True
     predicted = prediction["predicted"]
+    own = run.get("predicted_peak_mib")
+    if own is not None and abs(own - predicted["peak_mib"]) > 0.05:
+        # The run was measured at a commit whose plan differs from the prediction file's:
+        # its peak is compared with the plan recorded beside it, the rest is left uncompared.
+        predicted = {"peak_mib": own}
+        row["plan_recorded_with_run"] = True
     row["predicted_peak_mib"] = predicted["peak_mib"]
     if run["status"] != "ok":
         return row
@@ -148,7 +156,8 @@ def format_rows(result: dict) -> str:
                       f"{100 * q['relative_error']:>7.2f}%" if q else f"{'-':>11}{'-':>11}{'-':>8}")
         mark = (" *" if "model_note" in r else "") + (
             f" (plan of {r['prediction_of']})" if "prediction_of" in r
-            else " (flags differ)" if r.get("flags_differ") else "")
+            else " (flags differ)" if r.get("flags_differ") else "") + (
+            " (plan recorded with the run)" if r.get("plan_recorded_with_run") else "")
         lines.append(head + cells + mark)
     lines.append("")
     for arm, s in result["per_arm"].items():

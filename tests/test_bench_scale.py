@@ -250,6 +250,7 @@ def test_an_arm_the_plan_puts_well_above_the_gpu_is_recorded_as_predicted_not_ru
     runs = {r["rank"]: r for r in json.loads(out.read_text())["runs"]}
     assert runs[0]["status"] == bench_scale.PREDICTED_OOM and runs[0]["predicted_peak_mib"] == 1200
     assert runs[224]["status"] == "ok" and len(calls) == 1  # within the margin: it ran
+    assert runs[224]["predicted_peak_mib"] == 1050  # a run keeps its own commit's plan beside it
     assert bench_scale.main(argv) == 0 and len(calls) == 2
     assert {r["rank"]: r["status"] for r in json.loads(out.read_text())["runs"]} == {
         0: "ok", 224: "ok"}

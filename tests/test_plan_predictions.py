@@ -255,3 +255,16 @@ def test_trace_replay_matches_the_trace_loads_own_indexing(tmp_path):
     paged = [[-(-sum(min(int(load.rows(None, s, n, m, p).sum()), block) for p in range(2))
                // page) * page for (_, m, n) in schedule.records] for s in range(2)]
     assert needs.tolist() == _brute_needs(chunks, ops, np.array(paged), schedule.records)
+
+
+def test_a_run_measured_under_another_plan_is_compared_with_the_plan_it_recorded():
+    """A resumed file spans commits: a run that recorded its own commit's plan, differing from
+    the prediction file's, is compared with it (peak only, marked); one that agrees is not
+    marked and keeps every quantity."""
+    runs = [dict(MEASURED["runs"][0], predicted_peak_mib=105.0),
+            dict(MEASURED["runs"][1], predicted_peak_mib=50.0)]
+    unpaged, paged = report_plan.compare_files(PREDICTIONS, {**MEASURED, "runs": runs})["runs"]
+    assert unpaged["plan_recorded_with_run"] and unpaged["predicted_peak_mib"] == 105.0
+    assert unpaged["quantities"]["peak"]["relative_error"] == pytest.approx(0.05)
+    assert set(unpaged["quantities"]) == {"peak"}
+    assert "plan_recorded_with_run" not in paged and "fb_peak" in paged["quantities"]
