@@ -303,6 +303,10 @@ def main(argv=None) -> int:
     parser.add_argument("--retry-out-of-memory", action="store_true",
                         help="run again the arms the result file records as out of memory "
                         "(after a change that lowers memory); their records are replaced")
+    parser.add_argument("--rerun-recorded", action="store_true",
+                        help="run again the planned arms the result file already holds (after a "
+                        "change to the code they measure); each record stays until its new run "
+                        "replaces it")
     parser.add_argument("--skip-predicted-oom", type=float, default=None, metavar="MARGIN",
                         help="record an arm whose planned peak exceeds the GPU's memory by more "
                         f"than this fraction as '{PREDICTED_OOM}' without running it (saves GPU "
@@ -339,10 +343,12 @@ def main(argv=None) -> int:
     # predicted one is planned again (cheap). Records of arms this call does not plan all stay.
     planned_keys = set(planned)
     retried = planned_keys if args.retry_out_of_memory else set()
+    rerun = planned_keys if args.rerun_recorded else set()
     stale = stale_runs(result["runs"], planned, args.train_iters, args.profile_iteration)
-    done = {key(r) for r in result["runs"] if key(r) not in stale and (r["status"] == "ok" or
+    kept = {key(r) for r in result["runs"] if key(r) not in stale and (r["status"] == "ok" or
             (r["status"] == "out of memory" and key(r) not in retried))}
-    result["runs"] = [r for r in result["runs"] if key(r) in done or key(r) not in planned_keys]
+    done = kept - rerun
+    result["runs"] = [r for r in result["runs"] if key(r) in kept or key(r) not in planned_keys]
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / "bench_scale"
     tmp.mkdir(parents=True, exist_ok=True)
     todo = [(LAYOUTS[name], rank, arm, factor) for name, rank, arm, factor in planned
@@ -375,7 +381,7 @@ def main(argv=None) -> int:
         if record.get("profile"):
             print(f"    {profile_line(record['profile'])}", flush=True)
         failed = failed or record["status"] == "failed"
-        result["runs"].append(record)
+        result["runs"] = [r for r in result["runs"] if key(r) != key(record)] + [record]
         result = summarize_result(result)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(dumps({**result, **call_header}))

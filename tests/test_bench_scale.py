@@ -186,6 +186,39 @@ def test_resumed_runs_keep_their_commit_and_out_of_memory_arms_can_be_retried(tm
         (0, "new"), (224, "new")]
 
 
+def test_rerun_recorded_replaces_each_record_only_when_its_new_run_ends(tmp_path, monkeypatch):
+    """``--rerun-recorded`` (after a change to the measured code): recorded arms run again; an arm
+    the time budget leaves for a later call keeps its old record."""
+    monkeypatch.setattr(bench_scale, "require_gpu", lambda benchmark: None)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(bench_scale, "scale_header", lambda: {
+        "benchmark": "scale", "gpu": "H200", "date": "today", "commit": "new"})
+    clock = [0.0]
+    monkeypatch.setattr(bench_scale.time, "perf_counter", lambda: clock[0])
+
+    def run(cmd, **kw):
+        clock[0] += 100.0
+        return subprocess.CompletedProcess(cmd, 0, LOG, "")
+
+    monkeypatch.setattr(bench_scale.subprocess, "run", run)
+    layout = LAYOUTS["qwen3_235b"]
+    old = [{"layout": "qwen3_235b", "rank": rank, "stage": layout.stage(rank), "arm": "unpaged",
+            "capacity_factor": 2.0, "status": "out of memory", "commit": "old",
+            "flags": bench_scale.arm_argv(layout, rank, "unpaged", 2.0)[0]}
+           for rank in layout.ranks]
+    out = tmp_path / "scale.json"
+    out.write_text(json.dumps({"benchmark": "scale", "commit": "old", "date": "then",
+                               "arm_naming": "plan_arm[.variant]", "runs": old}))
+    argv = ["--layouts", "qwen3_235b", "--arms", "unpaged", "--capacity-factors", "2.0",
+            "--out", str(out)]
+    assert bench_scale.main(argv) == 0 and clock[0] == 0.0  # recorded: nothing runs
+    assert bench_scale.main([*argv, "--rerun-recorded", "--time-budget", "50"]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert sorted((r["rank"], r["commit"]) for r in runs) == [(0, "new"), (224, "old")]
+    assert bench_scale.main([*argv, "--rerun-recorded"]) == 0
+    assert [r["commit"] for r in json.loads(out.read_text())["runs"]] == ["new", "new"]
+
+
 def test_the_file_records_the_gpus_memory(monkeypatch):
     """What "fits" means for every arm of a scale file: the GPU's total memory (faked here)."""
     class Props:
