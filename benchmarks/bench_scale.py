@@ -98,8 +98,7 @@ def skipped_record(layout, rank: int, arm: str, factor: float, peak: float, marg
         return None
     return {"layout": layout.name, "rank": rank, "stage": layout.stage(rank), "arm": arm,
             "capacity_factor": factor, "flags": arm_argv(layout, rank, arm, factor)[0],
-            "env": ARMS[arm].env, "status": PREDICTED_OOM, "predicted_peak_mib": round(peak, 1),
-            "wall_s": 0.0}
+            "env": ARMS[arm].env, "status": PREDICTED_OOM, "wall_s": 0.0}
 
 
 def arm_argv(layout, rank: int, arm: str, capacity_factor: float,
@@ -340,7 +339,8 @@ def main(argv=None) -> int:
     planned = [(layout.name, rank, arm, factor) for layout, rank, arm, factor in
                plan_runs(args.layouts, args.arms, args.capacity_factors, args.all_ranks)]
     # An out-of-memory record is a result: only a retry of that same arm replaces it. A
-    # predicted one is planned again (cheap). Records of arms this call does not plan all stay.
+    # predicted one is planned again (cheap). Records of arms this call does not plan all stay;
+    # those --rerun-recorded runs again stay until their new record replaces them.
     planned_keys = set(planned)
     retried = planned_keys if args.retry_out_of_memory else set()
     rerun = planned_keys if args.rerun_recorded else set()
