@@ -13,6 +13,7 @@ needs fp8, hence Transformer Engine, and is not tested here."""
 from __future__ import annotations
 
 import importlib.util
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -136,17 +137,27 @@ OPTIMIZER_FORMATS = {
 }
 
 
-def _stop_and_resume(tmp_path, paged: bool, flags=(), nproc: int = 1):
-    """The uninterrupted run, its first two steps saved, and the two steps resumed from there."""
-    name = "paged" if paged else "unpaged"
-    checkpoint = str(tmp_path / f"{name}_checkpoint")
-    whole, _ = _train(tmp_path / f"{name}_whole", paged=paged, nproc=nproc,
-                      extra=(*RESUME, *flags))
+def _first_and_resumed(tmp_path, name, checkpoint, paged, flags, nproc):
+    """The run stopped after step 2 with its checkpoint, then steps 3-4 resumed from it."""
     first, _ = _train(tmp_path / f"{name}_first", paged=paged, nproc=nproc,
                       extra=(*RESUME, *flags, "--save", checkpoint, "--save-interval", "2",
                              "--exit-interval", "2"))
     resumed, log = _train(tmp_path / f"{name}_resumed", paged=paged, nproc=nproc,
                           extra=(*RESUME, *flags, "--load", checkpoint))
+    return first, resumed, log
+
+
+def _stop_and_resume(tmp_path, paged: bool, flags=(), nproc: int = 1):
+    """The uninterrupted run, its first two steps saved, and the two steps resumed from there."""
+    name = "paged" if paged else "unpaged"
+    checkpoint = str(tmp_path / f"{name}_checkpoint")
+    # The uninterrupted run trains beside the stopped one (the GPU holds both): the test takes
+    # two runs' time, not three.
+    with ThreadPoolExecutor(max_workers=1) as beside:
+        whole_run = beside.submit(_train, tmp_path / f"{name}_whole", paged=paged, nproc=nproc,
+                                  extra=(*RESUME, *flags))
+        first, resumed, log = _first_and_resumed(tmp_path, name, checkpoint, paged, flags, nproc)
+        whole, _ = whole_run.result()
     if nproc == 1:
         assert len(whole) == 4 * MICROBATCHES and len(whole.grads) == 4
         assert first == whole[:2 * MICROBATCHES] and first.grads == whole.grads[:2]
@@ -160,8 +171,10 @@ def _stop_and_resume(tmp_path, paged: bool, flags=(), nproc: int = 1):
 
 
 def test_example_checkpoint_resume_equals_the_uninterrupted_run_paged_and_unpaged(tmp_path):
-    paged = _stop_and_resume(tmp_path, paged=True)
-    unpaged = _stop_and_resume(tmp_path, paged=False)
+    with ThreadPoolExecutor(max_workers=1) as beside:
+        unpaged_run = beside.submit(_stop_and_resume, tmp_path, paged=False)
+        paged = _stop_and_resume(tmp_path, paged=True)
+        unpaged = unpaged_run.result()
     assert paged == unpaged and paged.grads == unpaged.grads
 
 
