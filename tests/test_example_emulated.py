@@ -8,10 +8,11 @@ identical, peaks included."""
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import pytest
 import torch
-from test_example_pretrain import SMALL, _report, _train
+from test_example_pretrain import SMALL, _report, _side_by_side, _train
 
 pytestmark = [
     pytest.mark.gpu,
@@ -37,15 +38,19 @@ MLA = (
 )  # fmt: skip
 
 
-def _pair(tmp_path, env, extra=(), paged_extra=()):
-    unpaged, log_u = _train(tmp_path / "u", paged=False, extra=(*LAYOUT, *extra), env_extra=env)
-    paged, log_p = _train(tmp_path / "p", paged=True, extra=(*LAYOUT, *extra, *paged_extra),
-                          env_extra=env)
+def _pair(tmp_path, env, extra=(), paged_extra=(), beside=()):
+    """The unpaged and the paged run, trained at once with any further runs ``beside``
+    (``partial``s of ``_train``), whose results come last."""
+    (unpaged, log_u), (paged, log_p), *more = _side_by_side(
+        partial(_train, tmp_path / "u", paged=False, extra=(*LAYOUT, *extra), env_extra=env),
+        partial(_train, tmp_path / "p", paged=True, extra=(*LAYOUT, *extra, *paged_extra),
+                env_extra=env),
+        *beside)
     for log in (log_u, log_p):
         assert "emulated" in _report(log)["peers"]
     assert float(_report(log_p)["pool_cuda_mib"]) > 0  # calibrated, then paged through pools
     assert len(paged.grads) == 4
-    return unpaged, paged, log_p
+    return (unpaged, paged, log_p, *more)
 
 
 def _actions(log: str) -> dict[str, int]:
@@ -74,13 +79,13 @@ SCHEDULE_LAYOUT = (*_without_global_batch(LAYOUT), "--step-batch-size-schedule",
 def test_emulated_first_stage_1f1b_pages_bitwise(tmp_path):
     """Stage 0 of a 1F1B pipeline (no loss there): gradient checksums bitwise, with the
     example's pool (steps that overflow are rerun) and with one that never overflows."""
-    unpaged, paged, log = _pair(tmp_path, STAGE_0)
+    roomy_run = partial(_train, tmp_path / "roomy", paged=True, extra=(*LAYOUT, POOL, "3.0"),
+                        env_extra=STAGE_0)
+    unpaged, paged, log, (roomy, roomy_log) = _pair(tmp_path, STAGE_0, beside=(roomy_run,))
     assert not unpaged and not paged  # no loss on the first stage
     assert len(paged.grads) == 4 and paged.grads == unpaged.grads
     report = _report(log)
     assert int(report["peer_rows"]) > 0 and float(report["pool_cuda_mib"]) > 0
-    roomy, roomy_log = _train(tmp_path / "roomy", paged=True, extra=(*LAYOUT, POOL, "3.0"),
-                              env_extra=STAGE_0)
     assert _actions(roomy_log) == {"ok": 4} and roomy.grads == unpaged.grads
 
 
@@ -129,10 +134,11 @@ def test_emulated_last_stage_interleaved_mla_pages_bitwise_and_repeats(tmp_path)
     """The loss stage of an interleaved schedule, MLA layers, a dense/MoE pattern: losses and
     gradients bitwise; a second paged run with the same seed repeats every loss, gradient and
     per-iteration peak."""
-    unpaged, paged, log = _pair(tmp_path, STAGE_1, (*INTERLEAVED, *MLA))
+    again_run = partial(_train, tmp_path / "again", paged=True,
+                        extra=(*LAYOUT, *INTERLEAVED, *MLA), env_extra=STAGE_1)
+    unpaged, paged, log, (again, log_again) = _pair(tmp_path, STAGE_1, (*INTERLEAVED, *MLA),
+                                                    beside=(again_run,))
     assert len(paged) == 4 * 4 and paged == unpaged and paged.grads == unpaged.grads
-    again, log_again = _train(tmp_path / "again", paged=True,
-                              extra=(*LAYOUT, *INTERLEAVED, *MLA), env_extra=STAGE_1)
     assert again == paged and again.grads == paged.grads
     peaks = [line for line in log.splitlines() if "step-memory" in line]
     peaks_again = [line for line in log_again.splitlines() if "step-memory" in line]

@@ -13,11 +13,11 @@ needs fp8, hence Transformer Engine, and is not tested here."""
 from __future__ import annotations
 
 import importlib.util
-from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import pytest
 import torch
-from test_example_pretrain import MICROBATCHES, SMALL_POOL, _report, _train
+from test_example_pretrain import MICROBATCHES, SMALL_POOL, _report, _side_by_side, _train
 
 pytestmark = [
     pytest.mark.gpu,
@@ -64,8 +64,9 @@ ENV = {feature: {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}
 @pytest.mark.parametrize("feature", list(FEATURES))
 def test_example_feature_paged_bitwise_equal_to_unpaged(tmp_path, feature):
     flags, env = FEATURES[feature], ENV.get(feature)
-    unpaged, _ = _train(tmp_path, paged=False, extra=flags, env_extra=env)
-    paged, log = _train(tmp_path, paged=True, extra=flags, env_extra=env)
+    (unpaged, _), (paged, log) = _side_by_side(
+        partial(_train, tmp_path, paged=False, extra=flags, env_extra=env),
+        partial(_train, tmp_path, paged=True, extra=flags, env_extra=env))
     assert _report(log)["paging_mode"] == "paged"
     assert len(unpaged) == 3 * MICROBATCHES and len(unpaged.grads) == 3
     assert paged == unpaged and paged.grads == unpaged.grads
@@ -87,8 +88,8 @@ RERUNS = {
 @pytest.mark.parametrize("rerun", list(RERUNS))
 def test_example_step_rerun_in_place_paged_bitwise_equal_to_unpaged(tmp_path, rerun):
     flags, least_steps = RERUNS[rerun]
-    unpaged, _ = _train(tmp_path, paged=False, extra=flags)
-    paged, log = _train(tmp_path, paged=True, extra=flags)
+    (unpaged, _), (paged, log) = _side_by_side(partial(_train, tmp_path, paged=False, extra=flags),
+                                               partial(_train, tmp_path, paged=True, extra=flags))
     report = _report(log)
     assert report["paging_mode"] == "paged"
     # every paging step begun, calibration included: the in-place reruns are among them
@@ -116,9 +117,10 @@ THROUGH_RERUN = {
 def test_example_feature_through_a_forced_rerun_paged_bitwise_equal_to_unpaged(tmp_path,
                                                                                feature):
     flags = THROUGH_RERUN[feature]
-    unpaged, _ = _train(tmp_path, paged=False, extra=flags)
-    paged, log = _train(tmp_path, paged=True,
-                        extra=(*flags, *SMALL_POOL, "--paging-overflow-policy", "rerun"))
+    (unpaged, _), (paged, log) = _side_by_side(
+        partial(_train, tmp_path, paged=False, extra=flags),
+        partial(_train, tmp_path, paged=True,
+                extra=(*flags, *SMALL_POOL, "--paging-overflow-policy", "rerun")))
     assert "(policy rerun: " in log
     assert paged == unpaged and paged.grads == unpaged.grads
 
@@ -151,13 +153,11 @@ def _stop_and_resume(tmp_path, paged: bool, flags=(), nproc: int = 1):
     """The uninterrupted run, its first two steps saved, and the two steps resumed from there."""
     name = "paged" if paged else "unpaged"
     checkpoint = str(tmp_path / f"{name}_checkpoint")
-    # The uninterrupted run trains beside the stopped one (the GPU holds both): the test takes
-    # two runs' time, not three.
-    with ThreadPoolExecutor(max_workers=1) as beside:
-        whole_run = beside.submit(_train, tmp_path / f"{name}_whole", paged=paged, nproc=nproc,
-                                  extra=(*RESUME, *flags))
-        first, resumed, log = _first_and_resumed(tmp_path, name, checkpoint, paged, flags, nproc)
-        whole, _ = whole_run.result()
+    # The uninterrupted run trains beside the stopped one and its resumption.
+    (whole, _), (first, resumed, log) = _side_by_side(
+        partial(_train, tmp_path / f"{name}_whole", paged=paged, nproc=nproc,
+                extra=(*RESUME, *flags)),
+        partial(_first_and_resumed, tmp_path, name, checkpoint, paged, flags, nproc))
     if nproc == 1:
         assert len(whole) == 4 * MICROBATCHES and len(whole.grads) == 4
         assert first == whole[:2 * MICROBATCHES] and first.grads == whole.grads[:2]
@@ -171,10 +171,8 @@ def _stop_and_resume(tmp_path, paged: bool, flags=(), nproc: int = 1):
 
 
 def test_example_checkpoint_resume_equals_the_uninterrupted_run_paged_and_unpaged(tmp_path):
-    with ThreadPoolExecutor(max_workers=1) as beside:
-        unpaged_run = beside.submit(_stop_and_resume, tmp_path, paged=False)
-        paged = _stop_and_resume(tmp_path, paged=True)
-        unpaged = unpaged_run.result()
+    paged, unpaged = _side_by_side(partial(_stop_and_resume, tmp_path, paged=True),
+                                   partial(_stop_and_resume, tmp_path, paged=False))
     assert paged == unpaged and paged.grads == unpaged.grads
 
 

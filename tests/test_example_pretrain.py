@@ -12,6 +12,8 @@ import re
 import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -123,6 +125,14 @@ class Losses(list):
         self.grads: list[str] = []
 
 
+def _side_by_side(*runs):
+    """Runs of ``_train`` (``partial``s) trained at once, each its own process on the GPU that
+    holds them all: a test takes its longest run's time, not their sum. Results in order."""
+    with ThreadPoolExecutor(max_workers=len(runs)) as threads:
+        started = [threads.submit(run) for run in runs]
+        return [run.result() for run in started]
+
+
 def _report(log: str) -> dict[str, str]:
     fields = {}
     for match in REPORT.finditer(log):
@@ -139,8 +149,10 @@ def eager_unpaged_long(tmp_path_factory):
 
 
 def test_example_trains_paged_bitwise_equal_to_unpaged(tmp_path):
-    unpaged, _ = _train(tmp_path, paged=False)
-    paged, log = _train(tmp_path, paged=True)
+    # Holding the last layer before each backward: same losses, a pool a layer smaller.
+    (unpaged, _), (paged, log), (held, held_log) = _side_by_side(
+        partial(_train, tmp_path, paged=False), partial(_train, tmp_path, paged=True),
+        partial(_train, tmp_path / "hold", paged=True, extra=("--paging-hold-last-slot",)))
     assert "megatron-paging installed" in log
     # DDP built on the training stream (megatron_paging/mcore/ddp_stream.py): autograd's
     # gradient accumulators run where the backward does, so PyTorch has nothing to warn about
@@ -149,8 +161,6 @@ def test_example_trains_paged_bitwise_equal_to_unpaged(tmp_path):
     assert len(unpaged) == 3 * MICROBATCHES
     assert all(float.fromhex(v) == float.fromhex(v) for v in unpaged)  # no NaN
     assert paged == unpaged and paged.grads == unpaged.grads and len(paged.grads) == 3
-    # Holding the last layer before each backward: same losses, a pool a layer smaller.
-    held, held_log = _train(tmp_path / "hold", paged=True, extra=("--paging-hold-last-slot",))
     assert held == unpaged and _report(held_log)["paging_mode"] == "paged"
     assert float(_report(held_log)["pool_cuda_mib"]) < float(_report(log)["pool_cuda_mib"])
 
@@ -169,8 +179,9 @@ def test_example_trains_paged_bitwise_equal_to_unpaged(tmp_path):
     ],
 )
 def test_example_two_gpus_paged_bitwise_equal_to_unpaged(tmp_path, extra):
-    unpaged, _ = _train(tmp_path, paged=False, nproc=2, extra=extra)
-    paged, log = _train(tmp_path, paged=True, nproc=2, extra=extra)
+    (unpaged, _), (paged, log) = _side_by_side(
+        partial(_train, tmp_path, paged=False, nproc=2, extra=extra),
+        partial(_train, tmp_path, paged=True, nproc=2, extra=extra))
     assert _report(log)["paging_mode"] == "paged"
     assert unpaged and paged == unpaged and paged.grads == unpaged.grads
 
@@ -180,8 +191,9 @@ def test_example_two_gpus_paged_bitwise_equal_to_unpaged(tmp_path, extra):
 
 def test_example_graphed_paged_equals_graphed_unpaged_and_eager(tmp_path, eager_unpaged_long):
     counts = {"MEGATRON_PAGING_BENCH_KERNEL_COUNT_ITERS": "8,9,15"}
-    graphed_unpaged, log_u = _train(tmp_path / "gu", paged=False, extra=GRAPHS, env_extra=counts)
-    graphed_paged, log_p = _train(tmp_path / "gp", paged=True, extra=GRAPHS, env_extra=counts)
+    (graphed_unpaged, log_u), (graphed_paged, log_p) = _side_by_side(
+        partial(_train, tmp_path / "gu", paged=False, extra=GRAPHS, env_extra=counts),
+        partial(_train, tmp_path / "gp", paged=True, extra=GRAPHS, env_extra=counts))
     for log in (log_u, log_p):
         assert log.count(CAPTURE_LINE) == 1  # captured once ...
     report = _report(log_p)
@@ -257,12 +269,11 @@ def test_example_skipped_steps_need_no_more_memory_than_a_sized_pool(tmp_path):
     or below that of a run whose pool fits (the dropped step takes no optimizer step, so nothing
     beyond the smaller pool is allocated)."""
     iters = ("--train-iters", "6", "--no-check-for-nan-in-loss-and-grad")
-    _, sized_log = _train(tmp_path / "sized", paged=True, extra=iters)
-    _, skip_log = _train(
-        tmp_path / "skip", paged=True,
-        extra=(*iters, "--moe-paged-stash-buffer-size-factor-cuda", "0.05",
-               "--paging-overflow-policy", "skip"),
-    )
+    (_, sized_log), (_, skip_log) = _side_by_side(
+        partial(_train, tmp_path / "sized", paged=True, extra=iters),
+        partial(_train, tmp_path / "skip", paged=True,
+                extra=(*iters, "--moe-paged-stash-buffer-size-factor-cuda", "0.05",
+                       "--paging-overflow-policy", "skip")))
     sized, skipped = _report(sized_log), _report(skip_log)
     assert sized["overflow_actions"] == "ok:6"
     assert "skip" in skipped["overflow_actions"]
@@ -272,10 +283,10 @@ def test_example_skipped_steps_need_no_more_memory_than_a_sized_pool(tmp_path):
 
 
 def test_example_forced_overflow_rerun_is_bitwise_equal_to_unpaged(tmp_path):
-    unpaged, _ = _train(tmp_path, paged=False)
-    paged, log = _train(
-        tmp_path, paged=True, extra=(*SMALL_POOL, "--paging-overflow-policy", "rerun")
-    )
+    (unpaged, _), (paged, log) = _side_by_side(
+        partial(_train, tmp_path, paged=False),
+        partial(_train, tmp_path, paged=True,
+                extra=(*SMALL_POOL, "--paging-overflow-policy", "rerun")))
     assert "megatron-paging: overflow at rank 0" in log and "(policy rerun: " in log
     # Each step logs its final result (the rerun's), so the whole run equals the control.
     assert paged == unpaged
