@@ -24,7 +24,7 @@ from pathlib import Path
 from portable import dumps
 
 SUITE_SETTINGS = ("PYTEST_WORKERS", "TESTS_LIMIT_S", "PYTEST_TARGETS", "PYTEST_MARKS",
-                  "PYTEST_EXTRA")
+                  "PYTEST_EXTRA", "TESTS_CONTINUE")
 SLOWEST = 15  # tests listed by duration in a stream's record
 
 

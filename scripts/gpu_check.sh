@@ -20,7 +20,9 @@
 #                       "(gpu or multigpu or build) and not training_run"); PYTEST_EXTRA more
 #                       pytest arguments; TESTS_LIMIT_S the tests step's limit (default 530 s; at
 #                       the limit pytest is interrupted and still reports what finished, marked
-#                       interrupted)
+#                       interrupted); TESTS_CONTINUE an earlier call's gpu_tests.jsonl (in the
+#                       tree, same GIT_COMMIT): its passed and skipped tests are not run again
+#                       and count in this call's record, so a suite spans calls
 #   BENCH_KERNELS_ARGS, BENCH_SCHEDULER_ARGS, PROFILE_KERNELS_ARGS   more arguments for those
 #                       benchmarks (profile-kernels: Nsight Compute counters, needs ncu)
 #   AB_TREES            kernels-ab: source trees to A/B against this one, space separated (each
@@ -86,7 +88,7 @@ run_gpu_tests() {  # the GPU-marked tests, PYTEST_WORKERS processes side by side
   : > "$OUT/gpu_tests.jsonl"
   rm -f "$OUT/gpu_tests.xml"  # pytest writes it only at a clean end: never report an older one
   # shellcheck disable=SC2086
-  PAGING_TEST_STREAM="$OUT/gpu_tests.jsonl" \
+  PAGING_TEST_STREAM="$OUT/gpu_tests.jsonl" PAGING_TEST_CONTINUE="${TESTS_CONTINUE:-}" \
   python3 -m pytest "${workers[@]}" -q -m "${PYTEST_MARKS:-gpu or multigpu or build}" \
     -p no:cacheprovider --junitxml "$OUT/gpu_tests.xml" ${PYTEST_EXTRA:-} ${PYTEST_TARGETS:-tests}
 }

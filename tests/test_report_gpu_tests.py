@@ -165,6 +165,66 @@ def test_the_test_stream_is_written_by_the_suite_itself(tmp_path):
     assert node.endswith("test_two.py::test_fails") and "one is not two" in message
 
 
+CONTINUED = """import os, pytest
+
+def _ran(name):
+    with open(os.environ["RAN"], "a") as ran:
+        ran.write(name + "\\n")
+
+def test_passes():
+    _ran("passes")
+
+def test_fails():
+    _ran("fails")
+    assert 1 == 2
+
+def test_skips():
+    _ran("skips")
+    pytest.skip("needs 2 CUDA devices")
+
+def test_later():
+    _ran("later")
+"""
+
+
+@pytest.mark.parametrize("workers", [0, 2], ids=["one-process", "xdist"])
+def test_a_continued_suite_runs_only_what_the_earlier_call_did_not_pass_or_skip(tmp_path,
+                                                                               workers):
+    """PAGING_TEST_CONTINUE (gpu_check.sh's TESTS_CONTINUE): a first call finishes three tests
+    (one fails), the second runs the failed one again and the one never reached, and its stream
+    reports the whole suite; a stream of another commit is refused in one line."""
+    if workers:
+        pytest.importorskip("xdist")
+    (tmp_path / "conftest.py").write_text('pytest_plugins = ["suite_stream"]\n')
+    (tmp_path / "test_four.py").write_text(CONTINUED)
+    ran, first, second = tmp_path / "ran.txt", tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    env = {**os.environ, "RAN": str(ran), "GIT_COMMIT": "c0ffee",
+           "PYTHONPATH": str(Path(__file__).resolve().parent)}
+
+    def suite(stream, *args, **more_env):
+        xdist = ["-n", str(workers)] if workers else []
+        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                               *xdist, *args, str(tmp_path)],
+                              env={**env, "PAGING_TEST_STREAM": str(stream), **more_env},
+                              capture_output=True, text=True, timeout=120, check=False,
+                              cwd=tmp_path)
+
+    suite(first, "-k", "not later")
+    assert sorted(ran.read_text().split()) == ["fails", "passes", "skips"]
+    ran.unlink()
+    run = suite(second, PAGING_TEST_CONTINUE=str(first))
+    assert sorted(ran.read_text().split()) == ["fails", "later"], run.stdout + run.stderr
+    result = report_gpu_tests.summarize_stream(second)
+    assert result["collected"] == result["scheduled"] == 4 and result["passed"] == 2
+    assert [node.split("::")[1] for node in result["failed"]] == ["test_fails"]
+    assert [node.split("::")[1] for node in result["skipped"]] == ["test_skips"]
+    assert result["interrupted"] is False
+
+    refused = suite(tmp_path / "third.jsonl", PAGING_TEST_CONTINUE=str(first), GIT_COMMIT="beef")
+    assert refused.returncode == 4  # pytest's usage error
+    assert f"PAGING_TEST_CONTINUE={first} tested c0ffee, not GIT_COMMIT beef" in refused.stderr
+
+
 def _xdist_run(tmp_path, body: str) -> subprocess.CompletedProcess:
     """A real two-worker pytest-xdist run of ``body`` with this suite's plugin, a 1 s exit grace."""
     pytest.importorskip("xdist")
