@@ -83,6 +83,9 @@ def _train(
         "MEGATRON_PAGING_BENCH_LOSS_LOG": str(loss_log),
         "NCCL_NVLS_ENABLE": "0",
         "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+        # Runs train side by side, several per xdist worker: each compiles Megatron's fused
+        # functions with a few Inductor workers, not one per core (the code is the same).
+        "TORCHINDUCTOR_COMPILE_THREADS": os.environ.get("TORCHINDUCTOR_COMPILE_THREADS", "4"),
         **(env_extra or {}),
     }
     for _attempt in range(3):
