@@ -17,7 +17,14 @@ from functools import partial
 
 import pytest
 import torch
-from test_example_pretrain import MICROBATCHES, SMALL_POOL, _report, _side_by_side, _train
+from test_example_pretrain import (
+    MICROBATCHES,
+    SMALL_POOL,
+    _report,
+    _side_by_side,
+    _train,
+    _unpaged_and_paged,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -64,9 +71,7 @@ ENV = {feature: {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}
 @pytest.mark.parametrize("feature", list(FEATURES))
 def test_example_feature_paged_bitwise_equal_to_unpaged(tmp_path, feature):
     flags, env = FEATURES[feature], ENV.get(feature)
-    (unpaged, _), (paged, log) = _side_by_side(
-        partial(_train, tmp_path, paged=False, extra=flags, env_extra=env),
-        partial(_train, tmp_path, paged=True, extra=flags, env_extra=env))
+    (unpaged, _), (paged, log) = _unpaged_and_paged(tmp_path, flags, env_extra=env)
     assert _report(log)["paging_mode"] == "paged"
     assert len(unpaged) == 3 * MICROBATCHES and len(unpaged.grads) == 3
     assert paged == unpaged and paged.grads == unpaged.grads
@@ -88,8 +93,7 @@ RERUNS = {
 @pytest.mark.parametrize("rerun", list(RERUNS))
 def test_example_step_rerun_in_place_paged_bitwise_equal_to_unpaged(tmp_path, rerun):
     flags, least_steps = RERUNS[rerun]
-    (unpaged, _), (paged, log) = _side_by_side(partial(_train, tmp_path, paged=False, extra=flags),
-                                               partial(_train, tmp_path, paged=True, extra=flags))
+    (unpaged, _), (paged, log) = _unpaged_and_paged(tmp_path, flags)
     report = _report(log)
     assert report["paging_mode"] == "paged"
     # every paging step begun, calibration included: the in-place reruns are among them
@@ -117,10 +121,8 @@ THROUGH_RERUN = {
 def test_example_feature_through_a_forced_rerun_paged_bitwise_equal_to_unpaged(tmp_path,
                                                                                feature):
     flags = THROUGH_RERUN[feature]
-    (unpaged, _), (paged, log) = _side_by_side(
-        partial(_train, tmp_path, paged=False, extra=flags),
-        partial(_train, tmp_path, paged=True,
-                extra=(*flags, *SMALL_POOL, "--paging-overflow-policy", "rerun")))
+    (unpaged, _), (paged, log) = _unpaged_and_paged(
+        tmp_path, flags, paged_extra=(*SMALL_POOL, "--paging-overflow-policy", "rerun"))
     assert "(policy rerun: " in log
     assert paged == unpaged and paged.grads == unpaged.grads
 

@@ -136,6 +136,13 @@ def _side_by_side(*runs):
         return [run.result() for run in started]
 
 
+def _unpaged_and_paged(tmp_path, extra=(), paged_extra=(), **common):
+    """The control and the paged run of one line, side by side: ((losses, log), (losses, log))."""
+    return _side_by_side(partial(_train, tmp_path, paged=False, extra=extra, **common),
+                         partial(_train, tmp_path, paged=True, extra=(*extra, *paged_extra),
+                                 **common))
+
+
 def _report(log: str) -> dict[str, str]:
     fields = {}
     for match in REPORT.finditer(log):
@@ -182,9 +189,7 @@ def test_example_trains_paged_bitwise_equal_to_unpaged(tmp_path):
     ],
 )
 def test_example_two_gpus_paged_bitwise_equal_to_unpaged(tmp_path, extra):
-    (unpaged, _), (paged, log) = _side_by_side(
-        partial(_train, tmp_path, paged=False, nproc=2, extra=extra),
-        partial(_train, tmp_path, paged=True, nproc=2, extra=extra))
+    (unpaged, _), (paged, log) = _unpaged_and_paged(tmp_path, extra, nproc=2)
     assert _report(log)["paging_mode"] == "paged"
     assert unpaged and paged == unpaged and paged.grads == unpaged.grads
 
@@ -286,10 +291,8 @@ def test_example_skipped_steps_need_no_more_memory_than_a_sized_pool(tmp_path):
 
 
 def test_example_forced_overflow_rerun_is_bitwise_equal_to_unpaged(tmp_path):
-    (unpaged, _), (paged, log) = _side_by_side(
-        partial(_train, tmp_path, paged=False),
-        partial(_train, tmp_path, paged=True,
-                extra=(*SMALL_POOL, "--paging-overflow-policy", "rerun")))
+    (unpaged, _), (paged, log) = _unpaged_and_paged(
+        tmp_path, paged_extra=(*SMALL_POOL, "--paging-overflow-policy", "rerun"))
     assert "megatron-paging: overflow at rank 0" in log and "(policy rerun: " in log
     # Each step logs its final result (the rerun's), so the whole run equals the control.
     assert paged == unpaged
