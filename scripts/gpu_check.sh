@@ -5,7 +5,7 @@
 #
 #   bash scripts/gpu_check.sh [steps...]          (default: info build tests)
 #   steps: info build tests sanitizer bench-kernels profile-kernels kernels-ab bench-scheduler
-#          bench-offload bench-swiglu mcore frontier step-ratio scale
+#          bench-offload bench-offload-queues bench-swiglu mcore frontier step-ratio scale
 #
 # Each step has its own time limit, so one hang cannot take the whole run; `build tests` is sized
 # for one 10-minute call (the build ~40 s when not cached, the tests TESTS_LIMIT_S). Environment:
@@ -143,6 +143,8 @@ PY
                        --out "$OUT/scheduler.json" ${BENCH_SCHEDULER_ARGS:-} ;;
     bench-offload) run_step bench-offload 180 python3 benchmarks/bench_offload.py \
                      --out "$OUT/offload.json" ;;
+    bench-offload-queues) run_step bench-offload-queues 150 \
+                            python3 benchmarks/bench_offload_queues.py --out "$OUT/offload_queues.json" ;;
     bench-swiglu) run_step bench-swiglu 120 python3 benchmarks/bench_weighted_swiglu.py \
                     --out "$OUT/weighted_swiglu.json" ;;
     frontier)

@@ -10,8 +10,8 @@ import pytest
 from frontier_bench import load_script
 
 SCRIPTS = ("bench_frontier", "bench_step_ratio", "bench_scheduler", "bench_offload",
-           "bench_weighted_swiglu", "kernels_ab", "profile_kernels", "report_mcore",
-           "report_offload")
+           "bench_offload_queues", "bench_weighted_swiglu", "kernels_ab", "profile_kernels",
+           "report_mcore", "report_offload")
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
