@@ -10,7 +10,7 @@ on the compute stream, and times the whole from one event before the transfer:
 * ``alone``: nothing behind the transfer on its stream;
 * ``then_count``: the runtime's demand count behind it (``overflow/demand.py``: what the paging
   stream queues behind every stash, since it reads the overflow flag the copy sets);
-* ``then_transfer``: a second transfer (the next record of an offload group).
+* ``then_transfer``: a second transfer (as fc1 follows the experts' input).
 
 Transfers: live rows by the page kernels at the runtime's D2H grid (4 CTAs) into a host-only
 pool, and a whole tensor by the copy engine (one DMA ``copy_``, as Megatron-Core's offloading
