@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 
 import torch
+from bench_offload import HIDDEN, LIVE, PAGE_SIZE  # the live-row shape bench_offload moves
 from common import default_out, header, print_table, require_gpu, write
 
 from megatron_paging import kernels
@@ -41,9 +42,6 @@ from megatron_paging.pages.pool import PagePool
 from megatron_paging.pages.record import PageRecord
 
 QUEUES_ENV = "CUDA_DEVICE_MAX_CONNECTIONS"
-PAGE_SIZE = 64
-HIDDEN = 7168
-LIVE = 12288  # bf16 rows of h7168: 168 MiB, a few ms over PCIe
 DENSE_ROWS = 8192  # a [8192, 7168] bf16 tensor, 112 MiB
 GEMM_N, GEMMS = 8192, 6  # a GEMM loop longer than one transfer
 ARMS = ("alone", "then_count", "then_transfer")
