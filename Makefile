@@ -7,12 +7,12 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat setup.py megatron_paging/version.py | cksum | cut -d' ' -f1)
 # `make test`: ruff, then the CPU suite (GPU/multigpu/build tests skip without their hardware).
 # PYTEST_WORKERS=N (or auto) spreads it over N pytest-xdist processes, each test file whole on one
-# worker (tests/conftest.py says why); 0 runs one process. On the 2-core machine 2 workers took
-# 292 s against 339 s for one process (same machine, back to back); when other work keeps the
-# cores busy one process can be faster (each worker imports torch + megatron and collects again).
+# worker (tests/conftest.py says why), the files marked long_cpu first and the rest in
+# collection order (xdist's default reorder by test count started the longest file last: 386 s
+# cold on the 2-core machine, against 318 s with it first); 0 runs one process.
 # pyproject.toml's -rfE lists failures and errors only, so the run ends on pytest's count line.
 PYTEST_WORKERS ?= 2
-XDIST_ARGS = $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile)
+XDIST_ARGS = $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 PYTEST_ARGS ?=
 
 .PHONY: venv demo test lint build-ext gpu-check clean

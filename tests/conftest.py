@@ -56,10 +56,13 @@ _share_cpus_between_xdist_workers()
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests that train a Megatron model (minutes each) go first, keeping the order otherwise:
-    the GPU suite hands tests out one at a time (gpu_check.sh: --dist load --maxschedchunk 1),
-    so the long ones start on separate workers at once instead of one of them ending the run."""
-    items.sort(key=lambda item: item.get_closest_marker("training_run") is None)
+    """Tests that train a Megatron model (minutes each) go first, then the files marked
+    ``long_cpu``, keeping the order otherwise: the GPU suite hands tests out one at a time
+    (gpu_check.sh: --dist load --maxschedchunk 1) and ``make test`` whole files in collection
+    order (--dist loadfile --no-loadscope-reorder), so the long ones start on separate workers
+    at once instead of one of them ending the run."""
+    items.sort(key=lambda item: (item.get_closest_marker("training_run") is None,
+                                 item.get_closest_marker("long_cpu") is None))
 
 
 @pytest.fixture

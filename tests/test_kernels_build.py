@@ -32,6 +32,8 @@ def _toolkit_or_none():
         return None
 
 
+pytestmark = pytest.mark.long_cpu  # the cold nvcc build, over a minute: started first
+
 needs_build = [
     pytest.mark.build,
     pytest.mark.skipif(_toolkit_or_none() is None, reason="no CUDA toolkit (nvcc) on this machine"),

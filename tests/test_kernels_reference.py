@@ -49,6 +49,8 @@ from megatron_paging import kernels
 from megatron_paging.pages.pool import PagePool, PagePools
 from megatron_paging.pages.record import PageRecord
 
+pytestmark = pytest.mark.long_cpu  # about 190 s on one 2-core worker: started first
+
 
 @settings(max_examples=4000)
 @given(single_pool_scenarios(), st.data())
