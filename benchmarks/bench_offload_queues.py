@@ -8,9 +8,12 @@ stream is still busy holds every launch behind it. Each arm queues a transfer on
 on the compute stream, and times the whole from one event before the transfer:
 
 * ``alone``: nothing behind the transfer on its stream;
-* ``then_count``: the runtime's demand count behind it (``overflow/demand.py``: what the paging
-  stream queues behind every stash, since it reads the overflow flag the copy sets);
-* ``then_transfer``: a second transfer (as fc1 follows the experts' input).
+* ``then_count``: the demand count's in-place ops (``overflow/demand.py``) behind it on its
+  stream. They would wait for the transfer, so the runtime queues them on the compute stream
+  before the copy, and the kernel's commit counts the stashes after an overflow;
+* ``then_transfer``: a second transfer (as fc1 follows the experts' input): the page kernels
+  launch as programmatic dependents and copy-engine copies wait in the copy engine, so neither
+  should hold the compute.
 
 Transfers: live rows by the page kernels at the runtime's D2H grid (4 CTAs) into a host-only
 pool, and a whole tensor by the copy engine (one DMA ``copy_``, as Megatron-Core's offloading

@@ -127,7 +127,7 @@ def test_counting_is_in_place_ops_only(segments):
         demand.note_reload(pool, record)
     for ops in (stash_ops, reload_ops):
         assert ops.allocations == [] and ops.views == []
-    assert len(stash_ops.writes) == (4 if segments is None else 5)
+    assert len(stash_ops.writes) == (3 if segments is None else 4)
     assert reload_ops.writes == ["aten.add_.Tensor"]
     assert pool.demand_pages.tolist() == [0, 2 if segments is None else 4]
 

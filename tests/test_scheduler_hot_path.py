@@ -20,6 +20,7 @@ from megatron_paging import config, kernels
 from megatron_paging.config import PagingConfig
 from megatron_paging.kernels import KernelBackend, cuda_ops
 from megatron_paging.kernels.checks import check_args
+from megatron_paging.overflow import demand
 from megatron_paging.pages.pool import PagePools
 from megatron_paging.pages.record import PageRecord
 from megatron_paging.runtime.engine import PagingEngine
@@ -29,10 +30,9 @@ from megatron_paging.runtime.streams import CpuStreamBackend, CudaStreamBackend
 PAGE, ROWS, HIDDEN, LAYERS, RECORDS = 4, 16, 8, 4, 3
 PUBLIC_CALLS = ("open_slot", "save", "commit", "backward_slot_start", "prefetch", "unpack",
                 "finish")
-# The demand count beside each one-segment stash (demand.py): in-place ops on the pool's and
-# the record's own tensors, no allocation, no view.
-DEMAND_STASH_WRITES = ["aten.floor_divide.out", "aten.sub_.Tensor", "aten.maximum.out",
-                       "aten.add_.Tensor"]
+# The demand count before each one-segment stash (demand.py): in-place ops on the pool's and
+# the record's own tensors, no allocation, no view (the kernel counts stashes after overflow).
+DEMAND_STASH_WRITES = ["aten.floor_divide.out", "aten.sub_.Tensor", "aten.maximum.out"]
 
 
 class CountingBackend(CpuStreamBackend):
@@ -278,6 +278,72 @@ class _Saves(torch.autograd.Function):
         return (grad, *[None] * len(ctx.unpacked))
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_demand_is_counted_on_the_current_stream_before_the_groups_copies(monkeypatch, overlap):
+    """Outside the paging stream's scope: there a count would wait for the copies (it reads
+    only live counts) and, with one hardware queue, hold every later launch of every stream.
+    Counts, peak and stash log still follow queue order: each layer stashes RECORDS records of
+    2 pages (5 live rows, 4-row pages)."""
+    backend = CountingBackend()
+    pools = make_pools()
+    pool = pools[HIDDEN * 4]
+    scheduler = PagingScheduler(backend, pools,
+                                config=PagingConfig(kernel_backend="reference", overlap=overlap))
+    counted = []  # (what, open scope, copies launched before it)
+    for name in ("note_stash", "note_reload"):
+        real = getattr(demand, name)
+
+        def spy(*args, _real=real, _name=name):
+            counted.append((_name, backend._open_scope, len(backend.launch_scopes)))
+            return _real(*args)
+
+        monkeypatch.setattr(demand, name, spy)
+    tensors = [torch.randn(ROWS, HIDDEN) for _ in range(RECORDS)]
+    handles = []
+    for layer in range(LAYERS):
+        scheduler.open_slot(0, layer, 0)
+        handles.append([scheduler.save(t, torch.tensor([5])) for t in tensors])
+        scheduler.commit()
+        assert int(pool.pages_in_flight) == 2 * RECORDS * (layer + 1)
+    for layer in reversed(range(LAYERS)):
+        scheduler.backward_slot_start(0, layer, 0)
+        for h, tensor in zip(handles[layer], tensors, strict=True):
+            assert torch.equal(scheduler.unpack(h)[:5], tensor[:5])  # the live rows
+    assert scheduler.finish() == 0
+    assert pool.demand_pages.tolist() == [0, 2 * LAYERS * RECORDS]  # in flight, peak
+    assert [src.layer for src in pools.stash_log.sources] == [
+        n // RECORDS for n in range(LAYERS * RECORDS)]
+    assert [what for what, _, _ in counted] == (
+        ["note_stash"] * LAYERS * RECORDS + ["note_reload"] * LAYERS * RECORDS)
+    assert {scope for _, scope, _ in counted} == {None}
+    # Each group's counts come before its copies: after n groups, n * RECORDS copies.
+    assert [launched for _, _, launched in counted] == [
+        RECORDS * (n // RECORDS) for n in range(2 * LAYERS * RECORDS)]
+
+
+def test_the_first_overflow_is_named_by_its_own_stash_not_the_one_before_it():
+    """Two records of one group in two pools, the second overflowing: the sticky flag it sets
+    is read by its own count, not by the first record's (queued before the second copy)."""
+    pools = PagePools(PAGE)
+    pools.add(HIDDEN * 4, cuda_rows=ROWS)
+    pools.add(HIDDEN * 2, cuda_rows=PAGE)  # one page: a 5-row record needs two
+    scheduler = PagingScheduler(CpuStreamBackend(), pools,
+                                config=PagingConfig(kernel_backend="reference"))
+    scheduler.open_slot(0, 0, 0)
+    live = torch.tensor([5])
+    handles = [scheduler.save(torch.randn(ROWS, HIDDEN), live),
+               scheduler.save(torch.randn(ROWS, HIDDEN).half(), live)]
+    scheduler.commit()
+    scheduler.backward_slot_start(0, 0, 0)
+    for h in handles:
+        scheduler.unpack(h)
+    scheduler.finish()
+    assert pools.flags.read()["overflow"]
+    after, log_id = pools.stash_log.state.tolist()
+    assert after == 1
+    assert pools.stash_log.first_overflow(after, log_id).row_bytes == HIDDEN * 2
+
+
 def test_mcore_api_steady_state_allocation_counts(noop_kernels):
     """Megatron-Core's call sequence through MCorePagingAPI -> PagingContext -> PagingEngine,
     with autograd invoking the real pack/unpack hooks; counted once the pools exist."""
@@ -336,7 +402,7 @@ def test_mcore_api_steady_state_allocation_counts(noop_kernels):
     assert len(counters["open"].views) <= LAYERS
     assert counters["open"].writes == []
     # The pack hook only takes note; the commit makes one record buffer per group (no
-    # live-count snapshot: the group's copy is private) and stashes.
+    # live-count snapshot: the group's copy is private), counts the demand and stashes.
     assert counters["pack"].allocations == counters["pack"].views == []
     assert counters["pack"].writes == []
     assert len(counters["commit"].allocations) == LAYERS
@@ -404,9 +470,11 @@ def test_cuda_wrapper_passes_cached_handles_without_new_tensors(monkeypatch):
     pool.device = torch.device("cpu")  # the rest of the call runs its checks on CPU tensors
     assert pool.kernel_handle is handle and cuda_ops.pool_handle(pool) is handle
     (pool_args,) = fake.pools  # made from the pool's own tensors, no copies
-    owned = [*_tensors(pool), pool.cuda_pages, pool.flags.values]
+    owned = [*_tensors(pool), pool.cuda_pages, pool.flags.values,
+             pool.stash_log.stashes_after_overflow]
     assert all(any(t is o for o in owned) for t in pool_args if isinstance(t, torch.Tensor))
-    for tensor in (pool.cuda_pages, pool.host_pages, pool.flags.values, pool.kernel_done_counter):
+    for tensor in (pool.cuda_pages, pool.host_pages, pool.flags.values, pool.kernel_done_counter,
+                   pool.stash_log.stashes_after_overflow):
         assert _passed(pool_args, tensor)
     assert _passed(pool_args, PAGE) and _passed(pool_args, HIDDEN * 4)
 

@@ -2,16 +2,17 @@
 built from it.
 
 After a pool's first overflow every later stash copies nothing (``pages/pool.py``), so its rings
-cannot say how far short it fell. Beside every stash and reload (``runtime/transfers.py``, on the
-same stream, after the copy) a few in-place device ops keep:
+cannot say how far short it fell. So:
 
-* per pool, the pages its records need in flight, ``ceil(live / page_size)`` per segment from
-  each record's own live counts, whether or not the pool had room (a reload gives back what its
-  stash added), and their peak;
-* per pool group (the pools sharing one :class:`~megatron_paging.pages.pool.PagingFlags`), how many
-  stashes ran with the sticky overflow flag set. The host logs every stash's source (chunk,
-  layer, microbatch, pool) as it queues it, so the first overflowing stash is the log's entry
-  that many from its end.
+* per pool, a few in-place device ops queued with every stash and reload
+  (``runtime/transfers.py``, on the compute stream, before the copy: they read only the record's
+  live counts) keep the pages its records need in flight, ``ceil(live / page_size)`` per segment,
+  whether or not the pool had room (a reload gives back what its stash added), and their peak;
+* per pool group (the pools sharing one :class:`~megatron_paging.pages.pool.PagingFlags`), the
+  stash kernel's commit counts the stashes that ran with the sticky overflow flag set (an op
+  queued behind the copy would wait for it and, with one hardware queue, hold the compute
+  queued after it). The host logs every stash's source (chunk, layer, microbatch, pool) as it
+  queues it, so the first overflowing stash is the log's entry that many from its end.
 
 Nothing is read, allocated or branched on during the step, so the ops sit in a captured CUDA
 graph as they are. A replay runs no host code: the reset writes its host log's id to the device
@@ -75,9 +76,9 @@ class StashLog:
         self.log_id.fill_(self._last_id)
 
     def note_stash(self, source: StashSource) -> None:
+        # The kernel's commit counts it in stashes_after_overflow if the sticky flag is set
+        # once it ran: the overflowing stash and every later one.
         self.sources.append(source)
-        # The flag is sticky: it reads 1 after the overflowing stash and after every later one.
-        self.stashes_after_overflow.add_(self.flags.overflow)
 
     def log(self, log_id: int) -> list[StashSource] | None:
         """The stashes of the step whose reset wrote ``log_id`` (None: dropped or unknown)."""
@@ -92,9 +93,9 @@ class StashLog:
 
 
 def note_stash(pool: PagePool, record: PageRecord, notes: dict) -> None:
-    """Count a stash (queued after its copy, on the copy's stream): the pages ``record`` needs
-    go in flight, the pool's peak follows, the group's log takes its source. Four in-place
-    device ops (five for several segments), no sync."""
+    """Count a stash (queued before its copy, on the compute stream): the pages ``record``
+    needs go in flight, the pool's peak follows, the group's log takes its source. Three
+    in-place device ops (four for several segments), no sync."""
     pool.pages_in_flight.sub_(_negated_pages(record))
     torch.maximum(pool.peak_pages, pool.pages_in_flight, out=pool.peak_pages)
     pool.stash_log.note_stash(StashSource(notes.get("chunk"), notes.get("layer"),

@@ -216,32 +216,40 @@ class Transfers:
         h.parked = None
 
     def launch_group(self, stream, kind: str, handles: list[PagedHandle], **info) -> None:
-        """Launch one kernel per record with ``stream`` made current once for the group."""
+        """Launch one kernel per record with ``stream`` made current once for the group. The
+        step's page demand (demand.py) is counted first, on the current (compute) stream: the
+        counts read only the records' live counts, and on the paging stream they would wait
+        for its copies (with one hardware queue, holding every later launch of every stream)."""
         backend = self.backend
         copy, reload = self.kernel.copy, kind == "reload"
+        pools = [None if h.offload == "whole" else self._pool_for(h, reload) for h in handles]
+        for h, pool in zip(handles, pools, strict=True):
+            if pool is None:
+                continue
+            if reload:
+                demand.note_reload(pool[0], h.record)
+            else:
+                demand.note_stash(pool[0], h.record, h.notes)
         with backend.scope(stream):
-            for h in handles:
+            for h, pool_and_ctas in zip(handles, pools, strict=True):
                 record, notes = h.record, h.notes
                 tensor = h.tensor if reload else h.source
-                if h.offload == "whole":
-                    pool = key = None
+                if pool_and_ctas is None:
+                    pool = key = max_ctas = None
                     fn = functools.partial(self._copy_whole, reload, h, tensor)
                 else:
-                    pool, max_ctas = self._pool_for(h, reload)
+                    pool, max_ctas = pool_and_ctas
                     key = record.row_bytes
                     if h.prefix_rows:
                         fn = functools.partial(self._copy_prefixed, copy, reload, h, tensor,
                                                pool, max_ctas)
                     else:
                         fn = functools.partial(copy, reload, tensor, record, pool, max_ctas)
-                if pool is not None:  # the step's page demand, counted behind the copy
-                    fn = functools.partial(_counting_demand, fn, reload, record, pool, notes)
                 backend.launch(
                     stream, kind, fn,
                     record=h.id, chunk=notes["chunk"], layer=notes["layer"],
                     microbatch=notes["microbatch"], wgrad_only=h.wgrad_only, pool=pool,
-                    pool_key=key, offload=h.offload,
-                    max_ctas=None if h.offload == "whole" else max_ctas,
+                    pool_key=key, offload=h.offload, max_ctas=max_ctas,
                     prefix_rows=h.prefix_rows, **info,
                 )
 
@@ -298,16 +306,6 @@ class Transfers:
             h.host_range = None
         else:
             arena.view(start, nbytes).copy_(flat, non_blocking=True)
-
-
-def _counting_demand(copy, reload: bool, record: PageRecord, pool, notes: dict) -> None:
-    """Queue a record's copy, then its demand count on the same stream (demand.py): the count
-    reads the overflow flag that copy left. In-place device ops only: no sync, capturable."""
-    copy()
-    if reload:
-        demand.note_reload(pool, record)
-    else:
-        demand.note_stash(pool, record, notes)
 
 
 __all__ = ["PagedHandle", "Parker", "Transfers"]

@@ -66,6 +66,7 @@ struct Decision {
   bool active;         // pages move (stash: a tier has room; reload: the record holds pages)
   bool use_host;       // stash: the record spills to the host tier
   bool new_overflow;   // stash: this launch sets the overflow flag
+  bool after_overflow;  // stash: the flag is set once this launch commits (it or one before)
   bool zero_fill;      // reload that moves no pages (overflow, invalid reload): zero live rows
   bool invalid;        // a live count was outside [0, segment rows]
   bool invalid_reload;  // reload without an overflow of a record that holds no pages
@@ -177,6 +178,7 @@ __device__ Decision decide(const PagingArgs& a, const Plan<N>& plan, const RingS
     const bool use_cuda = ok && tail[0] - head[0] >= d.ring_pages;
     d.use_host = ok && !use_cuda && has_host && tail[1] - head[1] >= d.ring_pages;
     d.new_overflow = (overflow == 0 && !use_cuda && !d.use_host) || d.invalid;
+    d.after_overflow = overflow != 0 || d.new_overflow;
     d.active = use_cuda || d.use_host;
     d.tier = d.use_host ? 1 : 0;
     d.ring_start = d.use_host ? head[1] : head[0];
@@ -328,6 +330,11 @@ __device__ void publish(const PagingArgs& a, const Decision& d, unsigned int arr
     if (d.new_overflow) atomicOr(flags + 0, 1ull);
     if (d.use_host) atomicOr(flags + 1, 1ull);
     if (d.invalid) atomicOr(flags + 2, static_cast<unsigned long long>(kInvalidLiveCount));
+    // Counted here, not by a kernel queued behind this one: that kernel would wait for this
+    // launch and, with one hardware queue, hold every later launch of every stream.
+    if (d.after_overflow) {
+      atomicAdd(reinterpret_cast<unsigned long long*>(a.pool.stashes_after_overflow), 1ull);
+    }
   } else {
     if (d.active) a.pool.tail[d.tier] = d.ring_start + d.ring_pages;
     a.record_state[0] = kRecordReloaded;

@@ -120,8 +120,8 @@ struct Pool {
   // Checks the tensors and fills the handle; returns the first problem ("" = fine).
   std::string init(at::Tensor cuda_pages, at::Tensor host_pages, at::Tensor free_list_cuda,
                    at::Tensor free_list_host, at::Tensor head, at::Tensor tail,
-                   at::Tensor capacity, at::Tensor flags, at::Tensor done_counter,
-                   int64_t page_size, int64_t row_bytes) {
+                   at::Tensor capacity, at::Tensor flags, at::Tensor stashes_after_overflow,
+                   at::Tensor done_counter, int64_t page_size, int64_t row_bytes) {
     PAGING_REQUIRE(cuda_pages.is_cuda(), "cuda_pages must be a CUDA tensor");
     device = cuda_pages.device();
     PAGING_REQUIRE(row_bytes > 0, "row_bytes must be positive, got ", row_bytes);
@@ -137,11 +137,14 @@ struct Pool {
     PAGING_FORWARD(check_on(tail, "free_list_tail", device, at::kLong));
     PAGING_FORWARD(check_on(capacity, "free_list_capacity", device, at::kLong));
     PAGING_FORWARD(check_on(flags, "flags", device, at::kLong));
+    PAGING_FORWARD(check_on(stashes_after_overflow, "stashes_after_overflow", device, at::kLong));
     PAGING_FORWARD(check_on(done_counter, "done_counter", device, at::kInt));
     PAGING_REQUIRE(head.numel() == 2 && tail.numel() == 2 && capacity.numel() == 2,
                    "free_list_head/tail/capacity must hold 2 entries (device, host)");
     PAGING_REQUIRE(flags.numel() == 3,
                    "flags must hold 3 entries (overflow, host_spill, invalid_live)");
+    PAGING_REQUIRE(stashes_after_overflow.numel() >= 1,
+                   "stashes_after_overflow must hold 1 entry");
     PAGING_REQUIRE(done_counter.numel() >= 1, "done_counter must hold 1 entry");
     // A second entry, when there is one, is the bulk path's tile ticket.
     view.num_pages[0] = cuda_pages.size(0) / page_size;
@@ -159,12 +162,13 @@ struct Pool {
     view.tail = tail.data_ptr<int64_t>();
     view.capacity = capacity.data_ptr<int64_t>();
     view.flags = flags.data_ptr<int64_t>();
+    view.stashes_after_overflow = stashes_after_overflow.data_ptr<int64_t>();
     view.done_counter = reinterpret_cast<unsigned int*>(done_counter.data_ptr<int32_t>());
     view.tile_ticket = done_counter.numel() >= 2 ? view.done_counter + 1 : nullptr;
     view.page_size = page_size;
     view.row_bytes = row_bytes;
-    tensors = {cuda_pages, host_pages, free_list_cuda, free_list_host, head,
-               tail,       capacity,   flags,          done_counter};
+    tensors = {cuda_pages, host_pages, free_list_cuda,         free_list_host, head,
+               tail,       capacity,   flags, stashes_after_overflow, done_counter};
     return {};
   }
 };
@@ -288,10 +292,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("make_pool",
         [](at::Tensor cuda_pages, at::Tensor host_pages, at::Tensor free_list_cuda,
            at::Tensor free_list_host, at::Tensor head, at::Tensor tail, at::Tensor capacity,
-           at::Tensor flags, at::Tensor done_counter, int64_t page_size, int64_t row_bytes) {
-          return megatron_paging::make_handle<Pool>(cuda_pages, host_pages, free_list_cuda,
-                                                    free_list_host, head, tail, capacity, flags,
-                                                    done_counter, page_size, row_bytes);
+           at::Tensor flags, at::Tensor stashes_after_overflow, at::Tensor done_counter,
+           int64_t page_size, int64_t row_bytes) {
+          return megatron_paging::make_handle<Pool>(
+              cuda_pages, host_pages, free_list_cuda, free_list_host, head, tail, capacity, flags,
+              stashes_after_overflow, done_counter, page_size, row_bytes);
         },
         "(Pool, '') for a pool's tensors, or (None, the problem).");
   m.def("make_layout",
