@@ -420,6 +420,7 @@ def _rerun_rank(rank, init_file, results):
         (pool,) = engine.pools
         results[rank] = (decision.action, decision.flags.overflow_ranks, reruns,
                          engine.pools is before, pool.num_cuda_pages, monitor.unpaged_reruns)
+        dist.barrier()  # neither rank tears gloo down while the other still uses it
     finally:
         dist.destroy_process_group()
 

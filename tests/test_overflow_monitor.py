@@ -329,6 +329,7 @@ def _two_rank_worker(rank, init_file, results):
             torch.equal(weight, before),
             control.calls,
         )
+        dist.barrier()  # neither rank tears gloo down while the other still uses it
     finally:
         dist.all_reduce = original
         dist.destroy_process_group()
