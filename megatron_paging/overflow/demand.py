@@ -30,8 +30,8 @@ from typing import Any, NamedTuple
 import torch
 
 # pages/ imports this module (the pools own its counts), so its classes are named here, not
-# imported: pages.pool.PagePool, PagePools, PagingFlags and pages.record.PageRecord.
-PagePool = PagePools = PagingFlags = PageRecord = Any
+# imported: pages.pool.PagePool, PagePools and pages.record.PageRecord.
+PagePool = PagePools = PageRecord = Any
 
 # 'grow' sizes an overflowing tier to what its step needed plus this headroom: the headroom a
 # calibration gives the measured peak by default (--moe-paged-stash-buffer-size-factor-cuda 1.10).
@@ -49,12 +49,12 @@ class StashSource(NamedTuple):
 
 class StashLog:
     """The stashes of one pool group in one step: their sources on the host (in queue order, the
-    order they run on the paging stream) and, on the device, how many ran after the overflow."""
+    order they run on the paging stream) and, on the device, how many ran after the overflow
+    (counted by the stash kernels' commit), on ``device`` (the group's flags')."""
 
-    def __init__(self, flags: PagingFlags):
-        self.flags = flags
+    def __init__(self, device: torch.device):
         # [stashes that ran with the overflow flag set, id of the host log they belong to]
-        self.state = torch.zeros(2, dtype=torch.int64, device=flags.device)
+        self.state = torch.zeros(2, dtype=torch.int64, device=device)
         self.stashes_after_overflow = self.state[0:1]
         self.log_id = self.state[1:2]
         self.sources: list[StashSource] = []

@@ -165,7 +165,7 @@ class PagePool:
             raise ValueError(f"flags live on {flags.device} but the pool on {self.device}")
         self.flags = flags
         self._owns_stash_log = stash_log is None
-        self.stash_log = StashLog(flags) if stash_log is None else stash_log
+        self.stash_log = StashLog(flags.device) if stash_log is None else stash_log
 
         host_rows = self.num_host_pages * page_size
         self._cuda_storage = self._cuda_pages = None
@@ -321,7 +321,7 @@ class PagePools:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.flags = PagingFlags(self.device)
-        self.stash_log = StashLog(self.flags)  # the group's stashes, for the overflow report
+        self.stash_log = StashLog(self.device)  # the group's stashes, for the overflow report
         self._pools: dict[int, PagePool] = {}
 
     def add(self, row_bytes: int, cuda_rows: int, host_rows: int = 0) -> PagePool:

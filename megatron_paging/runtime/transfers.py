@@ -223,13 +223,13 @@ class Transfers:
         backend = self.backend
         copy, reload = self.kernel.copy, kind == "reload"
         pools = [None if h.offload == "whole" else self._pool_for(h, reload) for h in handles]
-        for h, pool in zip(handles, pools, strict=True):
-            if pool is None:
+        for h, pool_and_ctas in zip(handles, pools, strict=True):
+            if pool_and_ctas is None:
                 continue
             if reload:
-                demand.note_reload(pool[0], h.record)
+                demand.note_reload(pool_and_ctas[0], h.record)
             else:
-                demand.note_stash(pool[0], h.record, h.notes)
+                demand.note_stash(pool_and_ctas[0], h.record, h.notes)
         with backend.scope(stream):
             for h, pool_and_ctas in zip(handles, pools, strict=True):
                 record, notes = h.record, h.notes
