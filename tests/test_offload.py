@@ -17,7 +17,7 @@ from megatron_paging.pages.offload import ARENA_ALIGN, ArenaAllocator, HostArena
 from megatron_paging.runtime.calibration import OffloadCalibrator
 from megatron_paging.runtime.context import PagingContext
 from megatron_paging.runtime.engine import CALIBRATE, PAGED, PagingEngine
-from megatron_paging.runtime.streams import COMPUTE, PAGING, CpuStreamBackend
+from megatron_paging.runtime.streams import COMPUTE, OFFLOAD, PAGING, CpuStreamBackend
 
 
 # ------------------------------------------------------------------------- the arena allocator
@@ -76,7 +76,10 @@ def test_round_trips_are_byte_exact_after_calibration(stash):
     assert flags == {"overflow": False, "host_spill": False, "invalid_live": False}
     assert engine.offload_pools.flags.read()["host_spill"]  # by design, not reported
     launches = backend.entries("launch")
-    assert {e.stream for e in launches} == {PAGING}
+    # Offloaded live rows page on their pool's own stream, everything else on the paging stream.
+    streams = {(e.info["offload"], e.stream) for e in launches}
+    assert streams == {("rows", f"{OFFLOAD}{pool.row_bytes}"), ("whole", PAGING)} | (
+        {(None, PAGING)} if stash else set())
     kinds = [(e.kind, e.info["offload"]) for e in launches]
     expected_stash = [("stash", "rows"), ("stash", "whole")] + ([("stash", None)] if stash else [])
     assert kinds[: len(expected_stash)] == expected_stash

@@ -27,8 +27,8 @@ def group(name=None, chunk=0, microbatch=0):
 
 def commit(sources, backend, handles):
     done = backend.record("paging", "stash-done")
-    sources.track(done, handles)
-    sources.release_captured(COMPUTE, done)
+    sources.track([(done, handles)])
+    sources.release_captured(COMPUTE, [done])
     return done
 
 
@@ -40,7 +40,7 @@ def test_eagerly_sources_go_when_their_copy_is_done():
     backend = CpuStreamBackend()  # its events are always done
     sources = SourceLifetimes(backend)
     handles = group()
-    sources.track(backend.record("paging"), handles)
+    sources.track([(backend.record("paging"), handles)])
     sources.poll()
     assert handles[0].source is None and len(sources) == 0
     assert waited_on(backend) == []  # no stream waits eagerly

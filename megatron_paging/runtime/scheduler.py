@@ -9,9 +9,10 @@ slot's FIFO (``hold_last_slot``: one commit later, see :meth:`PagingScheduler._h
 the start or, with ``prefetch_at_end``, at ``backward_slot_end``); ``unpack`` makes the compute
 stream wait on the record's reload only when autograd needs it (late wait).
 
-One paging stream carries every stash and reload, so freelists mutate in issue order; per slot
-``(chunk, layer)`` groups form a FIFO and a reload takes its microbatch's group. No wait covers
-"all stashes": each names its event. Source lifetimes, nested slots, delayed weight gradients
+One paging stream carries every stash and reload (offloaded live rows: one stream per offload
+pool), so each pool's freelists mutate in issue order; per slot ``(chunk, layer)`` groups form
+a FIFO and a reload takes its microbatch's group. No wait covers "all stashes": each names its
+event. Source lifetimes, nested slots, delayed weight gradients
 (``wgrad_only`` records stay paged until ``wgrad_slot_start``) and the no-overlap control
 (``overlap=False``: everything on the compute stream) are in docs/scheduler.md. Without pools
 (calibration) a :class:`Parker` stands in for the kernels.
@@ -71,12 +72,8 @@ class PagingScheduler:
         if pools is None and parker is None:
             raise ValueError("PagingScheduler needs pools, or a parker when pools is None")
         config = PagingConfig() if config is None else config
-        self.backend = backend
-        self.pools = pools
-        self.parker = parker
-        self.config = config
-        self.prefetch_distance = config.prefetch_distance
-        self.overlap = config.overlap
+        self.backend, self.pools, self.parker, self.config = backend, pools, parker, config
+        self.prefetch_distance, self.overlap = config.prefetch_distance, config.overlap
         self.hold_last_slot = config.hold_last_slot
         self._held: Group | None = None  # the newest commit's, not stashed yet (see _hold)
         self.max_ctas = config.grid_bound
@@ -91,7 +88,7 @@ class PagingScheduler:
         )
         self._ids = itertools.count()
         self._positions = itertools.count()  # commit order of the step's groups
-        self._paging_used = False  # the paging stream got work this step (finish joins it)
+        self._used_streams: list = []  # paging / offload streams given work this step
         # Innermost last: an offload group may open inside a paged-stash slot (Megatron's
         # expert_fc1 inside the experts' stash context).
         self._open_slots: list[_OpenSlot] = []
@@ -235,16 +232,18 @@ class PagingScheduler:
             for h in handles:
                 h.source = None  # same stream as every later use: safe to drop
         else:
-            compute, paging = self.backend.compute_stream(), self.backend.paging_stream
-            commit_event = self.backend.record(compute, f"commit{tuple(group.slot)}")
-            self.backend.wait(paging, commit_event, "commit")
-            self._paging_used = True
-            self.transfers.launch_group(paging, "stash", handles)
-            done = self.backend.record(paging, "stash-done")
-            tracked = self.transfers.hand_over_offload_sources(handles, paging)
-            if tracked:
-                self.sources.track(done, tracked)
-            self.sources.release_captured(compute, done if tracked else None)
+            compute, backend = self.backend.compute_stream(), self.backend
+            commit_event = backend.record(compute, f"commit{tuple(group.slot)}")
+            tracked = []  # (done event, handles) whose sources stay referenced, per stream
+            for stream, part in self.transfers.by_stream(handles, backend.paging_stream):
+                backend.wait(stream, commit_event, "commit")
+                self._use(stream)
+                self.transfers.launch_group(stream, "stash", part)
+                done = backend.record(stream, "stash-done")
+                kept = self.transfers.hand_over_offload_sources(part, stream)
+                tracked += [(done, kept)] if kept else []
+            self.sources.track(tracked)
+            self.sources.release_captured(compute, [done for done, _ in tracked])
         self._queues.add(BACKWARD, group)
 
     def _hold(self, handle: PagedHandle | None = None, slot: Slot | None = None) -> bool:
@@ -335,16 +334,14 @@ class PagingScheduler:
         return handle.tensor
 
     def finish(self) -> int:
-        """End of a step: join the paging stream, drop sources; return unreloaded record count."""
+        """End of a step: join the streams it used (see ``_use``), drop sources; return the
+        unreloaded record count."""
         if self._open_slots:
             raise RuntimeError(f"finish(): slot {tuple(self._open)} was never committed")
-        # Join only a paging stream this step used: it then holds work ordered after the
-        # compute stream's events of this step (inside a CUDA-graph capture, an unused paging
-        # stream never joined the capture and must not be waited on).
-        if self._paging_used:
-            done = self.backend.record(self.backend.paging_stream, "finish")
-            self.backend.wait(self.backend.compute_stream(), done, "finish")
-            self._paging_used = False
+        for stream in self._used_streams:
+            compute = self.backend.compute_stream()
+            self.backend.wait(compute, self.backend.record(stream, "finish"), "finish")
+        self._used_streams = []
         self._unwaited.clear()  # the compute stream is ordered after every reload now
         held, self._held = self._held, None
         handles = [] if held is None else held.handles
@@ -425,19 +422,26 @@ class PagingScheduler:
                 compute, "reload", handles, reason=reason, oldest=oldest, branch=branch
             )
             return compute
-        paging = self.backend.paging_stream
-        alloc = self.backend.record(compute, "reload-dst")
-        self.backend.wait(paging, alloc, "reload-dst")
-        self._paging_used = True
-        self.transfers.launch_group(
-            paging, "reload", handles, reason=reason, oldest=oldest, branch=branch
-        )
-        done, waiters = self.backend.record(paging, "reload-done"), []
-        for h in handles:
-            h.reload_event, h.reload_waiters = done, waiters
-            self._unwaited[h.id] = h  # not record_stream: see docs/scheduler.md
-            h.alloc_stream = compute
+        backend = self.backend
+        alloc = backend.record(compute, "reload-dst")
+        for stream, part in self.transfers.by_stream(handles, backend.paging_stream):
+            backend.wait(stream, alloc, "reload-dst")
+            self._use(stream)
+            self.transfers.launch_group(
+                stream, "reload", part, reason=reason, oldest=oldest, branch=branch
+            )
+            done, waiters = backend.record(stream, "reload-done"), []
+            for h in part:
+                h.reload_event, h.reload_waiters = done, waiters
+                self._unwaited[h.id] = h  # not record_stream: see docs/scheduler.md
+                h.alloc_stream = compute
         return compute
+
+    def _use(self, stream) -> None:
+        """``stream`` gets work this step: ``finish`` joins it (an unused stream never joined a
+        CUDA-graph capture and must not be waited on)."""
+        if stream not in self._used_streams:
+            self._used_streams.append(stream)
 
 
 __all__ = ["BACKWARD", "WGRAD", "PagedHandle", "PagingScheduler", "Parker"]

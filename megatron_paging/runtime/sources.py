@@ -50,7 +50,7 @@ def _offload_name(handles) -> Any:
 class InFlight:
     """One committed group whose copy may still read its sources."""
 
-    done: Any  # the copy's done event on the paging stream
+    done: Any  # the copy's done event on the stream it ran on
     handles: list
     name: Any  # the offload group's module name; None for a stash group
     number: int  # how many groups of ``name`` were tracked before this one
@@ -71,14 +71,17 @@ class SourceLifetimes:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def track(self, done, handles) -> None:
-        """``handles``' sources stay referenced until their copy (``done``) is known over."""
-        name = _offload_name(handles)
-        number = 0
-        if name is not None:
-            number = self._commits[name]
-            self._commits[name] = number + 1
-        self._entries.append(InFlight(done, handles, name, number))
+    def track(self, parts) -> None:
+        """One commit's sources stay referenced until their copy is known over: ``parts`` is
+        ``[(done, handles), ...]``, one per stream the commit's copies ran on (an offload group
+        counts as one group of its name, however many streams it used)."""
+        numbered: dict[Any, int] = {}
+        for done, handles in parts:
+            name = _offload_name(handles)
+            if name is not None and name not in numbered:
+                numbered[name] = self._commits[name]
+                self._commits[name] += 1
+            self._entries.append(InFlight(done, handles, name, numbered.get(name, 0)))
 
     def layer_opens(self, compute) -> None:
         """A layer's slot opens (its paged region, the experts, begins): only the newest
@@ -119,15 +122,15 @@ class SourceLifetimes:
             _drop(entry.handles)
             self.free_with_sources(entry.freed_with)  # or with an older copy's source sharing it
 
-    def release_captured(self, compute, current=None) -> None:
+    def release_captured(self, compute, current=()) -> None:
         """Inside a capture, after a commit tracked its sources (``current``: that commit's
-        done event, or None): the compute stream waits on, then drops, every older stash source
-        and every offload source beyond the ``offload_in_flight`` newest groups of its name
-        (the committing one included). Eagerly nothing (``poll`` does it)."""
+        done events, one per stream it used): the compute stream waits on, then drops, every
+        older stash source and every offload source beyond the ``offload_in_flight`` newest
+        groups of its name (the committing one included). Eagerly nothing (``poll`` does it)."""
         if not self.backend.capturing():
             return
         self._release(compute, lambda entry: (
-            entry.done is not current if entry.name is None
+            all(entry.done is not done for done in current) if entry.name is None
             else self._commits[entry.name] - entry.number > self.offload_in_flight))
 
     def release_forward_of(self, compute, chunk: int, microbatch: int, name=None) -> None:

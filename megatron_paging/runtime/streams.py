@@ -3,7 +3,9 @@
 The scheduler never calls ``torch.cuda`` directly; it talks to a backend with five verbs:
 
 * ``compute_stream()`` — the stream the model computes on right now (the current stream);
-* ``paging_stream`` — the one high-priority stream that carries every stash and reload;
+* ``paging_stream`` — the high-priority stream that carries every stash and reload, except
+  offloaded live rows: ``offload_stream(row_bytes)``, one per offload pool (same priority), so
+  that one pool's PCIe copy never queues another pool's copy behind it;
 * ``record(stream, what)`` — record an event on a stream (``what`` names it in logs);
 * ``wait(stream, event, reason)`` — make ``stream`` wait for ``event``;
 * ``launch(stream, kind, fn, **info)`` — run ``fn`` with ``stream`` current (enqueue its kernels);
@@ -34,6 +36,7 @@ import torch
 
 COMPUTE = "compute"
 PAGING = "paging"
+OFFLOAD = "offload"  # the CPU backend's offload streams: "offload<row_bytes>"
 
 
 @dataclass
@@ -60,10 +63,10 @@ class CpuEvent:
 class CpuStreamBackend:
     """Executes every launch immediately, in issue order; logs records, waits and launches.
 
-    There are two logical streams, ``"compute"`` and ``"paging"``. Events complete when they
-    are recorded (the work before them already ran), so ``done()`` is always true. A launch given
-    a ``pool=`` snapshots that pool's freelist head/tail before and after, so tests can check
-    that freelist mutations happened in issue order.
+    The logical streams are ``"compute"``, ``"paging"`` and ``"offload<row_bytes>"``. Events
+    complete when they are recorded (the work before them already ran), so ``done()`` is always
+    true. A launch given a ``pool=`` snapshots that pool's freelist head/tail before and after,
+    so tests can check that freelist mutations happened in issue order.
     """
 
     def __init__(self):
@@ -75,6 +78,9 @@ class CpuStreamBackend:
 
     def compute_stream(self) -> str:
         return COMPUTE
+
+    def offload_stream(self, row_bytes: int) -> str:
+        return f"{OFFLOAD}{row_bytes}"
 
     def capturing(self) -> bool:
         return False
@@ -131,7 +137,8 @@ class CpuStreamBackend:
 
 
 class CudaStreamBackend:
-    """Real CUDA streams and events; one high-priority paging stream per device.
+    """Real CUDA streams and events; one high-priority paging stream per device and one
+    offload stream per offload pool, made on first use.
 
     Host cost matters here (every call is on the training step's critical host path): the
     device index is resolved once, ``compute_stream()`` asks CUDA for the current stream by
@@ -155,7 +162,9 @@ class CudaStreamBackend:
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.device_index = self.device.index
+        self.priority = priority
         self.paging_stream = torch.cuda.Stream(self.device, priority=priority)
+        self._offload_streams: dict[int, torch.cuda.Stream] = {}
         self._scoped = None  # the stream a ``scope`` made current, if any
         # One Python object per CUDA stream, keyed by torch's (id, device, type) triple:
         # torch.cuda.current_stream builds a new one per call, several times per layer.
@@ -171,6 +180,15 @@ class CudaStreamBackend:
             stream = self._streams[key] = torch.cuda.Stream(
                 stream_id=key[0], device_index=key[1], device_type=key[2]
             )
+        return stream
+
+    def offload_stream(self, row_bytes: int) -> torch.cuda.Stream:
+        """The stream of the offload pool for ``row_bytes`` (made on first use, which the
+        scheduler makes outside any capture: see ``Transfers``)."""
+        stream = self._offload_streams.get(row_bytes)
+        if stream is None:
+            stream = self._offload_streams[row_bytes] = torch.cuda.Stream(
+                self.device, priority=self.priority)
         return stream
 
     def capturing(self) -> bool:
@@ -226,4 +244,6 @@ class CudaStreamBackend:
         pass
 
 
-__all__ = ["COMPUTE", "PAGING", "CpuEvent", "CpuStreamBackend", "CudaStreamBackend", "LogEntry"]
+__all__ = [
+    "COMPUTE", "OFFLOAD", "PAGING", "CpuEvent", "CpuStreamBackend", "CudaStreamBackend", "LogEntry",
+]

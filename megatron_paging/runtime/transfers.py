@@ -76,6 +76,7 @@ class PagedHandle:
     # covers the rows past them) and their prefix-arena range ``(start, bytes)`` once given.
     prefix_rows: int = 0
     prefix_range: tuple[int, int] | None = None
+    copy_stream: Any = None  # the stream its stash ran on (its reload runs there too)
 
     @classmethod
     def rows(cls, id, tensor, record: PageRecord, slot, wgrad_only, offload: bool,
@@ -142,6 +143,15 @@ class Transfers:
         self.pools, self.parker = pools, parker
         self.offload, self.offload_parker = offload, offload_parker
         self.max_ctas, self.offload_max_ctas = max_ctas, offload_max_ctas
+        # Offloaded live rows page on one stream per pool (ring order is per pool; the flags
+        # and counters they share are atomics): with one hardware queue a pool's copy queued
+        # behind another pool's running PCIe copy on one stream would hold every later launch
+        # (docs/scheduler.md). Not with the copy-engine prefix, whose arena the pools share.
+        # Made now, outside any capture.
+        self.offload_streams = offload is not None and not offload.prefix_rows
+        if self.offload_streams:
+            for pool in offload.pools:
+                backend.offload_stream(pool.row_bytes)
 
     def split_prefix(self, capacity_rows: int, row_bytes: int, live_rows: torch.Tensor):
         """An offloaded live-row buffer as ``(prefix rows, rows past them, live rows past
@@ -215,6 +225,19 @@ class Transfers:
             h.tensor = self.offload_parker.unpark(h.parked, h.record)
         h.parked = None
 
+    def by_stream(self, handles: list[PagedHandle], paging) -> list[tuple[Any, list]]:
+        """``handles`` split by the stream that pages them, in first-seen order, each part in
+        issue order: offloaded live rows on their pool's offload stream, the rest on
+        ``paging``. A reload finds its records' streams in ``copy_stream``."""
+        if not self.offload_streams:
+            return [(paging, handles)]
+        parts: dict[Any, list[PagedHandle]] = {}
+        for h in handles:
+            key = h.record.row_bytes if h.offload == "rows" else None
+            parts.setdefault(key, []).append(h)
+        return [(paging if key is None else self.backend.offload_stream(key), part)
+                for key, part in parts.items()]
+
     def launch_group(self, stream, kind: str, handles: list[PagedHandle], **info) -> None:
         """Launch one kernel per record with ``stream`` made current once for the group. The
         step's page demand (demand.py) is counted first, on the current (compute) stream: the
@@ -232,6 +255,7 @@ class Transfers:
                 demand.note_stash(pool_and_ctas[0], h.record, h.notes)
         with backend.scope(stream):
             for h, pool_and_ctas in zip(handles, pools, strict=True):
+                h.copy_stream = stream
                 record, notes = h.record, h.notes
                 tensor = h.tensor if reload else h.source
                 if pool_and_ctas is None:

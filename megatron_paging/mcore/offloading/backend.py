@@ -84,6 +84,15 @@ class _Group:
         # group is one copy. Per group, because a later group may reuse a freed address.
         self.counted: set[tuple[int, int]] = set()
 
+    def copy_streams(self) -> list:
+        """The streams this group's copies ran on (the paging stream, offload streams)."""
+        streams = []
+        for _, saved in self.packed:
+            stream = getattr(getattr(saved, "handle", None), "copy_stream", None)
+            if stream is not None and not any(s == stream for s in streams):
+                streams.append(stream)
+        return streams
+
     def releasable_storages(self) -> set[int]:
         """Storages whose every saved tensor of this group was copied away at the commit (not
         parked, declined or kept): Megatron's ``forced_released_tensors`` of those may go."""
@@ -230,8 +239,10 @@ class PagedOffloadManager:
             # No stream may be told to keep it: freed once the compute stream waited on its copy.
             scheduler.sources.free_with_sources(forced)
             return tensor
+        streams = group.copy_streams() or [backend.paging_stream]
         for t in forced:
-            backend.keep_alive(t, backend.paging_stream)  # reuse waits for the copy
+            for stream in streams:  # reuse waits for the copies
+                backend.keep_alive(t, stream)
             t.untyped_storage().resize_(0)
         return tensor
 
