@@ -142,6 +142,11 @@ ARMS = {a.name: a for a in (
     Arm("offload", "connections_32", (*EXPERT_OFFLOAD, "mcore"), CONNECTIONS_32),
     Arm("paged_offload_experts", "connections_32", ("--moe-paged-stash", *EXPERT_OFFLOAD, "paged"),
         CONNECTIONS_32),
+    # The control of one stream per offload pool: every offloaded live row on the paging stream
+    # (with one queue a copy queued there behind another pool's PCIe copy holds every launch).
+    Arm("paged_offload_experts", "one_paging_stream",
+        ("--moe-paged-stash", *EXPERT_OFFLOAD, "paged"),
+        {"MEGATRON_PAGING_BENCH_ONE_PAGING_STREAM": "1"}),
     # The paged stash with more hardware queues too, so that each side of the fastest-fit
     # comparison (scale_summary.py) gets its faster setting (our paged offload ran 14% faster
     # with 32 on DeepSeek-V3's last stage; the stash alone is unmeasured).

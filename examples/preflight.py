@@ -17,6 +17,8 @@ Benchmark controls: environment variables read only by ``examples/`` and ``bench
 ``MEGATRON_PAGING_BENCH_KERNEL_BACKEND``  ``auto`` (default), ``cuda``, ``tile``, ``bulk``,
                                           ``reference``: the copy kernels
 ``MEGATRON_PAGING_BENCH_NO_OVERLAP``      ``1``: stash and reload on the compute stream
+``MEGATRON_PAGING_BENCH_ONE_PAGING_STREAM`` ``1``: offloaded live rows on the paging stream, not
+                                          one stream per offload pool
 ``MEGATRON_PAGING_BENCH_MEMORY_FRACTION`` a fraction in (0, 1]: the process's memory cap
                                           (``torch.cuda.set_per_process_memory_fraction``)
 =====================================  ==========================================================
@@ -37,6 +39,7 @@ from feature_checks import check_features  # beside this script (its sys.path[0]
 IMPLEMENTATION_ENV = "MEGATRON_PAGING_BENCH_IMPLEMENTATION"
 KERNEL_BACKEND_ENV = "MEGATRON_PAGING_BENCH_KERNEL_BACKEND"
 NO_OVERLAP_ENV = "MEGATRON_PAGING_BENCH_NO_OVERLAP"
+ONE_STREAM_ENV = "MEGATRON_PAGING_BENCH_ONE_PAGING_STREAM"
 MEMORY_FRACTION_ENV = "MEGATRON_PAGING_BENCH_MEMORY_FRACTION"
 
 
@@ -48,6 +51,7 @@ class BenchControls:
     kernel_backend: str = "auto"
     overlap: bool = True
     memory_fraction: float | None = None
+    offload_streams: bool = True
 
 
 def bench_controls(environ=None) -> BenchControls:
@@ -63,9 +67,10 @@ def bench_controls(environ=None) -> BenchControls:
         raise ValueError(
             f"{KERNEL_BACKEND_ENV} must be one of {', '.join(KERNEL_BACKENDS)}, got {backend!r}"
         )
-    no_overlap = environ.get(NO_OVERLAP_ENV, "0")
-    if no_overlap not in ("0", "1"):
-        raise ValueError(f"{NO_OVERLAP_ENV} must be 0 or 1, got {no_overlap!r}")
+    no_overlap, one_stream = (environ.get(name, "0") for name in (NO_OVERLAP_ENV, ONE_STREAM_ENV))
+    for name, value in ((NO_OVERLAP_ENV, no_overlap), (ONE_STREAM_ENV, one_stream)):
+        if value not in ("0", "1"):
+            raise ValueError(f"{name} must be 0 or 1, got {value!r}")
     fraction = environ.get(MEMORY_FRACTION_ENV)
     if fraction is not None:
         try:
@@ -77,11 +82,14 @@ def bench_controls(environ=None) -> BenchControls:
                 f"{MEMORY_FRACTION_ENV} must be a number in (0, 1], got "
                 f"{environ[MEMORY_FRACTION_ENV]!r}"
             )
-    controls = BenchControls(implementation == "mcore", backend, no_overlap == "0", fraction)
-    if controls.mcore_manager and (backend != "auto" or not controls.overlap):
+    controls = BenchControls(implementation == "mcore", backend, no_overlap == "0", fraction,
+                             one_stream == "0")
+    if controls.mcore_manager and (
+        backend != "auto" or not controls.overlap or not controls.offload_streams
+    ):
         raise ValueError(
-            f"{KERNEL_BACKEND_ENV} and {NO_OVERLAP_ENV} control our engine; they have no effect "
-            f"with {IMPLEMENTATION_ENV}=mcore"
+            f"{KERNEL_BACKEND_ENV}, {NO_OVERLAP_ENV} and {ONE_STREAM_ENV} control our engine; "
+            f"they have no effect with {IMPLEMENTATION_ENV}=mcore"
         )
     return controls
 
@@ -254,7 +262,8 @@ def check(args=None, environ=None):
     try:
         controls = bench_controls(environ)
         config = paging_config(args, environ, mcore_manager=controls.mcore_manager)
-        config = config.replace(kernel_backend=controls.kernel_backend, overlap=controls.overlap)
+        config = config.replace(kernel_backend=controls.kernel_backend, overlap=controls.overlap,
+                                offload_streams=controls.offload_streams)
         if args.tensor_model_parallel_size != 1:
             raise ValueError(
                 "--tensor-model-parallel-size: this example reads batches without TP broadcast; "

@@ -182,6 +182,8 @@ class PagingConfig:
         benchmarks choose; users keep ``auto``.
     overlap: False runs stash and reload on the compute stream (the no-overlap control of
         benchmarks).
+    offload_streams: offloaded live rows page on one stream per offload pool (False: all on the
+        paging stream, the benchmarks' control; docs/scheduler.md).
     stash_in_flight: at most this many layers' capacity-sized stash sources allocated at once,
         the opening layer's included (0: no bound; docs/scheduler.md).
     offload_d2h_max_ctas, offload_h2d_max_ctas: grid bounds of the kernels that move offloaded
@@ -201,6 +203,7 @@ class PagingConfig:
     pool_residency: str = "persistent"
     kernel_backend: str = "auto"
     overlap: bool = True
+    offload_streams: bool = True
     stash_in_flight: int = 1
     offload_d2h_max_ctas: int = 4
     offload_h2d_max_ctas: int = 8
@@ -218,7 +221,7 @@ class PagingConfig:
                 f"{self.overflow_policy!r}",
             )
         non_negative_int("prefetch_distance", self.prefetch_distance)
-        for name in ("overlap", "hold_last_slot"):
+        for name in ("overlap", "hold_last_slot", "offload_streams"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, f"must be True or False, got {getattr(self, name)!r}")
         if _number("offload_host_factor", self.offload_host_factor) < 1:

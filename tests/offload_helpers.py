@@ -63,28 +63,39 @@ def _cuda_kernels_or_skip():
 
 class _OffloadStep:
     """One step on the GPU: an offload group with a live-row buffer and a whole tensor, its
-    reload copied into static outputs (so a CUDA graph can replay it)."""
+    reload copied into static outputs (so a CUDA graph can replay it). ``act_hidden``: a second
+    group (``moe_act``) offloads a live-row buffer of that width (a second pool and stream)."""
 
-    def __init__(self, context, capacity=512, hidden=256):
+    def __init__(self, context, capacity=512, hidden=256, act_hidden=None):
         self.context = context
         gen = torch.Generator(device="cuda").manual_seed(5)
         self.rows = torch.randn(capacity, hidden, device="cuda", generator=gen)
         self.dense = torch.randn(300, hidden, device="cuda", generator=gen)
+        self.act = (None if act_hidden is None
+                    else torch.randn(capacity, act_hidden, device="cuda", generator=gen))
         self.live = torch.tensor([capacity // 3], dtype=torch.int64, device="cuda")
         self.rows_back = torch.zeros_like(self.rows)
         self.dense_back = torch.zeros_like(self.dense)
+        self.act_back = None if self.act is None else torch.zeros_like(self.act)
 
     def __call__(self):
         context = self.context
         context.begin_step()
-        context.open_offload_group(0, ("offload", 0, "expert_fc1"), 1, "cuda")
+        groups = [("offload", 0, "expert_fc1")] + ([] if self.act is None else
+                                                   [("offload", 1, "moe_act")])
+        context.open_offload_group(0, groups[0], 1, "cuda")
         saved = [context.pack_offload(self.rows, self.live, self.rows.shape[0]),
                  context.pack_offload(self.dense)]
         context.commit_slot()
-        context.scheduler.backward_slot_start(0, ("offload", 0, "expert_fc1"), 1)
-        rows, dense = (context.unpack(s) for s in saved)
-        self.rows_back.copy_(rows)
-        self.dense_back.copy_(dense)
+        if self.act is not None:
+            context.open_offload_group(0, groups[1], 1, "cuda")
+            saved.append(context.pack_offload(self.act, self.live, self.act.shape[0]))
+            context.commit_slot()
+        for group in reversed(groups):
+            context.scheduler.backward_slot_start(0, group, 1)
+        backs = [self.rows_back, self.dense_back] + ([] if self.act is None else [self.act_back])
+        for back, handle in zip(backs, saved, strict=True):
+            back.copy_(context.unpack(handle))
         assert context.finish() == 0
 
     def check(self):
@@ -92,3 +103,10 @@ class _OffloadStep:
         live = int(self.live.item())
         assert torch.equal(self.rows_back[:live], self.rows[:live])
         assert torch.equal(self.dense_back, self.dense)
+        if self.act is not None:
+            assert torch.equal(self.act_back[:live], self.act[:live])
+
+    def zero_outputs(self):
+        for back in (self.rows_back, self.dense_back, self.act_back):
+            if back is not None:
+                back.zero_()

@@ -17,6 +17,7 @@ from preflight import BenchControls, bench_controls  # noqa: E402
 
 IMPL, BACKEND = "MEGATRON_PAGING_BENCH_IMPLEMENTATION", "MEGATRON_PAGING_BENCH_KERNEL_BACKEND"
 NO_OVERLAP, FRACTION = "MEGATRON_PAGING_BENCH_NO_OVERLAP", "MEGATRON_PAGING_BENCH_MEMORY_FRACTION"
+ONE_STREAM = "MEGATRON_PAGING_BENCH_ONE_PAGING_STREAM"
 
 
 def test_defaults_are_what_a_user_runs():
@@ -28,6 +29,7 @@ def test_controls_are_read_from_the_environment():
                                "MEGATRON_PAGING_BENCH_NO_OVERLAP": "1",
                                "MEGATRON_PAGING_BENCH_MEMORY_FRACTION": "0.5"})
     assert controls == BenchControls(False, "tile", False, 0.5)
+    assert not bench_controls({ONE_STREAM: "1"}).offload_streams
     assert bench_controls({"MEGATRON_PAGING_BENCH_IMPLEMENTATION": "mcore"}).mcore_manager
 
 
@@ -40,6 +42,8 @@ def test_controls_are_read_from_the_environment():
         ({FRACTION: "1.5"}, FRACTION),
         ({FRACTION: "half"}, FRACTION),
         ({IMPL: "mcore", BACKEND: "tile"}, BACKEND),
+        ({ONE_STREAM: "true"}, ONE_STREAM),
+        ({IMPL: "mcore", ONE_STREAM: "1"}, ONE_STREAM),
     ],
 )
 def test_a_bad_value_names_its_variable(environ, named):

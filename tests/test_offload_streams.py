@@ -12,8 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 from capture import CapturingBackend
-from offload_helpers import _context
+from offload_helpers import _context, _cuda_kernels_or_skip, _OffloadStep
 
+from megatron_paging.config import PagingConfig
+from megatron_paging.runtime.context import PagingContext
+from megatron_paging.runtime.engine import PagingEngine
 from megatron_paging.runtime.sources import SourceLifetimes
 from megatron_paging.runtime.streams import COMPUTE, OFFLOAD, PAGING, CpuStreamBackend
 
@@ -118,6 +121,14 @@ def test_with_the_copy_engine_prefix_every_offload_stays_on_the_paging_stream():
     assert {e.stream for e in backend.entries("launch")} == {PAGING}
 
 
+def test_the_one_stream_control_keeps_every_offload_on_the_paging_stream():
+    backend = CpuStreamBackend()
+    context = _calibrated(backend, offload_streams=False)
+    pairs = _step(context, [7, 3], seed=1, mixed=True)
+    assert all(torch.equal(got, want) for got, want in pairs)
+    assert {e.stream for e in backend.entries("launch")} == {PAGING}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_offload_streams_are_one_per_pool_at_the_paging_priority():
@@ -127,3 +138,33 @@ def test_cuda_offload_streams_are_one_per_pool_at_the_paging_priority():
     first, again, other = (backend.offload_stream(n) for n in (32, 32, 16))
     assert first is again and first != other and first != backend.paging_stream
     assert first.priority == backend.paging_stream.priority
+
+
+@pytest.mark.gpu
+def test_gpu_two_offload_pools_round_trip_eagerly_and_in_a_cuda_graph():
+    # Two row sizes: two offload pools on two streams, both joined into the capture (a stream
+    # left unjoined fails capture_end) and both replayed with new live counts.
+    _cuda_kernels_or_skip()
+    context = PagingContext(PagingEngine(PagingConfig(kernel_backend="cuda")))
+    step = _OffloadStep(context, act_hidden=96)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # calibration
+        step.zero_outputs()
+        step()  # a paged step, eager
+    torch.cuda.current_stream().wait_stream(side)
+    step.check()
+    assert len(context.engine.offload_pools.pools) == 2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for live in (100, 37, 250):  # the host tiers hold 1.25 x the calibrated 170 rows
+        step.live.fill_(live)
+        step.rows.add_(1.0)
+        step.act.mul_(-1.0)
+        step.zero_outputs()
+        graph.replay()
+        context.engine.note_replayed_step()
+        step.check()
+        assert not context.engine.flags.read()["overflow"]

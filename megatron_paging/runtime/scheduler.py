@@ -84,7 +84,7 @@ class PagingScheduler:
         )
         self.transfers = Transfers(
             backend, self.kernel, pools, parker, offload, offload_parker, self.max_ctas,
-            (config.offload_d2h_max_ctas, config.offload_h2d_max_ctas),
+            (config.offload_d2h_max_ctas, config.offload_h2d_max_ctas), config.offload_streams,
         )
         self._ids = itertools.count()
         self._positions = itertools.count()  # commit order of the step's groups

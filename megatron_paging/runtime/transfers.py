@@ -135,10 +135,11 @@ class Transfers:
         max_ctas: the kernels' grid bound for stash records (both directions).
         offload_max_ctas: (D2H, H2D) grid bounds for offloaded live-row records: PCIe writes
             saturate with fewer CTAs than reads, and every CTA more slows the compute beside.
+        offload_streams: offloaded live rows on one stream per offload pool (``PagingConfig``).
     """
 
     def __init__(self, backend, kernel, pools, parker, offload, offload_parker, max_ctas,
-                 offload_max_ctas):
+                 offload_max_ctas, offload_streams=True):
         self.backend, self.kernel = backend, kernel
         self.pools, self.parker = pools, parker
         self.offload, self.offload_parker = offload, offload_parker
@@ -148,7 +149,7 @@ class Transfers:
         # behind another pool's running PCIe copy on one stream would hold every later launch
         # (docs/scheduler.md). Not with the copy-engine prefix, whose arena the pools share.
         # Made now, outside any capture.
-        self.offload_streams = offload is not None and not offload.prefix_rows
+        self.offload_streams = offload_streams and offload is not None and not offload.prefix_rows
         if self.offload_streams:
             for pool in offload.pools:
                 backend.offload_stream(pool.row_bytes)
