@@ -49,8 +49,10 @@ class StashSource(NamedTuple):
 
 class StashLog:
     """The stashes of one pool group in one step: their sources on the host (in queue order, the
-    order they run on the paging stream) and, on the device, how many ran after the overflow
-    (counted by the stash kernels' commit), on ``device`` (the group's flags')."""
+    order they run on the paging stream; offload pools run on a stream each, so across them the
+    order, and the first overflow named from it, may differ) and, on the device, how many ran
+    after the overflow (counted by the stash kernels' commit), on ``device`` (the group's
+    flags')."""
 
     def __init__(self, device: torch.device):
         # [stashes that ran with the overflow flag set, id of the host log they belong to]
