@@ -91,13 +91,12 @@ def test_counter_equals_the_hand_count_and_keeps_counting_after_the_overflow():
     assert int(pool.peak_pages) == max(IN_FLIGHT) == 9  # a 5-page pool: 4 pages short
     assert pools.flags.read()["overflow"]
     assert pool.free_pages() == (0, 0)  # the rings saw only the first two stashes
-    after, log_id = pools.stash_log.state.tolist()
+    after, log_id = int(pool.stashes_after_overflow), int(pools.stash_log.log_id)
     assert after == STASHES_AFTER_OVERFLOW
-    first = pools.stash_log.first_overflow(after, log_id)
+    first = pools.stash_log.first_overflow({ROW_BYTES: after}, log_id, {ROW_BYTES})
     assert first == StashSource(0, FIRST_OVERFLOW, 7, ROW_BYTES)
     pools.reset()  # a new step: counts and log start again
-    assert pool.demand_pages.tolist() == [0, 0] and pools.stash_log.sources == []
-    assert int(pools.stash_log.stashes_after_overflow) == 0
+    assert pool.demand_pages.tolist() == [0, 0, 0] and pools.stash_log.sources == []
 
 
 def test_a_multi_segment_record_needs_each_segments_pages():
@@ -108,9 +107,9 @@ def test_a_multi_segment_record_needs_each_segments_pages():
     kernels.stash(torch.zeros(ROWS, ROW_BYTES, dtype=torch.uint8), record, pool,
                   backend="reference")
     demand.note_stash(pool, record, {})
-    assert pool.demand_pages.tolist() == [3, 3]  # 1 + 0 + 2 pages
+    assert pool.demand_pages.tolist() == [3, 3, 0]  # 1 + 0 + 2 pages; no overflow
     demand.note_reload(pool, record)
-    assert pool.demand_pages.tolist() == [0, 3]
+    assert pool.demand_pages.tolist() == [0, 3, 0]
 
 
 @pytest.mark.parametrize("segments", [None, [(0, 4), (4, 12)]])
@@ -129,7 +128,7 @@ def test_counting_is_in_place_ops_only(segments):
         assert ops.allocations == [] and ops.views == []
     assert len(stash_ops.writes) == (3 if segments is None else 4)
     assert reload_ops.writes == ["aten.add_.Tensor"]
-    assert pool.demand_pages.tolist() == [0, 2 if segments is None else 4]
+    assert pool.demand_pages.tolist() == [0, 2 if segments is None else 4, 0]
 
 
 def test_a_replay_counts_against_the_log_of_its_capture():
@@ -144,11 +143,29 @@ def test_a_replay_counts_against_the_log_of_its_capture():
     pools.reset()  # an eager step (an evaluation, say) with its own stashes
     log.note_stash(StashSource(0, 9, 9, ROW_BYTES))
     pools.reset()
-    assert log.first_overflow(1, int(log.log_id)) is None  # this step stashed nothing
+    assert log.first_overflow({ROW_BYTES: 1}, int(log.log_id)) is None  # it stashed nothing
     # what a replay leaves on the device: the capture's id, two stashes after the overflow
-    assert log.first_overflow(2, captured_id) == StashSource(0, 1, 1, ROW_BYTES)
-    assert log.first_overflow(0, captured_id) is None  # no overflow
-    assert log.first_overflow(4, captured_id) is None  # not this log's
+    assert log.first_overflow({ROW_BYTES: 2}, captured_id) == StashSource(0, 1, 1, ROW_BYTES)
+    assert log.first_overflow({ROW_BYTES: 0}, captured_id) is None  # no overflow
+    assert log.first_overflow({ROW_BYTES: 4}, captured_id) is None  # not this log's
+
+
+def test_the_first_overflow_is_the_earliest_queued_first_stash_of_a_short_pool():
+    # Each pool counts its own stashes after the overflow. On one stream the earliest queued of
+    # the pools' first stashes after it is the overflowing one; pools on streams of their own
+    # may run later stashes first, so a short pool's first is preferred to another's.
+    log = PagePools(PAGE).stash_log
+    a, b = ROW_BYTES, 2 * ROW_BYTES
+    for layer, row_bytes in enumerate([a, b, a, b, a, b]):
+        log.note_stash(StashSource(0, layer, 1, row_bytes))
+    log_id = int(log.log_id)
+    # one stream: the overflow at layer 2 (pool a); every later stash counted by its pool
+    assert log.first_overflow({a: 2, b: 2}, log_id, {a}).layer == 2
+    assert log.first_overflow({a: 2, b: 2}, log_id, {a, b}).layer == 2
+    # pool a's stream lagged: its layer-0 stash ran after pool b's overflow at layer 3
+    assert log.first_overflow({a: 3, b: 2}, log_id, {b}).layer == 3
+    assert log.first_overflow({a: 3, b: 2}, log_id).layer == 0  # no pool short: the earliest
+    assert log.first_overflow({a: 0, b: 0}, log_id) is None
 
 
 def test_needed_factor_is_the_smallest_that_fits_rounded_up():

@@ -60,9 +60,10 @@ def test_gpu_counter_adds_no_host_sync(path):
         demand.note_reload(pool, records[0])
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert pool.demand_pages.tolist() == [3 + 2 + 2 + 4 - 3, 11]
-    after, log_id = pools.stash_log.state.tolist()
-    assert pools.stash_log.first_overflow(after, log_id).layer == 2
+    in_flight, peak, after = pool.demand_pages.tolist()
+    assert (in_flight, peak, after) == (3 + 2 + 2 + 4 - 3, 11, 2)  # layers 2 and 3 after it
+    log_id = int(pools.stash_log.log_id)
+    assert pools.stash_log.first_overflow({pool.row_bytes: after}, log_id).layer == 2
 
 
 @on_gpu
@@ -112,9 +113,9 @@ def test_gpu_counter_under_graph_capture_and_replay(path):
             else:
                 at -= pages[value]
             in_flight.append(at)
-        assert pool.demand_pages.tolist() == [in_flight[-1], max(in_flight)]
-        after, log_id = pools.stash_log.state.tolist()
-        source = pools.stash_log.first_overflow(after, log_id)
+        assert pool.demand_pages.tolist()[:2] == [in_flight[-1], max(in_flight)]
+        afters = {pool.row_bytes: int(pool.stashes_after_overflow)}
+        source = pools.stash_log.first_overflow(afters, int(pools.stash_log.log_id))
         assert (None if source is None else source.layer) == first
         assert pools.flags.read()["overflow"] is (first is not None)
 

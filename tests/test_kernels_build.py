@@ -136,7 +136,7 @@ def test_pool_class_needs_a_cuda_pool(extension):
     handle, problem = extension.make_pool(
         pool.cuda_pages, pool.host_pages, pool.free_list_cuda, pool.free_list_host,
         pool.free_list_head, pool.free_list_tail, pool.free_list_capacity,
-        pool.flags.values, pool.stash_log.stashes_after_overflow, pool.kernel_done_counter, 4, 8,
+        pool.flags.values, pool.stashes_after_overflow, pool.kernel_done_counter, 4, 8,
     )
     assert handle is None and problem == "megatron_paging: cuda_pages must be a CUDA tensor"
 

@@ -66,7 +66,7 @@ def pool_handle(pool: PagePool):
         handle, problem = library().make_pool(
             pool.cuda_pages, pool.host_pages, pool.free_list_cuda, pool.free_list_host,
             pool.free_list_head, pool.free_list_tail, pool.free_list_capacity,
-            pool.flags.values, pool.stash_log.stashes_after_overflow, pool.kernel_done_counter,
+            pool.flags.values, pool.stashes_after_overflow, pool.kernel_done_counter,
             pool.page_size, pool.row_bytes,
         )
         if problem:

@@ -17,7 +17,7 @@ stash(src, record, pool)
     6. ``record.state`` becomes ``RECORD_STASHED`` if the record took pages (in either tier),
        else ``RECORD_EMPTY``.
     7. If ``overflow`` is now set (by this stash or one before), the pool's
-       ``stash_log.stashes_after_overflow`` counts one more (the overflow report's source).
+       ``stashes_after_overflow`` counts one more (the overflow report's source).
 
 reload(dst, record, pool)
     1. If ``overflow`` is set: the record's live rows (clamped to its segments) of ``dst`` are
@@ -162,7 +162,7 @@ def stash(src: torch.Tensor, record: PageRecord, pool: PagePool, max_ctas: int =
     flags.overflow.bitwise_or_(new_overflow.to(torch.int64))
     flags.host_spill.bitwise_or_(use_host.to(torch.int64))
     flags.invalid_live.bitwise_or_(invalid.to(torch.int64) * INVALID_LIVE_COUNT)
-    pool.stash_log.stashes_after_overflow.add_((was_overflow | new_overflow).to(torch.int64))
+    pool.stashes_after_overflow.add_((was_overflow | new_overflow).to(torch.int64))
 
 
 def reload(dst: torch.Tensor, record: PageRecord, pool: PagePool, max_ctas: int = 0) -> None:

@@ -8,11 +8,13 @@ cannot say how far short it fell. So:
   (``runtime/transfers.py``, on the compute stream, before the copy: they read only the record's
   live counts) keep the pages its records need in flight, ``ceil(live / page_size)`` per segment,
   whether or not the pool had room (a reload gives back what its stash added), and their peak;
-* per pool group (the pools sharing one :class:`~megatron_paging.pages.pool.PagingFlags`), the
-  stash kernel's commit counts the stashes that ran with the sticky overflow flag set (an op
-  queued behind the copy would wait for it and, with one hardware queue, hold the compute
-  queued after it). The host logs every stash's source (chunk, layer, microbatch, pool) as it
-  queues it, so the first overflowing stash is the log's entry that many from its end.
+* per pool, the stash kernel's commit counts the stashes that ran with its group's sticky
+  overflow flag set (an op queued behind the copy would wait for it and, with one hardware
+  queue, hold the compute queued after it). The host logs every stash's source (chunk, layer,
+  microbatch, pool) as it queues it, so each pool's first stash after the overflow is its
+  entry that many from its end; the first overflowing stash is the earliest queued of those
+  in a pool that fell short (exact on one stream; pools on streams of their own run out of
+  queue order, so with several short ones the earliest queued is named).
 
 Nothing is read, allocated or branched on during the step, so the ops sit in a captured CUDA
 graph as they are. A replay runs no host code: the reset writes its host log's id to the device
@@ -48,17 +50,13 @@ class StashSource(NamedTuple):
 
 
 class StashLog:
-    """The stashes of one pool group in one step: their sources on the host (in queue order, the
-    order they run on the paging stream; offload pools run on a stream each, so across them the
-    order, and the first overflow named from it, may differ) and, on the device, how many ran
-    after the overflow (counted by the stash kernels' commit), on ``device`` (the group's
-    flags')."""
+    """The stashes of one pool group in one step: their sources on the host, in queue order
+    (each pool's stashes run in that order on its stream; the pools count, on the device, how
+    many ran after the overflow: ``PagePool.stashes_after_overflow``), and the log's id on
+    ``device`` (the group's flags')."""
 
     def __init__(self, device: torch.device):
-        # [stashes that ran with the overflow flag set, id of the host log they belong to]
-        self.state = torch.zeros(2, dtype=torch.int64, device=device)
-        self.stashes_after_overflow = self.state[0:1]
-        self.log_id = self.state[1:2]
+        self.log_id = torch.zeros(1, dtype=torch.int64, device=device)
         self.sources: list[StashSource] = []
         self._logs: dict[int, list[StashSource]] = {}
         self._kept: set[int] = set()  # logs of captured steps
@@ -67,31 +65,43 @@ class StashLog:
 
     def reset(self, keep: bool = False) -> None:
         """Start a step's log (``keep``: the step is being captured into a CUDA graph, whose
-        replays count against this log). Two in-place device ops, no allocation."""
+        replays count against this log). One in-place device op, no allocation; the pools zero
+        their counts with their rings."""
         self._last_id += 1
         self.sources = []
         self._logs = {i: log for i, log in self._logs.items() if i in self._kept}
         self._logs[self._last_id] = self.sources
         if keep:
             self._kept.add(self._last_id)
-        self.stashes_after_overflow.zero_()
         self.log_id.fill_(self._last_id)
 
     def note_stash(self, source: StashSource) -> None:
-        # The kernel's commit counts it in stashes_after_overflow if the sticky flag is set
-        # once it ran: the overflowing stash and every later one.
+        # The kernel's commit counts it in its pool's stashes_after_overflow if the sticky flag
+        # is set once it ran: the overflowing stash and every later one of that pool.
         self.sources.append(source)
 
     def log(self, log_id: int) -> list[StashSource] | None:
         """The stashes of the step whose reset wrote ``log_id`` (None: dropped or unknown)."""
         return self._logs.get(log_id)
 
-    def first_overflow(self, stashes_after_overflow: int, log_id: int) -> StashSource | None:
-        """The first stash that found the pools full (host values read from :attr:`state`)."""
+    def first_overflow(self, afters: dict[int, int], log_id: int,
+                       short: frozenset[int] | set[int] = frozenset()) -> StashSource | None:
+        """The first stash that found the pools full, from each pool's count of stashes after
+        the overflow (``afters``: row bytes -> count, host values) and the pools that fell
+        short (``short``, row bytes): the earliest queued of the pools' first stashes after
+        the overflow, a short pool's first (None when the counts are not this log's)."""
         log = self.log(log_id)
-        if stashes_after_overflow <= 0 or log is None or stashes_after_overflow > len(log):
+        if log is None:
             return None
-        return log[len(log) - stashes_after_overflow]
+        firsts = []
+        for row_bytes, after in afters.items():
+            if after <= 0:
+                continue
+            queued = [i for i, source in enumerate(log) if source.row_bytes == row_bytes]
+            if after > len(queued):
+                return None
+            firsts.append((row_bytes not in short, queued[len(queued) - after]))
+        return log[min(firsts)[1]] if firsts else None
 
 
 def note_stash(pool: PagePool, record: PageRecord, notes: dict) -> None:
@@ -137,8 +147,9 @@ def pack(groups: list[DemandGroup]) -> torch.Tensor:
     """The groups' device counts in one int64 tensor (see :func:`read`). No sync."""
     parts = []
     for group in groups:
-        parts.append(group.pools.stash_log.state)
-        parts += [pool.peak_pages for pool in group.pools]
+        parts.append(group.pools.stash_log.log_id)
+        for pool in group.pools:
+            parts += [pool.peak_pages, pool.stashes_after_overflow]
     return torch.cat(parts)
 
 
@@ -169,20 +180,22 @@ class GroupDemand(NamedTuple):
 
 def read(values: tuple[int, ...], groups: list[DemandGroup]) -> list[GroupDemand]:
     """The host values of :func:`pack` for ``groups``, per group (empty if they do not match)."""
-    if len(values) != sum(2 + len(g.pools) for g in groups):
+    if len(values) != sum(1 + 2 * len(g.pools) for g in groups):
         return []
     result, at = [], 0
     for group in groups:
-        after, log_id = values[at : at + 2]
-        at += 2
-        pools = []
+        log_id = values[at]
+        at += 1
+        pools, afters = [], {}
         for pool in group.pools:
             sized, other = pool.num_cuda_pages, pool.num_host_pages
             if group.tier == "host":
                 sized, other = other, sized
             pools.append(PoolDemand(pool, values[at], sized, other))
-            at += 1
-        first = group.pools.stash_log.first_overflow(after, log_id)
+            afters[pool.row_bytes] = values[at + 1]
+            at += 2
+        short = {d.pool.row_bytes for d in pools if d.needed_pages > d.held_pages}
+        first = group.pools.stash_log.first_overflow(afters, log_id, short)
         result.append(GroupDemand(group, first, tuple(pools)))
     return result
 

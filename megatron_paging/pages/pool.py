@@ -16,7 +16,8 @@ Pools are keyed by row *bytes*, not (dtype, hidden): every dtype is paged as byt
 hidden-4096 record and an fp8 hidden-8192 record share one pool.
 
 Each pool also keeps the step's page demand on its device (``demand_pages``: pages its records
-need in flight and their peak, counted whether or not it had room), and the pools of one
+need in flight and their peak, counted whether or not it had room, and its stashes after the
+overflow), and the pools of one
 :class:`PagePools` share a :class:`~megatron_paging.overflow.demand.StashLog`; ``demand.py`` updates
 both beside every stash and reload, for the overflow report.
 
@@ -207,9 +208,12 @@ class PagePool:
         # The step's page demand (demand.py): pages its records need in flight, their peak;
         # counted whether or not the pool had room, so an overflow report can say how much
         # was missing. Reset with the rings.
-        self.demand_pages = torch.zeros(2, dtype=torch.int64, device=self.device)
+        # [pages in flight, their peak, stashes that ran with the overflow flag set (counted by
+        # the stash kernels' commit; the report's first overflow comes from it)]
+        self.demand_pages = torch.zeros(3, dtype=torch.int64, device=self.device)
         self.pages_in_flight = self.demand_pages[0:1]
         self.peak_pages = self.demand_pages[1:2]
+        self.stashes_after_overflow = self.demand_pages[2:3]
         # The page-rounded peak rows calibration sized the tiers from (0: sized by hand): what
         # a buffer-size factor multiplies, so the report can name the factor that fits.
         self.calibrated_rows = 0

@@ -49,8 +49,8 @@ struct PoolView {
   int64_t* tail;             // [2], monotonically increasing push counters
   const int64_t* capacity;   // [2], ring capacity per tier
   int64_t* flags;            // [3]: overflow, host_spill, invalid_live bits (shared by every pool)
-  int64_t* stashes_after_overflow;  // [1]: stashes that found or set the overflow flag (shared
-                                    // like flags; overflow/demand.py's StashLog reads it)
+  int64_t* stashes_after_overflow;  // [1]: this pool's stashes that found or set the overflow
+                                    // flag (overflow/demand.py's report reads it)
   unsigned int* done_counter;  // [1], 0 between launches (the last CTA resets it)
   unsigned int* tile_ticket;   // [1] or null: the bulk path's ticket order, 0 between launches
   int64_t page_size;
