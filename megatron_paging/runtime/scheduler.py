@@ -338,10 +338,11 @@ class PagingScheduler:
         unreloaded record count."""
         if self._open_slots:
             raise RuntimeError(f"finish(): slot {tuple(self._open)} was never committed")
-        for stream in self._used_streams:
+        if self._used_streams:
             compute = self.backend.compute_stream()
-            self.backend.wait(compute, self.backend.record(stream, "finish"), "finish")
-        self._used_streams = []
+            for stream in self._used_streams:
+                self.backend.wait(compute, self.backend.record(stream, "finish"), "finish")
+            self._used_streams = []
         self._unwaited.clear()  # the compute stream is ordered after every reload now
         held, self._held = self._held, None
         handles = [] if held is None else held.handles

@@ -76,7 +76,7 @@ class PagedHandle:
     # covers the rows past them) and their prefix-arena range ``(start, bytes)`` once given.
     prefix_rows: int = 0
     prefix_range: tuple[int, int] | None = None
-    copy_stream: Any = None  # the stream its stash ran on (its reload runs there too)
+    copy_stream: Any = None  # the stream its last copy ran on (Megatron's forced releases)
 
     @classmethod
     def rows(cls, id, tensor, record: PageRecord, slot, wgrad_only, offload: bool,
@@ -229,7 +229,7 @@ class Transfers:
     def by_stream(self, handles: list[PagedHandle], paging) -> list[tuple[Any, list]]:
         """``handles`` split by the stream that pages them, in first-seen order, each part in
         issue order: offloaded live rows on their pool's offload stream, the rest on
-        ``paging``. A reload finds its records' streams in ``copy_stream``."""
+        ``paging`` (a stash and its reload split alike, so each pool keeps one stream)."""
         if not self.offload_streams:
             return [(paging, handles)]
         parts: dict[Any, list[PagedHandle]] = {}
